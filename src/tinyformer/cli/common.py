@@ -1,0 +1,53 @@
+"""Helpers shared by the subcommands: loading a model config from a preset, file or run folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tinyformer.config import ModelConfig
+from tinyformer.errors import ConfigError
+
+
+def read_structured_file(path: str | Path) -> dict[str, Any]:
+    """Parse a JSON, YAML or TOML file into a dict, with a clear error naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    text = p.read_text(encoding="utf-8")
+    suffix = p.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        elif suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # parse errors of three libraries: report them the same way
+        raise ConfigError(f"cannot parse {p}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p} must hold a mapping of fields at the top level")
+    return data
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """A ModelConfig from a run folder, a config.json, or a YAML/TOML/JSON file whose fields are at the
+    top level or under a ``model:`` key (which may name a ``preset`` plus overrides)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    data = read_structured_file(p)
+    if isinstance(data.get("model"), dict):
+        data = data["model"]
+    data = dict(data)
+    preset = data.pop("preset", None)
+    if preset is not None:
+        from tinyformer.presets import get_preset
+
+        return get_preset(preset, **data)
+    return ModelConfig.from_dict(data)

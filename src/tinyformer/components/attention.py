@@ -1,0 +1,145 @@
+"""Multi-head attention with grouped key/value heads (MHA, GQA, MQA).
+
+    Attention(Q, K, V) = softmax(Q K^T / sqrt(d_head) + M) V
+
+Q has ``n_head`` heads; K and V have ``n_kv_head`` heads, each shared by a group of
+n_head / n_kv_head query heads (Ainslie et al. 2023): MHA when n_kv_head = n_head, GQA when it
+divides it, MQA when it is 1. M is 0 where a query may look and -inf where it may not (the causal
+mask j > i, and padding). The 1/sqrt(d_head) keeps the score variance near 1 when q and k have
+unit-variance entries, so the softmax does not saturate as d_head grows.
+
+Two computations of the same formula, selected by ``ModelConfig.attn_impl``:
+  * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` (fused flash / memory-efficient
+    kernels; never materialises the T x T matrix when it can avoid it);
+  * ``reference``: the explicit formula below, with the max-subtracted ("safe") softmax, for
+    teaching and for testing the fused path.
+
+Shapes: x (B, T, d) -> q (B, H, T, d_head), k/v (B, H_kv, S, d_head) -> out (B, T, d),
+where S = T plus whatever the KV cache already holds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tinyformer.components.rope import apply_rope
+from tinyformer.config import ModelConfig
+
+
+def safe_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """softmax(s)_j = exp(s_j - max_k s_k) / sum_k exp(s_k - max_k s_k), over the last dim.
+
+    Subtracting the row maximum keeps exp() from overflowing (exp(89) is inf in float32 and
+    exp(12) already is in float16). A row with every entry masked (-inf) yields zeros instead of NaN.
+    Computed in float32 at least, then cast back.
+    """
+    s = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+    row_max = s.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    e = torch.exp(s - row_max)
+    denom = e.sum(dim=-1, keepdim=True)
+    return (e / torch.where(denom > 0, denom, torch.ones_like(denom))).to(scores.dtype)
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The explicit formula. q (B, H, T, d); k, v (B, H_kv, S, d); mask broadcastable to (B, H, T, S),
+    True = may attend. With ``is_causal`` query i (the last T of S positions) sees keys j <= S - T + i."""
+    n_head, n_kv = q.shape[1], k.shape[1]
+    if n_kv != n_head:  # each K/V head serves n_head / n_kv consecutive query heads
+        k = k.repeat_interleave(n_head // n_kv, dim=1)
+        v = v.repeat_interleave(n_head // n_kv, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
+    T, S = scores.shape[-2], scores.shape[-1]
+    if is_causal:
+        causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = safe_softmax(scores)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return probs @ v
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    impl: str = "sdpa",
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + M) v by the chosen implementation; see ``reference_attention``."""
+    if impl == "reference":
+        return reference_attention(q, k, v, mask, is_causal, dropout_p)
+    gqa = k.shape[1] != q.shape[1]
+    if is_causal and mask is None and q.shape[-2] != k.shape[-2]:
+        # SDPA's is_causal aligns the mask to the top-left corner; a query block that continues a
+        # cached prefix needs it aligned bottom-right, so build it explicitly.
+        T, S = q.shape[-2], k.shape[-2]
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        is_causal = False
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal and mask is None, enable_gqa=gqa
+    )
+
+
+class SelfAttention(nn.Module):
+    """Self-attention with fused q/k/v projection and optional KV cache.
+
+    ``qkv`` is one (H d_head + 2 H_kv d_head, d) matrix: rows for W_q, then W_k, then W_v; one
+    matmul computes all three. ``out`` is W_o of shape (d, H d_head).
+    """
+
+    def __init__(self, cfg: ModelConfig, causal: bool = True) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.causal = causal
+        self.impl = cfg.attn_impl
+        self.dropout_p = cfg.attn_dropout
+        self.q_size = cfg.n_head * cfg.head_dim
+        self.kv_size = cfg.n_kv_head * cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, self.q_size + 2 * self.kv_size, bias=cfg.attn_bias)
+        self.out = nn.Linear(self.q_size, cfg.d_model, bias=cfg.attn_out_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        mask: torch.Tensor | None = None,
+        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
+        """x (B, T, d); rope = (cos, sin) for these T positions; mask (B|1, 1, T, S) bool or None;
+        cache = this layer's preallocated (k, v) buffers (B, H_kv, L, d_head), filled up to ``start``."""
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, d_head)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, H_kv, T, d_head)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            k_cache, v_cache = cache
+            k_cache[:, :, start : start + T] = k
+            v_cache[:, :, start : start + T] = v
+            k, v = k_cache[:, :, : start + T], v_cache[:, :, : start + T]
+        # a single new token attends to everything cached: no mask needed at all
+        is_causal = self.causal and mask is None and T > 1
+        y = attend(q, k, v, mask, is_causal, self.impl, self.dropout_p if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, self.q_size)  # merge heads: (B, T, H d_head)
+        return self.out(y)

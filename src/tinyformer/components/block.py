@@ -1,0 +1,45 @@
+"""A Transformer block: self-attention and FFN sublayers, each wrapped in a residual and a norm.
+
+Pre-Norm (GPT-2 onward, LLaMA):  h = x + Attn(Norm(x));   y = h + FFN(Norm(h))
+Post-Norm (Vaswani et al. 2017, BERT):  h = Norm(x + Attn(x));   y = Norm(h + FFN(h))
+
+Pre-Norm leaves an identity path from input to output through every layer, so gradients reach
+early layers undiminished; Post-Norm normalises the residual stream itself, which is why it
+needs learning-rate warm-up and gets harder to train as depth grows (Xiong et al. 2020).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tinyformer.components.attention import SelfAttention
+from tinyformer.components.ffn import build_ffn
+from tinyformer.components.norm import build_norm
+from tinyformer.config import ModelConfig
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, causal: bool = True) -> None:
+        super().__init__()
+        self.pre_norm = cfg.norm_placement == "pre"
+        self.attn_norm = build_norm(cfg)
+        self.attn = SelfAttention(cfg, causal=causal)
+        self.ffn_norm = build_norm(cfg)
+        self.ffn = build_ffn(cfg)
+        self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        mask: torch.Tensor | None = None,
+        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
+        """x (B, T, d) -> (B, T, d)."""
+        if self.pre_norm:
+            x = x + self.drop(self.attn(self.attn_norm(x), rope, mask, cache, start))
+            return x + self.drop(self.ffn(self.ffn_norm(x)))
+        x = self.attn_norm(x + self.drop(self.attn(x, rope, mask, cache, start)))
+        return self.ffn_norm(x + self.drop(self.ffn(x)))

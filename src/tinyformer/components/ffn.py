@@ -1,0 +1,53 @@
+"""Position-wise feed-forward networks, x: (B, T, d) -> (B, T, d).
+
+SwiGLU (Shazeer 2020; LLaMA):  FFN(x) = W_down (silu(W_gate x) * (W_up x)),   silu(z) = z * sigmoid(z)
+GELU MLP (GPT-2, BERT):         FFN(x) = W_2 gelu(W_1 x + b_1) + b_2   (exact erf GELU, or its tanh approximation)
+ReLU MLP (Vaswani et al. 2017): FFN(x) = W_2 max(0, W_1 x + b_1) + b_2
+
+The SwiGLU gate and up projections are stored as one (2 d_ff, d) matrix ``gate_up`` — rows
+[0, d_ff) are W_gate, rows [d_ff, 2 d_ff) are W_up — so that one matmul computes both.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tinyformer.config import ModelConfig
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, bias: bool = False) -> None:
+        super().__init__()
+        self.d_ff = d_ff
+        self.gate_up = nn.Linear(d_model, 2 * d_ff, bias=bias)
+        self.down = nn.Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.d_ff, dim=-1)  # (B, T, d_ff) each
+        return self.down(F.silu(gate) * up)
+
+
+class MLP(nn.Module):
+    """Two-matrix MLP with an elementwise activation: 'gelu', 'gelu_tanh' or 'relu'."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str, bias: bool = True) -> None:
+        super().__init__()
+        self.activation = activation
+        self.up = nn.Linear(d_model, d_ff, bias=bias)
+        self.down = nn.Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if self.activation == "relu":
+            h = F.relu(h)
+        else:
+            h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return self.down(h)
+
+
+def build_ffn(cfg: ModelConfig) -> nn.Module:
+    if cfg.ffn == "swiglu":
+        return SwiGLU(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
+    return MLP(cfg.d_model, cfg.d_ff, cfg.ffn, bias=cfg.mlp_bias)

@@ -1,0 +1,49 @@
+"""A preallocated key/value cache for incremental decoding.
+
+During decoding, position t needs the keys and values of positions 0..t of every layer. They
+are computed once and kept here, so each new token costs one row of projections instead of a
+whole forward pass over the prefix. Buffers are allocated once for ``max_len`` positions
+(no reallocation or concatenation per step): per layer k and v of shape (B, H_kv, max_len, d_head).
+Memory: 2 * n_layer * B * max_len * H_kv * d_head * bytes — GQA shrinks it by n_head / n_kv_head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinyformer.config import ModelConfig
+
+
+class KVCache:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch_size: int,
+        max_len: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        n_layer: int | None = None,
+    ) -> None:
+        self.max_len = max_len or cfg.max_seq_len
+        self.batch_size = batch_size
+        shape = (batch_size, cfg.n_kv_head, self.max_len, cfg.head_dim)
+        layers = cfg.n_layer if n_layer is None else n_layer
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+            for _ in range(layers)
+        ]
+        self.length = 0  # positions filled so far (the same for every row; padding is masked instead)
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def remaining(self) -> int:
+        return self.max_len - self.length
+
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` (beam search reorders hypotheses), in place."""
+        self.layers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.layers]
+        self.batch_size = int(index.numel())

@@ -1,0 +1,44 @@
+"""Absolute position encodings added to the token embeddings (the classic family).
+
+Sinusoidal (Vaswani et al. 2017):  PE(pos, 2i) = sin(pos / 10000^(2i/d)),  PE(pos, 2i+1) = cos(pos / 10000^(2i/d))
+Learned (GPT-2, BERT): a trainable table P of shape (max_seq_len, d).
+Both map positions (T,) or (B, T) to (T, d) or (B, T, d). RoPE, which rotates q and k instead, is in rope.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def sinusoidal_table(length: int, dim: int, base: float = 10000.0) -> torch.Tensor:
+    """The (length, dim) table PE with even columns sin(pos / base^(2i/d)) and odd columns cos(...)."""
+    pos = torch.arange(length, dtype=torch.float64).unsqueeze(1)  # (T, 1)
+    two_i = torch.arange(0, dim, 2, dtype=torch.float64)  # (d/2,)
+    angle = pos / (base ** (two_i / dim))  # (T, d/2)
+    pe = torch.zeros(length, dim, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(angle)
+    pe[:, 1::2] = torch.cos(angle)
+    return pe.float()
+
+
+class SinusoidalPositions(nn.Module):
+    """Fixed sinusoidal encodings (no parameters)."""
+
+    def __init__(self, max_seq_len: int, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("table", sinusoidal_table(max_seq_len, dim), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.table[positions]
+
+
+class LearnedPositions(nn.Module):
+    """A trainable position table; ``weight`` has shape (max_seq_len, d)."""
+
+    def __init__(self, max_seq_len: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(max_seq_len, dim))
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.weight[positions]

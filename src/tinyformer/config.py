@@ -1,0 +1,292 @@
+"""ModelConfig: every architectural choice of a tinyformer model as an explicit, validated field.
+
+A GPT-2, a LLaMA-3 or a BERT is not a code path but a set of values (see ``presets.py``).
+The model code reads these fields and never branches on a model's name.
+
+RoPE scaling uses Hugging Face's ``rope_parameters`` vocabulary so that checkpoints agree:
+``{"rope_type": "linear" | "dynamic" | "yarn" | "llama3", "factor": ..., ...}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tinyformer.errors import ConfigError
+
+CONFIG_FORMAT_VERSION = 1
+
+ARCHS = ("decoder", "encoder", "encoder_decoder")
+NORMS = ("rmsnorm", "layernorm")
+NORM_PLACEMENTS = ("pre", "post")
+POSITIONS = ("rope", "learned", "sinusoidal", "none")
+FFNS = ("swiglu", "gelu", "gelu_tanh", "relu")
+ATTN_IMPLS = ("sdpa", "reference")
+
+# Allowed keys of `rope_scaling` per type (besides "rope_type"), with HF's names and meaning.
+ROPE_SCALING_KEYS: dict[str, dict[str, bool]] = {
+    # key -> required?
+    "linear": {"factor": True},
+    "dynamic": {"factor": True, "original_max_position_embeddings": False},
+    "yarn": {
+        "factor": True,
+        "original_max_position_embeddings": False,
+        "attention_factor": False,
+        "beta_fast": False,
+        "beta_slow": False,
+        "mscale": False,
+        "mscale_all_dim": False,
+        "truncate": False,
+    },
+    "llama3": {
+        "factor": True,
+        "low_freq_factor": True,
+        "high_freq_factor": True,
+        "original_max_position_embeddings": True,
+    },
+}
+
+
+def llama_ffn_hidden(d_model: int, multiplier: float | None, multiple_of: int) -> int:
+    """LLaMA's SwiGLU width rule: 2/3 of 4d, times an optional multiplier, rounded up to a multiple.
+
+    hidden = multiple_of * ceil(int(multiplier * int(2 * 4d / 3)) / multiple_of); 4096 -> 11008.
+    The 2/3 keeps the three SwiGLU matrices at the parameter count of a 4d two-matrix MLP.
+    """
+    hidden = int(2 * 4 * d_model / 3)
+    if multiplier is not None:
+        hidden = int(multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+@dataclass
+class ModelConfig:
+    """All shape and option choices of a model. Validates itself on construction.
+
+    Sizes: ``d_model`` = width, ``n_head`` query heads of ``head_dim`` each (default d_model / n_head),
+    ``n_kv_head`` key/value heads (MHA when equal to n_head, GQA when a divisor, MQA when 1).
+    ``d_ff`` is the FFN width; when None it follows LLaMA's rule for SwiGLU
+    (``ffn_dim_multiplier``, ``ffn_multiple_of``) and 4 * d_model otherwise.
+    """
+
+    arch: str = "decoder"
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layer: int = 4
+    n_head: int = 8
+    n_kv_head: int | None = None
+    head_dim: int | None = None
+    d_ff: int | None = None
+    ffn_dim_multiplier: float | None = None
+    ffn_multiple_of: int = 256
+    max_seq_len: int = 256
+    # normalisation
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    norm_bias: bool = True  # LayerNorm only: with or without the additive bias beta
+    norm_placement: str = "pre"
+    final_norm: bool = True  # a norm before the head (Pre-Norm stacks need it; Post-Norm ones do not)
+    # positions
+    pos: str = "rope"
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    # feed-forward
+    ffn: str = "swiglu"
+    # biases
+    attn_bias: bool = False  # q, k, v projections
+    attn_out_bias: bool = False  # output projection
+    mlp_bias: bool = False
+    # embeddings and head
+    tie_embeddings: bool = True
+    embed_scale: bool = False  # multiply token embeddings by sqrt(d_model) (the 2017 Transformer)
+    type_vocab_size: int = 0  # token-type (segment) embeddings, BERT
+    # regularisation
+    dropout: float = 0.0  # residual branches
+    attn_dropout: float = 0.0
+    embd_dropout: float = 0.0
+    # computation
+    attn_impl: str = "sdpa"
+    init_std: float = 0.02
+    # encoder-decoder: layers of the encoder stack (n_layer is the decoder's)
+    n_encoder_layer: int | None = None
+    pad_token_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form notes (e.g. where an import came from)
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.head_dim is None and isinstance(self.d_model, int) and isinstance(self.n_head, int):
+            if self.n_head > 0 and self.d_model % self.n_head != 0:
+                raise ConfigError(
+                    f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head}), "
+                    "or set head_dim explicitly"
+                )
+            self.head_dim = self.d_model // self.n_head if self.n_head > 0 else 0
+        if self.d_ff is None and isinstance(self.d_model, int):
+            if self.ffn == "swiglu":
+                self.d_ff = llama_ffn_hidden(self.d_model, self.ffn_dim_multiplier, self.ffn_multiple_of)
+            else:
+                self.d_ff = 4 * self.d_model
+        if self.arch == "encoder_decoder" and self.n_encoder_layer is None:
+            self.n_encoder_layer = self.n_layer
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise ConfigError (a ValueError) naming the first invalid field."""
+        choices = {
+            "arch": ARCHS,
+            "norm": NORMS,
+            "norm_placement": NORM_PLACEMENTS,
+            "pos": POSITIONS,
+            "ffn": FFNS,
+            "attn_impl": ATTN_IMPLS,
+        }
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+        positive = ["vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "d_ff",
+                    "max_seq_len", "ffn_multiple_of"]
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_head % self.n_kv_head != 0:
+            raise ConfigError(
+                f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head}): "
+                "each key/value head serves a whole group of query heads"
+            )
+        if self.pos == "rope" and self.head_dim % 2 != 0:
+            raise ConfigError(f"head_dim ({self.head_dim}) must be even for pos='rope'")
+        if self.pos == "sinusoidal" and self.d_model % 2 != 0:
+            raise ConfigError(f"d_model ({self.d_model}) must be even for pos='sinusoidal'")
+        if not (isinstance(self.norm_eps, (int, float)) and self.norm_eps > 0 and math.isfinite(self.norm_eps)):
+            raise ConfigError(f"norm_eps must be a positive number, got {self.norm_eps!r}")
+        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 1):
+            raise ConfigError(f"rope_theta must be a number > 1, got {self.rope_theta!r}")
+        if not (isinstance(self.init_std, (int, float)) and self.init_std > 0):
+            raise ConfigError(f"init_std must be positive, got {self.init_std!r}")
+        for name in ("dropout", "attn_dropout", "embd_dropout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+                raise ConfigError(f"{name} must be in [0, 1), got {value!r}")
+        if self.ffn_dim_multiplier is not None and not self.ffn_dim_multiplier > 0:
+            raise ConfigError(f"ffn_dim_multiplier must be positive, got {self.ffn_dim_multiplier!r}")
+        if isinstance(self.type_vocab_size, bool) or not isinstance(self.type_vocab_size, int) \
+                or self.type_vocab_size < 0:
+            raise ConfigError(f"type_vocab_size must be a non-negative integer, got {self.type_vocab_size!r}")
+        if self.arch == "encoder_decoder":
+            n = self.n_encoder_layer
+            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise ConfigError(f"n_encoder_layer must be a positive integer, got {n!r}")
+        if self.pad_token_id is not None and not (0 <= self.pad_token_id < self.vocab_size):
+            raise ConfigError(f"pad_token_id ({self.pad_token_id}) must be in [0, vocab_size)")
+        self._validate_rope_scaling()
+
+    def _validate_rope_scaling(self) -> None:
+        rs = self.rope_scaling
+        if rs is None:
+            return
+        if not isinstance(rs, dict):
+            raise ConfigError(f"rope_scaling must be a mapping or null, got {type(rs).__name__}")
+        if self.pos != "rope":
+            raise ConfigError(f"rope_scaling is set but pos={self.pos!r}; it only applies to pos='rope'")
+        kind = rs.get("rope_type", rs.get("type"))
+        if kind in (None, "default") and set(rs) <= {"rope_type", "type"}:
+            return
+        if kind not in ROPE_SCALING_KEYS:
+            raise ConfigError(
+                f"rope_scaling.rope_type={kind!r} is not one of {', '.join(ROPE_SCALING_KEYS)}"
+            )
+        allowed = ROPE_SCALING_KEYS[kind]
+        for key in rs:
+            if key not in allowed and key not in ("rope_type", "type"):
+                raise ConfigError(
+                    f"rope_scaling.{key} is not a parameter of rope_type {kind!r} "
+                    f"(allowed: {', '.join(allowed)})"
+                )
+        for key, required in allowed.items():
+            if required and rs.get(key) is None:
+                raise ConfigError(f"rope_scaling.{key} is required for rope_type {kind!r}")
+        factor = rs.get("factor")
+        if not (isinstance(factor, (int, float)) and factor > 0):
+            raise ConfigError(f"rope_scaling.factor must be a positive number, got {factor!r}")
+        if kind == "llama3":
+            low, high = rs["low_freq_factor"], rs["high_freq_factor"]
+            if not (0 < low < high):
+                raise ConfigError(
+                    f"rope_scaling needs 0 < low_freq_factor < high_freq_factor, got {low!r}, {high!r}"
+                )
+        omp = rs.get("original_max_position_embeddings")
+        if omp is not None and (not isinstance(omp, int) or omp <= 0):
+            raise ConfigError(f"rope_scaling.original_max_position_embeddings must be a positive int, got {omp!r}")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def rope_type(self) -> str:
+        """The RoPE scaling type: 'default' when there is no scaling."""
+        if not self.rope_scaling:
+            return "default"
+        return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["format_version"] = CONFIG_FORMAT_VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        data = dict(data)
+        version = data.pop("format_version", CONFIG_FORMAT_VERSION)
+        if version != CONFIG_FORMAT_VERSION:
+            raise ConfigError(f"config format_version {version} is not supported (expected {CONFIG_FORMAT_VERSION})")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError("config JSON must be an object")
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        from tinyformer.utils.io import atomic_write_text
+
+        atomic_write_text(Path(path), self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelConfig:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        return cls.from_json(p.read_text(encoding="utf-8"))
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed (validated again)."""
+        d = self.to_dict()
+        d.pop("format_version")
+        # derived defaults must be recomputed when their inputs change
+        if ("d_model" in changes or "n_head" in changes) and "head_dim" not in changes:
+            d["head_dim"] = None
+        if ({"d_model", "ffn", "ffn_dim_multiplier", "ffn_multiple_of"} & set(changes)) and "d_ff" not in changes:
+            d["d_ff"] = None
+        if "n_head" in changes and "n_kv_head" not in changes and d["n_kv_head"] == self.n_head:
+            d["n_kv_head"] = None
+        d.update(changes)
+        return ModelConfig.from_dict(d)

@@ -1,0 +1,28 @@
+"""User-facing error types.
+
+A :class:`TinyformerError` is a mistake in what the user asked for (a bad config field, a missing
+file, an impossible sampler value). The command line prints its message on one line to stderr and
+exits non-zero, without a traceback. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class TinyformerError(Exception):
+    """User-facing error: the CLI prints its message on one line and exits non-zero."""
+
+
+class ConfigError(TinyformerError, ValueError):
+    """A config field has an invalid value; the message names the field."""
+
+
+class DataError(TinyformerError):
+    """A corpus, tokenizer or data file cannot be used; the message names the file."""
+
+
+class CheckpointError(TinyformerError):
+    """A run folder or checkpoint is missing, corrupt or does not match the config."""
+
+
+class GenerationError(TinyformerError, ValueError):
+    """A prompt or sampler value cannot be used for generation."""

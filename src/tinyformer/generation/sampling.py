@@ -1,0 +1,519 @@
+"""Logits processors and the per-token sampler.
+
+Every processor is a small callable ``proc(logits, generated) -> logits`` where ``logits`` is a
+``[B, V]`` float tensor of next-token scores and ``generated`` is a ``[B, t]`` integer tensor of the
+token ids the penalties should look at (or ``None``). Processors are batched, never loop over the
+vocabulary in Python, never modify their input in place, and return a tensor of the input's dtype.
+Filtering processors set removed tokens to ``-inf`` so that ``softmax`` gives them probability 0.
+
+:func:`build_processors` turns a :class:`SamplingParams` into the canonical processor chain and
+:func:`sample_next` draws one token per row from it. Both skip every processor that would be a
+no-op, so the default parameters cost one ``softmax`` and one ``multinomial`` per decoded token.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from tinyformer.errors import GenerationError
+
+__all__ = [
+    "FrequencyPenalty",
+    "LogitsProcessor",
+    "MinP",
+    "PresencePenalty",
+    "RepetitionPenalty",
+    "SamplingParams",
+    "Temperature",
+    "TopK",
+    "TopP",
+    "build_processors",
+    "make_generator",
+    "sample_next",
+]
+
+_NEG_INF = float("-inf")
+
+
+class LogitsProcessor(Protocol):
+    """Anything with ``__call__(logits: Tensor[B, V], generated: Tensor[B, t] | None) -> Tensor[B, V]``."""
+
+    def __call__(self, logits: Tensor, generated: Tensor | None) -> Tensor: ...
+
+
+# ----------------------------------------------------------------------------------------------
+# value checks shared by the processors and SamplingParams.validate
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_real(x: object) -> bool:
+    # bool is an int subclass; `temperature=True` is a mistake, not 1.0.
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _real(name: str, x: object) -> float:
+    if not _is_real(x) or not math.isfinite(float(x)):  # type: ignore[arg-type]
+        raise GenerationError(f"{name} must be a finite number, got {x!r}")
+    return float(x)  # type: ignore[arg-type]
+
+
+def _check_temperature(t: object, *, allow_zero: bool) -> float:
+    t = _real("temperature", t)
+    if t < 0 or (t == 0 and not allow_zero):
+        need = ">= 0 (0 means greedy)" if allow_zero else "> 0 (temperature 0 is greedy, done by sample_next)"
+        raise GenerationError(f"temperature must be {need}, got {t!r}")
+    return t
+
+
+def _check_top_k(k: object) -> int:
+    if not _is_int(k) or int(k) < 0:  # type: ignore[call-overload]
+        raise GenerationError(f"top_k must be an integer >= 0 (0 disables), got {k!r}")
+    return int(k)  # type: ignore[call-overload]
+
+
+def _check_top_p(p: object) -> float:
+    p = _real("top_p", p)
+    if not 0.0 < p <= 1.0:
+        raise GenerationError(f"top_p must be in (0, 1] (1 disables), got {p!r}")
+    return p
+
+
+def _check_min_p(p: object) -> float:
+    p = _real("min_p", p)
+    if not 0.0 <= p <= 1.0:
+        raise GenerationError(f"min_p must be in [0, 1] (0 disables), got {p!r}")
+    return p
+
+
+def _check_repetition_penalty(r: object) -> float:
+    r = _real("repetition_penalty", r)
+    if r <= 0:
+        raise GenerationError(f"repetition_penalty must be > 0 (1 disables), got {r!r}")
+    return r
+
+
+def _prob_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Probabilities of a 50k-token vocabulary are too small and too many for fp16/bf16 cumulative sums;
+    # work in at least float32, but keep float64 when the caller gave float64.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _history_ids(generated: Tensor, vocab_size: int) -> Tensor:
+    """``generated`` as int64 with every id outside ``[0, V)`` (padding such as -100) mapped to ``V``.
+
+    Scattering into a ``V + 1`` wide buffer and dropping the last column then ignores those ids
+    without a data-dependent filter (which would force a host sync on GPU).
+    """
+    ids = generated.to(torch.long)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    return ids.masked_fill((ids < 0) | (ids >= vocab_size), vocab_size)
+
+
+def _token_counts(logits: Tensor, generated: Tensor) -> Tensor:
+    """``count[b, v]``: how often token ``v`` occurs in ``generated[b]`` (float, at least float32)."""
+    b, v = logits.shape
+    ids = _history_ids(generated, v).expand(b, -1)
+    dtype = _prob_dtype(logits.dtype)  # float32 counts are exact up to 2**24 occurrences
+    counts = torch.zeros(b, v + 1, dtype=dtype, device=logits.device)
+    counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=dtype, device=logits.device))
+    return counts[:, :v]
+
+
+# ----------------------------------------------------------------------------------------------
+# processors
+# ----------------------------------------------------------------------------------------------
+
+
+class Temperature:
+    r"""Temperature scaling (Ackley, Hinton & Sejnowski 1985; as in HF ``TemperatureLogitsWarper``).
+
+    .. math:: \ell'_v = \ell_v / T, \qquad p'_v = \operatorname{softmax}(\ell / T)_v
+
+    ``T = 1`` leaves the logits unchanged, ``T < 1`` sharpens, ``T > 1`` flattens. ``T`` must be
+    finite and ``> 0``: ``T = 0`` (greedy) is the argmax limit, which :func:`sample_next` takes
+    directly instead of dividing by zero.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = _check_temperature(temperature, allow_zero=False)
+
+    def __call__(self, logits: Tensor, generated: Tensor | None = None) -> Tensor:
+        if self.temperature == 1.0:
+            return logits
+        return logits / self.temperature
+
+    def __repr__(self) -> str:
+        return f"Temperature({self.temperature})"
+
+
+class TopK:
+    r"""Top-k filtering (Fan, Lewis & Dauphin 2018).
+
+    .. math:: \ell'_v = \ell_v \text{ if } v \in \operatorname{TopK}(\ell, k) \text{ else } -\infty
+
+    ``k = 0`` disables the filter and ``k >= V`` keeps every token. Ties at the boundary keep
+    exactly the ``k`` indices ``torch.topk`` returns, so exactly ``k`` tokens survive. (HF's
+    ``TopKLogitsWarper`` instead keeps every token whose logit is ``>=`` the k-th largest, which can keep
+    more than ``k`` tied tokens; without ties the two are identical.)
+    """
+
+    def __init__(self, k: int) -> None:
+        self.k = _check_top_k(k)
+
+    def __call__(self, logits: Tensor, generated: Tensor | None = None) -> Tensor:
+        if self.k == 0 or self.k >= logits.size(-1):
+            return logits
+        values, indices = torch.topk(logits, self.k, dim=-1, sorted=False)
+        # Writing the kept values into a -inf canvas needs no comparison pass over the vocabulary.
+        return torch.full_like(logits, _NEG_INF).scatter_(-1, indices, values)
+
+    def __repr__(self) -> str:
+        return f"TopK({self.k})"
+
+
+def _nucleus_drop(sorted_logits: Tensor, p: float) -> Tensor:
+    """Drop mask for descending-sorted logits: True where the mass of the tokens before is already >= p."""
+    probs = torch.softmax(sorted_logits, dim=-1, dtype=_prob_dtype(sorted_logits.dtype))
+    cum = probs.cumsum(dim=-1)
+    drop = torch.zeros_like(cum, dtype=torch.bool)
+    # Token j is kept iff the tokens ranked before it hold < p, i.e. the prefix has not yet reached p.
+    # Position 0 is always kept (the mass before it is 0 < p), which is HF's min_tokens_to_keep=1.
+    drop[..., 1:] = cum[..., :-1] >= p
+    return drop
+
+
+class TopP:
+    r"""Nucleus (top-p) filtering (Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration").
+
+    With the tokens sorted by probability, :math:`p_{(1)} \ge p_{(2)} \ge \dots`, the nucleus is the
+    smallest prefix whose cumulative probability reaches ``p``:
+
+    .. math:: m = \min\{\, j : \textstyle\sum_{i \le j} p_{(i)} \ge p \,\}, \qquad
+              \ell'_{(j)} = \ell_{(j)} \text{ if } j \le m \text{ else } -\infty
+
+    It always keeps at least one token. ``p`` is in ``(0, 1]`` and ``p = 1`` disables the filter.
+    This equals HF's ``TopPLogitsWarper`` (``min_tokens_to_keep=1``), which drops a token when the
+    ascending cumulative mass up to and including it is ``<= 1 - p``. Two choices differ only in
+    rounding: HF compares against ``1 - p`` in float32, we compare the descending prefix against ``p``.
+    Equal probabilities are ordered by index (stable sort), so which of several tied tokens straddling
+    the boundary is kept is deterministic.
+    """
+
+    def __init__(self, p: float) -> None:
+        self.p = _check_top_p(p)
+
+    def __call__(self, logits: Tensor, generated: Tensor | None = None) -> Tensor:
+        if self.p >= 1.0:
+            return logits
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+        drop_sorted = _nucleus_drop(sorted_logits, self.p)
+        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        return logits.masked_fill(drop, _NEG_INF)
+
+    def __repr__(self) -> str:
+        return f"TopP({self.p})"
+
+
+class _TopKTopP:
+    """``TopP(p)(TopK(k)(logits))`` computed on the ``k`` candidates only.
+
+    After top-k only ``k`` tokens have non-zero probability, so the nucleus can be found by sorting
+    those ``k`` values (``torch.topk(sorted=True)``) instead of the whole vocabulary: O(V + k log k)
+    per step instead of O(V log V). The result equals the two processors applied in turn.
+    """
+
+    def __init__(self, k: int, p: float) -> None:
+        self.k = _check_top_k(k)
+        self.p = _check_top_p(p)
+
+    def __call__(self, logits: Tensor, generated: Tensor | None = None) -> Tensor:
+        k = self.k if 0 < self.k < logits.size(-1) else logits.size(-1)
+        values, indices = torch.topk(logits, k, dim=-1, sorted=True)
+        values = values.masked_fill(_nucleus_drop(values, self.p), _NEG_INF)
+        return torch.full_like(logits, _NEG_INF).scatter_(-1, indices, values)
+
+    def __repr__(self) -> str:
+        return f"TopK({self.k})+TopP({self.p})"
+
+
+class MinP:
+    r"""Min-p filtering (Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling"; HF ``MinPLogitsWarper``).
+
+    .. math:: \ell'_v = \ell_v \text{ if } p_v \ge p_{\min} \cdot \max_u p_u \text{ else } -\infty
+
+    Because every :math:`p_v = e^{\ell_v} / Z` shares the normaliser, the test is done in log space as
+    :math:`\ell_v \ge \max_u \ell_u + \ln p_{\min}`, which needs no softmax. The most probable token always
+    survives. ``p_min = 0`` disables the filter, ``p_min = 1`` keeps only the maximum (and exact ties).
+    Versus HF's probability-space comparison this differs only by rounding exactly on the boundary.
+    """
+
+    def __init__(self, p: float) -> None:
+        self.p = _check_min_p(p)
+
+    def __call__(self, logits: Tensor, generated: Tensor | None = None) -> Tensor:
+        if self.p <= 0.0:
+            return logits
+        threshold = logits.amax(dim=-1, keepdim=True) + math.log(self.p)
+        return logits.masked_fill(logits < threshold, _NEG_INF)
+
+    def __repr__(self) -> str:
+        return f"MinP({self.p})"
+
+
+class RepetitionPenalty:
+    r"""CTRL repetition penalty (Keskar et al. 2019), with HF's sign handling.
+
+    For every token ``v`` that occurs in ``generated`` (any number of times):
+
+    .. math:: \ell'_v = \begin{cases} \ell_v / r & \ell_v > 0 \\ \ell_v \cdot r & \ell_v \le 0 \end{cases}
+
+    and :math:`\ell'_v = \ell_v` otherwise, so ``r > 1`` always lowers a seen token's probability
+    (dividing a negative logit would raise it, hence the multiplication). ``r = 1`` disables it.
+    Ids outside ``[0, V)`` in ``generated`` (padding) are ignored.
+    """
+
+    def __init__(self, penalty: float) -> None:
+        self.penalty = _check_repetition_penalty(penalty)
+
+    def __call__(self, logits: Tensor, generated: Tensor | None) -> Tensor:
+        if self.penalty == 1.0 or generated is None or generated.numel() == 0:
+            return logits
+        b, v = logits.shape
+        ids = _history_ids(generated, v).expand(b, -1)
+        seen = torch.zeros(b, v + 1, dtype=torch.bool, device=logits.device).scatter_(1, ids, True)[:, :v]
+        penalised = torch.where(logits > 0, logits / self.penalty, logits * self.penalty)
+        return torch.where(seen, penalised, logits)
+
+    def __repr__(self) -> str:
+        return f"RepetitionPenalty({self.penalty})"
+
+
+class FrequencyPenalty:
+    r"""OpenAI frequency penalty: subtract ``f`` for every previous occurrence of the token.
+
+    .. math:: \ell'_v = \ell_v - c_v \cdot f, \qquad c_v = \#\{\, i : \text{generated}_i = v \,\}
+
+    ``f = 0`` disables it; negative ``f`` encourages repetition. Ids outside ``[0, V)`` are ignored.
+    """
+
+    def __init__(self, penalty: float) -> None:
+        self.penalty = _real("frequency_penalty", penalty)
+
+    def __call__(self, logits: Tensor, generated: Tensor | None) -> Tensor:
+        if self.penalty == 0.0 or generated is None or generated.numel() == 0:
+            return logits
+        counts = _token_counts(logits, generated)
+        return (logits - counts * self.penalty).to(logits.dtype)
+
+    def __repr__(self) -> str:
+        return f"FrequencyPenalty({self.penalty})"
+
+
+class PresencePenalty:
+    r"""OpenAI presence penalty: subtract ``p`` once from every token that has occurred at all.
+
+    .. math:: \ell'_v = \ell_v - \mathbb{1}[c_v > 0] \cdot p
+
+    ``p = 0`` disables it; negative ``p`` encourages repetition. Ids outside ``[0, V)`` are ignored.
+    """
+
+    def __init__(self, penalty: float) -> None:
+        self.penalty = _real("presence_penalty", penalty)
+
+    def __call__(self, logits: Tensor, generated: Tensor | None) -> Tensor:
+        if self.penalty == 0.0 or generated is None or generated.numel() == 0:
+            return logits
+        b, v = logits.shape
+        ids = _history_ids(generated, v).expand(b, -1)
+        seen = torch.zeros(b, v + 1, dtype=torch.bool, device=logits.device).scatter_(1, ids, True)[:, :v]
+        return logits - seen.to(logits.dtype) * self.penalty
+
+    def __repr__(self) -> str:
+        return f"PresencePenalty({self.penalty})"
+
+
+# ----------------------------------------------------------------------------------------------
+# parameters, chain and sampler
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingParams:
+    """Everything that decides how one next token is chosen, plus when to stop.
+
+    Valid ranges (checked by :meth:`validate`, which raises :class:`GenerationError` naming the field):
+
+    * ``temperature``: finite, ``>= 0``; ``0`` means greedy (argmax), ``1`` leaves the logits as is.
+    * ``top_k``: integer ``>= 0``; ``0`` disables.
+    * ``top_p``: in ``(0, 1]``; ``1`` disables. (``0`` is rejected: an empty nucleus is meaningless; use
+      ``temperature=0`` or ``top_k=1`` for greedy.)
+    * ``min_p``: in ``[0, 1]``; ``0`` disables.
+    * ``repetition_penalty``: finite, ``> 0``; ``1`` disables.
+    * ``frequency_penalty``, ``presence_penalty``: finite (any sign); ``0`` disables.
+    * ``max_new_tokens``: integer ``>= 0``. ``0`` is allowed and means "generate nothing", which is
+      what scoring or echoing a prompt needs; there is nothing ambiguous about it.
+    * ``seed``: ``None`` (nondeterministic) or an integer in ``[0, 2**64)`` (``torch.Generator`` range).
+    * ``stop_token_ids``: integers ``>= 0``; ``stop_strings``: non-empty strings (an empty stop string
+      would match before the first character).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    max_new_tokens: int = 128
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    stop_strings: Sequence[str] = ()
+
+    def validate(self) -> SamplingParams:
+        """Raise :class:`GenerationError` naming the first invalid field; return ``self`` if all are valid."""
+        _check_temperature(self.temperature, allow_zero=True)
+        _check_top_k(self.top_k)
+        _check_top_p(self.top_p)
+        _check_min_p(self.min_p)
+        _check_repetition_penalty(self.repetition_penalty)
+        _real("frequency_penalty", self.frequency_penalty)
+        _real("presence_penalty", self.presence_penalty)
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise GenerationError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise GenerationError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise GenerationError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
+        if isinstance(self.stop_strings, str) or not all(
+            isinstance(s, str) and s for s in self.stop_strings
+        ):
+            raise GenerationError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        """True when the choice is the argmax: ``temperature == 0`` or ``top_k == 1``."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+def build_processors(params: SamplingParams) -> list[LogitsProcessor]:
+    """The processor chain for ``params`` in canonical order, leaving out every no-op.
+
+    Order: repetition penalty, frequency penalty, presence penalty, temperature, top-k, top-p, min-p.
+    This is the order of HF ``generate`` (``_get_logits_processor``): penalties act on the model's
+    logits before any warping, so ``r``, ``f`` and ``p`` mean the same thing whatever the temperature;
+    the truncations then act on the tempered distribution, so e.g. ``top_p=0.9`` is 90 % of the mass
+    that is actually sampled from. (Frequency and presence penalties are not in HF; they sit with the
+    other penalties, as in vLLM, and commute with each other.)
+
+    When both top-k and top-p are active they are fused into one processor that sorts only the ``k``
+    candidates. When ``params`` is greedy only the penalties are returned: temperature and the
+    truncations never move the argmax (each keeps the most probable token).
+    """
+    params.validate()
+    procs: list[LogitsProcessor] = []
+    if params.repetition_penalty != 1.0:
+        procs.append(RepetitionPenalty(params.repetition_penalty))
+    if params.frequency_penalty != 0.0:
+        procs.append(FrequencyPenalty(params.frequency_penalty))
+    if params.presence_penalty != 0.0:
+        procs.append(PresencePenalty(params.presence_penalty))
+    if params.greedy:
+        return procs
+    if params.temperature != 1.0:
+        procs.append(Temperature(params.temperature))
+    if params.top_k > 0 and params.top_p < 1.0:
+        procs.append(_TopKTopP(params.top_k, params.top_p))
+    elif params.top_k > 0:
+        procs.append(TopK(params.top_k))
+    elif params.top_p < 1.0:
+        procs.append(TopP(params.top_p))
+    if params.min_p > 0.0:
+        procs.append(MinP(params.min_p))
+    return procs
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A ``torch.Generator`` on ``device`` seeded with ``params.seed``, or ``None`` when the seed is ``None``.
+
+    ``torch.multinomial`` needs a generator on the same device as the probabilities.
+    """
+    if params.seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(params.seed))
+    return gen
+
+
+def sample_next(
+    logits: Tensor,
+    params: SamplingParams,
+    generated: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    processors: Sequence[LogitsProcessor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    r"""Choose one next token per row.
+
+    Args:
+        logits: ``[B, V]`` raw next-token logits from the model (any float dtype, any device).
+        params: sampling parameters (validated here unless ``processors`` is given).
+        generated: ``[B, t]`` (or ``[t]``, shared by all rows) ids the penalties count. Which ids that
+            is, is the caller's choice: HF's repetition penalty sees prompt + generated tokens.
+        generator: RNG for ``torch.multinomial``, on the logits' device (see :func:`make_generator`).
+        processors: a chain prebuilt with ``build_processors(params)``, to skip rebuilding it every step.
+
+    Returns:
+        ``(token_ids[B] int64, logprobs[B] float32)``.
+
+    The processed logits :math:`\tilde\ell` give :math:`q = \operatorname{softmax}(\tilde\ell)`; the token
+    is :math:`\arg\max_v \tilde\ell_v` when ``temperature == 0`` or ``top_k == 1`` (or when every row of
+    ``q`` is one-hot, where a draw could only return the argmax anyway), else a draw
+    ``torch.multinomial(q, 1, generator=generator)``. Work is done in float32 (float64 stays float64)
+    so that e.g. ``logits / 1e-6`` cannot overflow fp16.
+
+    ``logprobs`` is :math:`\log \operatorname{softmax}(\ell)_y = \ell_y - \operatorname{logsumexp}(\ell)`
+    of the **raw** model logits at the chosen token ``y``, before any processor: it is what the model
+    believes, comparable across sampling settings (as OpenAI's API returns) and finite even for tokens
+    a filter would have given probability 1. HF's ``output_scores`` would instead return the processed
+    scores.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+    if processors is None:
+        processors = build_processors(params)
+    raw = logits if logits.dtype == torch.float64 else logits.float()
+
+    x = raw
+    for proc in processors:
+        x = proc(x, generated)
+
+    if params.greedy:
+        tokens = x.argmax(dim=-1)
+    else:
+        filtered = params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
+        # After a truncation often one token is left; argmax then gives the same token as a draw
+        # without the softmax and without spending random numbers.
+        if filtered and bool(((x != _NEG_INF).sum(dim=-1) == 1).all()):
+            tokens = x.argmax(dim=-1)
+        else:
+            probs = torch.softmax(x, dim=-1)
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+    chosen = raw.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    logprobs = (chosen - torch.logsumexp(raw, dim=-1)).float()
+    return tokens, logprobs

@@ -1,0 +1,163 @@
+"""Incremental text output while tokens are decoded one at a time.
+
+* :class:`Utf8StreamDecoder` turns the raw bytes of each token into text without ever showing half a
+  character: byte-level tokenizers routinely split one multi-byte UTF-8 character (CJK, emoji) across
+  several tokens.
+* :class:`StopStringMatcher` holds back text that might turn out to be the start of a stop string, so
+  a stop string is never shown, even when it arrives spread over several tokens.
+
+A streaming loop chains them: ``text = dec.push(token_bytes)``, ``emit, stopped = stop.push(text)``,
+and at the end ``stop.push(dec.flush())`` then ``stop.flush()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tinyformer.errors import GenerationError
+
+__all__ = ["StopStringMatcher", "Utf8StreamDecoder"]
+
+
+def _seq_len(lead: int) -> int:
+    """Length of the well-formed sequence that ``lead`` starts (Unicode Table 3-7); 0 if it starts none."""
+    if 0xC2 <= lead <= 0xDF:
+        return 2
+    if 0xE0 <= lead <= 0xEF:
+        return 3
+    if 0xF0 <= lead <= 0xF4:
+        return 4
+    return 0
+
+
+def _second_byte_range(lead: int) -> tuple[int, int]:
+    """Allowed range of the byte after ``lead`` (Unicode Table 3-7).
+
+    The narrowed ranges exclude overlong forms (E0, F0), UTF-16 surrogates (ED) and code points
+    above U+10FFFF (F4); every later continuation byte is 80..BF.
+    """
+    return {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}.get(
+        lead, (0x80, 0xBF)
+    )
+
+
+def _incomplete_tail(data: bytes) -> int:
+    """Length of the trailing bytes of ``data`` that are a proper prefix of a well-formed UTF-8 sequence.
+
+    Those bytes may still become a character once more bytes arrive, so they must be held back;
+    anything else at the end is either complete or certainly invalid. Returns 0 when nothing needs
+    holding.
+    """
+    # A sequence is at most 4 bytes, so an incomplete one starts within the last 3 bytes.
+    for back in range(1, min(3, len(data)) + 1):
+        byte = data[-back]
+        if 0x80 <= byte <= 0xBF:
+            continue  # continuation byte: its lead (if any) is further back
+        need = _seq_len(byte)
+        if need <= back:
+            return 0  # ASCII, an invalid byte, or a sequence that already has all its bytes
+        lo, hi = _second_byte_range(byte)
+        if back >= 2 and not lo <= data[-back + 1] <= hi:
+            return 0  # the second byte rules out this lead: the bytes are certainly invalid
+        return back
+    return 0
+
+
+class Utf8StreamDecoder:
+    """Incremental UTF-8 decoder that only returns complete characters.
+
+    ``push(b)`` returns the text completed by ``b``; an incomplete trailing sequence is held until the
+    bytes that finish it arrive. Bytes that can never be part of a well-formed sequence become U+FFFD
+    as soon as that is certain, i.e. as soon as the offending byte arrives (e.g. ``b"\\xff"``, or
+    ``b"\\xed\\xa0"``, a surrogate), not one push later. Replacement follows the Unicode "maximal
+    subpart" rule, so the concatenation of all pushes plus :meth:`flush` always equals
+    ``all_bytes.decode("utf-8", errors="replace")``, however the bytes were split.
+    """
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def push(self, data: bytes | bytearray | memoryview) -> str:
+        """Feed the bytes of one token; return the text that is now complete (possibly ``""``)."""
+        buf = self._pending + bytes(data)
+        hold = _incomplete_tail(buf)
+        cut = len(buf) - hold
+        self._pending = buf[cut:]
+        # The part before `cut` ends on a sequence boundary (or on bytes that are invalid whatever
+        # follows), so decoding it on its own gives exactly what decoding the whole stream would.
+        return buf[:cut].decode("utf-8", errors="replace")
+
+    def flush(self) -> str:
+        """End of stream: a held incomplete sequence becomes one U+FFFD. Resets the decoder."""
+        rest, self._pending = self._pending, b""
+        return rest.decode("utf-8", errors="replace")
+
+    @property
+    def pending(self) -> bytes:
+        """Bytes held back because they may still complete a character."""
+        return self._pending
+
+
+class StopStringMatcher:
+    """Streams text and stops before the first stop string.
+
+    ``push(text) -> (emit, stopped)``: ``emit`` is text that can no longer be part of a stop string.
+    The longest suffix of the text so far that is a proper prefix of some stop string is held back.
+    When a stop string is complete, ``stopped`` is True and ``emit`` is the text before it; the stop
+    string and anything after it are never emitted, and later pushes return ``("", True)``.
+
+    If several stop strings match, the one that is completed first in the stream wins (earliest end;
+    among those ending together, the longest, i.e. earliest start). This is what feeding the text one
+    character at a time would do, so the output never depends on how the text was split into pushes.
+    """
+
+    def __init__(self, stop_strings: Iterable[str]) -> None:
+        stops = tuple(stop_strings)
+        if isinstance(stop_strings, str) or not all(isinstance(s, str) and s for s in stops):
+            raise GenerationError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
+        self.stop_strings = stops
+        # Every proper prefix of every stop string: the suffixes worth holding back.
+        self._prefixes = {s[:i] for s in stops for i in range(1, len(s))}
+        self._max_hold = max((len(s) - 1 for s in stops), default=0)
+        self._held = ""
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string has been seen."""
+        return self._stopped
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Feed a piece of text; return ``(text safe to show, whether a stop string completed)``."""
+        if self._stopped:
+            return "", True
+        buf = self._held + text
+        best_end = best_start = -1
+        for s in self.stop_strings:
+            start = buf.find(s)  # first occurrence of s is also its earliest end
+            if start < 0:
+                continue
+            end = start + len(s)
+            if best_end < 0 or end < best_end or (end == best_end and start < best_start):
+                best_end, best_start = end, start
+        if best_end >= 0:
+            self._stopped = True
+            self._held = ""
+            return buf[:best_start], True
+        hold = 0
+        for n in range(min(self._max_hold, len(buf)), 0, -1):
+            if buf[-n:] in self._prefixes:
+                hold = n
+                break
+        self._held = buf[len(buf) - hold :]
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        """End of stream without a stop: return the held-back text (``""`` after a stop)."""
+        rest, self._held = self._held, ""
+        return "" if self._stopped else rest
+
+    @property
+    def held(self) -> str:
+        """Text held back because it may be the start of a stop string."""
+        return self._held

@@ -1,0 +1,22 @@
+"""Model stacks built from the components: decoder LM, encoder (BERT), encoder-decoder (2017)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tinyformer.config import ModelConfig
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """The model for ``cfg.arch``."""
+    if cfg.arch == "decoder":
+        from tinyformer.models.decoder import DecoderLM
+
+        return DecoderLM(cfg)
+    if cfg.arch == "encoder":
+        from tinyformer.models.encoder import EncoderModel  # type: ignore[attr-defined]
+
+        return EncoderModel(cfg)
+    from tinyformer.models.seq2seq import Seq2SeqModel  # type: ignore[attr-defined]
+
+    return Seq2SeqModel(cfg)

@@ -1,0 +1,181 @@
+"""The decoder-only language model (GPT / LLaMA family), one readable file.
+
+    h_0 = E[x] (* sqrt(d) if embed_scale) (+ P[pos] for learned/sinusoidal positions)
+    h_l = Block_l(h_{l-1})                       l = 1 .. n_layer   (see components/block.py)
+    logits = W_head Norm(h_L)                    W_head = E when the embeddings are tied
+
+Shapes: input_ids (B, T) -> logits (B, T, vocab_size). With RoPE, positions enter inside
+attention (rotating q and k) instead of being added to h_0.
+
+The model is single-device and knows nothing of training, sampling or file formats; those wrap
+it from outside. Incremental decoding passes a ``KVCache``; batches of different lengths pass a
+padding ``attention_mask`` (1 = token, 0 = padding; left padding for generation).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tinyformer.components.block import Block
+from tinyformer.components.kv_cache import KVCache
+from tinyformer.components.norm import build_norm
+from tinyformer.components.positions import LearnedPositions, SinusoidalPositions
+from tinyformer.components.rope import RotaryEmbedding
+from tinyformer.config import ModelConfig
+from tinyformer.errors import ConfigError, GenerationError
+
+
+def build_attention_mask(attention_mask: torch.Tensor, T: int, start: int, causal: bool = True) -> torch.Tensor:
+    """Boolean (B, 1, T, S) mask, True = may attend, for T queries at positions start .. start+T-1
+    over S = start + T keys. ``attention_mask`` (B, S) marks real tokens with 1 and padding with 0.
+
+    A padding query would otherwise see no key at all; it is let see itself, which keeps every
+    softmax row finite in every kernel (its output is never used).
+    """
+    S = start + T
+    key_ok = attention_mask[:, None, None, :S].bool()  # (B, 1, 1, S)
+    q_pos = torch.arange(start, S, device=attention_mask.device)[:, None]  # (T, 1)
+    k_pos = torch.arange(S, device=attention_mask.device)[None, :]  # (1, S)
+    allowed = key_ok & (k_pos <= q_pos) if causal else key_ok.expand(-1, -1, T, -1)
+    return allowed | (k_pos == q_pos)
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each token counted over real tokens only: cumsum(mask) - 1, padding at 0.
+    With left padding this gives every row positions 0, 1, 2, ... from its first real token."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.clamp_min(0)
+
+
+class DecoderLM(nn.Module):
+    """Causal language model. ``forward`` returns logits; ``loss`` the next-token cross-entropy."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.arch != "decoder":
+            raise ConfigError(f"DecoderLM needs arch='decoder', got {cfg.arch!r}")
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.rope = RotaryEmbedding(cfg) if cfg.pos == "rope" else None
+        self.pos_emb: nn.Module | None = None
+        if cfg.pos == "learned":
+            self.pos_emb = LearnedPositions(cfg.max_seq_len, cfg.d_model)
+        elif cfg.pos == "sinusoidal":
+            self.pos_emb = SinusoidalPositions(cfg.max_seq_len, cfg.d_model)
+        self.emb_scale = math.sqrt(cfg.d_model) if cfg.embed_scale else 1.0
+        self.emb_drop = nn.Dropout(cfg.embd_dropout) if cfg.embd_dropout > 0 else nn.Identity()
+        self.blocks = nn.ModuleList(Block(cfg, causal=True) for _ in range(cfg.n_layer))
+        self.norm = build_norm(cfg) if cfg.final_norm else nn.Identity()
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ initialisation
+    def reset_parameters(self) -> None:
+        """N(0, init_std) for matrices and embeddings; residual output projections scaled by
+        1/sqrt(2 n_layer) (GPT-2), because each block adds two of them to the residual stream and
+        the stream's variance would otherwise grow with depth; zero biases; unit norm gains."""
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * self.cfg.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                is_residual = name.endswith("attn.out") or name.endswith("ffn.down")
+                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, LearnedPositions):
+                nn.init.normal_(module.weight, mean=0.0, std=std / 2)
+        for module in self.modules():
+            if hasattr(module, "weight") and module.__class__.__name__ in ("RMSNorm", "LayerNorm"):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    # ------------------------------------------------------------------ forward
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """input_ids (B, T) -> final hidden states (B, T, d), after the final norm."""
+        B, T = input_ids.shape
+        start = cache.length if cache is not None else 0
+        if cache is not None and start + T > cache.max_len:
+            raise GenerationError(
+                f"the KV cache holds {cache.max_len} positions; {start} are used and {T} more were given"
+            )
+        if position_ids is None and attention_mask is not None:
+            position_ids = positions_from_mask(attention_mask)[:, start : start + T]
+        if position_ids is None:
+            max_pos = start + T - 1
+        else:
+            max_pos = int(position_ids.max()) if position_ids.numel() else 0
+        if max_pos >= self.cfg.max_seq_len and not (self.cfg.rope_type == "dynamic"):
+            raise GenerationError(
+                f"position {max_pos} is beyond the model's context (max_seq_len={self.cfg.max_seq_len})"
+            )
+
+        x = self.tok_emb(input_ids)
+        if self.emb_scale != 1.0:
+            x = x * self.emb_scale
+        if self.pos_emb is not None:
+            positions = position_ids if position_ids is not None else torch.arange(start, start + T,
+                                                                                 device=input_ids.device)
+            x = x + self.pos_emb(positions)
+        x = self.emb_drop(x)
+        rope = self.rope(start, T, position_ids) if self.rope is not None else None
+
+        mask = None
+        if attention_mask is not None:
+            mask = build_attention_mask(attention_mask, T, start)
+        for i, block in enumerate(self.blocks):
+            layer_cache = cache.layers[i] if cache is not None else None
+            x = block(x, rope, mask, layer_cache, start)
+        if cache is not None:
+            cache.length = start + T
+        return self.norm(x)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits (B, T, vocab), or (B, 1, vocab) with ``last_only`` (prefill needs only the last row:
+        the head is the largest matmul of a small model, so skipping T-1 rows of it matters)."""
+        h = self.hidden_states(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache)
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(h)
+
+    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Mean next-token cross-entropy: -1/N sum_t log softmax(logits_t)[targets_t] over targets != ignore_index."""
+        logits = self(input_ids)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=ignore_index)
+
+    def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        p = self.tok_emb.weight
+        return KVCache(self.cfg, batch_size, max_len or self.cfg.max_seq_len, p.device, dtype or p.dtype)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count (shared tensors once); ``non_embedding`` leaves out token and position tables
+        (and the head when it is tied to the token table)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.tok_emb.weight.numel()
+            if isinstance(self.pos_emb, LearnedPositions):
+                n -= self.pos_emb.weight.numel()
+        return n

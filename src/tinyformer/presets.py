@@ -1,0 +1,65 @@
+"""Named model shapes: each preset is a set of ModelConfig values, never a code path.
+
+Shapes are the ones the papers and official configs give:
+  llama-7b / llama2-*: Touvron et al. 2023a/b (vocab 32000, SwiGLU 2/3*4d rounded to 256)
+  llama3-8b: Meta Llama 3 (vocab 128256, GQA 8 KV heads, theta 500000)
+  gpt2-124m: Radford et al. 2019 (LayerNorm, learned positions, GELU 4d MLP, biases, tied head)
+  gpt3-175b: Brown et al. 2020, table 2.1 (d 12288, 96 layers, 96 heads, context 2048)
+  stories15m / llama-110m: the llama2.c `stories15M` shape and a ~110M LLaMA, used by the benchmarks
+  tiny: the CPU default that `tinyformer train` starts from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tinyformer.config import ModelConfig
+from tinyformer.errors import ConfigError
+
+_LLAMA: dict[str, Any] = dict(
+    norm="rmsnorm", norm_placement="pre", pos="rope", ffn="swiglu", tie_embeddings=False, vocab_size=32000
+)
+_GPT2: dict[str, Any] = dict(
+    norm="layernorm", norm_eps=1e-5, norm_placement="pre", pos="learned", ffn="gelu_tanh",
+    attn_bias=True, attn_out_bias=True, mlp_bias=True, tie_embeddings=True,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        norm="rmsnorm", pos="rope", ffn="swiglu", vocab_size=4096, d_model=256, n_layer=6, n_head=8,
+        n_kv_head=4, d_ff=704, max_seq_len=256, tie_embeddings=True,
+    ),
+    "stories15m": dict(_LLAMA, d_model=288, n_layer=6, n_head=6, d_ff=768, max_seq_len=256),
+    "llama-110m": dict(_LLAMA, d_model=768, n_layer=12, n_head=12, d_ff=2048, max_seq_len=1024),
+    "llama-7b": dict(_LLAMA, d_model=4096, n_layer=32, n_head=32, max_seq_len=2048, norm_eps=1e-6),
+    "llama2-7b": dict(_LLAMA, d_model=4096, n_layer=32, n_head=32, max_seq_len=4096),
+    "llama2-13b": dict(_LLAMA, d_model=5120, n_layer=40, n_head=40, max_seq_len=4096),
+    "llama2-70b": dict(
+        _LLAMA, d_model=8192, n_layer=80, n_head=64, n_kv_head=8, ffn_dim_multiplier=1.3,
+        ffn_multiple_of=4096, max_seq_len=4096,
+    ),
+    "llama3-8b": dict(
+        _LLAMA, vocab_size=128256, d_model=4096, n_layer=32, n_head=32, n_kv_head=8, d_ff=14336,
+        rope_theta=500000.0, max_seq_len=8192,
+    ),
+    "llama3.1-8b": dict(
+        _LLAMA, vocab_size=128256, d_model=4096, n_layer=32, n_head=32, n_kv_head=8, d_ff=14336,
+        rope_theta=500000.0, max_seq_len=131072,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
+    "gpt2-124m": dict(_GPT2, vocab_size=50257, d_model=768, n_layer=12, n_head=12, max_seq_len=1024),
+    "gpt2-350m": dict(_GPT2, vocab_size=50257, d_model=1024, n_layer=24, n_head=16, max_seq_len=1024),
+    "gpt3-175b": dict(_GPT2, vocab_size=50257, d_model=12288, n_layer=96, n_head=96, max_seq_len=2048),
+}
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS)
+
+
+def get_preset(name: str, **overrides: Any) -> ModelConfig:
+    """The ModelConfig of a named preset, with optional field overrides."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(preset_names())}")
+    return ModelConfig(**{**PRESETS[name], **overrides})

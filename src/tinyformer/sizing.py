@@ -1,0 +1,170 @@
+"""Model arithmetic: parameters, training FLOPs, KV-cache and attention memory.
+
+Everything here is computed from the config by formula (no model is built), and the tests check
+each parameter count against ``sum(p.numel())`` of the real model built on the ``meta`` device.
+
+Per decoder layer (d = d_model, H / H_kv = query / key-value heads, d_h = head_dim, f = d_ff):
+  attention: d (H d_h + 2 H_kv d_h)  [W_q, W_k, W_v]  +  H d_h d  [W_o]  (+ biases)
+  FFN:       SwiGLU 3 d f;  GELU/ReLU MLP 2 d f  (+ biases)
+  norms:     2 d (RMSNorm), 4 d (LayerNorm with bias)
+Training FLOPs per token (Kaplan et al. 2020; PaLM appendix B):
+  6 N_matmul + 12 n_layer H d_h T
+where N_matmul counts the weights that take part in matrix multiplies (every matrix, the LM head
+included even when tied, but not the embedding lookups) and the second term is QK^T and AV for a
+context of T tokens, forward (x1) plus backward (x2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tinyformer.config import ModelConfig
+from tinyformer.errors import ConfigError
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "int8": 1, "fp8": 1}
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def norm_params(cfg: ModelConfig) -> int:
+    if cfg.norm == "rmsnorm":
+        return cfg.d_model
+    return cfg.d_model * (2 if cfg.norm_bias else 1)
+
+
+def attention_params(cfg: ModelConfig) -> int:
+    d, q, kv = cfg.d_model, cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+    n = d * (q + 2 * kv) + q * d
+    if cfg.attn_bias:
+        n += q + 2 * kv
+    if cfg.attn_out_bias:
+        n += d
+    return n
+
+
+def cross_attention_params(cfg: ModelConfig) -> int:
+    """Cross-attention (encoder-decoder) has the same projections as self-attention."""
+    return attention_params(cfg)
+
+
+def ffn_params(cfg: ModelConfig) -> int:
+    d, f = cfg.d_model, cfg.d_ff
+    if cfg.ffn == "swiglu":
+        return 3 * d * f + ((2 * f + d) if cfg.mlp_bias else 0)
+    return 2 * d * f + ((f + d) if cfg.mlp_bias else 0)
+
+
+@dataclass
+class ParamCount:
+    embedding: int  # token (+ token-type) table
+    positions: int  # learned position table (0 for RoPE / sinusoidal / none)
+    attention_per_layer: int
+    ffn_per_layer: int
+    norms_per_layer: int
+    n_layer: int
+    final_norm: int
+    head: int  # 0 when tied to the embedding
+    extra: dict[str, int] = field(default_factory=dict)  # arch-specific parts (pooler, cross-attn, ...)
+
+    @property
+    def per_layer(self) -> int:
+        return self.attention_per_layer + self.ffn_per_layer + self.norms_per_layer
+
+    @property
+    def total(self) -> int:
+        return (self.embedding + self.positions + self.per_layer * self.n_layer + self.final_norm + self.head
+                + sum(self.extra.values()))
+
+    @property
+    def non_embedding(self) -> int:
+        return self.total - self.embedding - self.positions
+
+
+def count_params(cfg: ModelConfig) -> ParamCount:
+    """Exact parameter count of the model ``cfg`` describes, component by component."""
+    if cfg.arch != "decoder":
+        from tinyformer.sizing_classic import count_params_classic  # type: ignore[import-not-found]
+
+        return count_params_classic(cfg)
+    d = cfg.d_model
+    return ParamCount(
+        embedding=cfg.vocab_size * d + cfg.type_vocab_size * d,
+        positions=cfg.max_seq_len * d if cfg.pos == "learned" else 0,
+        attention_per_layer=attention_params(cfg),
+        ffn_per_layer=ffn_params(cfg),
+        norms_per_layer=2 * norm_params(cfg),
+        n_layer=cfg.n_layer,
+        final_norm=norm_params(cfg) if cfg.final_norm else 0,
+        head=0 if cfg.tie_embeddings else cfg.vocab_size * d,
+    )
+
+
+def matmul_params(cfg: ModelConfig, counts: ParamCount) -> int:
+    """Weights that take part in a matmul per token: all layer matrices plus the LM head."""
+    return counts.non_embedding - counts.head + cfg.vocab_size * cfg.d_model
+
+
+def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    counts = count_params(cfg)
+    n_layers = cfg.n_layer + (cfg.n_encoder_layer or 0 if cfg.arch == "encoder_decoder" else 0)
+    return 6 * matmul_params(cfg, counts) + 12 * n_layers * cfg.n_head * cfg.head_dim * seq_len
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_elem: int) -> int:
+    """2 (K and V) * n_layer * H_kv * d_h * bytes."""
+    return 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * bytes_per_elem
+
+
+def sizing_report(cfg: ModelConfig, seq_len: int | None = None, batch: int = 1, dtype: str = "bfloat16") -> dict:
+    """Everything `tinyformer count` prints, as one JSON-able dict."""
+    T = seq_len or cfg.max_seq_len
+    if T <= 0 or batch <= 0:
+        raise ConfigError("--seq-len and --batch must be positive")
+    b = dtype_bytes(dtype)
+    c = count_params(cfg)
+    kv_tok = kv_cache_bytes_per_token(cfg, b)
+    kv_tok_mha = 2 * cfg.n_layer * cfg.n_head * cfg.head_dim * b
+    naive_layer = batch * cfg.n_head * T * T * b
+    report: dict[str, Any] = {
+        "total_params": c.total,
+        "non_embedding_params": c.non_embedding,
+        "params": {
+            "embedding": c.embedding,
+            "positions": c.positions,
+            "attention_per_layer": c.attention_per_layer,
+            "ffn_per_layer": c.ffn_per_layer,
+            "norms_per_layer": c.norms_per_layer,
+            "per_layer": c.per_layer,
+            "n_layer": c.n_layer,
+            "all_layers": c.per_layer * c.n_layer,
+            "final_norm": c.final_norm,
+            "head": c.head,
+            **c.extra,
+        },
+        "attention_to_ffn_ratio": c.attention_per_layer / c.ffn_per_layer,
+        "seq_len": T,
+        "batch": batch,
+        "dtype": dtype,
+        "weights_bytes": c.total * b,
+        "training_flops_per_token": training_flops_per_token(cfg, T),
+        "training_flops_per_token_6n": 6 * matmul_params(cfg, c),
+        "kv_cache": {
+            "bytes_per_token": kv_tok,
+            "bytes_per_token_if_mha": kv_tok_mha,
+            "bytes_total": kv_tok * T * batch,
+        },
+        "attention_memory": {
+            # one layer's T x T score matrix for the batch, as a naive implementation builds it
+            "naive_scores_bytes_per_layer": naive_layer,
+            # training keeps every layer's probabilities for the backward pass
+            "naive_scores_bytes_all_layers": naive_layer * cfg.n_layer,
+            # flash-style SDPA keeps only a (B, H, T) float32 log-sum-exp per layer
+            "sdpa_bytes_per_layer": batch * cfg.n_head * T * 4,
+        },
+    }
+    return report

@@ -1,0 +1,59 @@
+"""Atomic file writes: nothing already on disk is replaced until the new content is complete.
+
+Write to a temporary file in the same folder, fsync it, then ``os.replace`` it over the target
+(atomic on POSIX and Windows); a crash at any point leaves either the old file or the new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | Path) -> Iterator[Path]:
+    """Yield a temporary path next to ``target``; on success it is fsynced and renamed onto it."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+        raise
+
+
+def _fsync_dir(folder: Path) -> None:
+    # The rename itself lives in the directory entry; fsync it so it survives a power cut.
+    if os.name != "posix":
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(target: str | Path, data: bytes) -> None:
+    with atomic_path(target) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(target: str | Path, text: str) -> None:
+    atomic_write_bytes(target, text.encode("utf-8"))
+
+
+def atomic_write_with(target: str | Path, writer: Callable[[Path], None]) -> None:
+    """Let ``writer(tmp_path)`` produce the file (e.g. safetensors.save_file), then commit it."""
+    with atomic_path(target) as tmp:
+        writer(tmp)

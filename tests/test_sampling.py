@@ -1,0 +1,464 @@
+"""Tests for tinyformer.generation.sampling: formulas, distributions, validation, HF parity."""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import pytest
+import torch
+
+from tinyformer.errors import GenerationError
+from tinyformer.generation.sampling import (
+    FrequencyPenalty,
+    MinP,
+    PresencePenalty,
+    RepetitionPenalty,
+    SamplingParams,
+    Temperature,
+    TopK,
+    TopP,
+    build_processors,
+    make_generator,
+    sample_next,
+)
+
+NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------------------------------
+# independent float64 references (plain Python, no code under test)
+# ---------------------------------------------------------------------------------------------
+
+
+def softmax64(xs: list[float]) -> list[float]:
+    finite = [x for x in xs if x != NEG_INF]
+    m = max(finite)
+    e = [math.exp(x - m) if x != NEG_INF else 0.0 for x in xs]
+    z = math.fsum(e)
+    return [v / z for v in e]
+
+
+def ref_distribution(
+    logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float
+) -> list[float]:
+    """Target distribution of a sampler step, by hand in float64: temperature, top-k, top-p, min-p."""
+    x = [v / temperature for v in logits]
+    order = sorted(range(len(x)), key=lambda i: (-x[i], i))
+    keep = set(order[:top_k] if top_k > 0 else order)
+    if top_p < 1.0:
+        probs = softmax64([x[i] if i in keep else NEG_INF for i in range(len(x))])
+        cum, nucleus = 0.0, set()
+        for i in order:
+            if i not in keep:
+                continue
+            nucleus.add(i)
+            cum += probs[i]
+            if cum >= top_p:
+                break
+        keep = nucleus
+    if min_p > 0.0:
+        probs = softmax64([x[i] if i in keep else NEG_INF for i in range(len(x))])
+        pmax = max(probs)
+        keep = {i for i in keep if probs[i] >= min_p * pmax}
+    return softmax64([x[i] if i in keep else NEG_INF for i in range(len(x))])
+
+
+def chi2_quantile(df: int, q: float = 0.999) -> float:
+    """Wilson–Hilferty approximation of the chi-square quantile."""
+    z = NormalDist().inv_cdf(q)
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def test_chi2_quantile_approximation_is_accurate():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for df in (1, 2, 4, 7, 11, 30):
+        exact = scipy_stats.chi2.ppf(0.999, df)
+        # Wilson-Hilferty is a few percent off at df=1 and better above; good enough as a threshold.
+        assert abs(chi2_quantile(df) - exact) / exact < 0.06, df
+
+
+# ---------------------------------------------------------------------------------------------
+# sampled frequencies
+# ---------------------------------------------------------------------------------------------
+
+N_DRAWS = 200_000
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p",
+    [
+        (1.0, 0, 1.0, 0.0),  # plain softmax
+        (0.8, 5, 1.0, 0.0),  # top-k
+        (1.3, 0, 0.7, 0.0),  # top-p
+        (1.0, 8, 0.6, 0.0),  # fused top-k + top-p
+        (1.0, 0, 1.0, 0.15),  # min-p
+        (0.9, 10, 0.9, 0.05),  # everything
+    ],
+)
+def test_sampled_frequencies_match_renormalised_distribution(temperature, top_k, top_p, min_p):
+    g = torch.Generator().manual_seed(1234)
+    vocab = 12
+    logits = torch.randn(vocab, generator=g)
+    expected = ref_distribution(logits.double().tolist(), temperature, top_k, top_p, min_p)
+    kept = {i for i, q in enumerate(expected) if q > 0}
+    assert 1 < len(kept) <= vocab
+
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=7)
+    batch = logits.unsqueeze(0).expand(N_DRAWS, vocab)
+    tokens, _ = sample_next(batch, params, None, make_generator(params))
+    counts = torch.bincount(tokens, minlength=vocab).tolist()
+
+    # Never outside the kept set.
+    assert all(counts[i] == 0 for i in range(vocab) if i not in kept), counts
+    # Pearson chi-square against the hand-computed renormalised distribution.
+    stat = sum((counts[i] - N_DRAWS * expected[i]) ** 2 / (N_DRAWS * expected[i]) for i in kept)
+    assert stat < chi2_quantile(len(kept) - 1), (stat, counts, expected)
+
+
+def test_topk_topp_never_sample_outside_kept_set_random_rows():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4096, 40, generator=g) * 3
+    for params in (SamplingParams(top_k=3), SamplingParams(top_p=0.5), SamplingParams(top_k=6, top_p=0.8)):
+        tokens, _ = sample_next(logits, params, None, torch.Generator().manual_seed(0))
+        for row, tok in zip(logits.double().tolist(), tokens.tolist()):
+            ref = ref_distribution(row, 1.0, params.top_k, params.top_p, 0.0)
+            assert ref[tok] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# individual processors vs their formulas
+# ---------------------------------------------------------------------------------------------
+
+
+def kept_mask(out: torch.Tensor) -> list[list[bool]]:
+    return (out != NEG_INF).tolist()
+
+
+def test_topp_keeps_smallest_prefix_reaching_p_bruteforce():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(300, 50, generator=g, dtype=torch.float64) * torch.rand(300, 1, generator=g) * 4
+    ps = torch.rand(300, generator=g, dtype=torch.float64).clamp(0.01, 0.999).tolist()
+    checked = 0
+    for row, p in zip(logits, ps):
+        xs = row.tolist()
+        probs = softmax64(xs)
+        order = sorted(range(len(xs)), key=lambda i: (-xs[i], i))
+        cum, want = 0.0, set()
+        for i in order:
+            want.add(i)
+            cum += probs[i]
+            if cum >= p:
+                break
+        if abs(cum - p) < 1e-12:  # rounding decides; not a semantic case
+            continue
+        got = {i for i, k in enumerate(kept_mask(TopP(p)(row.unsqueeze(0), None))[0]) if k}
+        assert got == want
+        checked += 1
+    assert checked >= 295
+
+
+def test_topp_boundary_is_inclusive():
+    # Uniform probabilities 0.25 are exact in floating point: the prefix {0, 1} reaches p = 0.5 exactly.
+    logits = torch.zeros(1, 4, dtype=torch.float64)
+    assert kept_mask(TopP(0.5)(logits, None)) == [[True, True, False, False]]
+    assert kept_mask(TopP(0.5 + 1e-9)(logits, None)) == [[True, True, True, False]]
+    # Just below/above a cumulative sum of random float32 logits.
+    row = torch.tensor([[2.0, 0.5, 1.0, -1.0, 0.0]])
+    cum = torch.softmax(row.double(), -1).sort(descending=True).values.cumsum(-1)[0].tolist()
+    for m in range(1, 4):
+        assert sum(kept_mask(TopP(cum[m - 1] - 1e-6)(row, None))[0]) == m
+        assert sum(kept_mask(TopP(cum[m - 1] + 1e-6)(row, None))[0]) == m + 1
+    # A tiny p still keeps the top token.
+    assert kept_mask(TopP(1e-9)(row, None)) == [[True, False, False, False, False]]
+
+
+def test_topk_keeps_exactly_k_with_ties_and_disables():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0]])
+    out = TopK(2)(logits, None)
+    assert sum(kept_mask(out)[0]) == 2
+    assert set(torch.topk(logits, 2).indices[0].tolist()) == {i for i, k in enumerate(kept_mask(out)[0]) if k}
+    assert torch.equal(TopK(0)(logits, None), logits)
+    assert torch.equal(TopK(5)(logits, None), logits)
+    assert torch.equal(TopK(99)(logits, None), logits)
+    out = TopK(3)(torch.tensor([[0.1, 0.5, -2.0, 0.4, 0.3]]), None)
+    assert out.tolist() == [[NEG_INF, pytest.approx(0.5), NEG_INF, pytest.approx(0.4), pytest.approx(0.3)]]
+
+
+def test_temperature_formula():
+    logits = torch.tensor([[1.0, -2.0, 0.5]])
+    assert torch.equal(Temperature(1.0)(logits, None), logits)
+    assert torch.allclose(Temperature(0.5)(logits, None), torch.tensor([[2.0, -4.0, 1.0]]))
+    assert torch.allclose(Temperature(4.0)(logits, None), torch.tensor([[0.25, -0.5, 0.125]]))
+
+
+def test_minp_formula():
+    rows = [[2.0, 1.0, 0.0, -1.0, 1.9, -3.0], [0.3, 0.2, 0.25, -0.4, 0.0, 0.31]]
+    for min_p in (0.05, 0.3, 0.5, 0.9):
+        out = MinP(min_p)(torch.tensor(rows), None).tolist()
+        for row, got in zip(rows, out):
+            probs = softmax64(row)
+            pmax = max(probs)
+            for x, p, y in zip(row, probs, got):
+                assert y == (pytest.approx(x) if p >= min_p * pmax else NEG_INF)
+    logits = torch.tensor(rows)
+    assert torch.equal(MinP(0.0)(logits, None), logits)
+    assert kept_mask(MinP(1.0)(logits, None)) == [[True] + [False] * 5, [False] * 5 + [True]]
+
+
+def test_repetition_penalty_formula():
+    rows = [[2.0, -1.0, 0.5, -0.3, 0.0, 3.0], [1.0, 1.0, -2.0, 4.0, -0.5, 0.25]]
+    # -100 (padding) and 99 (beyond the vocabulary) are ignored.
+    generated = torch.tensor([[0, 1, 1, 4, -100], [3, 2, 99, 3, 3]])
+    for r in (1.3, 0.7):
+        out = RepetitionPenalty(r)(torch.tensor(rows), generated).tolist()
+        for row, hist, got in zip(rows, generated.tolist(), out):
+            for v, x in enumerate(row):
+                want = (x / r if x > 0 else x * r) if v in hist else x
+                assert got[v] == pytest.approx(want)
+    logits = torch.tensor(rows)
+    assert torch.equal(RepetitionPenalty(1.5)(logits, None), logits)
+    assert torch.equal(RepetitionPenalty(1.0)(logits, generated), logits)
+
+
+def test_frequency_and_presence_penalty_formula():
+    rows = [[2.0, -1.0, 0.5, -0.3, 0.0], [1.0, 1.0, -2.0, 4.0, -0.5]]
+    generated = torch.tensor([[0, 1, 1, 1, 4, -1], [3, 3, 2, 3, 3, 7]])
+    f, p = 0.4, 0.7
+    freq = FrequencyPenalty(f)(torch.tensor(rows), generated).tolist()
+    pres = PresencePenalty(p)(torch.tensor(rows), generated).tolist()
+    both = PresencePenalty(p)(FrequencyPenalty(f)(torch.tensor(rows), generated), generated).tolist()
+    for b, (row, hist) in enumerate(zip(rows, generated.tolist())):
+        for v, x in enumerate(row):
+            count = 0
+            for t in hist:
+                if t == v:
+                    count += 1
+            assert freq[b][v] == pytest.approx(x - count * f)
+            assert pres[b][v] == pytest.approx(x - (count > 0) * p)
+            assert both[b][v] == pytest.approx(x - count * f - (count > 0) * p)
+
+
+def test_one_dimensional_history_is_shared_by_all_rows():
+    logits = torch.zeros(3, 4)
+    out = FrequencyPenalty(1.0)(logits, torch.tensor([2, 2, 0]))
+    assert out.tolist() == [[-1.0, 0.0, -2.0, 0.0]] * 3
+
+
+def test_processors_do_not_modify_input():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 30, generator=g)
+    before = logits.clone()
+    hist = torch.randint(0, 30, (4, 7), generator=g)
+    for proc in (Temperature(0.7), TopK(5), TopP(0.8), MinP(0.2), RepetitionPenalty(1.4),
+                 FrequencyPenalty(0.5), PresencePenalty(0.5)):
+        proc(logits, hist)
+        assert torch.equal(logits, before), proc
+
+
+def test_fused_topk_topp_equals_sequential():
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(64, 500, generator=g) * 2
+    for k, p in ((2, 0.5), (5, 0.9), (40, 0.3), (499, 0.95), (500, 0.8)):
+        fused = build_processors(SamplingParams(top_k=k, top_p=p))
+        assert len(fused) == 1
+        assert torch.equal(fused[0](logits, None), TopP(p)(TopK(k)(logits, None), None)), (k, p)
+
+
+# ---------------------------------------------------------------------------------------------
+# processor chain and sampler
+# ---------------------------------------------------------------------------------------------
+
+
+def test_build_processors_order_and_noops():
+    assert build_processors(SamplingParams()) == []
+    procs = build_processors(
+        SamplingParams(
+            temperature=0.7, top_k=0, top_p=0.9, min_p=0.1,
+            repetition_penalty=1.2, frequency_penalty=0.1, presence_penalty=0.2,
+        )
+    )
+    assert [type(p) for p in procs] == [
+        RepetitionPenalty, FrequencyPenalty, PresencePenalty, Temperature, TopP, MinP,
+    ]
+    assert [type(p) for p in build_processors(SamplingParams(top_k=4))] == [TopK]
+    # Greedy keeps only what can move the argmax.
+    greedy = SamplingParams(temperature=0, top_p=0.5, repetition_penalty=2.0)
+    assert [type(p) for p in build_processors(greedy)] == [RepetitionPenalty]
+
+
+def test_default_and_topk_paths_do_not_sort(monkeypatch):
+    def no_sort(*args, **kwargs):
+        raise AssertionError("full-vocabulary sort on a path that does not need one")
+
+    monkeypatch.setattr(torch, "sort", no_sort)
+    logits = torch.randn(2, 1000)
+    cases = (
+        SamplingParams(),
+        SamplingParams(top_k=20, top_p=0.9, temperature=0.5),
+        SamplingParams(min_p=0.5),
+    )
+    for params in cases:
+        tokens, _ = sample_next(logits, params, None, torch.Generator().manual_seed(0))
+        assert tokens.shape == (2,)
+
+
+def test_same_seed_same_samples():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(256, 100, generator=g)
+    params = SamplingParams(temperature=1.2, top_p=0.95, seed=42)
+    a, la = sample_next(logits, params, None, make_generator(params))
+    b, lb = sample_next(logits, params, None, make_generator(params))
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    c, _ = sample_next(logits, params, None, torch.Generator().manual_seed(43))
+    assert not torch.equal(a, c)
+    assert make_generator(SamplingParams()) is None
+
+
+def test_temperature_zero_is_argmax_and_tiny_temperature_is_greedy():
+    g = torch.Generator().manual_seed(8)
+    # Distinct values 0.02 apart stay distinct in fp16/bf16 (no ties, so the argmax is unique).
+    logits = torch.stack([torch.randperm(300, generator=g) for _ in range(512)]).float() / 50 - 3
+    want = logits.argmax(-1)
+    tokens, _ = sample_next(logits, SamplingParams(temperature=0.0), None, None)
+    assert torch.equal(tokens, want)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = logits.to(dtype)
+        gen = torch.Generator().manual_seed(1)
+        tokens, logprobs = sample_next(x, SamplingParams(temperature=1e-6), None, gen)
+        assert torch.equal(tokens, x.float().argmax(-1)), dtype
+        assert torch.isfinite(logprobs).all()
+    # top_k=1 and min_p=1 leave one token, which is the argmax.
+    for params in (SamplingParams(top_k=1), SamplingParams(min_p=1.0), SamplingParams(top_p=1e-9)):
+        tokens, _ = sample_next(logits, params, None, torch.Generator().manual_seed(1))
+        assert torch.equal(tokens, want)
+
+
+def test_greedy_applies_penalties():
+    logits = torch.tensor([[3.0, 2.9, 1.0]])
+    params = SamplingParams(temperature=0, repetition_penalty=1.2)
+    tokens, _ = sample_next(logits, params, torch.tensor([[0]]))
+    assert tokens.tolist() == [1]
+
+
+def test_logprobs_are_raw_model_logprobs():
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(128, 64, generator=g) * 2
+    hist = torch.randint(0, 64, (128, 5), generator=g)
+    params = SamplingParams(temperature=0.5, top_k=10, repetition_penalty=1.3, seed=0)
+    tokens, logprobs = sample_next(logits, params, hist, make_generator(params))
+    assert logprobs.dtype == torch.float32 and tokens.dtype == torch.long
+    rows = logits.double().tolist()
+    for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+        assert lp == pytest.approx(math.log(softmax64(row)[tok]), abs=1e-5)
+
+
+def test_sample_next_rejects_bad_shape():
+    with pytest.raises(ValueError):
+        sample_next(torch.zeros(5), SamplingParams())
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.1),
+        ("temperature", float("inf")),
+        ("temperature", float("nan")),
+        ("temperature", "hot"),
+        ("top_p", 0.0),
+        ("top_p", -0.5),
+        ("top_p", 1.01),
+        ("top_p", float("nan")),
+        ("top_k", -1),
+        ("top_k", 2.5),
+        ("top_k", True),
+        ("min_p", -0.01),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", float("inf")),
+        ("frequency_penalty", float("nan")),
+        ("presence_penalty", float("-inf")),
+        ("max_new_tokens", -1),
+        ("max_new_tokens", 1.5),
+        ("seed", -3),
+        ("seed", 2**64),
+        ("stop_token_ids", (1, -2)),
+        ("stop_strings", ("ok", "")),
+        ("stop_strings", "</s>"),
+    ],
+)
+def test_invalid_values_raise_generation_error_naming_field(field, value):
+    params = SamplingParams(**{field: value})
+    with pytest.raises(GenerationError, match=field):
+        params.validate()
+    with pytest.raises(GenerationError, match=field):
+        build_processors(params)
+
+
+def test_valid_edge_values_pass():
+    SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=1.0, max_new_tokens=0, seed=0).validate()
+    SamplingParams(min_p=0.0, repetition_penalty=0.01, frequency_penalty=-2, presence_penalty=2).validate()
+    SamplingParams(stop_token_ids=[0, 2], stop_strings=["\n\n"], seed=2**64 - 1).validate()
+
+
+@pytest.mark.parametrize(
+    "ctor,value,field",
+    [
+        (Temperature, 0.0, "temperature"),
+        (Temperature, -1.0, "temperature"),
+        (TopK, -1, "top_k"),
+        (TopP, 0.0, "top_p"),
+        (MinP, 2.0, "min_p"),
+        (RepetitionPenalty, 0.0, "repetition_penalty"),
+        (FrequencyPenalty, float("nan"), "frequency_penalty"),
+        (PresencePenalty, float("inf"), "presence_penalty"),
+    ],
+)
+def test_processor_constructors_validate(ctor, value, field):
+    with pytest.raises(GenerationError, match=field):
+        ctor(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# parity with Hugging Face transformers
+# ---------------------------------------------------------------------------------------------
+
+
+def test_processors_match_transformers():
+    lp = pytest.importorskip("transformers.generation.logits_process")
+    g = torch.Generator().manual_seed(21)
+    logits = torch.randn(32, 1000, generator=g) * 3  # continuous: no ties
+    input_ids = torch.randint(0, 1000, (32, 20), generator=g)
+
+    def same(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+        assert torch.equal(ours == NEG_INF, theirs == NEG_INF)
+        finite = ours != NEG_INF
+        torch.testing.assert_close(ours[finite], theirs[finite], rtol=1e-6, atol=1e-6)
+
+    for t in (0.3, 1.0, 2.5):
+        same(Temperature(t)(logits, None), lp.TemperatureLogitsWarper(t)(input_ids, logits.clone()))
+    for k in (1, 7, 50, 999, 1000, 5000):
+        same(TopK(k)(logits, None), lp.TopKLogitsWarper(k)(input_ids, logits.clone()))
+    for p in (0.05, 0.3, 0.9, 0.99):
+        same(TopP(p)(logits, None), lp.TopPLogitsWarper(p)(input_ids, logits.clone()))
+    for p in (0.01, 0.1, 0.5, 1.0):
+        same(MinP(p)(logits, None), lp.MinPLogitsWarper(p)(input_ids, logits.clone()))
+    for r in (0.8, 1.3, 2.0):
+        theirs = lp.RepetitionPenaltyLogitsProcessor(r)(input_ids, logits.clone())
+        same(RepetitionPenalty(r)(logits, input_ids), theirs)
+
+
+def test_topk_ties_differ_from_transformers_as_documented():
+    lp = pytest.importorskip("transformers.generation.logits_process")
+    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0]])
+    ours = TopK(2)(logits, None)
+    theirs = lp.TopKLogitsWarper(2)(torch.zeros(1, 1, dtype=torch.long), logits.clone())
+    assert int((ours != NEG_INF).sum()) == 2
+    assert int((theirs != NEG_INF).sum()) == 3  # HF keeps every token tied with the k-th
