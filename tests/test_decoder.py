@@ -88,3 +88,20 @@ def test_forward_is_compilable_without_graph_breaks():
     model = DecoderLM(cfg)
     explanation = torch._dynamo.explain(model)(torch.randint(0, 32, (2, 8)))
     assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+def test_per_row_cache_positions_equal_separate_decoding():
+    """Continuous batching: rows at different positions decode together like each alone."""
+    cfg = ModelConfig(vocab_size=60, d_model=32, n_layer=2, n_head=4, n_kv_head=2, max_seq_len=32)
+    model = DecoderLM(cfg).eval()
+    prompts = [torch.randint(0, 60, (n,)) for n in (9, 4, 6)]
+    nxt = torch.randint(0, 60, (3,))
+    with torch.no_grad():
+        cache = model.new_cache(3)
+        for i, p in enumerate(prompts):  # prefill each request into its own slot
+            model(p[None], cache=cache.row_view(i))
+        pos = torch.tensor([len(p) for p in prompts])
+        step = model(nxt[:, None], cache=cache, cache_positions=pos)
+        for i, p in enumerate(prompts):
+            alone = model(torch.cat([p, nxt[i : i + 1]])[None])[0, -1]
+            torch.testing.assert_close(step[i, 0], alone, atol=1e-5, rtol=1e-5)

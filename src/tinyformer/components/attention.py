@@ -122,10 +122,13 @@ class SelfAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         mask: torch.Tensor | None = None,
         cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-        start: int = 0,
+        start: int | torch.Tensor = 0,
+        kv_len: int = 0,
     ) -> torch.Tensor:
         """x (B, T, d); rope = (cos, sin) for these T positions; mask (B|1, 1, T, S) bool or None;
-        cache = this layer's preallocated (k, v) buffers (B, H_kv, L, d_head), filled up to ``start``."""
+        cache = this layer's preallocated (k, v) buffers (B, H_kv, L, d_head), filled up to ``start``.
+        ``start`` may be a (B,) tensor of per-row positions (then T must be 1, the first ``kv_len``
+        cache positions are attended and ``mask`` says which of them each row may see)."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, d_head)
@@ -133,7 +136,14 @@ class SelfAttention(nn.Module):
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if cache is not None:
+        if cache is not None and isinstance(start, torch.Tensor):
+            # per-row positions (continuous batching): row b writes its one new token at start[b]
+            k_cache, v_cache = cache
+            rows = torch.arange(B, device=x.device)
+            k_cache[rows, :, start] = k[:, :, 0]
+            v_cache[rows, :, start] = v[:, :, 0]
+            k, v = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+        elif cache is not None:
             k_cache, v_cache = cache
             k_cache[:, :, start : start + T] = k
             v_cache[:, :, start : start + T] = v

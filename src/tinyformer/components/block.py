@@ -35,11 +35,12 @@ class Block(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         mask: torch.Tensor | None = None,
         cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-        start: int = 0,
+        start: int | torch.Tensor = 0,
+        kv_len: int = 0,
     ) -> torch.Tensor:
         """x (B, T, d) -> (B, T, d)."""
         if self.pre_norm:
-            x = x + self.drop(self.attn(self.attn_norm(x), rope, mask, cache, start))
+            x = x + self.drop(self.attn(self.attn_norm(x), rope, mask, cache, start, kv_len))
             return x + self.drop(self.ffn(self.ffn_norm(x)))
-        x = self.attn_norm(x + self.drop(self.attn(x, rope, mask, cache, start)))
+        x = self.attn_norm(x + self.drop(self.attn(x, rope, mask, cache, start, kv_len)))
         return self.ffn_norm(x + self.drop(self.ffn(x)))

@@ -43,6 +43,15 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)
 
+    def row_view(self, start: int, stop: int | None = None) -> KVCache:
+        """A cache over rows [start, stop) that shares storage with this one (writes go through),
+        starting empty. Continuous batching prefills one request into its slot this way."""
+        stop = start + 1 if stop is None else stop
+        view = KVCache.__new__(KVCache)
+        view.max_len, view.batch_size, view.length = self.max_len, stop - start, 0
+        view.layers = [(k[start:stop], v[start:stop]) for k, v in self.layers]
+        return view
+
     def reorder(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` (beam search reorders hypotheses), in place."""
         self.layers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.layers]

@@ -106,9 +106,17 @@ class DecoderLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        cache_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids (B, T) -> final hidden states (B, T, d), after the final norm."""
+        """input_ids (B, T) -> final hidden states (B, T, d), after the final norm.
+
+        ``cache_positions`` (B,) decodes one token per row at a different position per row
+        (continuous batching): row b's token sits at cache_positions[b], sees cache positions
+        0 .. cache_positions[b], and RoPE/learned positions use that index too.
+        """
         B, T = input_ids.shape
+        if cache_positions is not None:
+            return self._decode_rows(input_ids, cache, cache_positions)
         start = cache.length if cache is not None else 0
         if cache is not None and start + T > cache.max_len:
             raise GenerationError(
@@ -145,6 +153,29 @@ class DecoderLM(nn.Module):
             cache.length = start + T
         return self.norm(x)
 
+    def _decode_rows(self, input_ids: torch.Tensor, cache: KVCache | None, pos: torch.Tensor) -> torch.Tensor:
+        if cache is None or input_ids.shape[1] != 1:
+            raise ValueError("cache_positions needs a KV cache and exactly one token per row")
+        kv_len = int(pos.max()) + 1
+        if kv_len > cache.max_len:
+            raise GenerationError(f"the KV cache holds {cache.max_len} positions; position {kv_len - 1} was asked")
+        if kv_len > self.cfg.max_seq_len and self.cfg.rope_type != "dynamic":
+            raise GenerationError(
+                f"position {kv_len - 1} is beyond the model's context (max_seq_len={self.cfg.max_seq_len})"
+            )
+        position_ids = pos[:, None]  # (B, 1)
+        x = self.tok_emb(input_ids)
+        if self.emb_scale != 1.0:
+            x = x * self.emb_scale
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(position_ids)
+        rope = self.rope(0, 1, position_ids) if self.rope is not None else None
+        keys = torch.arange(kv_len, device=input_ids.device)
+        mask = (keys[None, :] <= pos[:, None])[:, None, None, :]  # (B, 1, 1, kv_len)
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, mask, cache.layers[i], pos, kv_len)
+        return self.norm(x)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -152,11 +183,13 @@ class DecoderLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        cache_positions: torch.Tensor | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
         """Logits (B, T, vocab), or (B, 1, vocab) with ``last_only`` (prefill needs only the last row:
         the head is the largest matmul of a small model, so skipping T-1 rows of it matters)."""
-        h = self.hidden_states(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache)
+        h = self.hidden_states(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                               cache_positions=cache_positions)
         if last_only:
             h = h[:, -1:]
         return self.lm_head(h)

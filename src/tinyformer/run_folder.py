@@ -1,0 +1,210 @@
+"""The run folder: what `train` and `convert` write and every other command reads.
+
+    RUN/
+      config.json              ModelConfig (tinyformer's schema, with format_version)
+      model.safetensors        weights; large models: model-0000i-of-0000n.safetensors + model.safetensors.index.json
+      tokenizer.json           Hugging Face `tokenizers` format (char tokenizers too)
+      tokenizer_config.json    optional: chat template, special tokens
+      train.yaml, state/, metrics.jsonl, loss.png, samples.txt   (training runs only)
+
+Weights are read with safetensors only (never unpickled). Every file is written atomically
+(temporary file, fsync, rename), so a crash never leaves a half-written file in place of a good one.
+A tied LM head is stored once, as ``tok_emb.weight``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tinyformer.config import ModelConfig
+from tinyformer.errors import CheckpointError
+from tinyformer.utils.io import atomic_write_text, atomic_write_with
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 2 * 2**30
+
+
+def state_dict_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with tied tensors stored once (safetensors refuses shared storage)."""
+    sd = model.state_dict()
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and cfg.tie_embeddings and "lm_head.weight" in sd and "tok_emb.weight" in sd:
+        sd.pop("lm_head.weight")
+    return {k: v.detach().contiguous() for k, v in sd.items()}
+
+
+def save_tensors(run_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]],
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, metadata: dict[str, str] | None = None) -> list[str]:
+    """Write (name, tensor) pairs as one safetensors file, or shards plus an index when larger than
+    ``max_shard_bytes``. Tensors are consumed one by one: only one shard is held in memory."""
+    from safetensors.torch import save_file
+
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt", **(metadata or {})}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    written: list[tuple[str, list[str]]] = []
+    size = 0
+    total = 0
+    tmp_names: list[str] = []
+
+    def flush(final: bool) -> None:
+        nonlocal size
+        if not shards[-1]:
+            return
+        name = f"shard-{len(written):05d}.tmp.safetensors"
+        part = shards[-1]
+        atomic_write_with(run / name, lambda p: save_file(part, str(p), metadata=meta))
+        written.append((name, list(part)))
+        tmp_names.append(name)
+        shards[-1] = {}
+        size = 0
+
+    for key, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if size and size + nbytes > max_shard_bytes:
+            flush(False)
+        shards[-1][key] = tensor.detach().contiguous()
+        size += nbytes
+        total += nbytes
+    flush(True)
+    # rename the shards into place only once all of them are complete
+    if len(written) == 1:
+        (run / written[0][0]).replace(run / WEIGHTS)
+        (run / INDEX).unlink(missing_ok=True)
+        return [WEIGHTS]
+    n = len(written)
+    weight_map: dict[str, str] = {}
+    names = []
+    for i, (tmp, keys) in enumerate(written):
+        final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        (run / tmp).replace(run / final)
+        names.append(final)
+        weight_map.update({k: final for k in keys})
+    atomic_write_text(run / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                              indent=2))
+    (run / WEIGHTS).unlink(missing_ok=True)
+    return names
+
+
+def weight_files(run_dir: str | Path) -> list[Path]:
+    run = Path(run_dir)
+    if (run / INDEX).is_file():
+        try:
+            index = json.loads((run / INDEX).read_text())
+            files = sorted(set(index["weight_map"].values()))
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{run / INDEX} is not a valid safetensors index: {exc}") from None
+        return [run / f for f in files]
+    if (run / WEIGHTS).is_file():
+        return [run / WEIGHTS]
+    raise CheckpointError(f"no {WEIGHTS} (or {INDEX}) in {run}")
+
+
+def iter_tensors(run_dir: str | Path, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from the run's safetensors file(s), one at a time (memory-mapped)."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in weight_files(run_dir):
+        if not path.is_file():
+            raise CheckpointError(f"weight file {path} is missing")
+        try:
+            with safe_open(str(path), framework="pt", device=device) as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except SafetensorError as exc:
+            raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
+
+
+def save_model(run_dir: str | Path, model: nn.Module, cfg: ModelConfig | None = None,
+               max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None) -> None:
+    """Write config.json and the weights of ``model`` into ``run_dir``."""
+    cfg = cfg or model.cfg
+    sd = state_dict_for_saving(model)
+    items = ((k, v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in sd.items())
+    save_tensors(run_dir, items, max_shard_bytes)
+    cfg.save(Path(run_dir) / "config.json")
+
+
+def load_config(run_dir: str | Path) -> ModelConfig:
+    run = Path(run_dir)
+    if not run.exists():
+        raise CheckpointError(f"run folder {run} does not exist")
+    if not (run / "config.json").is_file():
+        raise CheckpointError(f"{run} has no config.json: is it a tinyformer run folder?")
+    return ModelConfig.load(run / "config.json")
+
+
+def rebuild_buffers(model: nn.Module, device: torch.device | str) -> None:
+    """Recompute non-persistent buffers (RoPE and sinusoidal tables) after a meta-device build."""
+    from tinyformer.components.positions import SinusoidalPositions, sinusoidal_table
+    from tinyformer.components.rope import RotaryEmbedding, rope_inv_freq
+
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            inv_freq, module.attention_factor = rope_inv_freq(module.cfg)
+            inv_freq = inv_freq.to(device)
+            cos, sin = module._tables(inv_freq, module.cfg.max_seq_len, module.attention_factor)
+            module.inv_freq, module.cos_cached, module.sin_cached = inv_freq, cos, sin
+        elif isinstance(module, SinusoidalPositions):
+            module.table = sinusoidal_table(module.table.shape[0], module.table.shape[1]).to(device)
+
+
+def load_state_into(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """Load named tensors into ``model`` strictly: shape mismatches, missing and unknown names are errors."""
+    own = model.state_dict()
+    cfg = getattr(model, "cfg", None)
+    tied = cfg is not None and getattr(cfg, "tie_embeddings", False) and "lm_head.weight" in own
+    expected = set(own) - ({"lm_head.weight"} if tied else set())
+    seen: set[str] = set()
+    loaded: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors:
+        if key not in own or key not in expected:
+            raise CheckpointError(f"{source}: unexpected tensor {key!r} (not part of this model's config)")
+        if tuple(tensor.shape) != tuple(own[key].shape):
+            raise CheckpointError(
+                f"{source}: tensor {key!r} has shape {tuple(tensor.shape)}, the config needs {tuple(own[key].shape)}"
+            )
+        loaded[key] = tensor
+        seen.add(key)
+    missing = sorted(expected - seen)
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"{source}: missing tensor(s) {', '.join(missing[:5])}{more}")
+    model.load_state_dict(loaded, strict=False, assign=True)
+    if tied:
+        model.lm_head.weight = model.tok_emb.weight
+
+
+def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               cfg: ModelConfig | None = None) -> nn.Module:
+    """Build the model of ``run_dir`` without a random init (meta device) and load its weights."""
+    from tinyformer.models import build_model
+
+    cfg = cfg or load_config(run_dir)
+    with torch.device("meta"):
+        model = build_model(cfg)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for k, v in iter_tensors(run_dir):
+            v = v.to(device)
+            yield k, (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+
+    load_state_into(model, tensors(), str(run_dir))
+    rebuild_buffers(model, device)
+    return model.eval()
+
+
+def load_tokenizer(run_dir: str | Path):  # -> tinyformer.data.tokenizer.Tokenizer
+    from tinyformer.data.tokenizer import Tokenizer
+
+    path = Path(run_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"{run_dir} has no tokenizer.json")
+    return Tokenizer.load(path)
