@@ -17,11 +17,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tinyformer.components.block import Block
 from tinyformer.components.kv_cache import KVCache
+from tinyformer.components.loss import linear_cross_entropy
 from tinyformer.components.norm import build_norm
 from tinyformer.components.positions import LearnedPositions, SinusoidalPositions
 from tinyformer.components.rope import RotaryEmbedding
@@ -194,10 +194,14 @@ class DecoderLM(nn.Module):
             h = h[:, -1:]
         return self.lm_head(h)
 
-    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Mean next-token cross-entropy: -1/N sum_t log softmax(logits_t)[targets_t] over targets != ignore_index."""
-        logits = self(input_ids)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=ignore_index)
+    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy: -1/N sum_t log softmax(logits_t)[targets_t] over targets != ignore_index.
+
+        The head and the cross-entropy are fused (components/loss.py): same value, but the (B, T, vocab)
+        logit matrix is never stored, which is most of a small model's activation memory."""
+        h = self.hidden_states(input_ids, attention_mask=attention_mask)
+        return linear_cross_entropy(h, self.lm_head.weight, targets, ignore_index)
 
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         p = self.tok_emb.weight
