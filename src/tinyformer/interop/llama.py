@@ -2,19 +2,28 @@
 
 RoPE convention: both sides use the half-split pairing (dimension i rotates with i + d_head/2),
 so q/k rows are copied unpermuted. (Meta's original checkpoints and GGUF files pair adjacent
-dimensions; their importers permute W_q and W_k rows before calling this adapter.)
+dimensions; their importers permute W_q and W_k rows before calling this adapter, see ``interop/gguf.py``.)
 
 Name mapping, per layer i (HF  ->  tinyformer):
   model.embed_tokens.weight                        tok_emb.weight
   model.layers.i.input_layernorm.weight            blocks.i.attn_norm.weight
   model.layers.i.self_attn.{q,k,v}_proj.weight     blocks.i.attn.qkv.weight   (rows: q, then k, then v)
-  model.layers.i.self_attn.{q,k,v}_proj.bias       blocks.i.attn.qkv.bias     (Qwen2)
-  model.layers.i.self_attn.o_proj.weight           blocks.i.attn.out.weight
+  model.layers.i.self_attn.{q,k,v}_proj.bias       blocks.i.attn.qkv.bias     (Qwen2; Llama attention_bias)
+  model.layers.i.self_attn.o_proj.{weight,bias}    blocks.i.attn.out.{weight,bias}
   model.layers.i.post_attention_layernorm.weight   blocks.i.ffn_norm.weight
   model.layers.i.mlp.{gate,up}_proj.weight         blocks.i.ffn.gate_up.weight (rows: gate, then up)
   model.layers.i.mlp.down_proj.weight              blocks.i.ffn.down.weight
   model.norm.weight                                norm.weight
   lm_head.weight                                   lm_head.weight (absent when tied)
+
+The three architectures differ only in their biases: Llama has ``attention_bias`` (q, k, v *and* o)
+and ``mlp_bias``; Qwen2 always has q/k/v biases and nothing else; Mistral has none. Mistral and Qwen2
+may declare a sliding attention window: within a context no longer than the window it is plain causal
+attention, so the import keeps the model exact by limiting ``max_seq_len`` to the window.
+
+An imported config remembers the Hugging Face ``config.json`` it came from (``extra["hf_config"]``).
+Exporting a model whose shape still equals that config writes the original back unchanged, so an
+import/export round trip gives identical config fields; a changed model gets a freshly built config.
 """
 
 from __future__ import annotations
@@ -24,36 +33,88 @@ from typing import Any
 
 import torch
 
-from tinyformer.config import ModelConfig
+from tinyformer.config import ROPE_SCALING_KEYS, ModelConfig
 from tinyformer.errors import ConfigError
+from tinyformer.interop.adapter import Adapter
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from HF's ``rope_parameters`` (transformers 5) or ``rope_scaling``/``rope_theta``
+    (transformers 4)."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"rope_parameters must be a mapping, got {params!r}")
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ConfigError("per-layer-type rope_parameters are not supported")
+    params = dict(params)
+    theta = params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
+    partial = params.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0
+    if partial != 1.0:
+        raise ConfigError(f"partial_rotary_factor={partial} (RoPE on part of each head) is not supported")
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    if kind == "default":
+        return float(theta), None
+    if kind not in ROPE_SCALING_KEYS:
+        raise ConfigError(f"rope_type {kind!r} is not supported (supported: default, {', '.join(ROPE_SCALING_KEYS)})")
+    if kind == "dynamic":
+        # transformers' dynamic NTK always scales from max_position_embeddings (it ignores any
+        # original_max_position_embeddings), and so does tinyformer when the key is absent
+        params.pop("original_max_position_embeddings", None)
+    if kind in ("yarn", "llama3"):
+        params.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings")
+                          or hf["max_position_embeddings"])
+    unknown = sorted(set(params) - set(ROPE_SCALING_KEYS[kind]))
+    if unknown:
+        raise ConfigError(f"rope_parameters key(s) {', '.join(unknown)} are not supported for rope_type {kind!r}")
+    return float(theta), {"rope_type": kind, **params}
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
-    """A tinyformer ModelConfig from a Hugging Face Llama/Mistral/Qwen2 ``config.json`` dict."""
-    arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+    """A tinyformer ModelConfig from a Hugging Face Llama/Mistral/Qwen2 ``config.json`` dict.
+
+    Raises ConfigError naming the option that tinyformer cannot represent exactly."""
     model_type = hf.get("model_type", "llama")
-    if model_type not in ("llama", "mistral", "qwen2"):
+    arch = (hf.get("architectures") or [ARCHITECTURES.get(model_type, "?")])[0]
+    if model_type not in MODEL_TYPES:
         raise ConfigError(f"model_type {model_type!r} ({arch}) is not supported by the Llama adapter")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act {hf.get('hidden_act')!r} is not supported (Llama uses 'silu')")
-    rope_params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = rope_params.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
-    rope_params.pop("partial_rotary_factor", None)
-    kind = rope_params.get("rope_type", rope_params.get("type", "default"))
-    if "type" in rope_params:
-        rope_params["rope_type"] = rope_params.pop("type")
-    rope_scaling = None if kind == "default" else rope_params
-    if rope_scaling is not None and kind == "dynamic":
-        # HF's dynamic NTK scales from max_position_embeddings
-        rope_scaling.setdefault("original_max_position_embeddings", hf["max_position_embeddings"])
-    if rope_scaling is not None and kind in ("yarn", "llama3"):
-        rope_scaling.setdefault("original_max_position_embeddings", hf["max_position_embeddings"])
-    if hf.get("sliding_window") and hf.get("use_sliding_window", model_type == "mistral"):
-        if hf["sliding_window"] < hf["max_position_embeddings"]:
-            raise ConfigError(f"sliding_window={hf['sliding_window']} attention is not supported")
+    if not str(arch).endswith("ForCausalLM") and arch != "LlamaModel":
+        raise ConfigError(f"architecture {arch!r} is not supported (only *ForCausalLM language models)")
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise ConfigError(f"quantization_config (quant_method {method!r}): pre-quantized checkpoints are not "
+                          "supported; convert the unquantized model")
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ConfigError(f"hidden_act {act!r} is not supported (Llama/Mistral/Qwen2 use 'silu')")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size", "max_position_embeddings") if k not in hf]
+    if missing:
+        raise ConfigError(f"config.json lacks {', '.join(missing)}")
+    theta, rope_scaling = _rope_from_hf(hf)
+    max_seq_len = int(hf["max_position_embeddings"])
+    window = hf.get("sliding_window")
+    uses_window = window is not None and {
+        "mistral": True,
+        "qwen2": bool(hf.get("use_sliding_window")) and "sliding_attention" in (hf.get("layer_types")
+                                                                                  or ["sliding_attention"]),
+    }.get(model_type, False)
+    if uses_window and window < max_seq_len:
+        if rope_scaling and rope_scaling["rope_type"] == "dynamic":
+            raise ConfigError(f"sliding_window={window} with dynamic RoPE scaling is not supported")
+        max_seq_len = int(window)  # full causal attention == sliding-window attention up to the window
     n_head = hf["num_attention_heads"]
+    pad = hf.get("pad_token_id")
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
-    qkv_bias = bool(hf.get("attention_bias", model_type == "qwen2"))
+    if model_type == "qwen2":
+        qkv_bias, out_bias, mlp_bias = True, False, False
+    elif model_type == "mistral":
+        qkv_bias = out_bias = mlp_bias = False
+    else:
+        qkv_bias = out_bias = bool(hf.get("attention_bias", False))
+        mlp_bias = bool(hf.get("mlp_bias", False))
     return ModelConfig(
         arch="decoder",
         vocab_size=hf["vocab_size"],
@@ -63,43 +124,91 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         n_kv_head=hf.get("num_key_value_heads") or n_head,
         head_dim=head_dim,
         d_ff=hf["intermediate_size"],
-        max_seq_len=hf["max_position_embeddings"],
+        max_seq_len=max_seq_len,
         norm="rmsnorm",
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         pos="rope",
-        rope_theta=float(theta),
+        rope_theta=theta,
         rope_scaling=rope_scaling,
         ffn="swiglu",
         attn_bias=qkv_bias,
-        attn_out_bias=bool(hf.get("attention_bias", False)),
-        mlp_bias=bool(hf.get("mlp_bias", False)),
+        attn_out_bias=out_bias,
+        mlp_bias=mlp_bias,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attn_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
+        pad_token_id=pad if isinstance(pad, int) and 0 <= pad < hf["vocab_size"] else None,
+        extra={"source": model_type, "hf_config": dict(hf)},
     )
 
 
-def check_llama_compatible(cfg: ModelConfig) -> None:
-    """Raise ConfigError naming the first option Hugging Face's Llama/Qwen2 cannot express."""
+def export_problem(cfg: ModelConfig) -> str | None:
+    """Why ``cfg`` cannot be written as Llama/Mistral/Qwen2, or None when it can."""
     wanted = {"arch": "decoder", "norm": "rmsnorm", "norm_placement": "pre", "pos": "rope", "ffn": "swiglu",
               "final_norm": True, "embed_scale": False, "type_vocab_size": 0}
     for key, value in wanted.items():
         if getattr(cfg, key) != value:
-            raise ConfigError(f"{key}={getattr(cfg, key)!r} cannot be exported as Llama/Qwen2 (needs {value!r})")
-    if cfg.attn_out_bias and not cfg.attn_bias:
-        raise ConfigError("attn_out_bias without attn_bias cannot be exported as Llama/Qwen2")
+            return f"{key}={getattr(cfg, key)!r} cannot be exported as Llama/Qwen2 (needs {value!r})"
+    return None
+
+
+def export_model_type(cfg: ModelConfig) -> str:
+    """The HF architecture a model is written as: the one it was imported from when it can still express
+    it (Qwen2 = q/k/v biases only; Mistral = no biases), Llama otherwise.
+
+    A new model with q/k/v biases is written as Llama with ``attention_bias`` (and an all-zero o_proj
+    bias, which changes nothing) rather than as Qwen2, because transformers 5 ignores the
+    tokenizer.json pre-tokenizer of any model whose model_type is qwen2 and imposes Qwen2's."""
+    original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
+    wanted = original.get("model_type") if isinstance(original, dict) else None
+    if wanted == "qwen2" and cfg.attn_bias and not cfg.attn_out_bias and not cfg.mlp_bias:
+        return "qwen2"
+    if wanted == "mistral" and not (cfg.attn_bias or cfg.attn_out_bias or cfg.mlp_bias):
+        return "mistral"
+    return "llama"
+
+
+def check_llama_compatible(cfg: ModelConfig) -> None:
+    """Raise ConfigError naming the first option Hugging Face's Llama/Qwen2 cannot express."""
+    problem = export_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _same_model(a: ModelConfig, b: ModelConfig) -> bool:
+    da, db = a.to_dict(), b.to_dict()
+    da.pop("extra"), db.pop("extra")
+    return da == db
 
 
 def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
-    """A Hugging Face config dict: Qwen2 when only q/k/v carry biases, Llama otherwise."""
+    """A Hugging Face config dict: the imported original when the model is unchanged, else a fresh one for
+    the architecture ``export_model_type`` picks."""
     check_llama_compatible(cfg)
-    qwen2 = cfg.attn_bias and not cfg.attn_out_bias
+    original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
+    if isinstance(original, dict):
+        try:
+            unchanged = _same_model(config_from_hf(original), cfg)
+        except ConfigError:
+            unchanged = False
+        if unchanged:
+            hf = dict(original)
+            if "torch_dtype" in hf or "dtype" not in hf:
+                hf["torch_dtype"] = torch_dtype
+            hf["dtype"] = torch_dtype
+            return hf
+    model_type = export_model_type(cfg)
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    max_positions = cfg.max_seq_len
     if cfg.rope_scaling:
-        rope_parameters = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+        rope_parameters = {k: v for k, v in cfg.rope_scaling.items() if k != "type"}
         rope_parameters["rope_type"] = cfg.rope_type
-        rope_parameters.pop("type", None)
+        rope_parameters["rope_theta"] = cfg.rope_theta
+        if cfg.rope_type == "dynamic":
+            # transformers scales dynamic NTK from max_position_embeddings: make that the original length
+            max_positions = int(rope_parameters.pop("original_max_position_embeddings", None) or cfg.max_seq_len)
     hf: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen2 else "llama",
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff,
@@ -107,27 +216,38 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         "num_attention_heads": cfg.n_head,
         "num_key_value_heads": cfg.n_kv_head,
         "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.max_seq_len,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": cfg.norm_eps,
         "hidden_act": "silu",
         "rope_theta": cfg.rope_theta,
         "rope_parameters": rope_parameters,
         "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_dropout": cfg.attn_dropout,
         "torch_dtype": torch_dtype,
         "dtype": torch_dtype,
     }
     if cfg.rope_scaling:
-        hf["rope_scaling"] = dict(rope_parameters)
-    if not qwen2:
-        hf["attention_bias"] = cfg.attn_bias
+        hf["rope_scaling"] = dict(rope_parameters)  # the transformers 4 spelling, for older readers
+    if model_type == "llama":
+        hf["attention_bias"] = cfg.attn_bias or cfg.attn_out_bias
         hf["mlp_bias"] = cfg.mlp_bias
+    else:
+        hf["sliding_window"] = None
+        hf["use_sliding_window"] = False
+    if isinstance(original, dict):  # keep the special-token ids of an imported model
+        for key in ("bos_token_id", "eos_token_id"):
+            if key in original:
+                hf[key] = original[key]
+    if cfg.pad_token_id is not None:
+        hf["pad_token_id"] = cfg.pad_token_id
     return hf
 
 
 def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (tinyformer name, tensor), one tensor at a time, from a HF state dict (or lazy mapping).
 
-    Raises ConfigError naming a missing tensor. Callers check that every HF tensor was consumed."""
+    Raises ConfigError naming a missing tensor. Callers check that every HF tensor was consumed.
+    At most one layer's q/k/v (or gate/up) tensors exist twice at any time (the concatenation)."""
 
     def get(name: str) -> torch.Tensor:
         if name not in hf_sd:
@@ -157,8 +277,12 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Ite
 
 
 def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor) from a tinyformer state dict; the inverse of ``hf_to_tinyformer``."""
+    """Yield (HF name, tensor) from a tinyformer state dict; the inverse of ``hf_to_tinyformer``.
+
+    Llama has either all four attention biases or none: a model with only some of them gets the others
+    as zeros (adding zero changes nothing)."""
     q, kv, f = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.d_ff
+    llama_bias = export_model_type(cfg) == "llama" and (cfg.attn_bias or cfg.attn_out_bias)
     yield "model.embed_tokens.weight", sd["tok_emb.weight"]
     for i in range(cfg.n_layer):
         p, a = f"model.layers.{i}.", f"blocks.{i}."
@@ -168,9 +292,16 @@ def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterat
         if cfg.attn_bias:
             for name, part in zip("qkv", sd[a + "attn.qkv.bias"].split((q, kv, kv))):
                 yield p + f"self_attn.{name}_proj.bias", part.contiguous()
-        yield p + "self_attn.o_proj.weight", sd[a + "attn.out.weight"]
+        elif llama_bias:
+            w = sd[a + "attn.qkv.weight"]
+            for name, n in zip("qkv", (q, kv, kv)):
+                yield p + f"self_attn.{name}_proj.bias", torch.zeros(n, dtype=w.dtype, device=w.device)
+        out_w = sd[a + "attn.out.weight"]
+        yield p + "self_attn.o_proj.weight", out_w
         if cfg.attn_out_bias:
             yield p + "self_attn.o_proj.bias", sd[a + "attn.out.bias"]
+        elif llama_bias:
+            yield p + "self_attn.o_proj.bias", torch.zeros(cfg.d_model, dtype=out_w.dtype, device=out_w.device)
         yield p + "post_attention_layernorm.weight", sd[a + "ffn_norm.weight"]
         gate, up = sd[a + "ffn.gate_up.weight"].split((f, f))
         yield p + "mlp.gate_proj.weight", gate.contiguous()
@@ -185,3 +316,21 @@ def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterat
     yield "model.norm.weight", sd["norm.weight"]
     if not cfg.tie_embeddings:
         yield "lm_head.weight", sd["lm_head.weight"]
+
+
+def ignorable_hf_tensor(cfg: ModelConfig, name: str) -> bool:
+    """Tensors a checkpoint may carry that are not weights of the model: RoPE tables saved by old
+    transformers versions, and a copy of the embedding saved as lm_head of a tied model."""
+    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
+
+
+ADAPTER = Adapter(
+    name="llama",
+    model_types=MODEL_TYPES,
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    hf_to_tinyformer=hf_to_tinyformer,
+    tinyformer_to_hf=tinyformer_to_hf,
+    export_problem=export_problem,
+    ignorable_hf_tensor=ignorable_hf_tensor,
+)

@@ -1,0 +1,84 @@
+"""`tinyformer convert`: Hugging Face folders and GGUF files in, Hugging Face folders out.
+
+    tinyformer convert --from-hf DIR   --out RUN     HF folder (safetensors or pytorch_model.bin) -> run folder
+    tinyformer convert --from-gguf FILE --out RUN    llama.cpp GGUF (float or quantized)          -> run folder
+    tinyformer convert --model RUN --to-hf DIR       run folder -> HF folder for transformers
+
+A run folder is what ``generate``, ``chat``, ``eval`` and ``train --init-from`` read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+
+from tinyformer.errors import ConfigError
+
+
+def parse_size(text: str) -> int:
+    """'2GB', '500MB', '1GiB', '123' (bytes) -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"--max-shard-size {text!r} is not a size like 2GB or 500MB")
+    unit = (m.group(2) or "").upper().rstrip("B")
+    base = 1024 if unit.endswith("I") else 1000
+    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit.rstrip("I")]
+    size = int(float(m.group(1)) * base**power)
+    if size <= 0:
+        raise ConfigError("--max-shard-size must be positive")
+    return size
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert", help="import Hugging Face / GGUF checkpoints, export to Hugging Face",
+        description="Convert checkpoints, streaming one tensor at a time. Import: --from-hf DIR or --from-gguf "
+                    "FILE with --out RUN (a tinyformer run folder). Export: --model RUN --to-hf DIR (a folder "
+                    "transformers.AutoModelForCausalLM.from_pretrained loads). Supported: Llama 1/2/3, Mistral, "
+                    "Qwen2 (and any adapter registered in tinyformer.interop).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-hf", metavar="DIR", help="Hugging Face model folder to import")
+    src.add_argument("--from-gguf", metavar="FILE", help="GGUF file (llama.cpp) to import")
+    src.add_argument("--model", metavar="RUN", help="tinyformer run folder to export (with --to-hf)")
+    p.add_argument("--out", metavar="RUN", help="run folder to write (imports)")
+    p.add_argument("--to-hf", metavar="DIR", help="Hugging Face folder to write (exports)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="stored precision (default: the source's; float32 for quantized GGUF)")
+    p.add_argument("--max-shard-size", default="2GiB", help="split weights into files of at most this size "
+                   "(default 2GiB)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    shard = parse_size(args.max_shard_size)
+    kwargs = dict(dtype=args.dtype, max_shard_bytes=shard, force=args.force)
+    started = time.perf_counter()
+    if args.model:
+        if not args.to_hf or args.out:
+            raise ConfigError("--model RUN exports and needs --to-hf DIR (not --out)")
+        from tinyformer.interop.hf_folder import export_hf
+
+        report = export_hf(args.model, args.to_hf, **kwargs)
+    else:
+        if not args.out or args.to_hf:
+            raise ConfigError("--from-hf/--from-gguf import and need --out RUN (not --to-hf)")
+        if args.from_hf:
+            from tinyformer.interop.hf_folder import import_hf
+
+            report = import_hf(args.from_hf, args.out, **kwargs)
+        else:
+            from tinyformer.interop.gguf import import_gguf
+
+            report = import_gguf(args.from_gguf, args.out, **kwargs)
+    cfg = report.cfg
+    dtype = str(report.dtype).removeprefix("torch.")
+    print(f"wrote {report.out}  ({report.n_params / 1e6:.2f}M parameters, {dtype}, "
+          f"{time.perf_counter() - started:.1f}s)")
+    print(f"  model: {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads ({cfg.n_kv_head} kv), "
+          f"vocab {cfg.vocab_size}, context {cfg.max_seq_len}, rope {cfg.rope_type}")
+    print(f"  files: {', '.join(report.files)}")
+    for note in report.notes:
+        print(f"  note: {note}")
+    return 0

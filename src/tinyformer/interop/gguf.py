@@ -1,0 +1,475 @@
+"""Import GGUF files (llama.cpp's format) of the Llama family: weights, config and tokenizer.
+
+A GGUF file is a header of typed key/value metadata followed by tensors, each stored as float
+(F32, F16, BF16) or in one of ggml's block quantizations. This module turns one into the pair a
+Hugging Face folder would give -- a ``config.json`` dict and HF-named tensors -- and hands both to the
+same pipeline as ``hf_folder.import_hf``, so the Llama adapter does the rest.
+
+Weights. Quantized tensors are dequantized to float32 with ``gguf.quants.dequantize`` (the reference
+Python implementation of ggml's formats, e.g. Q8_0: x = d * q, with one float16 scale d per block of 32
+int8 values; Q4_K: 256-value super-blocks of eight 32-value blocks, x = d * s_j * q - dmin * m_j with
+6-bit block scales s_j and mins m_j). Float tensors are copied as they are.
+
+RoPE. llama.cpp rotates adjacent pairs (2i, 2i+1) for the ``llama`` architecture, so its converter
+permutes each head's rows of W_q and W_k (and their biases) from Hugging Face's half-split order:
+
+    gguf = hf.reshape(n_head, 2, d_head / 2, d_in).swapaxes(1, 2).reshape(rows, d_in)
+
+Reading undoes it: ``hf = gguf.reshape(n_head, d_head / 2, 2, d_in).swapaxes(1, 2).reshape(rows, d_in)``
+(n_head = the key/value head count for W_k). ``qwen2`` files use llama.cpp's half-split ("neox") RoPE
+and are not permuted. Llama 3.1 RoPE scaling is stored as a ``rope_freqs`` tensor of per-frequency
+divisors; it is turned back into ``rope_scaling = {"rope_type": "llama3", ...}`` and checked to
+reproduce the tensor.
+
+Tokenizer. ``tokenizer.ggml.model = "gpt2"`` (byte-level BPE: tokens + merges) and ``"llama"``
+(SentencePiece BPE: tokens + scores, merges rebuilt from the scores, byte fallback) become a
+``tokenizers`` tokenizer.json; control tokens become special tokens; ``tokenizer.chat_template`` goes to
+tokenizer_config.json.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tinyformer.errors import CheckpointError, ConfigError
+from tinyformer.interop.hf_folder import (
+    DEFAULT_SHARD_BYTES,
+    ConvertReport,
+    TensorSource,
+    _write_json,
+    import_checkpoint,
+    parse_dtype,
+)
+
+ARCHS = {"llama": "llama", "qwen2": "qwen2"}  # GGUF general.architecture -> HF model_type
+PERMUTED_ARCHS = ("llama",)  # llama.cpp's interleaved (GPT-J style) RoPE
+
+_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+NOT_WEIGHTS = ("rope_freqs.weight",)  # turned into rope_scaling
+
+
+def _gguf():
+    try:
+        import gguf
+    except ModuleNotFoundError:
+        raise ConfigError("reading GGUF files needs the 'gguf' package: pip install 'tinyformer[gguf]'") from None
+    return gguf
+
+
+def supported_types() -> dict[Any, torch.dtype]:
+    """GGML tensor types this importer reads, and the dtype each becomes."""
+    Q = _gguf().GGMLQuantizationType
+    out = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
+        out[getattr(Q, name)] = torch.float32
+    return out
+
+
+def hf_name(gguf_name: str) -> str:
+    """HF name of a GGUF tensor (unknown names are returned unchanged, to be reported as unknown)."""
+    if gguf_name in _TOP:
+        return _TOP[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _BLOCK:
+        return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+    return gguf_name
+
+
+def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: per head, interleaved pairs back to two halves."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensor directory (tensor data stays on disk until read)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"GGUF file {self.path} does not exist")
+        with open(self.path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise CheckpointError(f"{self.path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+        gguf = _gguf()
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... for bad files
+            raise CheckpointError(f"{self.path} is not a readable GGUF file (corrupt or truncated: "
+                                  f"{type(exc).__name__}: {exc})") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        types = supported_types()
+        for t in self.reader.tensors:
+            if t.tensor_type not in types:
+                raise CheckpointError(f"{self.path}: tensor {t.name!r} uses GGML type {t.tensor_type.name}, which "
+                                      f"is not supported (supported: {', '.join(q.name for q in types)})")
+            if t.data_offset + t.n_bytes > self.path.stat().st_size:
+                raise CheckpointError(f"{self.path} is truncated inside tensor {t.name!r}")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except Exception as exc:
+            raise CheckpointError(f"{self.path}: metadata {key!r} is unreadable ({exc})") from None
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise CheckpointError(f"{self.path}: metadata key {key!r} is missing")
+        return value
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as numpy, shape (rows, cols): float tensors as stored, quantized ones dequantized."""
+        gguf = _gguf()
+        t = self.tensors[name]
+        Q = gguf.GGMLQuantizationType
+        if t.tensor_type in (Q.F32, Q.F16):
+            arr = np.array(t.data, copy=True)
+        else:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        shape = [int(d) for d in reversed(t.shape.tolist())]
+        self._release(t)
+        return arr.reshape(shape)
+
+    def _release(self, t: Any) -> None:
+        # The reader memory-maps the whole file: drop the pages just read from this process's resident
+        # set (they stay in the page cache), so importing a large file does not look like loading it all.
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise"):
+            return
+        start = (int(t.data_offset) // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = int(t.data_offset) + int(t.n_bytes)
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+def _f32(value: float) -> float:
+    # GGUF stores float32: 1e-6 arrives as 9.99999997e-07; take the shortest decimal with the same float32
+    return float(str(np.float32(value)))
+
+
+def llama3_scaling(factors: np.ndarray, head_dim: int, theta: float, path: Path) -> dict[str, Any]:
+    """The llama3 ``rope_scaling`` reproducing llama.cpp's ``rope_freqs`` divisors.
+
+    llama.cpp writes, per frequency theta_i with wavelength w_i = 2 pi / theta_i: 1 when w_i < L0/high,
+    ``factor`` when w_i > L0/low, else 1 / ((1 - s)/factor + s) with s = (L0/w_i - low)/(high - low).
+    Only L0/low and L0/high matter, so L0 = 8192 (Llama 3.1's) is kept and low/high are fitted to the
+    in-between frequencies when Meta's 1 and 4 do not reproduce them; the result is checked."""
+    from tinyformer.components.rope import default_inv_freq
+
+    factors = np.asarray(factors, dtype=np.float64)
+    wavelen = (2 * math.pi / default_inv_freq(head_dim, theta).double()).numpy()
+    factor = float(factors.max())
+    l0 = 8192
+    candidates = [(1.0, 4.0)]
+    medium = (factors > 1 + 1e-4) & (factors < factor * (1 - 1e-4))
+    if medium.sum() >= 2 and factor > 1:
+        s = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(l0 / wavelen[medium], s, 1)
+        low = -intercept / slope
+        candidates.append((float(low), float(low + 1 / slope)))
+
+    def divisors(low: float, high: float) -> np.ndarray:
+        smooth = (l0 / wavelen - low) / (high - low)
+        mid = 1 / ((1 - smooth) / factor + smooth)
+        return np.where(wavelen < l0 / high, 1.0, np.where(wavelen > l0 / low, factor, mid))
+
+    for low, high in candidates:
+        if 0 < low < high and np.allclose(divisors(low, high), factors, rtol=1e-4, atol=1e-5):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": round(low, 6),
+                    "high_freq_factor": round(high, 6), "original_max_position_embeddings": l0}
+    raise ConfigError(f"{path}: the rope_freqs tensor matches no llama3 RoPE scaling; other per-frequency "
+                      "scalings are not supported")
+
+
+def hf_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
+    """A Hugging Face config.json dict (Llama or Qwen2) from the GGUF metadata."""
+    arch = g.require("general.architecture")
+    if arch not in ARCHS:
+        raise ConfigError(f"{g.path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
+
+    def key(name: str, default: Any = None, required: bool = False) -> Any:
+        return g.require(f"{arch}.{name}") if required else g.get(f"{arch}.{name}", default)
+
+    n_head = key("attention.head_count", required=True)
+    n_kv = key("attention.head_count_kv", n_head)
+    if isinstance(n_kv, list):
+        if len(set(n_kv)) != 1:
+            raise ConfigError(f"{g.path}: a per-layer key/value head count ({sorted(set(n_kv))}) is not supported")
+        n_kv = n_kv[0]
+    hidden = key("embedding_length", required=True)
+    head_dim = key("attention.key_length") or hidden // n_head
+    if key("attention.value_length", head_dim) != head_dim:
+        raise ConfigError(f"{g.path}: attention.value_length != key_length is not supported")
+    if key("rope.dimension_count", head_dim) != head_dim:
+        raise ConfigError(f"{g.path}: rope.dimension_count={key('rope.dimension_count')} < head dim {head_dim} "
+                          "(partial rotary embedding) is not supported")
+    if key("attention.sliding_window"):
+        raise ConfigError(f"{g.path}: attention.sliding_window is not supported")
+    tokens = g.reader.fields.get("tokenizer.ggml.tokens")
+    vocab = key("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if vocab is None and "token_embd.weight" in g.tensors:
+        vocab = int(g.tensors["token_embd.weight"].shape[-1])
+    ctx = key("context_length", required=True)
+    theta = _f32(key("rope.freq_base", 10000.0))
+    hf: dict[str, Any] = {
+        "architectures": ["Qwen2ForCausalLM" if ARCHS[arch] == "qwen2" else "LlamaForCausalLM"],
+        "model_type": ARCHS[arch],
+        "vocab_size": int(vocab),
+        "hidden_size": int(hidden),
+        "intermediate_size": int(key("feed_forward_length", required=True)),
+        "num_hidden_layers": int(key("block_count", required=True)),
+        "num_attention_heads": int(n_head),
+        "num_key_value_heads": int(n_kv),
+        "head_dim": int(head_dim),
+        "max_position_embeddings": int(ctx),
+        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+    }
+    if ARCHS[arch] == "llama":
+        bias = "blk.0.attn_q.bias" in g.tensors
+        hf["attention_bias"] = bias
+        hf["mlp_bias"] = "blk.0.ffn_down.bias" in g.tensors
+    else:
+        hf["use_sliding_window"] = False
+    for name, k in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                    ("pad_token_id", "padding_token_id")):
+        value = g.get(f"tokenizer.ggml.{k}")
+        if value is not None:
+            hf[name] = int(value)
+    kind = key("rope.scaling.type")
+    if kind in (None, "none"):
+        if "rope_freqs.weight" in g.tensors:
+            factors = g.read("rope_freqs.weight").reshape(-1)
+            hf["rope_parameters"] = {**llama3_scaling(factors, head_dim, theta, g.path), "rope_theta": theta}
+    elif kind == "linear":
+        hf["rope_parameters"] = {"rope_type": "linear", "factor": _f32(key("rope.scaling.factor", required=True)),
+                                 "rope_theta": theta}
+    elif kind == "yarn":
+        for unsupported in ("rope.scaling.yarn_log_multiplier", "rope.scaling.attn_factor",
+                            "rope.scaling.yarn_attn_factor"):
+            value = key(unsupported)
+            if value not in (None, 0.0, 1.0) or (unsupported.endswith("log_multiplier") and value):
+                raise ConfigError(f"{g.path}: {arch}.{unsupported}={value} is not supported")
+        params: dict[str, Any] = {"rope_type": "yarn", "factor": _f32(key("rope.scaling.factor", required=True)),
+                                  "original_max_position_embeddings": int(key("rope.scaling.original_context_length",
+                                                                              ctx)),
+                                  "rope_theta": theta}
+        for gguf_key, hf_key in (("rope.scaling.yarn_beta_fast", "beta_fast"),
+                                 ("rope.scaling.yarn_beta_slow", "beta_slow")):
+            if key(gguf_key) is not None:
+                params[hf_key] = _f32(key(gguf_key))
+        hf["rope_parameters"] = params
+    else:
+        raise ConfigError(f"{g.path}: RoPE scaling type {kind!r} is not supported (supported: none, linear, yarn, "
+                          "and llama3 as a rope_freqs tensor)")
+    return hf
+
+
+class GGUFSource(TensorSource):
+    """The tensors of a GGUF file under their Hugging Face names, dequantized and un-permuted on read."""
+
+    def __init__(self, g: GGUFFile, hf_config: dict[str, Any], arch: str) -> None:
+        self.g = g
+        self.description = str(g.path)
+        self._gguf_name = {hf_name(n): n for n in g.tensors if n not in NOT_WEIGHTS}
+        self._permute: dict[str, int] = {}
+        if arch in PERMUTED_ARCHS:
+            n_head, n_kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
+            for name in self._gguf_name:
+                if ".self_attn.q_proj." in name:
+                    self._permute[name] = n_head
+                elif ".self_attn.k_proj." in name:
+                    self._permute[name] = n_kv
+        self._dtypes = supported_types()
+
+    def names(self) -> list[str]:
+        return list(self._gguf_name)
+
+    def meta(self, name: str) -> torch.Tensor:
+        t = self.g.tensors[self._gguf_name[name]]
+        shape = [int(d) for d in reversed(t.shape.tolist())]
+        return torch.empty(shape, dtype=self._dtypes[t.tensor_type], device="meta")
+
+    def read(self, name: str) -> torch.Tensor:
+        t = self.g.tensors[self._gguf_name[name]]
+        tensor = torch.from_numpy(self.g.read(self._gguf_name[name])).to(self._dtypes[t.tensor_type])
+        if name in self._permute:
+            n_head = self._permute[name]
+            if tensor.shape[0] % (2 * n_head):
+                raise CheckpointError(f"{self.g.path}: {t.name} has {tensor.shape[0]} rows, not a multiple of "
+                                      f"2 x {n_head} heads")
+            tensor = unpermute_rows(tensor, n_head).contiguous()
+        return tensor
+
+
+# --------------------------------------------------------------------------------------------- tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    from tinyformer.data.tokenizer import byte_level_decoder
+
+    return {b: c for c, b in byte_level_decoder().items()}
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE stores no merges, only a score per piece (higher = merged earlier). Every split
+    of a piece into two pieces of the vocabulary is a merge, ranked by the piece's score -- the rule
+    Hugging Face's converters use, so both give the same tokenization."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges: list[tuple[str, str, float]] = []
+    for piece, score in zip(tokens, scores):
+        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+# llama.cpp pre-tokenizer names -> the split regex of the model they stand for
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+                        "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+
+
+def build_tokenizer(g: GGUFFile) -> tuple[str, dict[str, Any]] | None:
+    """(tokenizer.json text, tokenizer_config dict) from the GGUF metadata, or None when it has none."""
+    import tokenizers
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    template = g.get("tokenizer.chat_template")
+    if template:
+        config["chat_template"] = template
+    embedded = g.get("tokenizer.huggingface.json")
+    model_kind = g.get("tokenizer.ggml.model")
+    if embedded:
+        tok = tokenizers.Tokenizer.from_str(embedded)
+    elif model_kind is None:
+        return None
+    else:
+        tokens: list[str] = g.require("tokenizer.ggml.tokens")
+        types: list[int] = g.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if model_kind == "gpt2":
+            spelling = _bytes_to_unicode()
+            alphabet = set(spelling.values())
+            spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
+            merges = [tuple(m.split(" ")) for m in (g.get("tokenizer.ggml.merges") or [])]
+            if any(len(m) != 2 for m in merges):
+                raise CheckpointError(f"{g.path}: tokenizer.ggml.merges has an entry that is not two tokens")
+            tok = tokenizers.Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(spelled)}, merges=merges,
+                                                  dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
+                                                  fuse_unk=False))
+            split = PRE_TOKENIZER_SPLITS.get(g.get("tokenizer.ggml.pre"))
+            if split:
+                tok.pre_tokenizer = pre_tokenizers.Sequence([
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            else:
+                tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            tok.decoder = decoders.ByteLevel()
+            add_bos_default = False
+            control = [t for t, k in zip(tokens, types) if k == 3 and set(t) <= alphabet]
+        elif model_kind == "llama":
+            scores = g.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+            unk_id = g.get("tokenizer.ggml.unknown_token_id")
+            unk = tokens[unk_id] if unk_id is not None else next((t for t, k in zip(tokens, types) if k == 2), None)
+            merges = [tuple(m.split(" ")) for m in g.get("tokenizer.ggml.merges") or []] \
+                or _merges_from_scores(tokens, scores)
+            tok = tokenizers.Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                                  unk_token=unk, fuse_unk=True, byte_fallback=True, dropout=None))
+            prefix = g.get("tokenizer.ggml.add_space_prefix", True)
+            tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
+                                                         split=False)
+            steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+            if prefix:
+                steps.append(decoders.Strip(content=" ", left=1, right=0))
+            tok.decoder = decoders.Sequence(steps)
+            add_bos_default = True
+            control = [t for t, k in zip(tokens, types) if k == 3]
+        else:
+            raise ConfigError(f"{g.path}: GGUF tokenizer model {model_kind!r} is not supported (supported: gpt2 "
+                              "byte-level BPE, llama SentencePiece BPE)")
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+        user = [t for t, k in zip(tokens, types) if k == 4]
+        if user:
+            tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+        vocab_tokens = spelled if model_kind == "gpt2" else tokens
+        ids: dict[str, int] = {}
+        for field, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                           ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+            token_id = g.get(f"tokenizer.ggml.{key}")
+            if token_id is not None and 0 <= token_id < len(tokens):
+                config[field], ids[field] = vocab_tokens[token_id], int(token_id)
+        add_bos = bool(g.get("tokenizer.ggml.add_bos_token", add_bos_default)) and "bos_token" in config
+        add_eos = bool(g.get("tokenizer.ggml.add_eos_token", False)) and "eos_token" in config
+        config["add_bos_token"], config["add_eos_token"] = add_bos, add_eos
+        if add_bos or add_eos:  # what transformers' update_post_processor builds from the same two flags
+            bos, eos = config.get("bos_token"), config.get("eos_token")
+            single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else []))
+            pair = single + " " + " ".join(([f"{bos}:1"] if add_bos else []) + ["$B:1"]
+                                           + ([f"{eos}:1"] if add_eos else []))
+            specials = dict([(bos, ids["bos_token"])] if add_bos else [])
+            if add_eos:
+                specials[eos] = ids["eos_token"]
+            tok.post_processor = processors.TemplateProcessing(single=single, pair=pair,
+                                                               special_tokens=list(specials.items()))
+    return tok.to_str(), config
+
+
+def _write_tokenizer(g: GGUFFile, hf_config: dict[str, Any], dst: Path) -> list[str]:
+    from tinyformer.utils.io import atomic_write_text
+
+    built = build_tokenizer(g)
+    if built is None:
+        return [f"{g.path} carries no tokenizer (no tokenizer.ggml.model): the run has no tokenizer"]
+    text, config = built
+    config.setdefault("model_max_length", hf_config["max_position_embeddings"])
+    atomic_write_text(dst / "tokenizer.json", text)
+    _write_json(dst / "tokenizer_config.json", config)
+    gen = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf_config}
+    if gen:
+        _write_json(dst / "generation_config.json", gen)
+    return []
+
+
+def import_gguf(path: str | Path, out: str | Path, *, dtype: str | torch.dtype | None = None,
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> ConvertReport:
+    """GGUF file -> tinyformer run folder (config.json, model.safetensors, tokenizer files).
+
+    The default dtype is float16/bfloat16 when every weight matrix is stored in it, float32 otherwise
+    (quantized weights are dequantized to float32)."""
+    g = GGUFFile(path)
+    hf_config = hf_config_from_gguf(g)
+    arch = g.get("general.architecture")
+    source = GGUFSource(g, hf_config, arch)
+    dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    if dt is None:
+        kinds = {source.meta(n).dtype for n in source.names() if source.meta(n).dim() == 2}
+        dt = kinds.pop() if len(kinds) == 1 else torch.float32
+    return import_checkpoint(hf_config, source, out, write_tokenizer=lambda dst: _write_tokenizer(g, hf_config, dst),
+                             dtype=dt, max_shard_bytes=max_shard_bytes, force=force, inputs=(Path(path),),
+                             extra={"source": "gguf"})
