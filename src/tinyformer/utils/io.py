@@ -21,6 +21,10 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp_path = Path(tmp)
+    # mkstemp makes the file private (0600); give it the mode a plain open() would (0666 minus umask)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp_path, 0o666 & ~umask)
     try:
         yield tmp_path
         with open(tmp_path, "rb+") as f:

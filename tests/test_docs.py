@@ -1,0 +1,577 @@
+"""The documentation is checked like code: every link, code reference, test reference and command.
+
+Conventions the checker enforces in every markdown file under docs/ and in README.md:
+
+* A relative link ``[text](path)`` or image ``![alt](path)`` must name an existing file or folder
+  (relative to the markdown file); ``path#anchor`` into a markdown file must name one of its headings.
+* A link to a Python file whose text is one code span naming a symbol, e.g.
+  ``[`apply_rope`](../src/tinyformer/components/rope.py)`` or ``[`DecoderLM.forward`](...)``, must name
+  a function, class, method or module-level name defined in that file (checked with ``ast``).
+* A code span ``path::symbol`` (a pytest node id, path relative to the repository root), e.g.
+  ``tests/test_rope.py::test_inv_freq_formula`` or ``src/tinyformer/components/rope.py::apply_rope``,
+  must name a file and a symbol in it; ``[param]`` suffixes are allowed. A code span that is a repository
+  path (``src/...``, ``tests/...``, ``benchmarks/...``, ``docs/...``, ``configs/...``) must exist.
+* Every ``tinyformer ...`` (or ``python -m tinyformer ...``) command in a fenced ``bash``, ``sh``, ``shell``
+  or ``console`` block is parsed by the real argument parser: an unknown subcommand or flag fails.
+  ``python some/script.py`` must name an existing script. In ``console`` blocks commands start with ``$ ``
+  and the lines after a command, up to the next ``$ ``, are its output.
+* A block preceded by ``<!-- check -->`` is also run, and the output it shows must match (a line ``...``
+  matches any number of lines). Only cheap commands may be run (``RUNNABLE``); training and the like
+  stay parse-only. A block preceded by ``<!-- no-check -->`` is not looked at at all.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+import re
+import shlex
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+RUNNABLE = {("tinyformer", "count")}  # (program, subcommand) pairs a `<!-- check -->` block may run
+SHELL_LANGS = {"bash", "sh", "shell", "console"}
+REPO_PREFIXES = ("src/", "tests/", "benchmarks/", "docs/", "configs/")
+
+LINK = re.compile(r"(!?)\[((?:[^\[\]]|\[[^\]]*\])*)\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HTML_SRC = re.compile(r"""<(?:img|a)\b[^>]*?\b(?:src|href)=["']([^"']+)["']""")
+CODE_SPAN = re.compile(r"(`+)(.+?)\1")
+NODE_REF = re.compile(r"^([\w./-]+\.py)::([\w.:\[\]-]+)$")
+SYMBOL_TEXT = re.compile(r"^`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?:\(\))?`$")
+FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
+
+
+def doc_files() -> list[Path]:
+    """Every markdown file the checker covers: docs/**/*.md and README.md when it exists."""
+    files = sorted(DOCS.rglob("*.md")) if DOCS.is_dir() else []
+    if (ROOT / "README.md").is_file():
+        files.append(ROOT / "README.md")
+    return files
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+
+@dataclass
+class Block:
+    lang: str
+    start: int  # line number (1-based) of the opening fence
+    lines: list[str]
+    marker: str | None  # "check", "no-check" or None
+
+
+@dataclass
+class Markdown:
+    path: Path
+    prose: list[tuple[int, str]] = field(default_factory=list)  # (line number, text) outside fenced blocks
+    blocks: list[Block] = field(default_factory=list)
+
+
+def parse_markdown(path: Path) -> Markdown:
+    md = Markdown(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    i = 0
+    last_marker: str | None = None
+    while i < len(lines):
+        line = lines[i]
+        m = FENCE.match(line)
+        if m:
+            fence, lang = m.group(2), m.group(3).lower()
+            body, j = [], i + 1
+            while j < len(lines) and not lines[j].strip().startswith(fence):
+                body.append(lines[j])
+                j += 1
+            md.blocks.append(Block(lang, i + 1, body, last_marker))
+            last_marker = None
+            i = j + 1
+            continue
+        stripped = line.strip()
+        if stripped in ("<!-- check -->", "<!-- no-check -->"):
+            last_marker = stripped[5:-4].strip()
+        elif stripped:
+            last_marker = None
+        md.prose.append((i + 1, line))
+        i += 1
+    return md
+
+
+def slugify(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # links -> their text
+    text = text.replace("`", "").strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+@cache
+def anchors(path: Path) -> frozenset[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for _, line in parse_markdown(path).prose:
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        slug = slugify(m.group(1))
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    for _, line in parse_markdown(path).prose:  # explicit <a id="..."> / <a name="...">
+        out.update(re.findall(r"""<a\s+(?:id|name)=["']([^"']+)["']""", line))
+    return frozenset(out)
+
+
+@cache
+def defined_names(path: Path) -> dict[str, ast.AST]:
+    """Dotted names defined in a Python file: functions, classes, their methods and nested classes, and
+    module- or class-level assignments."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    names: dict[str, ast.AST] = {}
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names[prefix + node.name] = node
+                if isinstance(node, ast.ClassDef):
+                    visit(node.body, prefix + node.name + ".")
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    for n in ast.walk(t):
+                        if isinstance(n, ast.Name):
+                            names[prefix + n.id] = node
+            elif isinstance(node, (ast.If, ast.Try)):  # definitions under `if TYPE_CHECKING:` / try-import
+                visit(node.body, prefix)
+
+    visit(tree.body, "")
+    return names
+
+
+def symbol_problem(path: Path, symbol: str) -> str | None:
+    """None if ``symbol`` ('name', 'Class.method', 'Class::method', 'test_x[param]') is defined in ``path``."""
+    if path.suffix != ".py":
+        return f"{_rel(path)} is not a Python file, so it has no symbol {symbol!r}"
+    name = re.sub(r"\[.*\]$", "", symbol).replace("::", ".")
+    try:
+        names = defined_names(path)
+    except SyntaxError as exc:
+        return f"{_rel(path)} does not parse: {exc}"
+    if name not in names:
+        return f"{_rel(path)} defines no {name!r}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def check_links(md: Markdown) -> list[str]:
+    problems = []
+    here = md.path.parent
+    for lineno, line in md.prose:
+        targets = [(m.group(2), m.group(3)) for m in LINK.finditer(line)]
+        targets += [("", t) for t in HTML_SRC.findall(line)]
+        for text, target in targets:
+            where = f"{_rel(md.path)}:{lineno}"
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto: ... (not fetched)
+                continue
+            path_part, _, anchor = target.partition("#")
+            dest = (here / path_part).resolve() if path_part else md.path
+            if not dest.exists():
+                problems.append(f"{where}: broken link {target!r} (no {dest})")
+                continue
+            if anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                problems.append(f"{where}: link {target!r} names no heading '#{anchor}' in {_rel(dest)}")
+            sym = SYMBOL_TEXT.match(text.strip())
+            if sym and dest.suffix == ".py" and not _names_the_file(sym.group(1), dest):
+                problem = symbol_problem(dest, sym.group(1))
+                if problem:
+                    problems.append(f"{where}: link text {text} does not match the file: {problem}")
+    return problems
+
+
+def _names_the_file(text: str, path: Path) -> bool:
+    """`rope` or `tinyformer.components.rope` for src/tinyformer/components/rope.py is the module itself."""
+    parts = path.with_suffix("").parts
+    dotted = text.split(".")
+    return text.endswith(".py") or list(parts[-len(dotted):]) == dotted
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def check_code_references(md: Markdown) -> list[str]:
+    """`path::symbol` node ids and `src/...`-style repository paths in code spans of the prose."""
+    problems = []
+    for lineno, line in md.prose:
+        for m in CODE_SPAN.finditer(line):
+            span = m.group(2).strip()
+            where = f"{_rel(md.path)}:{lineno}"
+            node = NODE_REF.match(span)
+            if node:
+                path = ROOT / node.group(1)
+                if not path.is_file():
+                    problems.append(f"{where}: {span!r} names a missing file {node.group(1)}")
+                    continue
+                problem = symbol_problem(path, node.group(2))
+                if problem:
+                    problems.append(f"{where}: {span!r}: {problem}")
+            elif span.startswith(REPO_PREFIXES) and re.fullmatch(r"[\w./-]+", span) and "*" not in span:
+                if not (ROOT / span).exists():
+                    problems.append(f"{where}: {span!r} does not exist in the repository")
+    return problems
+
+
+@dataclass
+class Command:
+    argv: list[str]
+    text: str
+    lineno: int
+    expected: list[str] | None  # console output shown under the command, if any
+
+
+def block_commands(md: Markdown, block: Block) -> list[Command]:
+    """The commands of a shell block, continuation lines joined, with the output shown under each."""
+    commands: list[Command] = []
+    console = block.lang == "console"
+    pending, start = "", block.start
+    for offset, raw in enumerate(block.lines, start=block.start + 1):
+        if pending:  # the previous line ended with a backslash
+            text = pending + " " + raw.strip()
+        else:
+            if console and not raw.startswith("$ "):
+                if commands and commands[-1].expected is not None:
+                    commands[-1].expected.append(raw)
+                continue
+            text = raw[2:].strip() if console else raw.strip().removeprefix("$ ")
+            if not text or text.startswith("#"):
+                continue
+            start = offset
+        if text.endswith("\\"):
+            pending = text[:-1].rstrip()
+            continue
+        pending = ""
+        try:
+            argv = shlex.split(text, comments=True)
+        except ValueError as exc:
+            argv = ["<unparsable>", str(exc)]
+        commands.append(Command(argv, text, start, [] if console else None))
+    return commands
+
+
+def command_segments(argv: list[str]) -> list[list[str]]:
+    """Split a shell command at |, &&, ||, ; and drop leading VAR=value assignments."""
+    segments, current = [], []
+    for token in argv:
+        if token in ("|", "&&", "||", ";"):
+            segments.append(current)
+            current = []
+        else:
+            current.append(token)
+    segments.append(current)
+    out = []
+    for seg in segments:
+        while seg and re.match(r"^[A-Za-z_]\w*=", seg[0]):
+            seg = seg[1:]
+        if seg:
+            out.append(seg)
+    return out
+
+
+def tinyformer_args(segment: list[str]) -> list[str] | None:
+    """The arguments after `tinyformer`, `python -m tinyformer` or `torchrun ... -m tinyformer`, else None."""
+    if segment[0] == "tinyformer":
+        return segment[1:]
+    if segment[0] in ("python", "python3", "torchrun"):
+        for i in range(1, len(segment) - 1):
+            if segment[i] == "-m" and segment[i + 1] == "tinyformer":
+                return segment[i + 2 :]
+    return None
+
+
+def parse_problem(args: list[str]) -> str | None:
+    """None if the real `tinyformer` argument parser accepts ``args``, else its complaint."""
+    from tinyformer.cli.main import build_parser
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            build_parser().parse_args(args)
+    except SystemExit as exc:
+        if exc.code not in (0, None):  # --help exits 0
+            return err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else f"exit {exc.code}"
+    return None
+
+
+def run_in_process(args: list[str]) -> tuple[int, str]:
+    from tinyformer.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    return code, out.getvalue() + err.getvalue()
+
+
+def output_matches(expected: list[str], actual: list[str]) -> bool:
+    """Line by line after stripping trailing spaces; a line '...' matches any run of lines."""
+    exp = [e.rstrip() for e in expected]
+    act = [a.rstrip() for a in actual]
+    while exp and not exp[-1]:
+        exp.pop()
+    while act and not act[-1]:
+        act.pop()
+
+    @cache
+    def match(i: int, j: int) -> bool:
+        if i == len(exp):
+            return j == len(act)
+        if exp[i] == "...":
+            return any(match(i + 1, k) for k in range(j, len(act) + 1))
+        return j < len(act) and exp[i] == act[j] and match(i + 1, j + 1)
+
+    return match(0, 0)
+
+
+def check_commands(md: Markdown, run: bool = True) -> list[str]:
+    problems = []
+    for block in md.blocks:
+        if block.lang not in SHELL_LANGS or block.marker == "no-check":
+            continue
+        for cmd in block_commands(md, block):
+            where = f"{_rel(md.path)}:{cmd.lineno}"
+            segments = command_segments(cmd.argv)
+            for seg in segments:
+                args = tinyformer_args(seg)
+                if args is not None:
+                    problem = parse_problem(args)
+                    if problem:
+                        problems.append(f"{where}: `{cmd.text}` is not a valid command: {problem}")
+                elif seg[0] in ("python", "python3") and len(seg) > 1 and seg[1].endswith(".py"):
+                    if not (ROOT / seg[1]).is_file():
+                        problems.append(f"{where}: `{cmd.text}`: script {seg[1]} does not exist")
+            if block.marker != "check" or not run:
+                continue
+            if len(segments) != 1 or tinyformer_args(segments[0]) is None or \
+                    ("tinyformer", (tinyformer_args(segments[0]) or [""])[0]) not in RUNNABLE:
+                problems.append(f"{where}: `{cmd.text}` is in a <!-- check --> block but only "
+                                f"{sorted(' '.join(r) for r in RUNNABLE)} may be run")
+                continue
+            code, output = run_in_process(tinyformer_args(segments[0]) or [])
+            if code != 0:
+                problems.append(f"{where}: `{cmd.text}` exited with {code}: {output.strip()[-300:]}")
+            elif cmd.expected is not None and any(e.strip() for e in cmd.expected) \
+                    and not output_matches(cmd.expected, output.splitlines()):
+                problems.append(f"{where}: `{cmd.text}` printed something else than the doc shows:\n{output}")
+    return problems
+
+
+def check_file(path: Path, run: bool = True) -> list[str]:
+    md = parse_markdown(path)
+    return check_links(md) + check_code_references(md) + check_commands(md, run=run)
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: _rel(p))
+def test_every_link_reference_and_command_in_the_docs_holds(path):
+    problems = check_file(path)
+    assert not problems, "\n".join(problems)
+
+
+BAD_DOC = """# A page
+
+See [`apply_rope`](../src/tinyformer/components/rope.py) and [the model](missing.md).
+"""
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    """A markdown file at docs/<name>.md depth, so that ../src/... links resolve into this repository."""
+    folder = tmp_path / "docs"
+    folder.mkdir(exist_ok=True)
+    path = folder / "page.md"
+    path.write_text(text, encoding="utf-8")
+    (tmp_path / "src").symlink_to(ROOT / "src", target_is_directory=True)
+    return path
+
+
+def test_link_checker_fails_on_a_broken_link(tmp_path):
+    problems = check_file(_write(tmp_path, BAD_DOC))
+    assert len(problems) == 1 and "broken link 'missing.md'" in problems[0]
+
+
+def test_checker_catches_wrong_symbols_tests_anchors_commands_and_outputs(tmp_path):
+    text = "\n".join([
+        "# Title",
+        "[`apply_rotary`](../src/tinyformer/components/rope.py)",  # symbol not in that file
+        "[`RotaryEmbedding.forward`](../src/tinyformer/components/rope.py)",  # fine
+        "`tests/test_rope.py::test_inv_freq_formula` and `tests/test_rope.py::test_no_such_test`",
+        "`tests/test_no_such_file.py::test_x`",
+        "[anchor](#title) and [bad anchor](#no-such-heading)",
+        "`src/tinyformer/no_such_module.py`",
+        "```bash",
+        "tinyformer count --preset tiny --no-such-flag",
+        "tinyformer no-such-command",
+        "python benchmarks/no_such_script.py",
+        "torchrun --nproc_per_node 2 -m tinyformer train --no-such-train-flag",
+        "```",
+        "<!-- check -->",
+        "```console",
+        "$ tinyformer count --preset llama-7b --json",
+        '{"total_params": 7000000000}',
+        "```",
+        "<!-- check -->",
+        "```bash",
+        "tinyformer train --preset tiny",
+        "```",
+    ])
+    problems = "\n".join(check_file(_write(tmp_path, text)))
+    for needle in ("defines no 'apply_rotary'", "defines no 'test_no_such_test'", "test_no_such_file.py",
+                   "no heading '#no-such-heading'", "no_such_module.py' does not exist", "--no-such-flag",
+                   "no-such-command", "no_such_script.py does not exist", "printed something else",
+                   "--no-such-train-flag",
+                   "`tinyformer train --preset tiny` is in a <!-- check --> block"):
+        assert needle in problems, needle
+    for fine in ("RotaryEmbedding.forward", "test_inv_freq_formula", "'#title'"):
+        assert fine not in problems, fine
+
+
+def test_checker_accepts_matching_output_with_an_ellipsis(tmp_path):
+    text = "\n".join([
+        "<!-- check -->",
+        "```console",
+        "$ tinyformer count --preset gpt2-124m --seq-len 1024",
+        "model: gpt2-124m  (d_model 768, 12 layers, 12 heads, 12 kv heads, d_ff 3072, vocab 50257)",
+        "...",
+        "  total                       124,439,808  (124.44M)",
+        "...",
+        "```",
+    ])
+    assert check_file(_write(tmp_path, text)) == []
+
+
+def test_output_matching_ellipsis_rules():
+    assert output_matches(["a", "...", "d"], ["a", "b", "c", "d"])
+    assert output_matches(["a", "...", "b"], ["a", "b"])
+    assert not output_matches(["a", "d"], ["a", "b", "d"])
+    assert not output_matches(["a", "...", "e"], ["a", "b", "d"])
+
+
+def python_modules() -> list[str]:
+    """Module files under src/tinyformer, as paths relative to it (empty __init__.py files left out)."""
+    pkg = ROOT / "src" / "tinyformer"
+    return sorted(str(p.relative_to(pkg)) for p in pkg.rglob("*.py")
+                  if "__pycache__" not in p.parts and not (p.name == "__init__.py" and not p.read_text().strip()))
+
+
+def test_architecture_mentions_every_module_and_only_existing_ones():
+    doc = DOCS / "architecture.md"
+    text = doc.read_text(encoding="utf-8")
+    missing = [m for m in python_modules() if m not in text]
+    assert not missing, f"docs/architecture.md does not mention: {', '.join(missing)}"
+    pkg = ROOT / "src" / "tinyformer"
+    named = set(re.findall(r"`([\w/]+\.py)`", text))
+    stale = sorted(n for n in named if not ((pkg / n).is_file() or (ROOT / n).is_file()))
+    assert not stale, f"docs/architecture.md names files that do not exist: {', '.join(stale)}"
+
+
+def _references(path: Path) -> tuple[set[str], set[str], set[str]]:
+    """(link targets, code spans that are references, tinyformer commands) of a page."""
+    md = parse_markdown(path)
+    links, refs = set(), set()
+    for _, line in md.prose:
+        links.update(m.group(3) for m in LINK.finditer(line) if not m.group(3).startswith("#"))
+        refs.update(m.group(2) for m in CODE_SPAN.finditer(line) if NODE_REF.match(m.group(2)))
+    commands = {c.text for b in md.blocks if b.lang in SHELL_LANGS for c in block_commands(md, b)}
+    return links, refs, commands
+
+
+def test_chinese_walkthrough_has_the_same_links_tests_and_commands_as_the_english_one():
+    en, zh = _references(DOCS / "walkthrough.md"), _references(DOCS / "walkthrough.zh.md")
+    for kind, a, b in zip(("links", "test/code references", "commands"), en, zh):
+        a = {x for x in a if x not in ("walkthrough.zh.md", "walkthrough.md")}
+        b = {x for x in b if x not in ("walkthrough.zh.md", "walkthrough.md")}
+        assert a == b, f"{kind} differ: only in English {sorted(a - b)}, only in Chinese {sorted(b - a)}"
+
+
+# ---------------------------------------------------------------------------------------------- the walkthrough
+
+
+def walkthrough_by_hand(model, ids):
+    """docs/walkthrough.md's formulas written out step by step in float64, one head at a time, reading
+    the model's weights by name: embedding, RMSNorm, Q/K/V, RoPE (half split), causal safe softmax, GQA,
+    merge, W_o and residual, SwiGLU and residual, final RMSNorm, tied head. Returns logits (B, T, V)."""
+    import torch
+
+    cfg = model.cfg
+    W = {k: v.detach().double() for k, v in model.state_dict().items()}
+    B, T = ids.shape
+    H, H_kv, d_h = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    half = d_h // 2
+
+    def rmsnorm(x, g):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.norm_eps) * g
+
+    theta = torch.tensor([cfg.rope_theta ** (-2 * i / d_h) for i in range(half)], dtype=torch.float64)
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * theta[None, :]  # (T, d_h/2): m * theta_i
+    cos, sin = torch.cos(angle), torch.sin(angle)
+
+    def rope(x):  # x (T, d_h); dimension i pairs with i + d_h/2
+        a, b = x[:, :half], x[:, half:]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+    h = W["tok_emb.weight"][ids]  # (B, T, d)
+    for layer in range(cfg.n_layer):
+        p = f"blocks.{layer}."
+        x = rmsnorm(h, W[p + "attn_norm.weight"])
+        w_qkv = W[p + "attn.qkv.weight"]
+        w_q, w_k, w_v = w_qkv.split([H * d_h, H_kv * d_h, H_kv * d_h])
+        q, k, v = x @ w_q.T, x @ w_k.T, x @ w_v.T
+        heads = torch.zeros(B, T, H * d_h, dtype=torch.float64)
+        for b in range(B):
+            for i in range(H):
+                g = i // (H // H_kv)  # the key/value head of query head i's group
+                qi = rope(q[b, :, i * d_h : (i + 1) * d_h])
+                kg = rope(k[b, :, g * d_h : (g + 1) * d_h])
+                vg = v[b, :, g * d_h : (g + 1) * d_h]
+                s = qi @ kg.T / d_h**0.5
+                s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+                e = torch.exp(s - s.max(-1, keepdim=True).values)
+                heads[b, :, i * d_h : (i + 1) * d_h] = (e / e.sum(-1, keepdim=True)) @ vg
+        h = h + heads @ W[p + "attn.out.weight"].T
+        x = rmsnorm(h, W[p + "ffn_norm.weight"])
+        w_gate, w_up = W[p + "ffn.gate_up.weight"].split(cfg.d_ff)
+        gate = x @ w_gate.T
+        h = h + ((gate * torch.sigmoid(gate)) * (x @ w_up.T)) @ W[p + "ffn.down.weight"].T
+    return rmsnorm(h, W["norm.weight"]) @ W["tok_emb.weight"].T
+
+
+def test_walkthrough_formulas_written_out_give_the_models_logits():
+    import torch
+
+    from tinyformer.config import ModelConfig
+    from tinyformer.models.decoder import DecoderLM
+
+    # the walkthrough's example: B=2, T=8, d=64, H=4, H_kv=2 (GQA), d_h=16, d_ff=256, V=256
+    cfg = ModelConfig(vocab_size=256, d_model=64, n_layer=2, n_head=4, n_kv_head=2, max_seq_len=32)
+    assert (cfg.head_dim, cfg.d_ff) == (16, 256)
+    model = DecoderLM(cfg).eval()
+    with torch.no_grad():  # non-trivial norm gains, so a skipped gain cannot hide
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    ids = torch.randint(0, 256, (2, 8))
+    want = walkthrough_by_hand(model, ids)
+    with torch.no_grad():
+        got64 = model.double()(ids)
+    # (RoPE's cos/sin tables are computed in float32 even in a float64 model: hence 1e-8, not 1e-12)
+    torch.testing.assert_close(got64, want, atol=1e-8, rtol=1e-6)
+    assert want.abs().max() > 1e-2  # the comparison is not between two near-zero tensors
