@@ -104,6 +104,10 @@ class ModelConfig:
     tie_embeddings: bool = True
     embed_scale: bool = False  # multiply token embeddings by sqrt(d_model) (the 2017 Transformer)
     type_vocab_size: int = 0  # token-type (segment) embeddings, BERT
+    embed_norm: bool = False  # a norm over the summed embeddings (BERT); encoder and encoder_decoder only
+    pooler: bool = False  # encoder: dense + tanh over the first token ([CLS]), BERT's pooler
+    mlm_head: bool = False  # encoder: masked-LM head (dense, GELU, norm, decoder tied to the token table, bias)
+    share_src_tgt_embeddings: bool = True  # encoder_decoder: source and target read one token table
     # regularisation
     dropout: float = 0.0  # residual branches
     attn_dropout: float = 0.0
@@ -180,6 +184,20 @@ class ModelConfig:
         if isinstance(self.type_vocab_size, bool) or not isinstance(self.type_vocab_size, int) \
                 or self.type_vocab_size < 0:
             raise ConfigError(f"type_vocab_size must be a non-negative integer, got {self.type_vocab_size!r}")
+        for name in ("embed_norm", "pooler", "mlm_head", "share_src_tgt_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        # options that only one kind of stack implements
+        if self.type_vocab_size and self.arch != "encoder":
+            raise ConfigError(f"type_vocab_size (token-type embeddings) applies to arch 'encoder' only, "
+                              f"not {self.arch!r}; set it to 0")
+        if self.embed_norm and self.arch == "decoder":
+            raise ConfigError("embed_norm is implemented for arch 'encoder' and 'encoder_decoder', not 'decoder'")
+        for name in ("pooler", "mlm_head"):
+            if getattr(self, name) and self.arch != "encoder":
+                raise ConfigError(f"{name} applies to arch 'encoder' only, not {self.arch!r}")
+        if not self.share_src_tgt_embeddings and self.arch != "encoder_decoder":
+            raise ConfigError("share_src_tgt_embeddings=false applies to arch 'encoder_decoder' only")
         if self.arch == "encoder_decoder":
             n = self.n_encoder_layer
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:

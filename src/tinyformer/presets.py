@@ -23,10 +23,20 @@ _GPT2: dict[str, Any] = dict(
     norm="layernorm", norm_eps=1e-5, norm_placement="pre", pos="learned", ffn="gelu_tanh",
     attn_bias=True, attn_out_bias=True, mlp_bias=True, tie_embeddings=True,
 )
+_BERT: dict[str, Any] = dict(
+    arch="encoder", norm="layernorm", norm_eps=1e-12, norm_placement="post", final_norm=False, pos="learned",
+    ffn="gelu", attn_bias=True, attn_out_bias=True, mlp_bias=True, tie_embeddings=True, type_vocab_size=2,
+    embed_norm=True, pooler=True, pad_token_id=0,
+)
+_VASWANI: dict[str, Any] = dict(
+    arch="encoder_decoder", norm="layernorm", norm_eps=1e-6, norm_placement="post", final_norm=False,
+    pos="sinusoidal", embed_scale=True, ffn="relu", attn_bias=True, attn_out_bias=True, mlp_bias=True,
+    tie_embeddings=True, share_src_tgt_embeddings=True,
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
-        norm="rmsnorm", pos="rope", ffn="swiglu", vocab_size=4096, d_model=256, n_layer=6, n_head=8,
+        norm="rmsnorm", pos="rope", ffn="swiglu", vocab_size=4096, d_model=256, n_layer=4, n_head=8,
         n_kv_head=4, d_ff=704, max_seq_len=256, tie_embeddings=True,
     ),
     "stories15m": dict(_LLAMA, d_model=288, n_layer=6, n_head=6, d_ff=768, max_seq_len=256),
@@ -51,6 +61,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-124m": dict(_GPT2, vocab_size=50257, d_model=768, n_layer=12, n_head=12, max_seq_len=1024),
     "gpt2-350m": dict(_GPT2, vocab_size=50257, d_model=1024, n_layer=24, n_head=16, max_seq_len=1024),
     "gpt3-175b": dict(_GPT2, vocab_size=50257, d_model=12288, n_layer=96, n_head=96, max_seq_len=2048),
+    # BERT (Devlin et al. 2019): Post-Norm encoder, LayerNorm eps 1e-12 after the summed embeddings, learned
+    # positions, 2 token types, GELU. bert-base counts as transformers.BertModel with its pooler: 109,482,240.
+    "bert-base": dict(_BERT, vocab_size=30522, d_model=768, n_layer=12, n_head=12, d_ff=3072, max_seq_len=512),
+    # BERT-Tiny's shape (Turc et al. 2019), with the masked-LM head: the CPU default of `--objective mlm`.
+    "bert-tiny": dict(_BERT, vocab_size=30522, d_model=128, n_layer=2, n_head=2, d_ff=512, max_seq_len=512,
+                      mlm_head=True),
+    # The 2017 Transformer base model (Vaswani et al., table 3): 6+6 Post-Norm layers, d 512, 8 heads, ReLU
+    # d_ff 2048, sinusoidal positions, embeddings * sqrt(d), one 37000-token table shared by source, target and
+    # softmax. 63,082,496 parameters by exact count (the paper rounds to 65M). Dropout 0.1 was a training choice.
+    "transformer-base": dict(_VASWANI, vocab_size=37000, d_model=512, n_layer=6, n_encoder_layer=6, n_head=8,
+                             d_ff=2048, max_seq_len=512),
+    # A small 2017-style encoder-decoder for the synthetic tasks of `tinyformer train --task` on a CPU.
+    "transformer-tiny": dict(_VASWANI, vocab_size=64, d_model=128, n_layer=2, n_encoder_layer=2, n_head=4,
+                             d_ff=512, max_seq_len=64),
 }
 
 

@@ -17,6 +17,14 @@ from tinyformer.errors import TinyformerError
 # subcommand modules under tinyformer.cli, in the order `--help` lists them
 COMMANDS = [
     "count",
+    "train",
+    "eval",
+    "generate",
+    "chat",
+    "serve",
+    "convert",
+    "embed",
+    "inspect",
 ]
 
 

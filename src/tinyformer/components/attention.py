@@ -130,12 +130,13 @@ class SelfAttention(nn.Module):
         ``start`` may be a (B,) tensor of per-row positions (then T must be 1, the first ``kv_len``
         cache positions are attended and ``mask`` says which of them each row may see)."""
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, d_head)
-        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, H_kv, T, d_head)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        H, H_kv = self.n_head, self.n_kv_head
+        # the qkv rows are H query heads, then H_kv key heads, then H_kv value heads
+        qkv = self.qkv(x).view(B, T, H + 2 * H_kv, self.head_dim).transpose(1, 2)  # (B, H + 2 H_kv, T, d_head)
+        qk, v = qkv[:, : H + H_kv], qkv[:, H + H_kv :]
+        if rope is not None:  # queries and keys are rotated alike: one call for both
+            qk = apply_rope(qk, *rope)
+        q, k = qk.split((H, H_kv), dim=1)  # (B, H, T, d_head), (B, H_kv, T, d_head)
         if cache is not None and isinstance(start, torch.Tensor):
             # per-row positions (continuous batching): row b writes its one new token at start[b]
             k_cache, v_cache = cache

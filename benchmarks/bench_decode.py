@@ -1,0 +1,185 @@
+"""Decode speed: tinyformer's Generator vs transformers ``generate()``, same weights, greedy, fp32.
+
+    python benchmarks/bench_decode.py                          # stories15m and llama-110m, 2 threads
+    python benchmarks/bench_decode.py --shapes stories15m --repeats 7
+
+Per shape (random weights, mapped into a ``LlamaForCausalLM`` with sdpa attention):
+  * batch 1, 8-token prompt, 200 new tokens (EOS off, so both run all 200): tokens/s of both and
+    the ratio. Runs alternate (ours, HF, ours, HF, ...) so that load from other processes hits
+    both alike; the median and the best of ``--repeats`` are printed;
+  * the bandwidth ceiling: decoding one token reads every weight matrix once (the embedding table
+    only one row), so tokens/s <= memory bandwidth / bytes read per token. The bandwidth is measured
+    here, with the same thread count, as the fastest of a sum, a matrix-vector product and a copy over
+    a 1 GiB tensor (far larger than the caches). A model whose weights fit in the last-level cache
+    can beat this ceiling;
+  * batch 8 (eight 8-token prompts): generated tokens/s;
+  * time to first token (prefill + first sample) for a 512-token prompt (or the longest prompt the
+    shape's context allows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+SHAPES = ("stories15m", "llama-110m")
+
+
+def build_pair(preset: str):
+    import transformers
+
+    from tinyformer.interop.llama import config_to_hf, tinyformer_to_hf
+    from tinyformer.models.decoder import DecoderLM
+    from tinyformer.presets import get_preset
+
+    cfg = get_preset(preset)
+    torch.manual_seed(0)
+    ours = DecoderLM(cfg).eval()
+    hf_cfg = config_to_hf(cfg)
+    config = transformers.LlamaConfig(**{k: v for k, v in hf_cfg.items() if k != "architectures"})
+    config._attn_implementation = "sdpa"
+    hf = transformers.LlamaForCausalLM(config)
+    hf.load_state_dict(dict(tinyformer_to_hf(cfg, ours.state_dict())), strict=False)
+    return cfg, ours, hf.eval()
+
+
+def bytes_read_per_token(model: torch.nn.Module) -> int:
+    """Every parameter is read once per decoded token, except the token embedding table (one row);
+    a tied head reads the whole table anyway."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.cfg.tie_embeddings:
+        emb = model.tok_emb.weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def memory_bandwidth(gib: float = 1.0, repeats: int = 7) -> dict[str, float]:
+    """Read bandwidth in GB/s of three streaming reads of a ``gib`` GiB float32 tensor (far larger than any
+    cache), best of ``repeats`` each: ``sum``, ``mv`` (a matrix-vector product, the operation decoding
+    is made of) and ``copy`` (read + write, counted as 2 bytes moved per byte)."""
+    n = int(gib * 2**30) // 4
+    src = torch.ones(n)
+    dst = torch.zeros(n)
+    matrix, vec = src.view(-1, 1024), torch.ones(1024)
+    ops = {"sum": (src.sum, 1), "mv": (lambda: torch.mv(matrix, vec), 1), "copy": (lambda: dst.copy_(src), 2)}
+    result = {}
+    for name, (fn, moved) in ops.items():
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        result[name] = moved * n * 4 / best / 1e9
+    return result
+
+
+def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Run each function once to warm up, then ``repeats`` rounds of all of them in turn; seconds."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
+def bench_shape(shape: str, args: argparse.Namespace, read_bw: float) -> None:
+    from tinyformer.generation.engine import Generator
+    from tinyformer.generation.sampling import SamplingParams
+
+    cfg, ours, hf = build_pair(shape)
+    gen = Generator(ours)
+    gen.eos_token_id = None
+    greedy = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len), generator=g)
+    one = prompt[:1]
+
+    def hf_generate(x: torch.Tensor, n: int) -> torch.Tensor:
+        with torch.inference_mode():
+            return hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    results: dict[str, object] = {}
+
+    def ours_b1() -> None:
+        results["ours"] = gen.generate(one.tolist(), greedy)[0].token_ids
+
+    def hf_b1() -> None:
+        results["hf"] = hf_generate(one, args.new_tokens)[0, args.prompt_len:].tolist()
+
+    fns = {"ours": ours_b1} if args.skip_hf else {"ours": ours_b1, "hf": hf_b1}
+    t1 = alternate(fns, args.repeats)
+    per_token = bytes_read_per_token(ours)
+    ceiling = read_bw * 1e9 / per_token
+    print(f"\n== {shape}: {ours.num_params() / 1e6:.1f}M params, {per_token / 1e6:.0f} MB read per token, "
+          f"ceiling {ceiling:.0f} tokens/s at {read_bw:.1f} GB/s")
+    rate = {k: [args.new_tokens / t for t in v] for k, v in t1.items()}
+    for name, r in rate.items():
+        print(f"  batch 1, {args.new_tokens} tokens  {name:>4}: median {statistics.median(r):7.1f} tokens/s, "
+              f"best {max(r):7.1f}  ({statistics.median(r) / ceiling:.0%} of ceiling)")
+    if "hf" in rate:
+        print(f"  ratio ours/HF: median {statistics.median(rate['ours']) / statistics.median(rate['hf']):.2f}x, "
+              f"best {max(rate['ours']) / max(rate['hf']):.2f}x")
+        same = next((i for i, (a, b) in enumerate(zip(results["ours"], results["hf"])) if a != b), None)
+        print("  same greedy tokens as HF: " + ("all" if same is None else f"first {same} (fp32 near-tie)"))
+
+    def ours_b8() -> None:
+        gen.generate(prompt.tolist(), greedy)
+
+    def hf_b8() -> None:
+        hf_generate(prompt, args.new_tokens)
+
+    fns = {"ours": ours_b8} if args.skip_hf else {"ours": ours_b8, "hf": hf_b8}
+    t8 = alternate(fns, max(1, args.repeats // 2))
+    for name, v in t8.items():
+        print(f"  batch {args.batch}: {name:>4} {args.batch * args.new_tokens / statistics.median(v):7.1f} "
+              f"generated tokens/s (median)")
+
+    n_ttft = min(args.ttft_prompt, cfg.max_seq_len - 1)
+    long = torch.randint(0, cfg.vocab_size, (1, n_ttft), generator=g)
+    first = SamplingParams(temperature=0, max_new_tokens=1)
+
+    def ours_ttft() -> None:
+        gen.generate(long.tolist(), first)
+
+    def hf_ttft() -> None:
+        hf_generate(long, 1)
+
+    fns = {"ours": ours_ttft} if args.skip_hf else {"ours": ours_ttft, "hf": hf_ttft}
+    tt = alternate(fns, args.repeats)
+    for name, v in tt.items():
+        print(f"  time to first token, {n_ttft}-token prompt: {name:>4} {statistics.median(v) * 1e3:7.1f} ms "
+              f"(median), best {min(v) * 1e3:.1f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=200)
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--ttft-prompt", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--skip-hf", action="store_true", help="time tinyformer only")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    bw = memory_bandwidth()
+    read_bw = max(bw.values())  # the most demanding ceiling: the fastest way this machine streams memory
+    print(f"torch {torch.__version__}, {args.threads} threads; memory bandwidth (1 GiB, best of 7): "
+          + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bw.items()) + f"; ceiling uses {read_bw:.1f} GB/s")
+
+    for shape in args.shapes:
+        bench_shape(shape, args, read_bw)
+
+
+if __name__ == "__main__":
+    main()

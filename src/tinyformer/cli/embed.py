@@ -1,0 +1,110 @@
+"""`tinyformer embed`: sentence embeddings from an encoder run folder.
+
+    tinyformer embed --model RUN --text "a cat" --text "a dog"                 JSON vectors
+    tinyformer embed --model RUN --text "a cat" --text "a dog" --similarity    JSON cosine-similarity matrix
+
+Each text is tokenized (with the tokenizer's special tokens, e.g. [CLS] ... [SEP] for BERT), the encoder's
+hidden states are pooled over the real tokens (mean by default, or the pooling a sentence-transformers
+import recorded) and L2-normalised, so that the similarity matrix is E E^T.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from tinyformer.errors import ConfigError, DataError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("embed", help="sentence embeddings (and their similarities) from an encoder model",
+                       description="Embed texts with an encoder run folder (BERT-style, e.g. imported from "
+                                   "sentence-transformers or trained with --objective mlm): mean pooling over "
+                                   "non-padding tokens, L2-normalised. Prints JSON.")
+    p.add_argument("--model", required=True, metavar="RUN", help="encoder run folder")
+    p.add_argument("--text", action="append", default=[], help="a text to embed (repeatable)")
+    p.add_argument("--file", help="a file with one text per line (may be - for stdin)")
+    p.add_argument("--similarity", action="store_true", help="print the cosine-similarity matrix instead of vectors")
+    p.add_argument("--pooling", choices=("mean", "cls", "max"), default=None,
+                   help="pooling over tokens (default: the model's recorded pooling, else mean)")
+    p.add_argument("--max-length", type=int, default=None, help="truncate texts to this many tokens")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--precision", type=int, default=6, help="decimals printed (default 6)")
+    p.set_defaults(func=run)
+
+
+def read_texts(args: argparse.Namespace) -> list[str]:
+    texts = list(args.text)
+    if args.file:
+        if args.file == "-":
+            texts += [line.rstrip("\n") for line in sys.stdin if line.strip()]
+        else:
+            path = Path(args.file)
+            if not path.is_file():
+                raise DataError(f"--file {path} does not exist")
+            texts += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not texts:
+        raise ConfigError("give at least one --text or a --file of texts")
+    return texts
+
+
+def encode_texts(model, tokenizer, texts: list[str], max_length: int) -> list[list[int]]:
+    """Token ids per text: the tokenizer's own special tokens (BERT's [CLS] .. [SEP]); a model trained with
+    ``--objective mlm`` gets the [CLS] id it was trained with in front."""
+    cls_id = (model.cfg.extra.get("mlm") or {}).get("cls_token_id") if isinstance(model.cfg.extra, dict) else None
+    out = []
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=True)
+        if cls_id is not None and (not ids or ids[0] != cls_id):
+            ids = [cls_id, *ids]
+        if not ids:
+            raise DataError(f"text {text!r} has no tokens")
+        out.append(ids[:max_length])
+    return out
+
+
+@torch.no_grad()
+def embed(model, tokenizer, texts: list[str], pooling: str | None = None, max_length: int | None = None,
+          batch_size: int = 32) -> torch.Tensor:
+    """(N, d) L2-normalised sentence embeddings of ``texts``."""
+    st = model.cfg.extra.get("sentence_transformers") or {} if isinstance(model.cfg.extra, dict) else {}
+    pooling = pooling or st.get("pooling", "mean")
+    limit = min(x for x in (model.cfg.max_seq_len, st.get("max_seq_length"), max_length) if x)
+    ids = encode_texts(model, tokenizer, texts, limit)
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    vectors = []
+    for i in range(0, len(ids), batch_size):
+        chunk = ids[i : i + batch_size]
+        L = max(map(len, chunk))
+        x = torch.tensor([row + [pad] * (L - len(row)) for row in chunk])
+        mask = torch.tensor([[1] * len(row) + [0] * (L - len(row)) for row in chunk])
+        vectors.append(model.sentence_embedding(x, mask, mode=pooling))
+    return torch.cat(vectors)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tinyformer.run_folder import load_config, load_model, load_tokenizer
+
+    if args.max_length is not None and args.max_length < 1:
+        raise ConfigError("--max-length must be positive")
+    if args.batch_size < 1:
+        raise ConfigError("--batch-size must be positive")
+    cfg = load_config(args.model)
+    if cfg.arch != "encoder":
+        raise ConfigError(f"{args.model} is a {cfg.arch} model; embed needs an encoder (arch 'encoder', e.g. BERT)")
+    texts = read_texts(args)
+    model = load_model(args.model, cfg=cfg)
+    tokenizer = load_tokenizer(args.model)
+    e = embed(model, tokenizer, texts, args.pooling, args.max_length, args.batch_size)
+    if args.similarity:
+        sim = (e @ e.T).clamp(-1.0, 1.0)
+        out = {"texts": texts, "similarity": [[round(v, args.precision) for v in row] for row in sim.tolist()]}
+    else:
+        out = {"dim": e.shape[1], "embeddings": [{"text": t, "vector": [round(v, args.precision) for v in row]}
+                                                  for t, row in zip(texts, e.tolist())]}
+    print(json.dumps(out))
+    return 0

@@ -1,0 +1,128 @@
+"""`tinyformer eval`: loss and perplexity of a trained model on any text.
+
+The text is encoded with the run's tokenizer (cached like training data) and cut into
+non-overlapping windows of ``block_size`` tokens; every token after the first of its window is
+predicted from the tokens before it in that window:
+
+    loss = -1/N sum_i log p(x_i | window prefix),   perplexity = exp(loss),
+    bits per byte = N * loss / (ln 2 * bytes of the predicted tokens)
+
+Bits per byte does not depend on the tokenizer, so it compares models with different vocabularies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tinyformer.errors import ConfigError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="loss and perplexity of a run on a text corpus",
+                       description="Evaluate a run folder's model on a corpus: mean next-token loss, perplexity "
+                                   "and bits per byte.")
+    p.add_argument("--model", required=True, metavar="RUN", help="run folder (config.json, model.safetensors, "
+                                                                  "tokenizer.json)")
+    p.add_argument("--data", required=True, help="a text file, folder of .txt/.md, glob or .jsonl file")
+    p.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per window (default: the run's training block size, else max_seq_len)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
+    p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
+    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
+    p.add_argument("--cache-dir", default=None, help="token cache folder (default ~/.cache/tinyformer)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _training_block_size(run: Path) -> int | None:
+    from tinyformer.training.config import read_run_file
+
+    if not (run / "train.yaml").is_file():
+        return None
+    try:
+        value = read_run_file(run / "train.yaml")["train"].get("block_size")
+    except ConfigError:
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def evaluate_run(run: Path, data: str, *, text_field: str = "text", block_size: int | None = None,
+                 batch_size: int = 8, max_batches: int | None = None, device: str = "auto", dtype: str = "auto",
+                 cache_dir: str | None = None, progress: bool = True) -> dict:
+    """Loss, perplexity and bits per byte of the model in ``run`` on the corpus ``data``."""
+    from tqdm.auto import tqdm
+
+    from tinyformer.data.dataset import TokenDataset, encode_to_memmap
+    from tinyformer.run_folder import load_config, load_model, load_tokenizer
+    from tinyformer.training.prepare import default_cache_dir
+    from tinyformer.training.trainer import autocast_dtype, resolve_device
+
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size must be positive, got {batch_size}")
+    if max_batches is not None and max_batches < 1:
+        raise ConfigError(f"--max-batches must be positive, got {max_batches}")
+    cfg = load_config(run)
+    T = block_size or _training_block_size(run) or cfg.max_seq_len
+    if T < 1 or T > cfg.max_seq_len:
+        raise ConfigError(f"--block-size {T} must be in [1, max_seq_len={cfg.max_seq_len}]")
+    dev = resolve_device(device)
+    amp = autocast_dtype(dtype, dev)
+    tokenizer = load_tokenizer(run)
+    model = load_model(run, device=dev)
+    path = encode_to_memmap(Path(data), tokenizer, (Path(cache_dir) if cache_dir else default_cache_dir()) / "tokens",
+                            text_field=text_field)
+    dataset = TokenDataset(path, val_fraction=0.0)
+    n = len(dataset)
+    windows = (n - 1) // T if n > T else 0
+    if windows == 0:
+        raise ConfigError(f"{data} has {n} tokens, too few for one window of --block-size {T} (needs {T + 1})")
+    # bytes each id stands for, to turn nats/token into bits/byte
+    token_bytes = np.array([len(tokenizer.token_bytes(i)) if tokenizer.id_to_token(i) is not None else 0
+                            for i in range(tokenizer.vocab_size)], dtype=np.int64)
+    n_batches = math.ceil(windows / batch_size)
+    if max_batches is not None:
+        n_batches = min(n_batches, max_batches)
+    nll, count, n_bytes = 0.0, 0, 0
+    ctx = torch.autocast(device_type=dev.type, dtype=amp) if amp is not None else torch.autocast(dev.type,
+                                                                                                  enabled=False)
+    with torch.no_grad(), ctx:
+        batches = dataset.iter_eval_batches("train", batch_size, T, max_batches=max_batches)
+        for x, y in tqdm(batches, total=n_batches, desc="eval", unit="batch", disable=not progress):
+            logits = model(x.to(dev))
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.to(dev).flatten(),
+                                                     reduction="sum")
+            nll += float(loss)
+            count += y.numel()
+            n_bytes += int(token_bytes[y.numpy()].sum())
+    mean = nll / count
+    return {
+        "model": str(run),
+        "data": str(data),
+        "tokens": count,
+        "block_size": T,
+        "loss": mean,
+        "perplexity": math.exp(min(mean, 700.0)),
+        "bits_per_byte": nll / math.log(2) / n_bytes if n_bytes else None,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    result = evaluate_run(Path(args.model), args.data, text_field=args.text_field, block_size=args.block_size,
+                          batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
+                          dtype=args.dtype, cache_dir=args.cache_dir, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    bpb = f", {result['bits_per_byte']:.4f} bits/byte" if result["bits_per_byte"] is not None else ""
+    print(f"{result['model']} on {result['data']}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}"
+          f"{bpb} ({result['tokens']:,} tokens, block size {result['block_size']})")
+    return 0

@@ -1,0 +1,224 @@
+"""`tinyformer generate`: continue a prompt with a trained model, streaming the text as it is decoded.
+
+    tinyformer generate --model RUN --prompt "Once upon a time" --temperature 0.8 --top-k 50 --seed 1
+
+``--temperature 0`` is greedy decoding. ``--json`` prints one JSON object per sample, one per line,
+instead of streaming text. Sample i of ``--num-samples N`` uses seed ``--seed + i``; the samples are
+the same whether they are decoded one at a time (streaming) or as one batch (``--json``).
+The sampler, streaming and stop logic live in ``tinyformer.generation``; this module only parses
+flags and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinyformer.errors import GenerationError
+from tinyformer.generation.engine import CONTEXT_POLICIES, Generator
+from tinyformer.generation.sampling import SamplingParams
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+# ------------------------------------------------------------------ flags shared with `tinyformer chat`
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="RUN", help="run folder (config.json, weights, tokenizer.json)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations (default: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--context-policy", default="error", choices=CONTEXT_POLICIES,
+                   help="when prompt + new tokens exceed the model's context: 'error' refuses; 'slide' keeps "
+                        "the last tokens (--slide-keep) and prefills them again (default: error)")
+    p.add_argument("--slide-keep", type=int, default=None, metavar="N",
+                   help="tokens kept when the context slides (default: 3/4 of the context)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    d = SamplingParams()
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"tokens to generate at most (default: {DEFAULT_MAX_NEW_TOKENS}, or what fits in the "
+                        "context under --context-policy error)")
+    g.add_argument("--temperature", type=float, default=d.temperature,
+                   help=f"softmax temperature; 0 = greedy (default: {d.temperature})")
+    g.add_argument("--top-k", type=int, default=d.top_k, help="keep the k most probable tokens; 0 = off")
+    g.add_argument("--top-p", type=float, default=d.top_p, help="nucleus: smallest set with mass >= p, in (0, 1]")
+    g.add_argument("--min-p", type=float, default=d.min_p, help="drop tokens below min_p * max probability")
+    g.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty,
+                   help="CTRL penalty on tokens already seen (1 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty,
+                   help="subtract this per earlier occurrence of a token (0 = off)")
+    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty,
+                   help="subtract this once from every token already generated (0 = off)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop before this text (repeatable; \\n and \\t are understood)")
+    g.add_argument("--seed", type=int, default=None, help="random seed: the same seed gives the same output")
+
+
+def unescape(text: str) -> str:
+    """Shell-friendly escapes in a --stop value: \\n, \\t and \\\\ (nothing else is touched)."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "nt\\":
+            out.append({"n": "\n", "t": "\t", "\\": "\\"}[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def sampling_params(args: argparse.Namespace, max_new_tokens: int, **changes: Any) -> SamplingParams:
+    """SamplingParams from the flags, validated (impossible values raise GenerationError)."""
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty, max_new_tokens=max_new_tokens, seed=args.seed,
+        stop_strings=tuple(unescape(s) for s in args.stop),
+    )
+    for key, value in changes.items():
+        setattr(params, key, value)
+    return params.validate()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise GenerationError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise GenerationError(f"device {name!r} was asked for but CUDA is not available on this machine")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise GenerationError("device 'mps' was asked for but MPS is not available on this machine")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_generator(args: argparse.Namespace) -> Generator:
+    """Check the flags that need no model first (cheap, clear errors), then load the run folder."""
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    return Generator.from_run(args.model, device=device, dtype=dtype, context_policy=args.context_policy,
+                              slide_keep=args.slide_keep)
+
+
+def budget(args: argparse.Namespace, gen: Generator, prompt_len: int) -> int:
+    """--max-new-tokens, or by default 256 capped to the room left in the context (policy error).
+    An explicit value is never changed: one that does not fit is the engine's error to report."""
+    if args.max_new_tokens is not None:
+        return args.max_new_tokens
+    if gen.context_policy == "error" and prompt_len < gen.max_seq_len:
+        return min(DEFAULT_MAX_NEW_TOKENS, gen.max_seq_len - prompt_len)
+    return DEFAULT_MAX_NEW_TOKENS
+
+
+def use_replacement_on_output() -> None:
+    # A terminal that cannot show a character should get '?' instead of a crash mid-stream.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
+
+
+# ------------------------------------------------------------------ the command
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="continue a prompt with a trained model",
+                       description="Generate text from a run folder, streaming it to the terminal.")
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the text to continue")
+    src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 file ('-' = stdin)")
+    p.add_argument("--num-samples", type=int, default=1, metavar="N", help="independent samples (seeds seed+i)")
+    p.add_argument("--num-beams", type=int, default=1, metavar="K",
+                   help="beam search with K beams instead of sampling (prints the best --num-samples beams)")
+    p.add_argument("--length-penalty", type=float, default=1.0,
+                   help="beam search ranks log p / length**penalty (default 1.0)")
+    p.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per sample and line: text, token_ids (generated), logprobs")
+    add_sampling_args(p)
+    p.set_defaults(func=run)
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file == "-":
+        return sys.stdin.read()
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise GenerationError(f"prompt file {path} does not exist")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise GenerationError(f"prompt file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    use_replacement_on_output()
+    if args.num_samples < 1:
+        raise GenerationError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.num_beams < 1:
+        raise GenerationError(f"--num-beams must be >= 1, got {args.num_beams}")
+    if args.num_beams > 1 and args.num_samples > args.num_beams:
+        raise GenerationError(f"--num-samples ({args.num_samples}) cannot exceed --num-beams ({args.num_beams})")
+    prompt = read_prompt(args)
+    if not prompt:
+        raise GenerationError("the prompt is empty")
+    # Impossible sampler values are reported before the (slow) model load.
+    sampling_params(args, 0 if args.max_new_tokens is None else args.max_new_tokens)
+    gen = load_generator(args)
+    ids = gen.encode(prompt)
+    params = sampling_params(args, budget(args, gen, len(ids)))
+
+    if args.num_beams > 1:
+        results = gen.beam_search(ids, args.num_beams, params.max_new_tokens, args.length_penalty)
+        results = results[: args.num_samples]
+    elif args.json:
+        results = gen.generate([ids] * args.num_samples, params)
+    else:
+        results = None
+
+    if results is not None:
+        for i, result in enumerate(results):
+            if args.json:
+                print(json.dumps(result.to_dict(), ensure_ascii=False), flush=True)
+            else:
+                header(args, i)
+                print((prompt if args.echo else "") + result.text, flush=True)
+        return 0
+
+    for i in range(args.num_samples):
+        seed = None if params.seed is None else (params.seed + i) % 2**64
+        header(args, i)
+        if args.echo:
+            sys.stdout.write(prompt)
+        for piece in gen.stream(ids, sampling_params(args, params.max_new_tokens, seed=seed)):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    return 0
+
+
+def header(args: argparse.Namespace, i: int) -> None:
+    if args.num_samples > 1 and not args.json:
+        print(f"--- sample {i + 1} ---", flush=True)

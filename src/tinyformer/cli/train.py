@@ -1,0 +1,164 @@
+"""`tinyformer train`: train a language model (or another objective) and write a run folder.
+
+With no arguments it trains the default model on the built-in corpus (CPython's docs), offline.
+Config precedence, lowest first: built-in defaults < --config FILE < --set section.field=value <
+--model.FIELD / --train.FIELD VALUE < the named flags (--lr, --steps, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from tinyformer.config import ModelConfig
+from tinyformer.errors import ConfigError
+from tinyformer.training.config import TrainConfig, apply_override, coerce_field, parse_value, read_run_file
+
+# flag -> (TrainConfig field, type, help); all default to None = "not given"
+TRAIN_FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
+    (("--data",), "data", str, "corpus: a text file, a folder of .txt/.md, a glob, a .jsonl file or hf:NAME "
+                               "(default: the built-in corpus)"),
+    (("--text-field",), "text_field", str, "JSONL field holding the text (default: text)"),
+    (("--tokenizer",), "tokenizer", str, "char, bpe (trained on the corpus) or a tokenizer.json path (default bpe)"),
+    (("--vocab-size",), "vocab_size", int, "BPE vocabulary size (default 4096)"),
+    (("--init-from",), "init_from", str, "start from another run's weights and tokenizer (fine-tuning)"),
+    (("--objective",), "objective", str, "training objective (default clm: causal language modelling)"),
+    (("--task",), "task", str, "synthetic task name, for objectives that have tasks"),
+    (("--steps", "--max-steps"), "max_steps", int, "optimizer steps"),
+    (("--batch-size",), "batch_size", int, "sequences per micro-batch (per device)"),
+    (("--grad-accum",), "grad_accum", int, "micro-batches per optimizer step"),
+    (("--block-size",), "block_size", int, "tokens per sequence (default: the model's max_seq_len)"),
+    (("--lr",), "lr", float, "peak learning rate"),
+    (("--min-lr",), "min_lr", float, "learning-rate floor of the decay (default lr/10)"),
+    (("--warmup-steps",), "warmup_steps", int, "linear warm-up steps"),
+    (("--weight-decay",), "weight_decay", float, "AdamW weight decay (matrices only)"),
+    (("--grad-clip",), "grad_clip", float, "max gradient norm (0 = off)"),
+    (("--device",), "device", str, "auto, cpu, cuda, cuda:N or mps"),
+    (("--dtype",), "dtype", str, "auto, float32, bfloat16 or float16 (autocast)"),
+    (("--threads",), "threads", int, "CPU threads"),
+    (("--seed",), "seed", int, "random seed"),
+    (("--eval-interval",), "eval_interval", int, "evaluate (val loss, sample) every N steps"),
+    (("--eval-iters",), "eval_iters", int, "validation batches per evaluation (0 = the whole split)"),
+    (("--log-interval",), "log_interval", int, "log metrics every N steps"),
+    (("--checkpoint-interval",), "checkpoint_interval", int, "checkpoint every N steps (default: eval interval)"),
+    (("--keep-last",), "keep_last", int, "checkpoints to keep"),
+    (("--sample-tokens",), "sample_tokens", int, "tokens in the sample written at each evaluation"),
+    (("--peak-flops",), "peak_flops", float, "peak FLOP/s of the hardware, for MFU (e.g. 989e12)"),
+    (("--parallel",), "parallel", str, "with several processes: ddp (each holds the weights) or fsdp (sharded)"),
+]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="train a model (default: a small LM on the built-in corpus)",
+        description="Train a model and write a run folder (config.json, model.safetensors, tokenizer.json, "
+                    "train.yaml, state/, metrics.jsonl, samples.txt, loss.png). Any config field can be set with "
+                    "--model.FIELD VALUE / --train.FIELD VALUE or --set model.FIELD=VALUE.")
+    p.add_argument("--config", help="run config (YAML/TOML/JSON) with model: and train: sections")
+    p.add_argument("--preset", help="model preset (default: tiny)")
+    p.add_argument("--out", help="run folder (default: runs/<timestamp>)")
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN",
+                   help="continue a run from its latest checkpoint (RUN, or the --out folder)")
+    p.add_argument("--force", action="store_true", help="start over in an existing run folder (deletes its run files)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override any config field, e.g. --set train.lr=3e-4 --set model.n_layer=2 (repeatable)")
+    for flags, dest, typ, help_text in TRAIN_FLAGS:
+        p.add_argument(*flags, dest=f"flag_{dest}", type=typ, default=None, metavar=dest.upper(), help=help_text)
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="train with N processes on this machine, as `torchrun --nproc_per_node N` does "
+                        "(multi-node: see docs/distributed.md)")
+    p.add_argument("--compile", dest="flag_compile", action="store_const", const=True, default=None,
+                   help="torch.compile the model")
+    p.add_argument("--no-progress", dest="flag_progress", action="store_const", const=False, default=None,
+                   help="no progress bar")
+    # every field of both configs as --model.FIELD / --train.FIELD (kept out of --help: there are many)
+    for section, cls in (("model", ModelConfig), ("train", TrainConfig)):
+        for f in dataclasses.fields(cls):
+            p.add_argument(f"--{section}.{f.name}", dest=f"field__{section}__{f.name}", default=None,
+                           help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+
+
+def build_spec(args: argparse.Namespace):  # -> RunSpec
+    from tinyformer.training.runner import RunSpec
+
+    sections = read_run_file(args.config) if args.config else {"model": {}, "train": {}}
+    overrides: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
+    for item in args.set:
+        apply_override(overrides, item)
+    for key, raw in vars(args).items():
+        if key.startswith("field__") and raw is not None:
+            _, section, name = key.split("__", 2)
+            cls = ModelConfig if section == "model" else TrainConfig
+            overrides[section][name] = coerce_field(cls, name, parse_value(raw), raw)
+    for key, value in vars(args).items():
+        if key.startswith("flag_") and value is not None:
+            overrides["train"][key[len("flag_"):]] = value
+    if args.preset:
+        overrides["model"]["preset"] = args.preset
+    out, resume = args.out, bool(args.resume)
+    if isinstance(args.resume, str):
+        if out is not None and out != args.resume:
+            raise ConfigError(f"--resume {args.resume} and --out {out} name different run folders")
+        out = args.resume
+    if resume and args.force:
+        raise ConfigError("--resume and --force contradict each other: continue the run, or start it over")
+    if resume and args.preset:
+        raise ConfigError("--preset cannot change the model of a run being resumed")
+    return RunSpec(sections=sections, config_file=args.config, model_overrides=overrides["model"],
+                   train_overrides=overrides["train"], out=out, resume=resume, force=args.force)
+
+
+def _fmt_count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from tinyformer.training.distributed import launch, launched_by_torchrun, prepare_distributed_run
+
+    spec = build_spec(args)
+    if args.nproc is not None and args.nproc != 1 and not launched_by_torchrun():
+        return launch(args.nproc, args)  # each process runs this function again, as a rank
+    prepared = prepare_distributed_run(spec)
+    trainer, cfg, mcfg = prepared.trainer, prepared.trainer.cfg, prepared.trainer.model_cfg
+    tok = prepared.tokenizer
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    global_batch = cfg.batch_size * cfg.grad_accum * trainer.world_size
+    print(f"run folder: {prepared.run_dir}")
+    print(f"model: {_fmt_count(n_params)} parameters ({mcfg.arch}, d_model {mcfg.d_model}, {mcfg.n_layer} layers, "
+          f"{mcfg.n_head} heads, {mcfg.norm}, {mcfg.pos}, {mcfg.ffn}); tokenizer: {tok.kind}, "
+          f"{tok.vocab_size} ids")
+    for note in prepared.notes:
+        print(note)
+    tokens_per_step = f" x {cfg.block_size} = {global_batch * cfg.block_size:,} tokens" if cfg.block_size else ""
+    amp = str(trainer.amp_dtype).replace("torch.", "") if trainer.amp_dtype else "float32"
+    print(f"objective {cfg.objective}; {cfg.max_steps} steps of {global_batch} sequences{tokens_per_step}; "
+          f"lr {cfg.lr:g} ({cfg.lr_schedule}, warm-up {cfg.warmup_steps}); device {trainer.device.type}, {amp}")
+    if trainer.world_size > 1:
+        print(f"{trainer.world_size} processes ({cfg.parallel}), each on its own shard of the data")
+    if prepared.resumed_from is not None:
+        print(f"resuming from {prepared.resumed_from} (step {trainer.step})")
+    if trainer.step >= cfg.max_steps:
+        print(f"the run is already at step {trainer.step} of {cfg.max_steps}; nothing to do "
+              "(raise --steps to train further)")
+        return 0
+    sys.stdout.flush()
+    summary = trainer.fit()
+    rate = summary.tokens / summary.train_seconds if summary.train_seconds else 0.0
+    print(f"done: {summary.steps} steps, {summary.tokens:,} tokens in {summary.train_seconds:.1f} s of training "
+          f"({rate:,.0f} tokens/s)")
+    if summary.val_loss is not None:
+        import math
+
+        print(f"final val loss {summary.val_loss:.4f} (perplexity {math.exp(min(summary.val_loss, 700)):.2f})")
+    if summary.plot_note:
+        print(summary.plot_note)
+    if summary.sample:
+        print("sample:\n" + summary.sample.strip())
+    print(f"run folder: {prepared.run_dir}  (tinyformer eval --model {prepared.run_dir} --data FILE)")
+    return 0

@@ -1,0 +1,533 @@
+"""The decoding engine: prompts in, tokens and text out, one token per step against the KV cache.
+
+    prefill:  logits_P = model(prompt_{0..P-1}, cache)             one forward pass over the prompt
+    decode:   y_t ~ q(. | logits_t)                                  sampling.sample_next
+              logits_{t+1} = model(y_t, cache)                       one token per step, O(1) new K/V rows
+
+Batches of prompts of different lengths are **left padded** to the longest, with an attention mask
+(1 = token, 0 = padding). The model derives each row's positions from the mask (cumsum - 1), so a
+row sees exactly the keys and positions it would see alone, and every row's generated tokens start
+at the same column. Greedy decoding of a batch therefore gives the same tokens as decoding each
+prompt alone; for sampling, row ``b`` draws from its own generator seeded with ``seed + b``, so
+row ``b`` of a batch equals the prompt decoded alone with seed ``seed + b``.
+
+Stopping, per row: the end-of-sequence token, any of ``params.stop_token_ids``, a stop string (even
+one spread over several tokens; it is never shown), or ``max_new_tokens``. Text is produced
+incrementally from each token's raw bytes (``Tokenizer.token_bytes``), so a stream never shows half
+a UTF-8 character.
+
+Context overflow never passes silently. ``context_policy="error"`` refuses a request whose prompt
+plus ``max_new_tokens`` does not fit ``max_seq_len``; ``"slide"`` keeps going: whenever the cache is
+full it keeps the last ``slide_keep`` tokens, clears the cache and prefills them again (positions
+restart at 0, so they stay inside the trained range). A batch slides when its longest row fills the
+context.
+
+:func:`beam_search` is independent of the model type: it needs only ``step(tokens, cache) -> logits``
+and a cache with ``reorder(index)``, so an encoder-decoder model can use it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tinyformer.errors import GenerationError, TinyformerError
+from tinyformer.generation.sampling import (
+    LogitsProcessor,
+    SamplingParams,
+    build_processors,
+    make_generator,
+    sample_next,
+)
+from tinyformer.generation.streaming import StopStringMatcher, Utf8StreamDecoder
+
+__all__ = [
+    "CONTEXT_POLICIES",
+    "Beam",
+    "GenerationResult",
+    "Generator",
+    "TextStream",
+    "beam_search",
+]
+
+CONTEXT_POLICIES = ("error", "slide")
+
+
+@dataclass
+class GenerationResult:
+    """One generated sequence.
+
+    ``token_ids`` are every generated id (the prompt excluded), including the token that ended the
+    sequence (EOS, a stop token, or the last token of a stop string); ``logprobs[i]`` is
+    log p(token_ids[i]) under the model's raw distribution. ``text`` is the decoded text without the
+    end-of-sequence token, stop tokens and stop strings. ``finish_reason`` is "stop" (EOS, stop token
+    or stop string) or "length" (``max_new_tokens``).
+    """
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": self.token_ids, "logprobs": self.logprobs,
+                "finish_reason": self.finish_reason}
+
+
+class TextStream(Iterator[str]):
+    """Iterator over the text pieces of one generation; ``result`` holds the full
+    :class:`GenerationResult` once the iterator is exhausted."""
+
+    def __init__(self, pieces: Iterator[str], row: _Row) -> None:
+        self._pieces = pieces
+        self._row = row
+
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    @property
+    def result(self) -> GenerationResult:
+        if self._row.finish_reason is None:
+            raise RuntimeError("the stream has not finished yet")
+        return self._row.result()
+
+
+class _Row:
+    """Text state of one sequence: ids, logprobs, incremental UTF-8 decoding and stop-string matching."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, token_bytes: Callable[[int], bytes],
+                 end_ids: frozenset[int]) -> None:
+        self.prompt_ids = prompt_ids
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.pieces: list[str] = []
+        self.finish_reason: str | None = None
+        self._token_bytes = token_bytes
+        self._end_ids = end_ids
+        self._decoder = Utf8StreamDecoder()
+        self._stopper = StopStringMatcher(params.stop_strings)
+
+    def accept(self, token: int, logprob: float) -> str:
+        """Record one token; return the text it completes ("" while a character or a possible stop
+        string is incomplete, and always "" once the row has finished)."""
+        if self.finish_reason is not None:
+            return ""
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        if token in self._end_ids:
+            return self.close("stop")
+        text, stopped = self._stopper.push(self._decoder.push(self._token_bytes(token)))
+        self.pieces.append(text)
+        if stopped:
+            self.finish_reason = "stop"
+        return text
+
+    def close(self, reason: str) -> str:
+        """End the row: release held-back text (half a character becomes U+FFFD; a held possible
+        start of a stop string is shown unless it completes one)."""
+        if self.finish_reason is not None:
+            return ""
+        tail, stopped = self._stopper.push(self._decoder.flush())
+        if not stopped:
+            tail += self._stopper.flush()
+        self.finish_reason = "stop" if stopped else reason
+        self.pieces.append(tail)
+        return tail
+
+    def result(self) -> GenerationResult:
+        return GenerationResult("".join(self.pieces), self.token_ids, self.logprobs, self.finish_reason or "length",
+                                self.prompt_ids)
+
+
+# ------------------------------------------------------------------------------------------------
+# beam search
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Beam:
+    """A finished beam hypothesis: generated ids (with the end token, if it ended on one), their
+    per-token log-probabilities, the total ``logprob`` = sum of those, and the ranking ``score`` =
+    logprob / len(token_ids) ** length_penalty."""
+
+    token_ids: list[int]
+    token_logprobs: list[float]
+    logprob: float
+    score: float
+
+
+def beam_search(
+    step: Callable[[Tensor, Any], Tensor],
+    logits: Tensor,
+    cache: Any,
+    *,
+    num_beams: int,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    length_penalty: float = 1.0,
+) -> list[Beam]:
+    r"""Beam search over sequences y = y_1 .. y_n, ranked by
+
+        score(y) = sum_i log p(y_i | x, y_<i) / n ** length_penalty
+
+    (``length_penalty`` 0 ranks by total log-probability; > 0 favours longer sequences).
+
+    Args:
+        step: ``step(tokens (K,), cache) -> logits (K, V)``: append one token to each of the K rows of
+            ``cache`` and return the next-token logits. Any model that keeps per-row state works.
+        logits: ``(1, V)`` next-token logits after the prompt; ``cache`` holds that one row.
+        cache: per-row state with ``reorder(index)`` (keep rows ``index``, in that order; it may repeat
+            rows and change the row count), e.g. :class:`~tinyformer.components.kv_cache.KVCache`.
+        num_beams: K, the number of hypotheses kept per step.
+        max_new_tokens: the longest sequence considered.
+        eos_token_ids: tokens that end a hypothesis.
+
+    Returns the finished hypotheses, best score first (at most ``num_beams``).
+
+    Each step expands every kept hypothesis by every token, ranks the K*V candidates and keeps the best
+    2K: those ending in an end token (among the first K) become finished hypotheses, the best K others
+    stay open. The search ends when no open hypothesis can still beat the worst of K finished ones:
+    log-probabilities only decrease, which bounds every continuation (this bound is exact, so the
+    result does not depend on stopping early), or at ``max_new_tokens``, when the open ones finish.
+    """
+    if num_beams < 1:
+        raise GenerationError(f"num_beams must be >= 1, got {num_beams}")
+    if max_new_tokens < 1:
+        return []
+    K = num_beams
+    ends = {int(t) for t in eos_token_ids}
+    device = logits.device
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # (1, V)
+    V = logp.shape[-1]
+    scores = logp.new_zeros(1)  # total log-prob of each open hypothesis; one (empty) to start
+    seqs = torch.zeros(1, 0, dtype=torch.long, device=device)
+    seq_logps = logp.new_zeros(1, 0)
+    finished: list[Beam] = []
+
+    def normalised(total: float, n: int) -> float:
+        return total / (n**length_penalty)
+
+    def best_possible(total: float, n: int) -> float:
+        # The best score any continuation of an open hypothesis (total log-prob `total` after n tokens)
+        # can reach: its total can only fall, so with length_penalty > 0 the best case is the longest
+        # allowed sequence keeping `total`, otherwise the current length.
+        if length_penalty > 0:
+            return total / (max_new_tokens**length_penalty)
+        return normalised(total, n)
+
+    for t in range(max_new_tokens):
+        n = t + 1  # length of the candidates
+        candidates = (scores[:, None] + logp).view(-1)  # (K' V,)
+        top_scores, top_index = candidates.topk(min(2 * K, candidates.numel()))
+        keep_rows: list[int] = []
+        keep_tokens: list[int] = []
+        for rank, (s, flat) in enumerate(zip(top_scores.tolist(), top_index.tolist())):
+            if s == -math.inf:
+                break
+            row, token = divmod(flat, V)
+            if token in ends:
+                if rank < K:  # an end token ranked below the K best is not competitive
+                    ids = seqs[row].tolist() + [token]
+                    lps = seq_logps[row].tolist() + [float(logp[row, token])]
+                    finished.append(Beam(ids, lps, s, normalised(s, n)))
+                continue
+            keep_rows.append(row)
+            keep_tokens.append(token)
+            if len(keep_rows) == K:
+                break
+        finished.sort(key=lambda b: b.score, reverse=True)
+        del finished[K:]
+        if not keep_rows:  # every candidate ended
+            break
+        index = torch.tensor(keep_rows, device=device)
+        tokens = torch.tensor(keep_tokens, device=device)
+        new_lps = logp[index, tokens]
+        scores = scores[index] + new_lps
+        seqs = torch.cat([seqs[index], tokens[:, None]], dim=1)
+        seq_logps = torch.cat([seq_logps[index], new_lps[:, None]], dim=1)
+        if n == max_new_tokens:  # the open hypotheses end here, at the length limit
+            for ids, lps, total in zip(seqs.tolist(), seq_logps.tolist(), scores.tolist()):
+                finished.append(Beam(ids, lps, total, normalised(total, n)))
+            break
+        if len(finished) == K and best_possible(float(scores.max()), n) <= finished[-1].score:
+            break
+        cache.reorder(index)
+        logits = step(tokens, cache)
+        logp = torch.log_softmax(logits.to(scores.dtype), dim=-1)
+    finished.sort(key=lambda b: b.score, reverse=True)
+    return finished[:K]
+
+
+# ------------------------------------------------------------------------------------------------
+# the generator
+# ------------------------------------------------------------------------------------------------
+
+
+class Generator:
+    """Text generation with a decoder LM (``DecoderLM``) and its tokenizer.
+
+    ``generate(prompts, params)`` decodes a batch; ``stream(prompt, params)`` yields text as it is
+    produced; ``beam_search(prompt, ...)`` returns the best hypotheses. Prompts are text (encoded with
+    the tokenizer) or lists of token ids. ``tokenizer`` may be None for id prompts only (no text,
+    no stop strings). ``eos_token_id`` (default: the tokenizer's) ends a sequence; set it to None to
+    generate exactly ``max_new_tokens``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any = None,
+        device: torch.device | str | None = None,
+        *,
+        context_policy: str = "error",
+        slide_keep: int | None = None,
+    ) -> None:
+        cfg = getattr(model, "cfg", None)
+        if cfg is None or cfg.arch != "decoder" or not hasattr(model, "new_cache"):
+            arch = getattr(cfg, "arch", type(model).__name__)
+            raise GenerationError(f"text generation needs a decoder language model; this one is {arch!r}")
+        if context_policy not in CONTEXT_POLICIES:
+            raise GenerationError(
+                f"context policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}"
+            )
+        self.max_seq_len = cfg.max_seq_len
+        keep = slide_keep if slide_keep is not None else max(1, self.max_seq_len - max(1, self.max_seq_len // 4))
+        if not 1 <= keep < self.max_seq_len:
+            raise GenerationError(f"slide_keep must be in [1, {self.max_seq_len - 1}], got {keep}")
+        self.model = model if device is None else model.to(device)
+        self.model.eval()
+        self.device = next(self.model.parameters()).device
+        self.tokenizer = tokenizer
+        self.vocab_size = cfg.vocab_size
+        self.context_policy = context_policy
+        self.slide_keep = keep
+        self.eos_token_id: int | None = getattr(tokenizer, "eos_id", None)
+        # Special tokens (BOS, PAD, a template's <|im_start|>, ...) are control symbols, not text: they
+        # are generated and returned as ids but shown as nothing, like decode(skip_special_tokens=True).
+        backend = getattr(tokenizer, "backend", None)
+        self.hidden_token_ids = frozenset(
+            i for i, t in (backend.get_added_tokens_decoder().items() if backend is not None else ()) if t.special
+        )
+        self._bytes: dict[int, bytes] = {}
+
+    @classmethod
+    def from_run(cls, run_dir: Any, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                 **kwargs: Any) -> Generator:
+        """Load the model and tokenizer of a run folder."""
+        from tinyformer.run_folder import load_model, load_tokenizer
+
+        model = load_model(run_dir, device=device, dtype=dtype)
+        return cls(model, load_tokenizer(run_dir), device, **kwargs)
+
+    # ---------------------------------------------------------------- prompts and text
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt, checked: not empty and inside the model's vocabulary."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise GenerationError("the prompt is empty")
+            if self.tokenizer is None:
+                raise GenerationError("a text prompt needs a tokenizer; pass token ids instead")
+            # Only foreign tokenizers have a post-processor (e.g. a BOS prefix); the trained kinds add nothing.
+            special = getattr(self.tokenizer, "kind", "hf") == "hf"
+            try:
+                ids = list(self.tokenizer.encode(prompt, add_special_tokens=special))
+            except TinyformerError:
+                raise
+            except Exception as exc:  # the `tokenizers` backend raises bare Exceptions
+                raise GenerationError(f"the tokenizer cannot encode the prompt: {exc}") from None
+        else:
+            ids = [int(i) for i in prompt]
+        if not ids:
+            raise GenerationError("the prompt is empty")
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise GenerationError(f"token id {bad} is outside the model's vocabulary (0 .. {self.vocab_size - 1})")
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Raw bytes of a token (memoised). Special tokens and ids the tokenizer does not know (a model
+        vocabulary padded beyond the tokenizer's) stand for no text."""
+        b = self._bytes.get(token_id)
+        if b is None:
+            b = b""
+            if self.tokenizer is not None and token_id < self.tokenizer.vocab_size \
+                    and token_id not in self.hidden_token_ids:
+                try:
+                    b = self.tokenizer.token_bytes(token_id)
+                except Exception:  # a gap in a foreign vocabulary
+                    b = b""
+            self._bytes[token_id] = b
+        return b
+
+    # ---------------------------------------------------------------- public API
+
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | None = None) -> list[GenerationResult]:
+        """Decode every prompt (as one left-padded batch); one result per prompt, in order."""
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
+            raise TypeError("generate() takes a list of prompts; wrap a single prompt in a list")
+        params = (params or SamplingParams()).validate()
+        rows = self._rows([self.encode(p) for p in prompts], params)
+        for _ in self._decode(rows, params):
+            pass
+        return [row.result() for row in rows]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> TextStream:
+        """Decode one prompt, yielding text as soon as it is complete UTF-8 and cannot be part of a
+        stop string. After the iterator is exhausted, ``.result`` holds the GenerationResult."""
+        params = (params or SamplingParams()).validate()
+        rows = self._rows([self.encode(prompt)], params)
+
+        def pieces() -> Iterator[str]:
+            for deltas in self._decode(rows, params):
+                if deltas[0]:
+                    yield deltas[0]
+
+        return TextStream(pieces(), rows[0])
+
+    def beam_search(self, prompt: str | Sequence[int], num_beams: int, max_new_tokens: int,
+                    length_penalty: float = 1.0, stop_token_ids: Sequence[int] = ()) -> list[GenerationResult]:
+        """The best ``num_beams`` hypotheses for ``prompt`` (see :func:`beam_search`), best first.
+        ``finish_reason`` is "stop" for a hypothesis that ended on EOS or a stop token."""
+        ids = self.encode(prompt)
+        SamplingParams(max_new_tokens=max_new_tokens).validate()
+        self._check_fits(len(ids), max_new_tokens)
+        ends = set(int(t) for t in stop_token_ids)
+        if self.eos_token_id is not None:
+            ends.add(self.eos_token_id)
+        with torch.inference_mode():
+            cache = self.model.new_cache(1, len(ids) + max_new_tokens)
+            x = torch.tensor([ids], device=self.device)
+            logits = self.model(x, cache=cache, last_only=True)[:, -1]
+
+            def step(tokens: Tensor, cache: Any) -> Tensor:
+                return self.model(tokens[:, None], cache=cache)[:, -1]
+
+            beams = beam_search(step, logits, cache, num_beams=num_beams, max_new_tokens=max_new_tokens,
+                                eos_token_ids=sorted(ends), length_penalty=length_penalty)
+        results = []
+        for beam in beams:
+            ended = bool(beam.token_ids) and beam.token_ids[-1] in ends
+            shown = beam.token_ids[:-1] if ended else beam.token_ids
+            text = b"".join(self.token_bytes(i) for i in shown).decode("utf-8", errors="replace")
+            results.append(GenerationResult(text, beam.token_ids, beam.token_logprobs,
+                                            "stop" if ended else "length", ids))
+        return results
+
+    # ---------------------------------------------------------------- decoding
+
+    def _rows(self, prompts: list[list[int]], params: SamplingParams) -> list[_Row]:
+        if not prompts:
+            return []
+        if params.stop_strings and self.tokenizer is None:
+            raise GenerationError("stop strings need a tokenizer")
+        ends = frozenset(int(t) for t in params.stop_token_ids) | (
+            frozenset() if self.eos_token_id is None else frozenset([self.eos_token_id])
+        )
+        if self.context_policy == "error":
+            self._check_fits(max(len(p) for p in prompts), params.max_new_tokens)
+        return [_Row(p, params, self.token_bytes, ends) for p in prompts]
+
+    def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        L = self.max_seq_len
+        if prompt_len >= L:
+            raise GenerationError(
+                f"the prompt has {prompt_len} tokens but the model's context is {L} tokens "
+                "(leaving no room to generate); shorten the prompt or use context policy 'slide'"
+            )
+        if prompt_len + max_new_tokens > L:
+            raise GenerationError(
+                f"the prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
+                f"context of {L} tokens; ask for at most {L - prompt_len} new tokens or use context "
+                "policy 'slide'"
+            )
+
+    def _decode(self, rows: list[_Row], params: SamplingParams) -> Iterator[list[str]]:
+        """Run the batch to the end, yielding after every step the new text of each row."""
+        if not rows:
+            return
+        budget = params.max_new_tokens
+        if budget == 0:
+            for row in rows:
+                row.close("length")
+            return
+        L = self.max_seq_len
+        B = len(rows)
+        # under "slide" a prompt longer than the context keeps its last L tokens
+        prompts = [r.prompt_ids[-L:] for r in rows]
+        P = max(len(p) for p in prompts)
+        width = P + budget
+        dev = self.device
+        # hist: the token columns, left padded with -1 (ignored by the penalties); seq: the same with
+        # padding as token 0 (masked out, never seen)
+        hist = torch.full((B, width), -1, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            hist[b, P - len(p) : P] = torch.tensor(p)
+        hist = hist.to(dev)
+        seq = hist.clamp_min(0)
+        # columns [0, pad_end) hold padding in some row; a window starting at or after it needs no mask
+        pad_end = P - min(len(p) for p in prompts)
+        mask = None
+        if pad_end > 0:
+            mask = torch.ones(B, width, dtype=torch.long, device=dev)
+            mask[:, :P] = hist[:, :P] >= 0
+
+        processors = build_processors(params)
+        penalised = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+                     or params.presence_penalty != 0.0)
+        # the CTRL repetition penalty looks at the prompt too (as in HF generate); the OpenAI
+        # frequency / presence penalties at the generated tokens only
+        hist_from = 0 if params.repetition_penalty != 1.0 else P
+        generators: list[torch.Generator | None] | None = None
+        if params.seed is not None and not params.greedy:
+            generators = [make_generator(dataclasses.replace(params, seed=(params.seed + b) % 2**64), dev)
+                          for b in range(B)]
+
+        def forward(start: int, stop: int) -> Tensor:
+            """Feed columns [cache.length + start, stop) (the cache holds [start, ...)): next-token logits (B, V)."""
+            fed = seq[:, start + cache.length : stop]
+            window_mask = mask[:, start:stop] if mask is not None and start < pad_end else None
+            return self.model(fed, attention_mask=window_mask, cache=cache, last_only=True)[:, -1]
+
+        with torch.inference_mode():
+            cache = self.model.new_cache(B, min(width, L))
+            start = 0  # first column held in the cache
+            logits = forward(start, P)
+            for t in range(budget):
+                c = P + t  # the column being sampled
+                history = hist[:, hist_from:c] if penalised else None
+                tokens, logprobs = self._sample(logits, params, history, generators, processors)
+                seq[:, c] = tokens
+                hist[:, c] = tokens
+                deltas = [row.accept(tok, lp) for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist())]
+                yield deltas
+                if t == budget - 1 or all(row.finish_reason is not None for row in rows):
+                    break
+                if c - start == cache.max_len:  # full: keep the last slide_keep tokens and prefill again
+                    start = c + 1 - self.slide_keep
+                    cache.reset()
+                logits = forward(start, c + 1)
+        yield [row.close("length") for row in rows]
+
+    @staticmethod
+    def _sample(logits: Tensor, params: SamplingParams, history: Tensor | None,
+                generators: list[torch.Generator | None] | None,
+                processors: list[LogitsProcessor]) -> tuple[Tensor, Tensor]:
+        if generators is None:
+            return sample_next(logits, params, history, None, processors=processors)
+        # seeded sampling: each row draws from its own generator, so a row's random numbers do not
+        # depend on which other rows share the batch
+        picks = [sample_next(logits[b : b + 1], params, None if history is None else history[b : b + 1], g,
+                             processors=processors) for b, g in enumerate(generators)]
+        return torch.cat([p[0] for p in picks]), torch.cat([p[1] for p in picks])

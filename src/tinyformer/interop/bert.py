@@ -1,0 +1,367 @@
+"""Weight adapter: Hugging Face BERT (``BertModel``, ``BertForMaskedLM``, ``BertForPreTraining``) <-> tinyformer
+encoder, and import of sentence-transformers folders.
+
+BERT is the config ``arch=encoder, norm=layernorm (eps 1e-12), norm_placement=post, final_norm=false,
+pos=learned, ffn=gelu, type_vocab_size=2, embed_norm=true`` with every bias; ``BertModel`` adds the
+pooler, ``BertForMaskedLM`` the masked-LM head (and no pooler), ``BertForPreTraining`` both.
+
+Name mapping, per layer i (HF, after the ``bert.`` prefix of the *For* classes  ->  tinyformer):
+  embeddings.word_embeddings.weight                  tok_emb.weight
+  embeddings.position_embeddings.weight              pos_emb.weight
+  embeddings.token_type_embeddings.weight            type_emb.weight
+  embeddings.LayerNorm.{weight,bias}                 emb_norm.{weight,bias}
+  encoder.layer.i.attention.self.{query,key,value}   blocks.i.attn.qkv        (rows: q, then k, then v)
+  encoder.layer.i.attention.output.dense             blocks.i.attn.out
+  encoder.layer.i.attention.output.LayerNorm         blocks.i.attn_norm       (Post-Norm: after the residual)
+  encoder.layer.i.intermediate.dense                 blocks.i.ffn.up
+  encoder.layer.i.output.dense                       blocks.i.ffn.down
+  encoder.layer.i.output.LayerNorm                   blocks.i.ffn_norm
+  pooler.dense                                       pooler.dense
+  cls.predictions.transform.dense                    mlm_head.dense           (no prefix: it is outside bert.)
+  cls.predictions.transform.LayerNorm                mlm_head.norm
+  cls.predictions.bias                               lm_head.bias             (lm_head.weight is tok_emb, tied)
+
+The next-sentence head of BertForPreTraining (``cls.seq_relationship``) is not imported.
+
+A sentence-transformers folder (``modules.json``) is a Transformer module (a BERT folder at the root or in
+``0_Transformer/``), a Pooling module (``1_Pooling/config.json``: cls, mean or max) and optionally a
+Normalize module; ``import_sentence_transformers`` writes a run folder whose config records the pooling in
+``extra["sentence_transformers"]``, which ``tinyformer embed`` follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinyformer.config import ModelConfig
+from tinyformer.errors import CheckpointError, ConfigError
+from tinyformer.interop.adapter import Adapter
+
+PREFIX = "bert."
+# architecture -> (tensor-name prefix, pooler, masked-LM head)
+ARCHITECTURES = {
+    "BertModel": ("", True, False),
+    "BertForMaskedLM": (PREFIX, False, True),
+    "BertForPreTraining": (PREFIX, True, True),
+}
+ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+EXPORT_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+
+
+def _architecture(hf: Mapping[str, Any]) -> str:
+    arch = (hf.get("architectures") or ["BertModel"])[0]
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"{arch} is not supported: the BERT adapter imports {', '.join(ARCHITECTURES)} "
+                          "(task heads such as classifiers are not part of tinyformer's encoder)")
+    return arch
+
+
+def _prefix(cfg: ModelConfig) -> str:
+    hf = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
+    if isinstance(hf, dict) and hf.get("architectures"):
+        return ARCHITECTURES.get(hf["architectures"][0], (PREFIX,))[0]
+    return PREFIX if cfg.mlm_head else ""
+
+
+def align_config(hf: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
+    """``hf`` with ``architectures`` naming the class whose tensors ``names`` are: prefixed or not, with or
+    without the pooler and the masked-LM head."""
+    names = set(names)
+    prefixed = any(n.startswith(PREFIX) for n in names)
+    pooler = (PREFIX if prefixed else "") + "pooler.dense.weight" in names
+    mlm = "cls.predictions.transform.dense.weight" in names
+    arch = {(False, True, False): "BertModel", (True, False, True): "BertForMaskedLM",
+            (True, True, True): "BertForPreTraining"}.get((prefixed, pooler, mlm))
+    out = dict(hf)
+    if arch is not None:
+        out["architectures"] = [arch]
+    return out
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    """A tinyformer ModelConfig from a Hugging Face BERT ``config.json`` dict."""
+    if hf.get("model_type", "bert") != "bert":
+        raise ConfigError(f"model_type {hf.get('model_type')!r} is not supported by the BERT adapter")
+    _, pooler, mlm = ARCHITECTURES[_architecture(hf)]
+    act = hf.get("hidden_act", "gelu")
+    if act not in ACTIVATIONS:
+        raise ConfigError(f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise ConfigError(f"position_embedding_type {hf['position_embedding_type']!r} is not supported "
+                          "(only 'absolute' learned positions)")
+    if hf.get("is_decoder") or hf.get("add_cross_attention"):
+        raise ConfigError("BERT used as a decoder (is_decoder / add_cross_attention) is not supported")
+    d, n_head = hf["hidden_size"], hf["num_attention_heads"]
+    pad = hf.get("pad_token_id")
+    return ModelConfig(
+        arch="encoder",
+        vocab_size=hf["vocab_size"],
+        d_model=d,
+        n_layer=hf["num_hidden_layers"],
+        n_head=n_head,
+        d_ff=hf["intermediate_size"],
+        max_seq_len=hf["max_position_embeddings"],
+        norm="layernorm",
+        norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
+        norm_placement="post",
+        final_norm=False,
+        pos="learned",
+        ffn=ACTIVATIONS[act],
+        attn_bias=True,
+        attn_out_bias=True,
+        mlp_bias=True,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        type_vocab_size=hf.get("type_vocab_size", 2),
+        embed_norm=True,
+        pooler=pooler,
+        mlm_head=mlm,
+        dropout=float(hf.get("hidden_dropout_prob", 0.0) or 0.0),
+        embd_dropout=float(hf.get("hidden_dropout_prob", 0.0) or 0.0),
+        attn_dropout=float(hf.get("attention_probs_dropout_prob", 0.0) or 0.0),
+        pad_token_id=pad if isinstance(pad, int) and 0 <= pad < hf["vocab_size"] else None,
+        extra={"source": "bert", "hf_config": dict(hf)},
+    )
+
+
+def export_problem(cfg: ModelConfig) -> str | None:
+    """Why ``cfg`` cannot be written as BERT, or None when it can."""
+    wanted = {"arch": "encoder", "norm": "layernorm", "norm_bias": True, "norm_placement": "post",
+              "final_norm": False, "pos": "learned", "embed_scale": False, "embed_norm": True, "attn_bias": True,
+              "attn_out_bias": True, "mlp_bias": True}
+    for key, value in wanted.items():
+        if getattr(cfg, key) != value:
+            return f"{key}={getattr(cfg, key)!r} cannot be exported as BERT (needs {value!r})"
+    if cfg.ffn not in EXPORT_ACTIVATIONS:
+        return f"ffn={cfg.ffn!r} cannot be exported as BERT (needs one of {', '.join(EXPORT_ACTIVATIONS)})"
+    if cfg.type_vocab_size < 1:
+        return "BERT needs token-type embeddings (type_vocab_size >= 1)"
+    if cfg.n_kv_head != cfg.n_head or cfg.head_dim * cfg.n_head != cfg.d_model:
+        return "BERT has n_kv_head = n_head and head_dim = d_model / n_head"
+    if cfg.mlm_head and not cfg.tie_embeddings:
+        return "BERT's masked-LM decoder is tied to the word embeddings (needs tie_embeddings=true)"
+    if not cfg.mlm_head and not cfg.pooler:
+        return "a BERT export needs the pooler (BertModel) or the masked-LM head (BertForMaskedLM)"
+    return None
+
+
+def _export_architecture(cfg: ModelConfig) -> str:
+    if cfg.mlm_head:
+        return "BertForPreTraining" if cfg.pooler else "BertForMaskedLM"
+    return "BertModel"
+
+
+def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+    """A Hugging Face BERT config dict (the imported original, updated, when there is one)."""
+    problem = export_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
+    original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
+    hf: dict[str, Any] = dict(original) if isinstance(original, dict) else {}
+    hf.update({
+        "architectures": [_export_architecture(cfg)],
+        "model_type": "bert",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "intermediate_size": cfg.d_ff,
+        "hidden_act": EXPORT_ACTIVATIONS[cfg.ffn],
+        "max_position_embeddings": cfg.max_seq_len,
+        "type_vocab_size": cfg.type_vocab_size,
+        "layer_norm_eps": cfg.norm_eps,
+        "hidden_dropout_prob": cfg.dropout,
+        "attention_probs_dropout_prob": cfg.attn_dropout,
+        "position_embedding_type": "absolute",
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": torch_dtype,
+        "dtype": torch_dtype,
+    })
+    if cfg.pad_token_id is not None:
+        hf["pad_token_id"] = cfg.pad_token_id
+    return hf
+
+
+_LAYER = (  # (HF name under encoder.layer.i., tinyformer name under blocks.i.)
+    ("attention.output.dense", "attn.out"),
+    ("attention.output.LayerNorm", "attn_norm"),
+    ("intermediate.dense", "ffn.up"),
+    ("output.dense", "ffn.down"),
+    ("output.LayerNorm", "ffn_norm"),
+)
+_EMBEDDINGS = (
+    ("embeddings.word_embeddings.weight", "tok_emb.weight"),
+    ("embeddings.position_embeddings.weight", "pos_emb.weight"),
+    ("embeddings.token_type_embeddings.weight", "type_emb.weight"),
+    ("embeddings.LayerNorm.weight", "emb_norm.weight"),
+    ("embeddings.LayerNorm.bias", "emb_norm.bias"),
+)
+
+
+def _pairs(cfg: ModelConfig, pre: str) -> Iterator[tuple[str, str]]:
+    """(HF name, tinyformer name) of every tensor copied as it is (everything but q/k/v)."""
+    yield from ((pre + hf, ours) for hf, ours in _EMBEDDINGS)
+    for i in range(cfg.n_layer):
+        for hf, ours in _LAYER:
+            for kind in ("weight", "bias"):
+                yield f"{pre}encoder.layer.{i}.{hf}.{kind}", f"blocks.{i}.{ours}.{kind}"
+    if cfg.pooler:
+        yield pre + "pooler.dense.weight", "pooler.dense.weight"
+        yield pre + "pooler.dense.bias", "pooler.dense.bias"
+    if cfg.mlm_head:
+        for hf, ours in (("transform.dense", "mlm_head.dense"), ("transform.LayerNorm", "mlm_head.norm")):
+            for kind in ("weight", "bias"):
+                yield f"cls.predictions.{hf}.{kind}", f"{ours}.{kind}"
+        yield "cls.predictions.bias", "lm_head.bias"
+
+
+def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (tinyformer name, tensor) from a HF BERT state dict (or lazy mapping), one at a time."""
+    pre = _prefix(cfg)
+
+    def get(name: str) -> torch.Tensor:
+        if name not in hf_sd:
+            raise ConfigError(f"tensor {name!r} is missing from the checkpoint")
+        return hf_sd[name]
+
+    for hf_name, ours in _pairs(cfg, pre):
+        yield ours, get(hf_name)
+    for i in range(cfg.n_layer):
+        p = f"{pre}encoder.layer.{i}.attention.self."
+        for kind in ("weight", "bias"):
+            yield f"blocks.{i}.attn.qkv.{kind}", torch.cat([get(p + f"{x}.{kind}") for x in ("query", "key", "value")])
+
+
+def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) from a tinyformer state dict; the inverse of ``hf_to_tinyformer``."""
+    pre = _prefix(cfg)
+    for hf_name, ours in _pairs(cfg, pre):
+        yield hf_name, sd[ours]
+    for i in range(cfg.n_layer):
+        p = f"{pre}encoder.layer.{i}.attention.self."
+        for kind in ("weight", "bias"):
+            for x, part in zip(("query", "key", "value"), sd[f"blocks.{i}.attn.qkv.{kind}"].chunk(3)):
+                yield p + f"{x}.{kind}", part.contiguous()
+
+
+def ignorable_hf_tensor(cfg: ModelConfig, name: str) -> bool:
+    """Entries that are not weights of the imported model: position/token-type id buffers, the tied copies of
+    the MLM decoder, the next-sentence head, and a pooler stored by a checkpoint whose class has none."""
+    return (name.endswith(("embeddings.position_ids", "embeddings.token_type_ids"))
+            or name in ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+            or name.startswith("cls.seq_relationship.")
+            or (not cfg.pooler and name.removeprefix(PREFIX).startswith("pooler.")))
+
+
+ADAPTER = Adapter(
+    name="bert",
+    model_types=("bert",),
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    hf_to_tinyformer=hf_to_tinyformer,
+    tinyformer_to_hf=tinyformer_to_hf,
+    export_problem=export_problem,
+    ignorable_hf_tensor=ignorable_hf_tensor,
+)
+
+
+# --------------------------------------------------------------------------------------------- sentence-transformers
+
+POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_max_tokens": "max"}
+UNSUPPORTED_POOLING = ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens",
+                       "pooling_mode_lasttoken")
+
+
+def read_sentence_transformers(folder: str | Path) -> tuple[Path, dict[str, Any]]:
+    """(the folder of the Transformer module, {"pooling", "normalize", "max_seq_length"}) of a
+    sentence-transformers folder; ConfigError naming any module or pooling mode that is not supported."""
+    from tinyformer.interop.hf_folder import read_json
+
+    folder = Path(folder)
+    modules = read_json_list(folder / "modules.json")
+    transformer_dir: Path | None = None
+    pooling: str | None = None
+    normalize = False
+    for module in modules:
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        path = folder / str(module.get("path", ""))
+        if kind == "Transformer":
+            transformer_dir = path
+        elif kind == "Pooling":
+            pooling = _pooling_mode(read_json(path / "config.json", "sentence-transformers pooling config"))
+        elif kind == "Normalize":
+            normalize = True
+        else:
+            raise ConfigError(f"{folder / 'modules.json'}: module {module.get('type')!r} is not supported "
+                              "(supported: Transformer, Pooling, Normalize)")
+    if transformer_dir is None:
+        raise CheckpointError(f"{folder / 'modules.json'} lists no Transformer module")
+    info: dict[str, Any] = {"pooling": pooling or "mean", "normalize": normalize}
+    # the truncation length: sentence_bert_config.json (older versions), else the tokenizer's model_max_length
+    for name, key in (("sentence_bert_config.json", "max_seq_length"), ("tokenizer_config.json", "model_max_length")):
+        path = transformer_dir / name
+        max_len = read_json(path, "sentence-transformers config").get(key) if path.is_file() else None
+        if isinstance(max_len, int) and 0 < max_len < 1_000_000:  # HF writes a huge sentinel when unset
+            info["max_seq_length"] = max_len
+            break
+    return transformer_dir, info
+
+
+def read_json_list(path: Path) -> list[dict[str, Any]]:
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist (not a sentence-transformers folder)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
+        raise CheckpointError(f"{path} must hold a list of modules")
+    return sorted(data, key=lambda m: m.get("idx", 0))
+
+
+def _pooling_mode(config: Mapping[str, Any]) -> str:
+    """The pooling of a ``1_Pooling/config.json``: ``"pooling_mode": "mean"`` (sentence-transformers >= 6) or
+    one ``pooling_mode_*_tokens: true`` flag (older versions)."""
+    mode = config.get("pooling_mode")
+    if isinstance(mode, (list, tuple)) and len(mode) == 1:
+        mode = mode[0]
+    if mode is not None:
+        if mode not in POOLING_KEYS.values():
+            raise ConfigError(f"sentence-transformers pooling_mode {mode!r} is not supported (supported: cls, mean, "
+                              "max)")
+        return str(mode)
+    for key in UNSUPPORTED_POOLING:
+        if config.get(key):
+            raise ConfigError(f"sentence-transformers pooling {key} is not supported (supported: cls, mean, max)")
+    modes = [mode for key, mode in POOLING_KEYS.items() if config.get(key)]
+    if len(modes) != 1:
+        raise ConfigError("sentence-transformers pooling must use exactly one of cls, mean, max; "
+                          f"got {modes or 'none'}")
+    return modes[0]
+
+
+def import_sentence_transformers(src: str | Path, out: str | Path, *, dtype: str | torch.dtype | None = None,
+                                 max_shard_bytes: int | None = None, force: bool = False):
+    """A sentence-transformers folder -> a tinyformer run folder (-> ``hf_folder.ConvertReport``)."""
+    from tinyformer.interop import hf_folder
+
+    src = Path(src)
+    transformer_dir, info = read_sentence_transformers(src)
+    hf_config = hf_folder.read_json(transformer_dir / "config.json", "model config")
+    if hf_config.get("model_type") != "bert":
+        raise ConfigError(f"{transformer_dir}: model_type {hf_config.get('model_type')!r} is not supported in a "
+                          "sentence-transformers folder (supported: bert)")
+    source = hf_folder.open_hf_weights(transformer_dir)
+    hf_config = align_config(hf_config, source.names())
+    dt = hf_folder.parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    return hf_folder.import_checkpoint(
+        hf_config, source, out,
+        write_tokenizer=lambda dst: hf_folder._copy_hf_tokenizer(transformer_dir, dst),
+        dtype=dt, max_shard_bytes=max_shard_bytes or hf_folder.DEFAULT_SHARD_BYTES, force=force, inputs=(src,),
+        extra={"sentence_transformers": info},
+    )

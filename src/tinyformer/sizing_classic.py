@@ -1,0 +1,69 @@
+"""Parameter counts of the encoder (BERT) and encoder-decoder (2017 Transformer) stacks, by formula.
+
+``sizing.count_params`` delegates here for ``arch != "decoder"``; the tests check every total
+against ``sum(p.numel())`` of the model built on the meta device.
+
+Encoder (d = d_model, V = vocab, f = d_ff, N = n_layer):
+  embedding   V d + type_vocab_size d          positions   max_seq_len d (learned only)
+  per layer   attention + FFN + 2 norms        (sizing.attention_params / ffn_params / norm_params)
+  extra       embed_norm: a norm;  pooler: d^2 + d;  mlm_head: d^2 + d + a norm + V (the output bias)
+  head        the MLM decoder V d, 0 when tied to the token table (only with mlm_head)
+  bert-base: 23,442,432 + 393,216 + 1,536 + 12 x 7,087,872 + 590,592 = 109,482,240 (BertModel with pooler)
+
+Encoder-decoder (N_e encoder layers, N decoder layers):
+  embedding   V d, plus V d for a separate source table (share_src_tgt_embeddings=false)
+  positions   2 max_seq_len d (one learned table per stack; sinusoidal tables are not parameters)
+  per decoder layer   self-attention + cross-attention + FFN + 3 norms
+  extra       encoder_layers: N_e (attention + FFN + 2 norms);  encoder_final_norm;  embed_norms
+  head        V d unless tied to the target table
+  transformer-base (d 512, 6+6 layers, f 2048, V 37000 shared): 63,082,496
+"""
+
+from __future__ import annotations
+
+from tinyformer.config import ModelConfig
+from tinyformer.sizing import ParamCount, attention_params, cross_attention_params, ffn_params, norm_params
+
+
+def count_params_classic(cfg: ModelConfig) -> ParamCount:
+    """Exact parameter count of an ``encoder`` or ``encoder_decoder`` config, component by component."""
+    d, V = cfg.d_model, cfg.vocab_size
+    norm = norm_params(cfg)
+    if cfg.arch == "encoder":
+        extra: dict[str, int] = {}
+        if cfg.embed_norm:
+            extra["embed_norm"] = norm
+        if cfg.pooler:
+            extra["pooler"] = d * d + d
+        if cfg.mlm_head:
+            extra["mlm_head"] = d * d + d + norm + V
+        return ParamCount(
+            embedding=V * d + cfg.type_vocab_size * d,
+            positions=cfg.max_seq_len * d if cfg.pos == "learned" else 0,
+            attention_per_layer=attention_params(cfg),
+            ffn_per_layer=ffn_params(cfg),
+            norms_per_layer=2 * norm,
+            n_layer=cfg.n_layer,
+            final_norm=norm if cfg.final_norm else 0,
+            head=V * d if cfg.mlm_head and not cfg.tie_embeddings else 0,
+            extra=extra,
+        )
+    if cfg.arch != "encoder_decoder":
+        raise ValueError(f"count_params_classic handles encoder and encoder_decoder, not {cfg.arch!r}")
+    n_enc = cfg.n_encoder_layer or cfg.n_layer
+    extra = {"encoder_layers": n_enc * (attention_params(cfg) + ffn_params(cfg) + 2 * norm)}
+    if cfg.final_norm:
+        extra["encoder_final_norm"] = norm
+    if cfg.embed_norm:
+        extra["embed_norms"] = 2 * norm
+    return ParamCount(
+        embedding=V * d * (1 if cfg.share_src_tgt_embeddings else 2),
+        positions=2 * cfg.max_seq_len * d if cfg.pos == "learned" else 0,
+        attention_per_layer=attention_params(cfg) + cross_attention_params(cfg),
+        ffn_per_layer=ffn_params(cfg),
+        norms_per_layer=3 * norm,
+        n_layer=cfg.n_layer,
+        final_norm=norm if cfg.final_norm else 0,
+        head=0 if cfg.tie_embeddings else V * d,
+        extra=extra,
+    )

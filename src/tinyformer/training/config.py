@@ -1,0 +1,333 @@
+"""TrainConfig: every choice of a training run as an explicit, validated field, and run-config files.
+
+A run is described by a YAML/TOML/JSON file with two sections::
+
+    model:                 # a preset plus overrides, or every ModelConfig field
+      preset: tiny
+      d_model: 192
+    train:                 # TrainConfig fields
+      max_steps: 2000
+      lr: 1.0e-3
+
+Every field can be overridden on the command line, as ``--set train.lr=3e-4`` or ``--train.lr 3e-4``
+(``model.*`` likewise). The resolved config (the model section fully expanded, no preset) is saved
+in the run folder as ``train.yaml``; that file alone reproduces the run.
+
+Batch sizes are per rank and per micro-step; the tokens one optimizer step sees are
+``batch_size * grad_accum * world_size * block_size`` (the *global* batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tinyformer.config import ModelConfig
+from tinyformer.errors import ConfigError
+
+#: The model a run gets when its config names none.
+DEFAULT_PRESET = "tiny"
+
+LR_SCHEDULES = ("cosine", "linear", "constant")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PARALLEL_MODES = ("ddp", "fsdp")
+TOKENIZER_KINDS = ("char", "bpe")
+
+#: TrainConfig fields that may differ when a run is resumed: they steer logging, saving and
+#: hardware, not the sequence of updates (``max_steps`` extends or shortens the run; with the
+#: default ``decay_steps`` it also reshapes the schedule, which is the user's explicit choice).
+RESUME_MUTABLE = frozenset({
+    "max_steps", "eval_interval", "eval_iters", "log_interval", "sample_tokens", "sample_prompt",
+    "checkpoint_interval", "keep_last", "peak_flops", "tensorboard", "progress", "device", "threads",
+    "compile", "cache_dir", "parallel",
+})
+
+
+@dataclass
+class TrainConfig:
+    """How to train: data, tokenizer, objective, batch, optimizer, schedule, hardware, logging, saving.
+
+    The defaults are the run ``tinyformer train`` makes with no arguments: the ``tiny`` preset
+    (4.0M parameters) on the built-in corpus with a 4096-token BPE, 400 steps of 16 x 256 tokens,
+    sized to finish within 10 minutes on two CPU cores (configs/default.yaml spells it out).
+
+    Schedule (step t = 0, 1, ... counts optimizer updates; W = warmup_steps, D = decay_steps):
+        lr(t) = lr * (t + 1) / W                                   t < W
+        lr(t) = min_lr + (lr - min_lr) * s((t - W) / (D - W))      W <= t < D
+        lr(t) = min_lr                                             t >= D
+    with s(p) = (1 + cos(pi p)) / 2 (cosine), 1 - p (linear) or 1 (constant).
+    """
+
+    # data
+    data: str | None = None  # a file, folder of .txt/.md, glob, .jsonl or hf:NAME; None = built-in corpus
+    text_field: str = "text"  # the field of each JSONL record that holds the text
+    val_fraction: float = 0.1  # the last fraction of the tokens is the validation split
+    cache_dir: str | None = None  # token-file cache; None = $TINYFORMER_CACHE or ~/.cache/tinyformer
+    # tokenizer: "char", "bpe" (trained on the corpus) or a path to a tokenizer.json / run folder
+    tokenizer: str = "bpe"
+    vocab_size: int | None = None  # bpe only; None = 4096
+    # start from another run's weights and tokenizer (fine-tuning); None = random initialisation
+    init_from: str | None = None
+    # objective
+    objective: str = "clm"
+    task: str | None = None
+    # batch
+    max_steps: int = 400
+    batch_size: int = 16  # sequences per micro-step, per rank
+    grad_accum: int = 1  # micro-steps per optimizer step
+    block_size: int | None = None  # tokens per sequence; None = the model's max_seq_len
+    # optimizer (AdamW) and schedule
+    lr: float = 2e-3
+    min_lr: float | None = None  # floor of the decay; None = lr / 10
+    warmup_steps: int = 40
+    lr_schedule: str = "cosine"
+    decay_steps: int | None = None  # None = max_steps
+    weight_decay: float = 0.1
+    decay_embeddings: bool = True  # nanoGPT decays every matrix, embeddings included
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    # hardware
+    device: str = "auto"
+    dtype: str = "auto"  # auto: bfloat16 (or float16 + GradScaler) autocast on GPU, float32 on CPU
+    compile: bool = False
+    threads: int | None = None  # CPU threads; None = torch's default
+    # several processes (torchrun / --nproc): ddp replicates the weights, fsdp shards them (training/distributed.py)
+    parallel: str = "ddp"
+    seed: int = 1337
+    # evaluation and logging
+    eval_interval: int = 100
+    eval_iters: int = 10  # validation batches per evaluation; 0 = the whole split
+    log_interval: int = 10
+    sample_tokens: int = 200  # length of the sample written at each evaluation; 0 = none
+    sample_prompt: str = "\n"
+    peak_flops: float | None = None  # FLOP/s of the hardware, for MFU; None = known GPUs only
+    tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
+    progress: bool = True  # tqdm progress bar
+    # checkpoints
+    checkpoint_interval: int | None = None  # None = eval_interval
+    keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise ConfigError naming the first invalid field (as ``train.<field>``)."""
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"train.{name} {why}, got {getattr(self, name)!r}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        for name in ("max_steps", "batch_size", "grad_accum", "log_interval", "eval_interval", "keep_last"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise bad(name, "must be a positive integer")
+        for name in ("warmup_steps", "eval_iters", "sample_tokens", "seed"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise bad(name, "must be a non-negative integer")
+        for name in ("block_size", "vocab_size", "decay_steps", "checkpoint_interval", "threads"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 1):
+                raise bad(name, "must be a positive integer or null")
+        for name in ("lr", "eps"):
+            if not is_num(getattr(self, name)) or getattr(self, name) <= 0:
+                raise bad(name, "must be a positive number")
+        if self.min_lr is not None and (not is_num(self.min_lr) or not 0 <= self.min_lr <= self.lr):
+            raise bad("min_lr", f"must be a number in [0, lr={self.lr}] or null")
+        if not is_num(self.weight_decay) or self.weight_decay < 0:
+            raise bad("weight_decay", "must be a non-negative number")
+        for name in ("beta1", "beta2"):
+            if not is_num(getattr(self, name)) or not 0 <= getattr(self, name) < 1:
+                raise bad(name, "must be in [0, 1)")
+        if not is_num(self.grad_clip) or self.grad_clip < 0:
+            raise bad("grad_clip", "must be a non-negative number (0 disables clipping)")
+        if not is_num(self.val_fraction) or not 0 <= self.val_fraction < 1:
+            raise bad("val_fraction", "must be in [0, 1)")
+        if self.peak_flops is not None and (not is_num(self.peak_flops) or self.peak_flops <= 0):
+            raise bad("peak_flops", "must be a positive number of FLOP/s or null")
+        choices = {"lr_schedule": LR_SCHEDULES, "device": DEVICES, "dtype": DTYPES, "parallel": PARALLEL_MODES}
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed and not (name == "device" and isinstance(value, str) and ":" in value):
+                raise ConfigError(f"train.{name}={value!r} is not one of {', '.join(allowed)}")
+        for name in ("decay_embeddings", "compile", "tensorboard", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")
+        for name in ("text_field", "tokenizer", "objective", "sample_prompt"):
+            if not isinstance(getattr(self, name), str):
+                raise bad(name, "must be a string")
+        for name in ("data", "cache_dir", "task", "init_from"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise bad(name, "must be a string or null")
+        if not self.tokenizer:
+            raise bad("tokenizer", "must be 'char', 'bpe' or a path to a tokenizer.json")
+        if self.vocab_size is not None and self.tokenizer == "char":
+            raise ConfigError(
+                "train.vocab_size applies to the bpe tokenizer only; a char vocabulary is the corpus' characters"
+            )
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def total_decay_steps(self) -> int:
+        return self.decay_steps if self.decay_steps is not None else self.max_steps
+
+    @property
+    def lr_floor(self) -> float:
+        return self.min_lr if self.min_lr is not None else self.lr / 10
+
+    @property
+    def save_every(self) -> int:
+        return self.checkpoint_interval if self.checkpoint_interval is not None else self.eval_interval
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown train field(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        return cls(**{k: coerce_field(cls, k, v) for k, v in data.items()})
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return TrainConfig.from_dict({**self.to_dict(), **changes})
+
+
+# ---------------------------------------------------------------------------- values from text
+
+
+def _field_types(cls: type) -> dict[str, set[type]]:
+    """The plain types each field of a dataclass accepts, from its (string) annotations."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, set[type]] = {}
+    for name, hint in hints.items():
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+            else (hint,)
+        out[name] = {typing.get_origin(a) or a for a in args}
+    return out
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value as YAML (true, null, [1, 2], 3.5), with YAML 1.1's gaps filled: ``3e-4`` is a float."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
+        for cast in (int, float):
+            try:
+                return cast(value)
+            except ValueError:
+                pass
+    return value
+
+
+def coerce_field(cls: type, name: str, value: Any, raw: str | None = None) -> Any:
+    """``value`` converted to what field ``name`` of ``cls`` holds when the conversion loses nothing
+    (1 -> 1.0 for a float, 1000.0 -> 1000 for an int, the raw text for a string); else unchanged."""
+    allowed = _field_types(cls).get(name)
+    if allowed is None:
+        return value
+    if value is None or type(value) in allowed:
+        return value
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if int in allowed and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if str in allowed and raw is not None:
+        return raw
+    if str in allowed and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+# ---------------------------------------------------------------------------- run files and overrides
+
+SECTIONS = ("model", "train")
+
+
+def read_run_file(path: str | Path) -> dict[str, dict[str, Any]]:
+    """The ``model`` and ``train`` sections of a YAML/TOML/JSON run config (missing ones are empty)."""
+    from tinyformer.cli.common import read_structured_file
+
+    data = read_structured_file(path)
+    unknown = sorted(set(data) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown section(s) {', '.join(unknown)}; a run config has model: and train:")
+    out: dict[str, dict[str, Any]] = {}
+    for section in SECTIONS:
+        value = data.get(section) or {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: section {section!r} must be a mapping of fields")
+        out[section] = dict(value)
+    return out
+
+
+def parse_override(item: str) -> tuple[str, str, Any, str]:
+    """``"train.lr=3e-4"`` -> ("train", "lr", 0.0003, "3e-4"); the section is required."""
+    key, sep, raw = item.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or section not in SECTIONS or not name:
+        raise ConfigError(f"override {item!r} must look like model.FIELD=VALUE or train.FIELD=VALUE")
+    return section, name, parse_value(raw), raw
+
+
+def apply_override(sections: dict[str, dict[str, Any]], item: str) -> None:
+    """Apply one ``section.field=value`` override in place, checking that the field exists."""
+    section, name, value, raw = parse_override(item)
+    cls = ModelConfig if section == "model" else TrainConfig
+    known = {f.name for f in dataclasses.fields(cls)} | ({"preset"} if section == "model" else set())
+    if name not in known:
+        raise ConfigError(f"{section}.{name} is not a field; known {section} fields: {', '.join(sorted(known))}")
+    sections.setdefault(section, {})[name] = raw if name == "preset" else coerce_field(cls, name, value, raw)
+
+
+def build_model_config(section: dict[str, Any]) -> ModelConfig:
+    """A ModelConfig from a model section: ``preset`` plus overrides, or all fields; empty = the default preset."""
+    from tinyformer.presets import get_preset
+
+    fields = dict(section)
+    fields.pop("format_version", None)
+    preset = fields.pop("preset", None)
+    if preset is None and not fields:
+        preset = DEFAULT_PRESET
+    fields = {k: coerce_field(ModelConfig, k, v) for k, v in fields.items()}
+    if preset is not None:
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ConfigError(f"unknown model field(s): {', '.join(unknown)}")
+        return get_preset(str(preset), **fields)
+    return ModelConfig.from_dict(fields)
+
+
+def to_yaml(model_cfg: ModelConfig, train_cfg: TrainConfig) -> str:
+    """The resolved run config as YAML (what ``train.yaml`` holds)."""
+    import yaml
+
+    model = model_cfg.to_dict()
+    model.pop("format_version", None)
+    header = "# tinyformer run config (resolved): `tinyformer train --config train.yaml` reproduces this run\n"
+    return header + yaml.safe_dump({"model": model, "train": train_cfg.to_dict()}, sort_keys=False,
+                                   allow_unicode=True)
+
+
+def config_differences(a: dict[str, Any], b: dict[str, Any], ignore: frozenset[str] = frozenset()) -> list[str]:
+    """Names of the fields whose values differ between two config dicts."""
+    return sorted(k for k in set(a) | set(b) if k not in ignore and a.get(k) != b.get(k))

@@ -1,0 +1,164 @@
+"""Training objectives: what a batch is and what loss the trainer minimises.
+
+The trainer knows nothing of tokens or targets; it asks its objective for a batch, for the loss
+of a batch and for the model. An objective is a class with this interface (see :class:`Objective`)
+registered by name in :data:`OBJECTIVES`; ``tinyformer train --objective NAME`` picks one.
+
+    clm   causal language modelling (GPT, LLaMA): predict token t+1 from tokens <= t,
+          loss = -1/N sum_{b,t} log p(x_{b,t+1} | x_{b,<=t})
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+from tinyformer.config import ModelConfig
+from tinyformer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tinyformer.data.dataset import TokenDataset
+    from tinyformer.data.tokenizer import Tokenizer
+    from tinyformer.training.config import TrainConfig
+
+Batch = dict[str, torch.Tensor]
+
+
+class Objective:
+    """Base class of a training objective.
+
+    An objective with ``uses_corpus = True`` (language modelling on text) is handed the run's
+    tokenizer and :class:`~tinyformer.data.dataset.TokenDataset`; one with ``uses_corpus = False``
+    (a synthetic task) gets ``dataset=None`` and supplies its own tokenizer via :meth:`make_tokenizer`.
+
+    Every batch is a dict of tensors; ``"tokens"`` (optional) is the number of target tokens it
+    holds, for throughput figures (default: the element count of ``"input_ids"``).
+    """
+
+    name: ClassVar[str] = ""
+    uses_corpus: ClassVar[bool] = True
+
+    def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.dataset = dataset
+
+    @classmethod
+    def make_tokenizer(cls, cfg: TrainConfig) -> Tokenizer:
+        """The tokenizer of an objective that does not read a corpus (``uses_corpus = False``)."""
+        raise NotImplementedError(f"objective {cls.name!r} reads a corpus; the run trains its tokenizer")
+
+    def model_config(self, model_cfg: ModelConfig) -> ModelConfig:
+        """The run's model config adapted to this objective (e.g. the architecture it needs)."""
+        return model_cfg
+
+    def build_model(self, model_cfg: ModelConfig) -> nn.Module:
+        from tinyformer.models import build_model
+
+        return build_model(model_cfg)
+
+    def get_batch(self, split: str, generator: torch.Generator, rank: int = 0, world_size: int = 1) -> Batch:
+        """One random micro-batch of ``split`` ("train" or "val") for this rank."""
+        raise NotImplementedError
+
+    def eval_batches(self, split: str, max_batches: int | None, rank: int = 0, world_size: int = 1
+                     ) -> Iterator[Batch]:
+        """Fixed (not random) batches of ``split`` for evaluation: the same ones at every evaluation."""
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """The scalar mean loss of ``batch`` (what backward() is called on)."""
+        raise NotImplementedError
+
+    def num_tokens(self, batch: Batch) -> int:
+        return int(batch["tokens"]) if "tokens" in batch else batch["input_ids"].numel()
+
+    def has_split(self, split: str) -> bool:
+        return self.dataset is not None and len(self.dataset.splits.get(split, range(0))) > 0
+
+    def sample(self, model: nn.Module, device: torch.device) -> str | None:
+        """A short text showing what the model has learnt, or None when the objective has none."""
+        return None
+
+
+class CausalLM(Objective):
+    """Next-token prediction on random windows of the corpus.
+
+    A batch is ``input_ids`` x (B, T) and ``targets`` y (B, T) with y[b, t] = x[b, t + 1], drawn as
+    ``B`` windows of ``T + 1`` tokens at uniform random offsets (``TokenDataset.get_batch``).
+    """
+
+    name = "clm"
+
+    def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
+        super().__init__(cfg, tokenizer, dataset)
+        if cfg.task is not None:
+            raise ConfigError(f"--task {cfg.task!r} does not apply to objective 'clm' (language modelling on a "
+                              "corpus); choose an objective that has tasks")
+
+    def model_config(self, model_cfg: ModelConfig) -> ModelConfig:
+        if model_cfg.arch != "decoder":
+            raise ConfigError(f"objective 'clm' trains a decoder, but model.arch is {model_cfg.arch!r}")
+        return model_cfg
+
+    def _block(self) -> int:
+        assert self.cfg.block_size is not None, "block_size is resolved before the objective is used"
+        return self.cfg.block_size
+
+    def get_batch(self, split: str, generator: torch.Generator, rank: int = 0, world_size: int = 1) -> Batch:
+        x, y = self.dataset.get_batch(split, self.cfg.batch_size, self._block(), generator, rank, world_size)
+        return {"input_ids": x, "targets": y}
+
+    def eval_batches(self, split: str, max_batches: int | None, rank: int = 0, world_size: int = 1
+                     ) -> Iterator[Batch]:
+        for x, y in self.dataset.iter_eval_batches(split, self.cfg.batch_size, self._block(), rank, world_size,
+                                                   max_batches):
+            yield {"input_ids": x, "targets": y}
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        from tinyformer.models.decoder import DecoderLM
+
+        if isinstance(model, DecoderLM):  # the plain module: its fused head + cross-entropy never stores logits
+            return model.loss(batch["input_ids"], batch["targets"])
+        logits = model(batch["input_ids"])  # a wrapper (compiled, DDP) must be called through forward
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten())
+
+    def sample(self, model: nn.Module, device: torch.device) -> str | None:
+        if self.cfg.sample_tokens <= 0:
+            return None
+        from tinyformer.training.sample import sample_text
+
+        return sample_text(model, self.tokenizer, self.cfg.sample_prompt, self.cfg.sample_tokens, device,
+                           seed=self.cfg.seed)
+
+
+#: name -> objective class. Other modules add theirs with ``OBJECTIVES["name"] = TheirObjective``.
+OBJECTIVES: dict[str, type[Objective]] = {"clm": CausalLM}
+
+# ---- other objectives register here: one import line per module, each adding to OBJECTIVES ----
+# (an import placed here, after OBJECTIVES exists, needs ruff's F401 and E402 silenced on its line)
+import tinyformer.training.mlm  # noqa: F401, E402
+
+# ---- end of registrations ----
+
+#: Modules imported on first lookup when they exist, so that they can register objectives/tasks.
+PLUGIN_MODULES = ("tinyformer.training.tasks",)
+
+
+def _load_plugins() -> None:
+    for module in PLUGIN_MODULES:
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)  # an error inside a plugin is a bug: let it surface
+
+
+def get_objective(name: str) -> type[Objective]:
+    """The objective class registered as ``name``; a ConfigError lists the known ones otherwise."""
+    _load_plugins()
+    if name not in OBJECTIVES:
+        raise ConfigError(f"unknown objective {name!r}; known objectives: {', '.join(sorted(OBJECTIVES))}")
+    return OBJECTIVES[name]

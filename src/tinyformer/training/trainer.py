@@ -1,0 +1,385 @@
+"""The training loop: micro-batches, gradient accumulation, clipping, AdamW, evaluation, checkpoints.
+
+One optimizer step (update t) of a run on ``world_size`` ranks:
+
+    lr_t = lr_at(t)                                         (optim.py: warm-up, then cosine to a floor)
+    for each of the A = grad_accum micro-steps:
+        batch = objective.get_batch("train", rank, world_size)   (B sequences of T tokens, per rank)
+        L = objective.loss(model, batch) / A;  backward(L)       (gradients add up over micro-steps)
+    g <- g * min(1, clip / ||g||_2)                         (global-norm clipping)
+    AdamW step;  zero the gradients
+
+so each update sees the *global* batch of B * A * world_size sequences. Only rank 0 logs and writes.
+
+Extension points for other training setups (distributed data parallel, other objectives):
+``wrap_model`` (compile / DDP / FSDP wrapping), ``sync_context`` (skip the gradient all-reduce on
+all but the last micro-step), ``reduce_sum`` (sum evaluation figures over ranks), ``eval_batches`` and
+``draw_sample`` (evaluation on sharded weights), ``checkpoint_states`` / ``state_loaders`` (consolidated
+checkpoints); training/distributed.py implements them. The objective
+(objectives.py) owns batches, loss and model construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tinyformer.config import ModelConfig
+from tinyformer.errors import ConfigError, TinyformerError
+from tinyformer.training.checkpoint import (
+    MODEL_FILE,
+    disk_error,
+    load_checkpoint,
+    load_weights,
+    save_checkpoint,
+)
+from tinyformer.training.config import TrainConfig
+from tinyformer.training.device import device_peak_flops, synchronize
+from tinyformer.training.metrics import MetricsLogger
+from tinyformer.training.objectives import Objective
+from tinyformer.training.optim import build_optimizer, lr_at
+from tinyformer.utils.io import atomic_path, atomic_write_text
+
+SAMPLES_FILE = "samples.txt"
+
+
+class TrainingError(TinyformerError):
+    """Training cannot go on (e.g. the loss became NaN); the message says what was kept."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` = CUDA, else Apple MPS, else CPU; asking for a missing accelerator is a ConfigError."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={name!r} but no CUDA device is available; use --device cpu or auto")
+    if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ConfigError(f"train.device={name!r} but MPS is not available; use --device cpu or auto")
+    return device
+
+
+def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for plain float32: bf16 where supported on GPU, else fp16 (with a
+    GradScaler, since fp16 gradients underflow); float32 on CPU unless bfloat16 is asked for."""
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return None
+    if dtype == "float32":
+        return None
+    if dtype == "float16" and device.type == "cpu":
+        raise ConfigError("train.dtype='float16' needs a GPU; on CPU use float32 or bfloat16")
+    return torch.bfloat16 if dtype == "bfloat16" else torch.float16
+
+
+def guess_peak_flops(device: torch.device, amp: torch.dtype | None) -> float | None:
+    """Peak FLOP/s of one device for MFU: a known GPU's dense bf16/fp16 figure (table and sources in
+    training/device.py), None on CPU or in float32."""
+    if device.type != "cuda" or amp is None:
+        return None
+    return device_peak_flops(device)
+
+
+@dataclass
+class TrainSummary:
+    steps: int
+    tokens: int
+    train_seconds: float
+    train_loss: float | None
+    val_loss: float | None
+    sample: str | None
+    plot_note: str | None
+
+
+class Trainer:
+    """Trains ``objective``'s model with the settings of ``cfg``, writing into ``run_dir`` (rank 0).
+
+    ``model`` is the plain module (what is saved); ``train_model`` is what the loop calls, the
+    result of :meth:`wrap_model` (compiled, or wrapped for distributed training).
+    """
+
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, objective: Objective, run_dir: Path,
+                 *, rank: int = 0, world_size: int = 1) -> None:
+        self.model_cfg, self.cfg, self.objective, self.run_dir = model_cfg, cfg, objective, Path(run_dir)
+        self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.device = resolve_device(cfg.device)
+        self.amp_dtype = autocast_dtype(cfg.dtype, self.device)
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        self.model = objective.build_model(model_cfg).to(self.device)
+        self.train_model = self.wrap_model(self.model)
+        self.optimizer = build_optimizer(self.model, cfg, self.device.type)
+        use_scaler = self.amp_dtype == torch.float16 and self.device.type == "cuda"
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=use_scaler)
+        # Batches come from their own stream so that anything else drawing random numbers
+        # (dropout, a sample) cannot shift which windows training sees; ranks differ by their shard.
+        self.data_generator = torch.Generator().manual_seed(cfg.seed)
+        torch.manual_seed(cfg.seed + rank)  # dropout masks differ between ranks
+        self.step = 0
+        self.tokens_seen = 0
+        self.train_seconds = 0.0
+        self.last_checkpoint: Path | None = None
+        self.flops_per_token = self._flops_per_token()
+        self.peak_flops = cfg.peak_flops or guess_peak_flops(self.device, self.amp_dtype)
+        self.metrics = MetricsLogger(self.run_dir, enabled=self.is_main, tensorboard=cfg.tensorboard)
+
+    # ------------------------------------------------------------------ extension points
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """The module the training loop calls; override to wrap for DDP/FSDP."""
+        return torch.compile(model) if self.cfg.compile else model
+
+    def sync_context(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
+        """Context of one micro-step's backward; DDP returns ``no_sync()`` unless it is the last one."""
+        return contextlib.nullcontext()
+
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum of ``value`` over ranks (identity on one rank)."""
+        return value
+
+    def eval_batches(self, split: str) -> Iterator[dict[str, Any]]:
+        """This rank's evaluation batches of ``split`` (a sharded model needs as many on every rank)."""
+        return self.objective.eval_batches(split, self.cfg.eval_iters or None, self.rank, self.world_size)
+
+    def draw_sample(self) -> str | None:
+        """The sample text written at an evaluation, on rank 0 (a sharded model needs every rank to draw it)."""
+        return self.objective.sample(self.model, self.device) if self.is_main else None
+
+    def checkpoint_states(self) -> dict[str, Any]:
+        """Keyword arguments for ``save_checkpoint``, computed on every rank before rank 0 writes (a sharded
+        model gathers its consolidated state here); none for a model held whole."""
+        return {}
+
+    def state_loaders(self) -> dict[str, Any]:
+        """Keyword arguments for ``load_checkpoint`` (``assign_weights``, ``assign_optimizer``); none for a
+        model held whole."""
+        return {}
+
+    # ------------------------------------------------------------------ helpers
+    def _flops_per_token(self) -> int | None:
+        from tinyformer.sizing import training_flops_per_token
+
+        if self.model_cfg.arch != "decoder" or self.cfg.block_size is None:
+            return None
+        return training_flops_per_token(self.model_cfg, self.cfg.block_size)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+
+    def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {k: (v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                for k, v in batch.items()}
+
+    # ------------------------------------------------------------------ loading
+    def restore(self, ckpt_dir: Path) -> None:
+        """Continue from a checkpoint: weights, optimizer, RNG streams, step and counters."""
+        state = load_checkpoint(ckpt_dir, self.model, self.optimizer, self.data_generator, self.scaler,
+                                **self.state_loaders())
+        self.step = state["step"]
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+        self.train_seconds = float(state.get("train_seconds", 0.0))
+        self.last_checkpoint = ckpt_dir
+        self.forget_after(self.step)
+
+    def forget_after(self, step: int) -> None:
+        """Drop metrics and samples logged after ``step`` by an interrupted run (they will be redone)."""
+        if not self.is_main:
+            return
+        self.metrics.truncate_after(step)
+        path = self.run_dir / SAMPLES_FILE
+        if path.is_file():
+            sections = re.split(r"(?m)^(?====== step \d+)", path.read_text(encoding="utf-8"))
+            heads = [(s, re.match(r"===== step (\d+)", s)) for s in sections if s]
+            kept = [s for s, m in heads if m is None or int(m.group(1)) <= step]
+            atomic_write_text(path, "".join(kept))
+
+    def load_pretrained(self, run_dir: Path) -> None:
+        """Start from another run's weights (fine-tuning); optimizer and step start fresh."""
+        from tinyformer.run_folder import iter_tensors
+
+        load_weights(self.model, dict(iter_tensors(run_dir)), f"--init-from {run_dir}",
+                     assign=self.state_loaders().get("assign_weights"))
+
+    # ------------------------------------------------------------------ one update
+    def train_step(self) -> tuple[float, float | None, int]:
+        """One optimizer update (advancing ``step``, ``tokens_seen`` and ``train_seconds``); returns
+        (mean loss, gradient norm before clipping, global tokens of the update)."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        lr = lr_at(self.step, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = torch.zeros((), device=self.device)
+        tokens = 0
+        for micro in range(cfg.grad_accum):
+            batch = self._to_device(self.objective.get_batch("train", self.data_generator, self.rank,
+                                                             self.world_size))
+            tokens += self.objective.num_tokens(batch)
+            with self.sync_context(micro == cfg.grad_accum - 1):
+                with self.autocast():
+                    loss = self.objective.loss(self.train_model, batch) / cfg.grad_accum
+                self.scaler.scale(loss).backward()
+            total += loss.detach()
+        loss_value = float(self.reduce_sum(total)) / self.world_size
+        if not math.isfinite(loss_value):
+            self.optimizer.zero_grad(set_to_none=True)
+            kept = (f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint
+                    else "no checkpoint had been written yet")
+            raise TrainingError(
+                f"loss is {loss_value} at step {self.step + 1}; training stopped without applying that update; "
+                f"{kept}. Lower train.lr, raise warmup_steps or check the data, then --resume"
+            )
+        grad_norm = None
+        if cfg.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += tokens * self.world_size
+        synchronize(self.device)  # GPU kernels run asynchronously: time them, not their queuing
+        self.train_seconds += time.perf_counter() - t0
+        return loss_value, grad_norm, tokens * self.world_size
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, split: str = "val") -> float | None:
+        """Mean loss per target token over the objective's fixed evaluation batches of ``split``."""
+        if not self.objective.has_split(split):
+            return None
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
+        for batch in self.eval_batches(split):
+            batch = self._to_device(batch)
+            n = self.objective.num_tokens(batch)
+            with self.autocast():
+                loss = self.objective.loss(self.model, batch)
+            total += loss.double() * n
+            count += n
+        self.model.train()
+        total, count = self.reduce_sum(total), self.reduce_sum(count)
+        return float(total / count) if float(count) > 0 else None
+
+    # ------------------------------------------------------------------ saving
+    def trainer_state(self) -> dict[str, Any]:
+        return {"tokens_seen": self.tokens_seen, "train_seconds": self.train_seconds, "world_size": self.world_size}
+
+    def save(self) -> None:
+        """Checkpoint into state/ and refresh the run folder's model.safetensors (rank 0 writes)."""
+        states = self.checkpoint_states()
+        if not self.is_main:
+            return
+        ckpt = save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.trainer_state(),
+                               self.data_generator, self.cfg.keep_last, self.scaler, **states)
+        self.last_checkpoint = ckpt
+        try:  # same bytes as the checkpoint's weights; atomic, so readers never see half a file
+            with atomic_path(self.run_dir / MODEL_FILE) as tmp:
+                shutil.copyfile(ckpt / MODEL_FILE, tmp)
+        except OSError as exc:
+            raise disk_error(exc, f"{self.run_dir / MODEL_FILE}", f"checkpoint {ckpt} is complete") from None
+
+    # ------------------------------------------------------------------ the loop
+    def _log(self, pbar: Any, text: str) -> None:
+        if self.is_main:
+            (pbar.write if pbar is not None and not pbar.disable else print)(text)
+
+    def fit(self) -> TrainSummary:
+        """Train until ``max_steps``: log every ``log_interval``, evaluate (val loss, sample) every
+        ``eval_interval``, checkpoint every ``checkpoint_interval`` and at the end."""
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        self.model.train()
+        pbar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                    disable=not (self.is_main and cfg.progress))
+        window_loss, window_steps, window_tokens, window_time = 0.0, 0, 0, 0.0
+        recent_losses: list[float] = []
+        val_loss = sample = None
+        try:
+            while self.step < cfg.max_steps:
+                t0 = time.perf_counter()
+                loss, grad_norm, tokens = self.train_step()
+                dt = time.perf_counter() - t0
+                window_loss, window_steps = window_loss + loss, window_steps + 1
+                window_tokens, window_time = window_tokens + tokens, window_time + dt
+                recent_losses.append(loss)
+                pbar.update(1)
+                last = self.step == cfg.max_steps
+                if self.step % cfg.log_interval == 0 or last:
+                    tps = window_tokens / window_time if window_time > 0 else 0.0
+                    flops = tps * self.flops_per_token if self.flops_per_token else None
+                    record = {"kind": "train", "step": self.step, "loss": window_loss / window_steps,
+                              "lr": lr_at(self.step - 1, cfg), "grad_norm": grad_norm, "tokens": self.tokens_seen,
+                              "tokens_per_s": tps, "flops_per_s": flops,
+                              "mfu": flops / (self.peak_flops * self.world_size) if flops and self.peak_flops
+                              else None,
+                              "time": self.train_seconds}
+                    self.metrics.log(record)
+                    postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
+                    if record["mfu"] is not None:
+                        postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
+                    pbar.set_postfix(postfix, refresh=False)
+                    window_loss, window_steps, window_tokens, window_time = 0.0, 0, 0, 0.0
+                if self.step % cfg.eval_interval == 0 or last:
+                    val_loss, sample = self._evaluate_and_log(pbar, sum(recent_losses) / len(recent_losses))
+                    recent_losses = []
+                if self.step % cfg.save_every == 0 or last:
+                    self.save()
+        finally:
+            pbar.close()
+            self.metrics.close()
+        plot_note = self.plot() if self.is_main else None
+        train_loss = self._last_train_loss()
+        return TrainSummary(self.step, self.tokens_seen, self.train_seconds, train_loss, val_loss, sample, plot_note)
+
+    def _evaluate_and_log(self, pbar: Any, train_loss: float) -> tuple[float | None, str | None]:
+        val_loss = self.evaluate("val")
+        record: dict[str, Any] = {"kind": "eval", "step": self.step, "train_loss": train_loss}
+        line = f"step {self.step}: train loss {train_loss:.4f}"
+        if val_loss is not None:
+            record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 700.0)))
+            line += f", val loss {val_loss:.4f} (perplexity {record['val_ppl']:.2f})"
+        self.metrics.log(record)
+        self._log(pbar, line)
+        sample = self.draw_sample()
+        if sample is not None:
+            self._append_sample(val_loss, sample)
+        return val_loss, sample
+
+    def _append_sample(self, val_loss: float | None, sample: str) -> None:
+        loss = f", val loss {val_loss:.4f}" if val_loss is not None else ""
+        with open(self.run_dir / SAMPLES_FILE, "a", encoding="utf-8") as f:
+            f.write(f"===== step {self.step}{loss} =====\n{sample}\n\n")
+
+    def _last_train_loss(self) -> float | None:
+        from tinyformer.training.metrics import read_metrics
+
+        if not self.is_main:
+            return None
+        losses = [r["loss"] for r in read_metrics(self.metrics.path) if r.get("kind") == "train"]
+        return losses[-1] if losses else None
+
+    def plot(self) -> str | None:
+        from tinyformer.training.plot import plot_loss_curve
+
+        return plot_loss_curve(self.metrics.path, self.run_dir / "loss.png", title=self.run_dir.name)
+

@@ -1,0 +1,113 @@
+"""`tinyformer generate` as a user runs it: a subprocess on a run folder with a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinyformer.config import ModelConfig
+from tinyformer.data.tokenizer import build_tokenizer
+from tinyformer.generation.engine import Generator
+from tinyformer.generation.sampling import SamplingParams
+from tinyformer.models.decoder import DecoderLM
+from tinyformer.run_folder import save_model
+
+PYTHON = sys.executable
+CORPUS = "the quick brown fox jumps over the lazy dog. a b c d e f g h i j k l m n o p q r s t u v w x y z\n"
+
+
+def make_run(folder: Path, max_seq_len: int = 64, seed: int = 0) -> Path:
+    """A run folder: config.json, model.safetensors (random but peaked weights) and a char tokenizer."""
+    tok = build_tokenizer("char", CORPUS)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64,
+                      max_seq_len=max_seq_len)
+    torch.manual_seed(seed)
+    model = DecoderLM(cfg)
+    with torch.no_grad():  # larger than the default init, so that the next-token distributions are peaked
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    save_model(folder, model)
+    tok.save(folder / "tokenizer.json")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    return make_run(tmp_path_factory.mktemp("run"))
+
+
+def cli(*args: str, env: dict[str, str], stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "tinyformer", *args], capture_output=True, text=True, env=env,
+                          input=stdin, timeout=120, encoding="utf-8")
+
+
+def api_result(run_dir: Path, prompt: str, **params) -> object:
+    gen = Generator.from_run(run_dir)
+    return gen.generate([prompt], SamplingParams(**params))[0]
+
+
+def test_streams_text_and_json_has_text_ids_and_logprobs(run_dir, cli_env):
+    common = ["generate", "--model", str(run_dir), "--prompt", "the fox", "--max-new-tokens", "24", "--seed", "5",
+              "--temperature", "0.8", "--num-samples", "2"]
+    streamed = cli(*common, env=cli_env)
+    as_json = cli(*common, "--json", env=cli_env)
+    assert streamed.returncode == 0, streamed.stderr
+    assert as_json.returncode == 0, as_json.stderr
+    rows = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert len(rows) == 2
+    for i, row in enumerate(rows):
+        assert set(row) >= {"text", "token_ids", "logprobs"}
+        assert len(row["token_ids"]) == len(row["logprobs"]) <= 24  # generated ids only, not the prompt
+        assert all(lp <= 0 for lp in row["logprobs"])
+        # the same sample as the library gives for seed 5 + i
+        want = api_result(run_dir, "the fox", temperature=0.8, max_new_tokens=24, seed=5 + i)
+        assert row["token_ids"] == want.token_ids and row["text"] == want.text
+        # streaming (one sample at a time) prints the same samples as the batched --json run
+        assert row["text"] in streamed.stdout
+
+
+def test_temperature_zero_is_greedy_and_stop_string_is_honoured(run_dir, cli_env, tmp_path):
+    greedy = api_result(run_dir, "a b c", temperature=0, max_new_tokens=30)
+    stop = greedy.text[4:7]
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("a b c", encoding="utf-8")
+    out = cli("generate", "--model", str(run_dir), "--prompt-file", str(prompt_file), "--temperature", "0",
+              "--max-new-tokens", "30", "--stop", stop, "--json", env=cli_env)
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout)
+    assert row["text"] == greedy.text[: greedy.text.find(stop)]
+    assert row["token_ids"] == greedy.token_ids[: len(row["text"]) + len(stop)]
+    assert row["finish_reason"] == "stop"
+
+
+BAD_INPUTS = {  # name: (flags after --model RUN, text the error must contain)
+    "empty prompt": (["--prompt", ""], "prompt is empty"),
+    "prompt longer than the context": (["--prompt", "a b c d e f g " * 10], "context"),
+    "character the tokenizer lacks": (["--prompt", "héllo"], "not in the char tokenizer"),
+    "top_p outside (0, 1]": (["--prompt", "a", "--top-p", "1.5"], "top_p"),
+    "negative temperature": (["--prompt", "a", "--temperature", "-0.5"], "temperature"),
+    "negative top_k": (["--prompt", "a", "--top-k", "-3"], "top_k"),
+    "max-new-tokens beyond the context": (["--prompt", "a", "--max-new-tokens", "500"], "at most 63"),
+}
+
+
+def test_bad_input_is_one_line_on_stderr_with_exit_code_2(run_dir, cli_env, tmp_path):
+    cases = {name: ["--model", str(run_dir), *flags] for name, (flags, _) in BAD_INPUTS.items()}
+    cases["missing run folder"] = ["--model", str(tmp_path / "no-such-run"), "--prompt", "a"]
+    expected = {name: text for name, (_, text) in BAD_INPUTS.items()} | {"missing run folder": "does not exist"}
+    # all cases run at once: each is a separate interpreter start
+    procs = {name: subprocess.Popen([PYTHON, "-m", "tinyformer", "generate", *argv], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=cli_env, encoding="utf-8")
+             for name, argv in cases.items()}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=180)
+        assert proc.returncode == 2, f"{name}: exit {proc.returncode}, stderr {stderr!r}"
+        assert "Traceback" not in stderr, name
+        assert len(stderr.strip().splitlines()) == 1, f"{name}: {stderr!r}"
+        assert expected[name] in stderr, f"{name}: {stderr!r}"
+        assert stdout == "", name
