@@ -4,9 +4,10 @@
     python benchmarks/bench_decode.py --shapes stories15m --repeats 7
 
 Per shape (random weights, mapped into a ``LlamaForCausalLM`` with sdpa attention):
-  * batch 1, 8-token prompt, 200 new tokens (EOS off, so both run all 200): tokens/s of both and
-    the ratio. Runs alternate (ours, HF, ours, HF, ...) so that load from other processes hits
-    both alike; the median and the best of ``--repeats`` are printed;
+  * batch 1, 8-token prompt, 200 new tokens (EOS off, so both run all 200; neither computes
+    log-probabilities, as HF's default does not): tokens/s of both and the ratio. Runs alternate
+    (ours, HF, ours, HF, ...) so that load from other processes hits both alike; the median and the
+    best of ``--repeats`` are printed;
   * the bandwidth ceiling: decoding one token reads every weight matrix once (the embedding table
     only one row), so tokens/s <= memory bandwidth / bytes read per token. The bandwidth is measured
     here, with the same thread count, as the fastest of a sum, a matrix-vector product and a copy over
@@ -110,7 +111,7 @@ def bench_shape(shape: str, args: argparse.Namespace, read_bw: float) -> None:
     results: dict[str, object] = {}
 
     def ours_b1() -> None:
-        results["ours"] = gen.generate(one.tolist(), greedy)[0].token_ids
+        results["ours"] = gen.generate(one.tolist(), greedy, logprobs=False)[0].token_ids
 
     def hf_b1() -> None:
         results["hf"] = hf_generate(one, args.new_tokens)[0, args.prompt_len:].tolist()
@@ -132,7 +133,7 @@ def bench_shape(shape: str, args: argparse.Namespace, read_bw: float) -> None:
         print("  same greedy tokens as HF: " + ("all" if same is None else f"first {same} (fp32 near-tie)"))
 
     def ours_b8() -> None:
-        gen.generate(prompt.tolist(), greedy)
+        gen.generate(prompt.tolist(), greedy, logprobs=False)
 
     def hf_b8() -> None:
         hf_generate(prompt, args.new_tokens)
@@ -148,7 +149,7 @@ def bench_shape(shape: str, args: argparse.Namespace, read_bw: float) -> None:
     first = SamplingParams(temperature=0, max_new_tokens=1)
 
     def ours_ttft() -> None:
-        gen.generate(long.tolist(), first)
+        gen.generate(long.tolist(), first, logprobs=False)
 
     def hf_ttft() -> None:
         hf_generate(long, 1)

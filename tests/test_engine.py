@@ -111,6 +111,9 @@ def test_temperature_near_zero_equals_greedy():
     greedy = gen.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=30))
     cold = gen.generate(PROMPTS, SamplingParams(temperature=1e-4, max_new_tokens=30, seed=3))
     assert [r.token_ids for r in cold] == [r.token_ids for r in greedy]
+    bare = gen.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=30), logprobs=False)
+    assert [r.token_ids for r in bare] == [r.token_ids for r in greedy]
+    assert all(r.logprobs == [] for r in bare)
 
 
 # ------------------------------------------------------------------ Hugging Face generate()

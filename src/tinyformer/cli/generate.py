@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         header(args, i)
         if args.echo:
             sys.stdout.write(prompt)
-        for piece in gen.stream(ids, sampling_params(args, params.max_new_tokens, seed=seed)):
+        for piece in gen.stream(ids, sampling_params(args, params.max_new_tokens, seed=seed), logprobs=False):
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")

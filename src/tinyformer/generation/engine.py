@@ -65,9 +65,9 @@ class GenerationResult:
 
     ``token_ids`` are every generated id (the prompt excluded), including the token that ended the
     sequence (EOS, a stop token, or the last token of a stop string); ``logprobs[i]`` is
-    log p(token_ids[i]) under the model's raw distribution. ``text`` is the decoded text without the
-    end-of-sequence token, stop tokens and stop strings. ``finish_reason`` is "stop" (EOS, stop token
-    or stop string) or "length" (``max_new_tokens``).
+    log p(token_ids[i]) under the model's raw distribution (empty when not asked for). ``text`` is the
+    decoded text without the end-of-sequence token, stop tokens and stop strings. ``finish_reason`` is
+    "stop" (EOS, stop token or stop string) or "length" (``max_new_tokens``).
     """
 
     text: str
@@ -117,13 +117,14 @@ class _Row:
         self._decoder = Utf8StreamDecoder()
         self._stopper = StopStringMatcher(params.stop_strings)
 
-    def accept(self, token: int, logprob: float) -> str:
+    def accept(self, token: int, logprob: float | None) -> str:
         """Record one token; return the text it completes ("" while a character or a possible stop
         string is incomplete, and always "" once the row has finished)."""
         if self.finish_reason is not None:
             return ""
         self.token_ids.append(token)
-        self.logprobs.append(logprob)
+        if logprob is not None:
+            self.logprobs.append(logprob)
         if token in self._end_ids:
             return self.close("stop")
         text, stopped = self._stopper.push(self._decoder.push(self._token_bytes(token)))
@@ -372,25 +373,28 @@ class Generator:
 
     # ---------------------------------------------------------------- public API
 
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
-                 params: SamplingParams | None = None) -> list[GenerationResult]:
-        """Decode every prompt (as one left-padded batch); one result per prompt, in order."""
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | None = None,
+                 *, logprobs: bool = True) -> list[GenerationResult]:
+        """Decode every prompt (as one left-padded batch); one result per prompt, in order.
+        ``logprobs=False`` leaves ``GenerationResult.logprobs`` empty and saves the per-step
+        log-normaliser over the vocabulary (greedy decoding is then a bare argmax)."""
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
             raise TypeError("generate() takes a list of prompts; wrap a single prompt in a list")
         params = (params or SamplingParams()).validate()
         rows = self._rows([self.encode(p) for p in prompts], params)
-        for _ in self._decode(rows, params):
+        for _ in self._decode(rows, params, logprobs):
             pass
         return [row.result() for row in rows]
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> TextStream:
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+               logprobs: bool = True) -> TextStream:
         """Decode one prompt, yielding text as soon as it is complete UTF-8 and cannot be part of a
         stop string. After the iterator is exhausted, ``.result`` holds the GenerationResult."""
         params = (params or SamplingParams()).validate()
         rows = self._rows([self.encode(prompt)], params)
 
         def pieces() -> Iterator[str]:
-            for deltas in self._decode(rows, params):
+            for deltas in self._decode(rows, params, logprobs):
                 if deltas[0]:
                     yield deltas[0]
 
@@ -453,7 +457,7 @@ class Generator:
                 "policy 'slide'"
             )
 
-    def _decode(self, rows: list[_Row], params: SamplingParams) -> Iterator[list[str]]:
+    def _decode(self, rows: list[_Row], params: SamplingParams, want_logprobs: bool = True) -> Iterator[list[str]]:
         """Run the batch to the end, yielding after every step the new text of each row."""
         if not rows:
             return
@@ -507,10 +511,14 @@ class Generator:
             for t in range(budget):
                 c = P + t  # the column being sampled
                 history = hist[:, hist_from:c] if penalised else None
-                tokens, logprobs = self._sample(logits, params, history, generators, processors)
+                if params.greedy and not processors and not want_logprobs:
+                    tokens, logprobs = logits.argmax(dim=-1), None
+                else:
+                    tokens, logprobs = self._sample(logits, params, history, generators, processors)
                 seq[:, c] = tokens
                 hist[:, c] = tokens
-                deltas = [row.accept(tok, lp) for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist())]
+                lps = [None] * B if logprobs is None or not want_logprobs else logprobs.tolist()
+                deltas = [row.accept(tok, lp) for row, tok, lp in zip(rows, tokens.tolist(), lps)]
                 yield deltas
                 if t == budget - 1 or all(row.finish_reason is not None for row in rows):
                     break

@@ -8,7 +8,8 @@ Greedy:  y_t = argmax_v log p(v | y_<t, x), until EOS or ``max_new_tokens``.
 Beam search keeps K live prefixes per source. A prefix's score is its log-probability
 s(y) = sum_t log p(y_t | y_<t, x). At each step every live prefix closed by EOS becomes a
 candidate finished hypothesis, and the K best non-EOS extensions stay live. A finished
-hypothesis (ended by EOS, or cut at ``max_new_tokens``) is ranked by s(y) / |y|^alpha, |y| counting generated tokens (EOS included)
+hypothesis (ended by EOS, or cut at ``max_new_tokens``) is ranked by s(y) / |y|^alpha,
+|y| counting generated tokens (EOS included)
 and alpha the ``length_penalty`` (0 = raw log-probability; > 0 favours longer outputs, as in
 Wu et al. 2016 and Hugging Face). Search stops for a source once it has K finished hypotheses and
 no live prefix can still beat the worst of them: log-probabilities only decrease, so a prefix
