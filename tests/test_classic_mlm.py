@@ -49,6 +49,15 @@ def test_mlm_masking_always_leaves_something_to_predict():
         assert (labels != IGNORE).sum() >= 1 and labels[0, 0] == IGNORE
 
 
+@pytest.fixture
+def one_thread():
+    """Small matrices train fastest on one thread (and a second one only contends on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _metrics(run) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -56,7 +65,7 @@ def _metrics(run) -> list[dict]:
 QUIET = ["--no-progress", "--set", "train.tensorboard=false", "--set", "train.sample_tokens=0"]
 
 
-def test_train_objective_mlm_then_embed(tmp_path, capsys):
+def test_train_objective_mlm_then_embed(tmp_path, capsys, one_thread):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(CORPUS * 20)
     run = tmp_path / "run"
@@ -79,7 +88,7 @@ def test_train_objective_mlm_then_embed(tmp_path, capsys):
     assert float(vectors[0] @ vectors[2]) == pytest.approx(1.0, abs=1e-5)
 
 
-def test_train_task_runs_an_encoder_decoder_and_reports_exact_match(tmp_path):
+def test_train_task_runs_an_encoder_decoder_and_reports_exact_match(tmp_path, one_thread):
     run = tmp_path / "run"
     code = main(["train", "--objective", "seq2seq", "--task", "add", "--preset", "transformer-tiny", "--steps", "10",
                  "--batch-size", "16", "--eval-interval", "10", "--eval-iters", "2", "--log-interval", "5",
