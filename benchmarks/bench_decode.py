@@ -21,6 +21,7 @@ Per shape (random weights, mapped into a ``LlamaForCausalLM`` with sdpa attentio
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -78,17 +79,21 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 7) -> dict[str, float]:
     return result
 
 
-def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-    """Run each function once to warm up, then ``repeats`` rounds of all of them in turn; seconds."""
-    for fn in fns.values():
+def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Run each function once to warm up (timed: it includes compilation where there is one), then
+    ``repeats`` rounds of all of them in turn. Returns (seconds per run, seconds of the warm-up run)."""
+    warmup = {}
+    for name, fn in fns.items():
+        t = time.perf_counter()
         fn()
+        warmup[name] = time.perf_counter() - t
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
-    return times
+    return times, warmup
 
 
 def bench_shape(shape: str, args: argparse.Namespace, read_bw: float) -> None:
@@ -96,88 +101,79 @@ def bench_shape(shape: str, args: argparse.Namespace, read_bw: float) -> None:
     from tinyformer.generation.sampling import SamplingParams
 
     cfg, ours, hf = build_pair(shape)
-    gen = Generator(ours)
-    gen.eos_token_id = None
+    gens = {"ours": Generator(ours)}
+    if args.compile:
+        gens["ours+compile"] = Generator(ours, compile=True)
+    for gen in gens.values():
+        gen.eos_token_id = None
+    names = [*gens, *([] if args.skip_hf else ["hf"])]
     greedy = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len), generator=g)
-    one = prompt[:1]
+    n_ttft = min(args.ttft_prompt, cfg.max_seq_len - 1)
+    long = torch.randint(0, cfg.vocab_size, (1, n_ttft), generator=g)
 
-    def hf_generate(x: torch.Tensor, n: int) -> torch.Tensor:
-        with torch.inference_mode():
-            return hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)
+    def run(name: str, x: torch.Tensor, n: int) -> list[int]:
+        """Greedy-decode ``n`` tokens after each row of ``x``; the first row's new tokens."""
+        if name == "hf":
+            with torch.inference_mode():
+                out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)
+            return out[0, x.shape[1]:].tolist()
+        params = dataclasses.replace(greedy, max_new_tokens=n)
+        return gens[name].generate(x.tolist(), params, logprobs=False)[0].token_ids
 
-    results: dict[str, object] = {}
     # Every forward call (prefill, then one per token) is time-stamped, for both models alike: the gaps
     # between consecutive stamps are whole decode steps (forward + choosing the token + loop overhead).
     # Their 10th percentile shows the cost of a step that no other process disturbed.
+    # (The compiled step is left unhooked: a hook would be traced into the compiled graph.)
     stamps: list[float] = []
-    steps: dict[str, list[float]] = {"ours": [], "hf": []}
-    for model in (ours, hf):
-        model.register_forward_hook(lambda *_: stamps.append(time.perf_counter()))
+    steps: dict[str, list[float]] = {name: [] for name in names}
+    results: dict[str, list[int]] = {}
 
-    def record(name: str) -> None:
-        steps[name].extend(b - a for a, b in zip(stamps[1:], stamps[2:]))  # stamps[0] ends the prefill
-        stamps.clear()
+    def batch1(name: str) -> Callable[[], None]:
+        def fn() -> None:
+            stamps.clear()
+            hook = None
+            if "compile" not in name:
+                hook = (hf if name == "hf" else ours).register_forward_hook(
+                    lambda *_: stamps.append(time.perf_counter()))
+            results[name] = run(name, prompt[:1], args.new_tokens)
+            if hook is not None:
+                hook.remove()
+            steps[name].extend(b - a for a, b in zip(stamps[1:], stamps[2:]))  # stamps[0] ends the prefill
+        return fn
 
-    def ours_b1() -> None:
-        stamps.clear()
-        results["ours"] = gen.generate(one.tolist(), greedy, logprobs=False)[0].token_ids
-        record("ours")
-
-    def hf_b1() -> None:
-        stamps.clear()
-        results["hf"] = hf_generate(one, args.new_tokens)[0, args.prompt_len:].tolist()
-        record("hf")
-
-    fns = {"ours": ours_b1} if args.skip_hf else {"ours": ours_b1, "hf": hf_b1}
-    t1 = alternate(fns, args.repeats)
+    t1, warm = alternate({name: batch1(name) for name in names}, args.repeats)
     per_token = bytes_read_per_token(ours)
     ceiling = read_bw * 1e9 / per_token
     print(f"\n== {shape}: {ours.num_params() / 1e6:.1f}M params, {per_token / 1e6:.0f} MB read per token, "
           f"ceiling {ceiling:.0f} tokens/s at {read_bw:.1f} GB/s")
     rate = {k: [args.new_tokens / t for t in v] for k, v in t1.items()}
     for name, r in rate.items():
-        print(f"  batch 1, {args.new_tokens} tokens  {name:>4}: median {statistics.median(r):7.1f} tokens/s, "
-              f"best {max(r):7.1f}  ({statistics.median(r) / ceiling:.0%} of ceiling)")
-    step_rate = {}
-    for name in rate:
-        p10 = statistics.quantiles(steps[name], n=10)[0]
-        step_rate[name] = 1 / p10
-        print(f"  decode step {name:>4}: median {statistics.median(steps[name]) * 1e3:6.2f} ms, 10th percentile "
-              f"{p10 * 1e3:6.2f} ms = {1 / p10:7.1f} tokens/s ({1 / p10 / ceiling:.0%} of ceiling)")
+        print(f"  batch 1, {args.new_tokens} tokens  {name:>12}: median {statistics.median(r):7.1f} tokens/s, "
+              f"best {max(r):7.1f}  ({statistics.median(r) / ceiling:.0%} of ceiling)"
+              + (f"; first run (compiling) {warm[name]:.1f} s" if "compile" in name else ""))
+    for name in names:
+        if len(steps[name]) >= 10:
+            p10 = statistics.quantiles(steps[name], n=10)[0]
+            print(f"  decode step {name:>12}: median {statistics.median(steps[name]) * 1e3:6.2f} ms, 10th "
+                  f"percentile {p10 * 1e3:6.2f} ms = {1 / p10:7.1f} tokens/s ({1 / p10 / ceiling:.0%} of ceiling)")
     if "hf" in rate:
-        print(f"  ratio ours/HF: median {statistics.median(rate['ours']) / statistics.median(rate['hf']):.2f}x, "
-              f"best {max(rate['ours']) / max(rate['hf']):.2f}x, undisturbed step (p10) "
-              f"{step_rate['ours'] / step_rate['hf']:.2f}x")
-        same = next((i for i, (a, b) in enumerate(zip(results["ours"], results["hf"])) if a != b), None)
-        print("  same greedy tokens as HF: " + ("all" if same is None else f"first {same} (fp32 near-tie)"))
+        for name in gens:
+            print(f"  ratio {name}/HF: median {statistics.median(rate[name]) / statistics.median(rate['hf']):.2f}x, "
+                  f"best {max(rate[name]) / max(rate['hf']):.2f}x")
+            same = next((i for i, (a, b) in enumerate(zip(results[name], results["hf"])) if a != b), None)
+            print(f"  {name} greedy tokens equal HF's: " + ("all" if same is None else f"first {same} (fp32 near-tie)"))
 
-    def ours_b8() -> None:
-        gen.generate(prompt.tolist(), greedy, logprobs=False)
-
-    def hf_b8() -> None:
-        hf_generate(prompt, args.new_tokens)
-
-    fns = {"ours": ours_b8} if args.skip_hf else {"ours": ours_b8, "hf": hf_b8}
-    t8 = alternate(fns, max(1, args.repeats // 2))
+    t8, _ = alternate({name: (lambda name=name: run(name, prompt, args.new_tokens)) for name in names},
+                      max(1, args.repeats // 2))
     for name, v in t8.items():
-        print(f"  batch {args.batch}: {name:>4} {args.batch * args.new_tokens / statistics.median(v):7.1f} "
+        print(f"  batch {args.batch}: {name:>12} {args.batch * args.new_tokens / statistics.median(v):7.1f} "
               f"generated tokens/s (median)")
 
-    n_ttft = min(args.ttft_prompt, cfg.max_seq_len - 1)
-    long = torch.randint(0, cfg.vocab_size, (1, n_ttft), generator=g)
-    first = SamplingParams(temperature=0, max_new_tokens=1)
-
-    def ours_ttft() -> None:
-        gen.generate(long.tolist(), first, logprobs=False)
-
-    def hf_ttft() -> None:
-        hf_generate(long, 1)
-
-    fns = {"ours": ours_ttft} if args.skip_hf else {"ours": ours_ttft, "hf": hf_ttft}
-    tt = alternate(fns, args.repeats)
+    tt, _ = alternate({name: (lambda name=name: run(name, long, 1)) for name in names if "compile" not in name},
+                      args.repeats)
     for name, v in tt.items():
         print(f"  time to first token, {n_ttft}-token prompt: {name:>4} {statistics.median(v) * 1e3:7.1f} ms "
               f"(median), best {min(v) * 1e3:.1f} ms")
@@ -193,6 +189,7 @@ def main() -> None:
     ap.add_argument("--ttft-prompt", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-hf", action="store_true", help="time tinyformer only")
+    ap.add_argument("--compile", action="store_true", help="also time Generator(compile=True)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bw = memory_bandwidth()

@@ -116,6 +116,34 @@ def test_temperature_near_zero_equals_greedy():
     assert all(r.logprobs == [] for r in bare)
 
 
+@torch.no_grad()
+def test_fixed_kv_len_per_row_decoding_equals_the_default():
+    """The static-shape step (every row attends over the whole cache, masked per row) computes the same
+    logits as attending only up to the furthest row."""
+    model = random_lm()
+    cache_a, cache_b = model.new_cache(3, 40), model.new_cache(3, 40)
+    for b, prompt in enumerate(PROMPTS):
+        for cache in (cache_a, cache_b):
+            model(torch.tensor([prompt]), cache=cache.row_view(b))
+    tokens = torch.tensor([[1], [2], [3]])
+    positions = torch.tensor([len(p) for p in PROMPTS])
+    for _ in range(5):
+        a = model(tokens, cache=cache_a, cache_positions=positions)
+        b = model(tokens, cache=cache_b, cache_positions=positions, kv_len=40)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        tokens, positions = a[:, -1].argmax(-1, keepdim=True), positions + 1
+
+
+@pytest.mark.slow
+def test_compiled_decoding_equals_eager_decoding():
+    model = random_lm(n_layer=1, dtype=torch.float32)
+    eager, compiled = id_generator(model), id_generator(model, compile=True)
+    for params in (SamplingParams(temperature=0, max_new_tokens=16),
+                   SamplingParams(temperature=0.9, top_k=20, max_new_tokens=16, seed=3)):
+        want = [r.token_ids for r in eager.generate(PROMPTS, params)]
+        assert [r.token_ids for r in compiled.generate(PROMPTS, params)] == want
+
+
 # ------------------------------------------------------------------ Hugging Face generate()
 
 

@@ -53,7 +53,7 @@ def api_result(run_dir: Path, prompt: str, **params) -> object:
 
 def test_streams_text_and_json_has_text_ids_and_logprobs(run_dir, cli_env):
     common = ["generate", "--model", str(run_dir), "--prompt", "the fox", "--max-new-tokens", "24", "--seed", "5",
-              "--temperature", "0.8", "--num-samples", "2"]
+              "--temperature", "0.8", "--top-k", "0", "--num-samples", "2"]
     streamed = cli(*common, env=cli_env)
     as_json = cli(*common, "--json", env=cli_env)
     assert streamed.returncode == 0, streamed.stderr

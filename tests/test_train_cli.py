@@ -182,9 +182,11 @@ def test_resume_of_a_finished_run_with_more_steps_continues(corpus: Path, tmp_pa
         (lambda d: None, ["--set", "train.lr=-1"], "train.lr must be a positive number"),
         (lambda d: None, ["--set", "train.learning_rate=1"], "train.learning_rate is not a field"),
         (lambda d: None, ["--preset", "gpt5"], "unknown preset"),
+        pytest.param(lambda d: None, ["--dtype", "float16"], "needs a GPU",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="float16 is valid on a GPU")),
     ],
     ids=["missing", "empty-char", "empty-bpe", "not-utf8", "vocab-too-big", "block-too-long", "too-short",
-         "objective", "bad-value", "bad-field", "bad-preset"],
+         "objective", "bad-value", "bad-field", "bad-preset", "fp16-on-cpu"],
 )
 def test_bad_input_is_one_line_and_exit_2(make, args: list[str], message: str, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:

@@ -57,6 +57,9 @@ __all__ = [
 ]
 
 CONTEXT_POLICIES = ("error", "slide")
+# With ``compile=True`` the cache length is rounded up to a multiple of this, so that requests of
+# similar lengths share one compiled step (each new shape compiles again).
+STATIC_CACHE_BLOCK = 128
 
 
 @dataclass
@@ -282,6 +285,13 @@ class Generator:
     the tokenizer) or lists of token ids. ``tokenizer`` may be None for id prompts only (no text,
     no stop strings). ``eos_token_id`` (default: the tokenizer's) ends a sequence; set it to None to
     generate exactly ``max_new_tokens``.
+
+    ``compile=True`` decodes with a ``torch.compile``-d step of fixed shapes: each row at its own cache
+    positions (no padding), attending over the whole cache with a per-row mask, the cache length rounded
+    up to a multiple of ``STATIC_CACHE_BLOCK``. The first request of each (batch, cache length) shape
+    pays the compilation (tens of seconds on CPU); every later token is cheaper, since the many small
+    kernels of a layer are fused and called without Python in between. Requests that would slide their
+    context, and dynamic-NTK RoPE, are decoded eagerly.
     """
 
     def __init__(
@@ -292,6 +302,7 @@ class Generator:
         *,
         context_policy: str = "error",
         slide_keep: int | None = None,
+        compile: bool = False,
     ) -> None:
         cfg = getattr(model, "cfg", None)
         if cfg is None or cfg.arch != "decoder" or not hasattr(model, "new_cache"):
@@ -320,6 +331,8 @@ class Generator:
             i for i, t in (backend.get_added_tokens_decoder().items() if backend is not None else ()) if t.special
         )
         self._bytes: dict[int, bytes] = {}
+        self.compile = compile
+        self._step: Callable[[Tensor, Tensor, Any], Tensor] | None = None
 
     @classmethod
     def from_run(cls, run_dir: Any, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
@@ -504,10 +517,16 @@ class Generator:
             window_mask = mask[:, start:stop] if mask is not None and start < pad_end else None
             return self.model(fed, attention_mask=window_mask, cache=cache, last_only=True)[:, -1]
 
+        static = self.compile and width <= L and self.model.cfg.rope_type != "dynamic"
         with torch.inference_mode():
-            cache = self.model.new_cache(B, min(width, L))
-            start = 0  # first column held in the cache
-            logits = forward(start, P)
+            if static:  # every row at its own positions; one fixed-shape compiled step per token
+                cache = self.model.new_cache(B, -(-width // STATIC_CACHE_BLOCK) * STATIC_CACHE_BLOCK)
+                logits = self._prefill_rows(prompts, cache)
+                positions = torch.tensor([len(p) for p in prompts], device=dev)
+            else:  # left-padded columns, the cache holding columns [start, ...)
+                cache = self.model.new_cache(B, min(width, L))
+                start = 0
+                logits = forward(start, P)
             for t in range(budget):
                 c = P + t  # the column being sampled
                 history = hist[:, hist_from:c] if penalised else None
@@ -522,11 +541,37 @@ class Generator:
                 yield deltas
                 if t == budget - 1 or all(row.finish_reason is not None for row in rows):
                     break
+                if static:
+                    logits = self._compiled_step(tokens[:, None], positions, cache)
+                    positions += 1
+                    continue
                 if c - start == cache.max_len:  # full: keep the last slide_keep tokens and prefill again
                     start = c + 1 - self.slide_keep
                     cache.reset()
                 logits = forward(start, c + 1)
         yield [row.close("length") for row in rows]
+
+    def _prefill_rows(self, prompts: list[list[int]], cache: Any) -> Tensor:
+        """Prefill row b of ``cache`` with prompt b at positions 0 .. len-1 (no padding): logits (B, V)."""
+        if len({len(p) for p in prompts}) == 1:
+            x = torch.tensor(prompts, device=self.device)
+            return self.model(x, cache=cache, last_only=True)[:, -1]
+        return torch.cat([self.model(torch.tensor([p], device=self.device), cache=cache.row_view(b),
+                                     last_only=True)[:, -1] for b, p in enumerate(prompts)])
+
+    def _static_step(self, tokens: Tensor, positions: Tensor, cache: Any) -> Tensor:
+        """One token per row at ``positions`` (B,), attending over the whole cache (masked per row), so
+        that every shape depends on the batch size and cache length only: logits (B, V)."""
+        return self.model(tokens, cache=cache, cache_positions=positions, kv_len=cache.max_len)[:, -1]
+
+    @property
+    def _compiled_step(self) -> Callable[[Tensor, Tensor, Any], Tensor]:
+        if self._step is None:
+            # On CPU the C++ wrapper removes the Python call overhead of the generated kernels, which is
+            # most of what a small model's decode step costs.
+            options = {"cpp_wrapper": True} if self.device.type == "cpu" else {}
+            self._step = torch.compile(self._static_step, fullgraph=True, dynamic=False, options=options)
+        return self._step
 
     @staticmethod
     def _sample(logits: Tensor, params: SamplingParams, history: Tensor | None,

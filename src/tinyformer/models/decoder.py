@@ -107,16 +107,21 @@ class DecoderLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
         cache_positions: torch.Tensor | None = None,
+        kv_len: int | None = None,
     ) -> torch.Tensor:
         """input_ids (B, T) -> final hidden states (B, T, d), after the final norm.
 
         ``cache_positions`` (B,) decodes one token per row at a different position per row
         (continuous batching): row b's token sits at cache_positions[b], sees cache positions
-        0 .. cache_positions[b], and RoPE/learned positions use that index too.
+        0 .. cache_positions[b], and RoPE/learned positions use that index too. The rows attend over
+        cache slots [0, kv_len), each masked beyond its own position; by default kv_len is the furthest
+        position + 1 (read back to the host). A fixed ``kv_len`` (e.g. ``cache.max_len``) keeps every
+        shape static, so the step can be captured by ``torch.compile``; the caller then guarantees
+        that the positions fit.
         """
         B, T = input_ids.shape
         if cache_positions is not None:
-            return self._decode_rows(input_ids, cache, cache_positions)
+            return self._decode_rows(input_ids, cache, cache_positions, kv_len)
         start = cache.length if cache is not None else 0
         if cache is not None and start + T > cache.max_len:
             raise GenerationError(
@@ -153,16 +158,18 @@ class DecoderLM(nn.Module):
             cache.length = start + T
         return self.norm(x)
 
-    def _decode_rows(self, input_ids: torch.Tensor, cache: KVCache | None, pos: torch.Tensor) -> torch.Tensor:
+    def _decode_rows(self, input_ids: torch.Tensor, cache: KVCache | None, pos: torch.Tensor,
+                     kv_len: int | None = None) -> torch.Tensor:
         if cache is None or input_ids.shape[1] != 1:
             raise ValueError("cache_positions needs a KV cache and exactly one token per row")
-        kv_len = int(pos.max()) + 1
-        if kv_len > cache.max_len:
-            raise GenerationError(f"the KV cache holds {cache.max_len} positions; position {kv_len - 1} was asked")
-        if kv_len > self.cfg.max_seq_len and self.cfg.rope_type != "dynamic":
-            raise GenerationError(
-                f"position {kv_len - 1} is beyond the model's context (max_seq_len={self.cfg.max_seq_len})"
-            )
+        if kv_len is None:
+            kv_len = int(pos.max()) + 1
+            if kv_len > cache.max_len:
+                raise GenerationError(f"the KV cache holds {cache.max_len} positions; position {kv_len - 1} was asked")
+            if kv_len > self.cfg.max_seq_len and self.cfg.rope_type != "dynamic":
+                raise GenerationError(
+                    f"position {kv_len - 1} is beyond the model's context (max_seq_len={self.cfg.max_seq_len})"
+                )
         position_ids = pos[:, None]  # (B, 1)
         x = self.tok_emb(input_ids)
         if self.emb_scale != 1.0:
@@ -184,12 +191,13 @@ class DecoderLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
         cache_positions: torch.Tensor | None = None,
+        kv_len: int | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
         """Logits (B, T, vocab), or (B, 1, vocab) with ``last_only`` (prefill needs only the last row:
         the head is the largest matmul of a small model, so skipping T-1 rows of it matters)."""
         h = self.hidden_states(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                               cache_positions=cache_positions)
+                               cache_positions=cache_positions, kv_len=kv_len)
         if last_only:
             h = h[:, -1:]
         return self.lm_head(h)

@@ -31,7 +31,7 @@ from tinyformer.training.config import (
     to_yaml,
 )
 from tinyformer.training.objectives import Objective, get_objective
-from tinyformer.training.trainer import Trainer
+from tinyformer.training.trainer import Trainer, autocast_dtype, resolve_device
 from tinyformer.utils.io import atomic_write_text
 
 TRAIN_FILE = "train.yaml"
@@ -177,6 +177,7 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
             changes = {k: v for k, v in model_fields.items() if k != "vocab_size"}
             model_cfg = model_cfg.replace(**changes) if changes else model_cfg
     objective_cls = get_objective(train.objective)
+    autocast_dtype(train.dtype, resolve_device(train.device))  # an impossible device/dtype fails before any data work
     train = _check_block_size(model_cfg, train) if objective_cls.uses_corpus else train
 
     # ---- tokenizer and data
