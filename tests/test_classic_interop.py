@@ -189,13 +189,15 @@ def _cosine_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1)
 
 
-def test_sentence_transformers_import_reproduces_encode(sentence_transformer, tmp_path, capsys):
+def test_sentence_transformers_folder_converts_on_the_command_line_and_reproduces_encode(
+        sentence_transformer, tmp_path, capsys):
     from tinyformer.cli.embed import embed
-    from tinyformer.interop.bert import import_sentence_transformers
 
     st_model, root = sentence_transformer
     want = st_model.encode(TEXTS, convert_to_tensor=True)
-    import_sentence_transformers(root / "saved", tmp_path / "run")
+    # `convert --from-hf` recognises the folder by its modules.json and keeps the pooling
+    assert main(["convert", "--from-hf", str(root / "saved"), "--out", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
     ours = load_model(tmp_path / "run")
     assert ours.cfg.extra["sentence_transformers"]["pooling"] == "mean"
     got = embed(ours, load_tokenizer(tmp_path / "run"), TEXTS)

@@ -467,10 +467,15 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
 
 def import_hf(src: str | Path, out: str | Path, *, dtype: str | torch.dtype | None = None,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> ConvertReport:
-    """Hugging Face model folder -> tinyformer run folder (see the module docstring)."""
+    """Hugging Face model folder -> tinyformer run folder (see the module docstring). A
+    sentence-transformers folder (one with ``modules.json``) keeps its pooling and normalisation too."""
     src = Path(src)
     if not src.is_dir():
         raise CheckpointError(f"{src} is not a folder (expected a Hugging Face model folder)")
+    if (src / "modules.json").is_file():
+        from tinyformer.interop.bert import import_sentence_transformers
+
+        return import_sentence_transformers(src, out, dtype=dtype, max_shard_bytes=max_shard_bytes, force=force)
     hf_config = read_json(src / "config.json", "model config")
     adapter_for_hf(hf_config)  # unsupported architectures fail before the weights are opened
     source = open_hf_weights(src)
