@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from tinyformer.components.attention import attend, reference_attention, safe_softmax
+from tinyformer.components.attention import attend, reference_attention, safe_softmax, single_query_attention
 from tinyformer.config import ModelConfig
 from tinyformer.models.decoder import DecoderLM, build_attention_mask
 
@@ -20,6 +20,20 @@ def _naive_float64(q, k, v, mask):
             p = torch.softmax(s, dim=-1)
             out[b, h] = p @ v[b, h // group].double()
     return out
+
+
+@pytest.mark.parametrize("n_head,n_kv", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_single_query_attention_matches_float64_loops_with_per_row_masks(n_head, n_kv):
+    """The compiled decode step's formula: one query per row, each row seeing its own prefix of the cache."""
+    B, S, d = 3, 11, 8
+    q, k, v = torch.randn(B, n_head, 1, d), torch.randn(B, n_kv, S, d), torch.randn(B, n_kv, S, d)
+    mask = (torch.arange(S)[None, :] <= torch.tensor([[2], [10], [6]]))[:, None, None, :]  # (B, 1, 1, S)
+    got = single_query_attention(q, k, v, mask)
+    torch.testing.assert_close(got.double(), _naive_float64(q, k, v, mask), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(single_query_attention(q, k, v), reference_attention(q, k, v), atol=1e-6, rtol=1e-6)
+    # what torch.compile runs agrees with the eager SDPA call
+    compiled = torch.compile(lambda q, k, v, m: attend(q, k, v, m, is_causal=False), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v, mask), attend(q, k, v, mask, is_causal=False), atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("n_head,n_kv", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
