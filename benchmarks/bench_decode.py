@@ -30,26 +30,9 @@ import time
 from collections.abc import Callable
 
 import torch
+from bench_model import build_pair  # the same weight pair as the model benchmark (a sibling script)
 
 SHAPES = ("stories15m", "llama-110m")
-
-
-def build_pair(preset: str):
-    import transformers
-
-    from tinyformer.interop.llama import config_to_hf, tinyformer_to_hf
-    from tinyformer.models.decoder import DecoderLM
-    from tinyformer.presets import get_preset
-
-    cfg = get_preset(preset)
-    torch.manual_seed(0)
-    ours = DecoderLM(cfg).eval()
-    hf_cfg = config_to_hf(cfg)
-    config = transformers.LlamaConfig(**{k: v for k, v in hf_cfg.items() if k != "architectures"})
-    config._attn_implementation = "sdpa"
-    hf = transformers.LlamaForCausalLM(config)
-    hf.load_state_dict(dict(tinyformer_to_hf(cfg, ours.state_dict())), strict=False)
-    return cfg, ours, hf.eval()
 
 
 def bytes_read_per_token(model: torch.nn.Module) -> int:
@@ -120,6 +103,7 @@ def bench_shape(shape: str, args: argparse.Namespace, read_bw: float) -> None:
     from tinyformer.generation.sampling import SamplingParams
 
     cfg, ours, hf = build_pair(shape)
+    ours.eval(), hf.eval()
     gens = {"ours": Generator(ours)}
     if args.compile:
         gens["ours+compile"] = Generator(ours, compile=True)
