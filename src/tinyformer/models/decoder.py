@@ -51,6 +51,31 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return pos.clamp_min(0)
 
 
+def init_weights(model: nn.Module, std: float, residual_branches: int) -> None:
+    """N(0, std) for matrices and embeddings, zero biases, unit norm gains: the initialisation of every
+    model here (DecoderLM, the encoder and the encoder-decoder, each with its count of branches).
+
+    The output projections of the residual branches (``attn.out``, ``cross_attn.out``, ``ffn.down``)
+    get std / sqrt(``residual_branches``): each adds to the residual stream, whose variance would
+    otherwise grow with the number of branches (GPT-2's scaled initialisation)."""
+    residual_std = std / math.sqrt(max(1, residual_branches))
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            is_residual = name.endswith(("attn.out", "ffn.down"))
+            nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, LearnedPositions):
+            nn.init.normal_(module.weight, mean=0.0, std=std / 2)
+    for module in model.modules():
+        if module.__class__.__name__ in ("RMSNorm", "LayerNorm") and hasattr(module, "weight"):
+            nn.init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+
 class DecoderLM(nn.Module):
     """Causal language model. ``forward`` returns logits; ``loss`` the next-token cross-entropy."""
 
@@ -77,26 +102,9 @@ class DecoderLM(nn.Module):
 
     # ------------------------------------------------------------------ initialisation
     def reset_parameters(self) -> None:
-        """N(0, init_std) for matrices and embeddings; residual output projections scaled by
-        1/sqrt(2 n_layer) (GPT-2), because each block adds two of them to the residual stream and
-        the stream's variance would otherwise grow with depth; zero biases; unit norm gains."""
-        std = self.cfg.init_std
-        residual_std = std / math.sqrt(2 * self.cfg.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                is_residual = name.endswith("attn.out") or name.endswith("ffn.down")
-                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, LearnedPositions):
-                nn.init.normal_(module.weight, mean=0.0, std=std / 2)
-        for module in self.modules():
-            if hasattr(module, "weight") and module.__class__.__name__ in ("RMSNorm", "LayerNorm"):
-                nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+        """N(0, init_std) for matrices and embeddings; each block adds two residual branches (attention,
+        feed-forward), so their output projections get init_std / sqrt(2 n_layer): see ``init_weights``."""
+        init_weights(self, self.cfg.init_std, 2 * self.cfg.n_layer)
 
     # ------------------------------------------------------------------ forward
     def hidden_states(

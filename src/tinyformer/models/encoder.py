@@ -32,6 +32,7 @@ from tinyformer.components.positions import LearnedPositions, SinusoidalPosition
 from tinyformer.components.rope import RotaryEmbedding
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError, GenerationError
+from tinyformer.models.decoder import init_weights
 
 POOLING_MODES = ("mean", "cls", "max")
 
@@ -41,30 +42,6 @@ def activation(cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
     if cfg.ffn == "relu":
         return F.relu(x)
     return F.gelu(x, approximate="tanh" if cfg.ffn == "gelu_tanh" else "none")
-
-
-def init_weights(model: nn.Module, std: float, residual_branches: int) -> None:
-    """N(0, std) for matrices and embeddings, zero biases, unit norm gains (as DecoderLM does).
-
-    The output projections of the residual branches (``attn.out``, ``cross_attn.out``, ``ffn.down``)
-    get std / sqrt(``residual_branches``): each adds to the residual stream, whose variance would
-    otherwise grow with the number of branches (GPT-2's scaled initialisation)."""
-    residual_std = std / math.sqrt(max(1, residual_branches))
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            is_residual = name.endswith(("attn.out", "ffn.down"))
-            nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, LearnedPositions):
-            nn.init.normal_(module.weight, mean=0.0, std=std / 2)
-    for module in model.modules():
-        if module.__class__.__name__ in ("RMSNorm", "LayerNorm") and hasattr(module, "weight"):
-            nn.init.ones_(module.weight)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, mode: str = "mean") -> torch.Tensor:

@@ -36,7 +36,7 @@ from tinyformer.components.positions import LearnedPositions, SinusoidalPosition
 from tinyformer.components.rope import RotaryEmbedding
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError, GenerationError
-from tinyformer.models.encoder import init_weights
+from tinyformer.models.decoder import init_weights
 
 CrossKV = list[tuple[torch.Tensor, torch.Tensor]]
 
