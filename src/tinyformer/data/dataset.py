@@ -10,6 +10,7 @@ tokenizer has no EOS); a corpus given as one string is one document.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
@@ -22,6 +23,7 @@ import torch
 from tinyformer.data.corpus import iter_corpus_files, iter_documents
 from tinyformer.data.tokenizer import Tokenizer
 from tinyformer.errors import DataError
+from tinyformer.utils.io import fsync_dir
 
 _CACHE_VERSION = b"tinyformer-tokens-v1"
 CHUNK_CHARS = 1 << 18  # characters encoded per call: bounds memory and feeds tokenizers' threads
@@ -154,22 +156,9 @@ def encode_to_memmap(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(cache)
+    with contextlib.suppress(OSError):  # a cache: making the rename durable is best effort
+        fsync_dir(cache)
     return out
-
-
-def _fsync_dir(path: Path) -> None:
-    # Makes the rename itself durable; not supported on every platform, hence best effort.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def shard_range(n: int, rank: int, world_size: int) -> range:

@@ -29,6 +29,7 @@ from torch import nn
 
 from tinyformer.errors import CheckpointError
 from tinyformer.run_folder import state_dict_for_saving
+from tinyformer.utils.io import fsync_dir
 
 STATE_DIR = "state"
 MODEL_FILE = "model.safetensors"
@@ -117,16 +118,6 @@ def _write_file(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -230,7 +221,7 @@ def save_checkpoint(
             "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
         }
         _write_file(tmp / TRAINER_FILE, (json.dumps(meta, indent=1) + "\n").encode())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # the same step saved again (e.g. the last step): swap it out
             old = state_dir / f".old-step-{step:06d}-{os.getpid()}"
             final.rename(old)
@@ -238,7 +229,7 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
-        _fsync_dir(state_dir)
+        fsync_dir(state_dir)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise disk_error(exc, f"the checkpoint of step {step} to {state_dir}", previous) from None

@@ -30,15 +30,15 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp_path, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
         raise
 
 
-def _fsync_dir(folder: Path) -> None:
-    # The rename itself lives in the directory entry; fsync it so it survives a power cut.
+def fsync_dir(folder: Path) -> None:
+    """fsync a folder: a rename lives in the directory entry, so this makes it survive a power cut."""
     if os.name != "posix":
         return
     fd = os.open(folder, os.O_RDONLY)
