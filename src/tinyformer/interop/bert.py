@@ -311,15 +311,11 @@ def read_sentence_transformers(folder: str | Path) -> tuple[Path, dict[str, Any]
 
 
 def read_json_list(path: Path) -> list[dict[str, Any]]:
-    import json
+    """The modules of a sentence-transformers ``modules.json``, in their ``idx`` order."""
+    from tinyformer.interop.hf_folder import read_json
 
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} does not exist (not a sentence-transformers folder)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
+    data = read_json(path, "the module list of a sentence-transformers folder", kind=list)
+    if not all(isinstance(m, dict) for m in data):
         raise CheckpointError(f"{path} must hold a list of modules")
     return sorted(data, key=lambda m: m.get("idx", 0))
 

@@ -194,16 +194,16 @@ class _MetaStateDict(TensorSource):
         return self.sd[name]
 
 
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """A JSON object from ``path``, or CheckpointError naming the file."""
+def read_json(path: Path, what: str, kind: type = dict) -> Any:
+    """A JSON object (or, with ``kind=list``, an array) from ``path``, or CheckpointError naming the file."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist ({what})") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path} is not valid JSON ({what}): {exc}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} must hold a JSON object ({what})")
+    if not isinstance(data, kind):
+        raise CheckpointError(f"{path} must hold a JSON {'object' if kind is dict else 'array'} ({what})")
     return data
 
 
