@@ -106,8 +106,9 @@ def attend(
     """softmax(q k^T / sqrt(d) + M) v by the chosen implementation; see ``reference_attention``."""
     if impl == "reference":
         return reference_attention(q, k, v, mask, is_causal, dropout_p)
-    row_mask = mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1)
-    if q.shape[-2] == 1 and dropout_p == 0.0 and row_mask and torch.compiler.is_compiling():
+    if (q.shape[-2] == 1 and dropout_p == 0.0 and torch.compiler.is_compiling()
+            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4
+                                  and mask.shape[1] == mask.shape[2] == 1))):
         # eager, SDPA's one fused call is cheaper; compiled, the written-out formula fuses into the
         # step's own kernels (a few percent faster per decoded token)
         return single_query_attention(q, k, v, mask)
