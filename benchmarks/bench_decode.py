@@ -3,19 +3,20 @@
     python benchmarks/bench_decode.py                          # stories15m and llama-110m, 2 threads
     python benchmarks/bench_decode.py --shapes stories15m --repeats 7
 
-Per shape (random weights, mapped into a ``LlamaForCausalLM`` with sdpa attention):
+Per shape (random weights, mapped into a ``LlamaForCausalLM`` with sdpa attention; ours with its linear
+weights stored input-major, as ``tinyformer generate`` loads them on CPU):
   * batch 1, 8-token prompt, 200 new tokens (EOS off, so both run all 200; neither computes
     log-probabilities, as HF's default does not): tokens/s of both and the ratio. Runs alternate
     (ours, HF, ours, HF, ...) so that load from other processes hits both alike; the median and the
     best of ``--repeats`` are printed;
   * the bandwidth ceiling: decoding one token reads every weight matrix once (the embedding table
     only one row), so tokens/s <= bandwidth / bytes read per token. The ceiling is measured in the
-    same rounds as the decoders (so that the machine's drifting bandwidth hits all alike): one
-    matrix-vector product (``torch.mv``, the operation decoding is made of) over a float32 matrix
-    of exactly the bytes a token reads, d_model columns wide, with the same thread count. That is
-    one kernel streaming the model's bytes with nothing else to do; whether they come from DRAM or
-    the last-level cache depends on the model's size, as for the decoder. For reference the script
-    also prints the best of a sum, an mv and a copy over 1 GiB;
+    same rounds as the decoders (so that the machine's drifting bandwidth hits all alike): the
+    fastest of three vector-matrix products (see ``stream_rate``) over a float32 matrix of exactly
+    the bytes a token reads, with the same thread count. That is one kernel streaming the model's
+    bytes with nothing else to do; whether they come from DRAM or the last-level cache depends on
+    the model's size, as for the decoder. For reference the script also prints the best of a sum,
+    an mv and a copy over 1 GiB;
   * batch 8 (eight 8-token prompts): generated tokens/s;
   * time to first token (prefill + first sample) for a 512-token prompt (or the longest prompt the
     shape's context allows).
@@ -65,19 +66,33 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 7) -> dict[str, float]:
     return result
 
 
-def stream_rate(per_token: int, width: int, calls: int = 20) -> Callable[[], float]:
-    """A function that times ``calls`` mv products over a (per_token / 4 / width, width) float32 matrix and
-    returns the median tokens/s they allow (one mv = one token's weight reads)."""
-    matrix = torch.randn(per_token // 4 // width, width)
-    vec = torch.randn(width)
+def stream_rate(per_token: int, width: int, calls: int = 20) -> Callable[[], dict[str, float]]:
+    """A function that times ``calls`` products of a vector with a float32 matrix of ``per_token`` bytes in
+    each of three layouts and returns the median tokens/s of each: one product = one token's weight
+    reads. MKL streams the same bytes at rates that differ by up to 1.7x between these
+    layouts on the reference machine (an mv over 768-wide rows reads DRAM at ~27 GB/s, over 1024-wide
+    rows at ~43 GB/s), so the ceiling is the best of them, not whichever one decoding happens to use:
 
-    def fn() -> float:
-        times = []
-        for _ in range(calls):
-            t = time.perf_counter()
-            torch.mv(matrix, vec)
-            times.append(time.perf_counter() - t)
-        return 1 / statistics.median(times)
+    * ``mv``: ``W @ x`` with W (rows, width), as ``nn.Linear`` stores weights (row-major);
+    * ``mv-1024``: the same with 1024-wide rows;
+    * ``vm``: ``x @ W`` with W (width, rows) contiguous (the input-major layout)."""
+    rows = per_token // 4 // width
+    kernels = {
+        "mv": (torch.randn(rows, width), torch.randn(width), lambda m, v: torch.mv(m, v)),
+        "mv-1024": (torch.randn(per_token // 4 // 1024, 1024), torch.randn(1024), lambda m, v: torch.mv(m, v)),
+        "vm": (torch.randn(width, rows), torch.randn(1, width), lambda m, v: v @ m),
+    }
+
+    def fn() -> dict[str, float]:
+        rates = {}
+        for name, (matrix, vec, op) in kernels.items():
+            times = []
+            for _ in range(calls):
+                t = time.perf_counter()
+                op(matrix, vec)
+                times.append(time.perf_counter() - t)
+            rates[name] = 1 / statistics.median(times)
+        return rates
     return fn
 
 
@@ -101,9 +116,13 @@ def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> tuple[dict[
 def bench_shape(shape: str, args: argparse.Namespace, read_bw: float) -> None:
     from tinyformer.generation.engine import Generator
     from tinyformer.generation.sampling import SamplingParams
+    from tinyformer.generation.weight_layout import store_input_major
 
     cfg, ours, hf = build_pair(shape)
     ours.eval(), hf.eval()
+    # as Generator.from_run (the CLI) does on CPU; the compiled generator would do it anyway, and the
+    # eager one shares its model
+    store_input_major(ours)
     gens = {"ours": Generator(ours)}
     if args.compile:
         gens["ours+compile"] = Generator(ours, compile=True)
@@ -149,17 +168,20 @@ def bench_shape(shape: str, args: argparse.Namespace, read_bw: float) -> None:
 
     per_token = bytes_read_per_token(ours)
     stream = stream_rate(per_token, cfg.d_model)
-    ceilings: list[float] = []
+    kernel_rates: list[dict[str, float]] = []
     fns = {name: batch1(name) for name in names}
-    fns["ceiling"] = lambda: ceilings.append(stream())
+    fns["ceiling"] = lambda: kernel_rates.append(stream())
     t1, warm = alternate(fns, args.repeats)
     del t1["ceiling"]
-    ceilings = ceilings[1:]  # the warm-up round's is dropped like the others'
+    kernel_rates = kernel_rates[1:]  # the warm-up round's is dropped like the others'
+    ceilings = [max(r.values()) for r in kernel_rates]
     ceiling = statistics.median(ceilings)
+    kernels = ", ".join(f"{k} {statistics.median(r[k] for r in kernel_rates):.0f}" for k in kernel_rates[0])
     print(f"\n== {shape}: {ours.num_params() / 1e6:.1f}M params, {per_token / 1e6:.0f} MB read per token; "
-          f"ceiling (one mv over those bytes, per round) median {ceiling:.0f} tokens/s = "
-          f"{ceiling * per_token / 1e9:.1f} GB/s, range {min(ceilings):.0f}-{max(ceilings):.0f}; "
-          f"at the 1 GiB bandwidth {read_bw:.1f} GB/s it would be {read_bw * 1e9 / per_token:.0f} tokens/s")
+          f"ceiling (the fastest vector-matrix product over those bytes, per round) median {ceiling:.0f} "
+          f"tokens/s = {ceiling * per_token / 1e9:.1f} GB/s, range {min(ceilings):.0f}-{max(ceilings):.0f} "
+          f"(medians per kernel, tokens/s: {kernels}); at the 1 GiB bandwidth {read_bw:.1f} GB/s it would be "
+          f"{read_bw * 1e9 / per_token:.0f} tokens/s")
     rate = {k: [args.new_tokens / t for t in v] for k, v in t1.items()}
     for name, r in rate.items():
         # the same round's ceiling: the ratio is robust to bandwidth drifting between rounds

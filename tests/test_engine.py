@@ -14,6 +14,7 @@ from tinyformer.data.tokenizer import build_tokenizer
 from tinyformer.errors import GenerationError
 from tinyformer.generation.engine import Generator, beam_search
 from tinyformer.generation.sampling import SamplingParams
+from tinyformer.generation.weight_layout import store_input_major
 from tinyformer.models.decoder import DecoderLM
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5], [20, 21, 22, 23, 24]]
@@ -142,6 +143,33 @@ def test_compiled_decoding_equals_eager_decoding():
                    SamplingParams(temperature=0.9, top_k=20, max_new_tokens=16, seed=3)):
         want = [r.token_ids for r in eager.generate(PROMPTS, params)]
         assert [r.token_ids for r in compiled.generate(PROMPTS, params)] == want
+    # greedy without log-probabilities: the compiled step returns the argmax itself
+    greedy = SamplingParams(temperature=0, max_new_tokens=16)
+    want = [r.token_ids for r in eager.generate(PROMPTS, greedy, logprobs=False)]
+    assert [r.token_ids for r in compiled.generate(PROMPTS, greedy, logprobs=False)] == want
+    assert [r.token_ids for r in compiled.generate(PROMPTS[:1], greedy, logprobs=False)] == want[:1]
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_input_major_weights_keep_values_shapes_and_outputs(tie):
+    model = random_lm(tie_embeddings=tie)
+    x = torch.tensor([PROMPTS[0]])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    want = model(x)
+    store_input_major(model)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+        if p.dim() == 2 and name != "tok_emb.weight" and not (tie and name == "lm_head.weight"):
+            assert p.stride() == (1, p.shape[0]), name  # W^T contiguous
+    assert model.tok_emb.weight.is_contiguous()  # the embedding (and a head tied to it) keeps its rows
+    if tie:
+        assert model.lm_head.weight is model.tok_emb.weight
+    torch.testing.assert_close(model(x), want, rtol=0, atol=1e-12)
+    # the generator's greedy tokens are those of the row-major copy
+    ref = random_lm(tie_embeddings=tie)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    assert ([r.token_ids for r in id_generator(model).generate(PROMPTS, params)]
+            == [r.token_ids for r in id_generator(ref).generate(PROMPTS, params)])
 
 
 # ------------------------------------------------------------------ Hugging Face generate()

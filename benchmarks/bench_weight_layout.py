@@ -1,0 +1,118 @@
+"""Row-major vs input-major linear weights for batch-1 decoding on CPU, paired in one process.
+
+    python benchmarks/bench_weight_layout.py                   # stories15m and llama-110m, 2 threads
+    python benchmarks/bench_weight_layout.py --shapes llama-110m --rounds 8
+
+``nn.Linear`` stores W (out, in) row-major; ``tinyformer.generation.weight_layout.store_input_major``
+keeps the values and shape but lays W out as W^T (in, out) contiguous, so that ``F.linear`` hands the
+BLAS a contiguous W^T. Two model copies with the same weights, one per layout; each round times, for
+both in turn (so that the machine's drifting bandwidth hits both alike):
+
+  * ``products``: the chain of ``F.linear`` calls one decode step makes (every weight matrix of the
+    model times one vector: q/k/v, output, gate/up and down of every layer, then the head);
+  * ``generate``: ``Generator(model)`` greedy-decoding 200 tokens after an 8-token prompt (eager);
+  * ``generate --compile``: the same with ``compile=True``; for the row-major copy the generator's
+    layout step is switched off (it would store the weights input-major).
+
+Printed per shape: the median over rounds of each, and the median of the per-round ratios
+(input-major time / row-major time below 1 means input-major is faster). Both copies must decode the
+same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from bench_model import build_pair  # the same weights as the other benchmarks (a sibling script)
+
+SHAPES = ("stories15m", "llama-110m")
+
+
+def product_chain(model: torch.nn.Module) -> Callable[[], None]:
+    """Every ``nn.Linear`` of ``model`` applied to one (1, in) vector, in module order."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m.in_features: torch.randn(1, m.in_features) for m in linears}
+
+    def fn() -> None:
+        for m in linears:
+            torch.nn.functional.linear(inputs[m.in_features], m.weight)
+    return fn
+
+
+def bench_shape(shape: str, args: argparse.Namespace) -> None:
+    import tinyformer.generation.engine as engine
+    from tinyformer.generation.sampling import SamplingParams
+    from tinyformer.generation.weight_layout import store_input_major
+
+    _, row, hf = build_pair(shape)
+    del hf
+    row.eval()
+    col = copy.deepcopy(row)
+    store_input_major(col)
+    params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
+    prompt = [list(range(5, 5 + args.prompt_len))]
+    gens = {"row": engine.Generator(row), "input-major": engine.Generator(col)}
+    compiled = {"row": engine.Generator(row, compile=True), "input-major": engine.Generator(col, compile=True)}
+    for g in (*gens.values(), *compiled.values()):
+        g.eos_token_id = None
+
+    def decode(gen: engine.Generator, layout: str) -> Callable[[], list[int]]:
+        def fn() -> list[int]:
+            keep = engine.store_input_major
+            if layout == "row":  # the compiled generator would re-lay the weights out on first use
+                engine.store_input_major = lambda model: None
+            try:
+                return gen.generate(prompt, params, logprobs=False)[0].token_ids
+            finally:
+                engine.store_input_major = keep
+        return fn
+
+    tasks = {
+        "products": {"row": product_chain(row), "input-major": product_chain(col)},
+        "generate": {k: decode(g, k) for k, g in gens.items()},
+        "generate --compile": {k: decode(g, k) for k, g in compiled.items()},
+    }
+    tokens = {(task, k): fn() for task, fns in tasks.items() for k, fn in fns.items()}  # warm-up, compiles
+    assert row.lm_head.weight.is_contiguous() and not col.lm_head.weight.is_contiguous()
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in tokens}
+    for _ in range(args.rounds):
+        for task, fns in tasks.items():
+            for k, fn in fns.items():
+                reps = args.product_reps if task == "products" else 1
+                t = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                times[task, k].append((time.perf_counter() - t) / reps)
+    print(f"\n== {shape}: {sum(p.numel() for p in row.parameters()) / 1e6:.1f}M params, {args.rounds} rounds")
+    for task in tasks:
+        a, b = times[task, "row"], times[task, "input-major"]
+        unit = "ms per step" if task == "products" else f"ms for {args.new_tokens} tokens"
+        same = "" if task == "products" else (
+            "; same tokens" if tokens[task, "row"] == tokens[task, "input-major"] else "; TOKENS DIFFER")
+        print(f"  {task:>18}: row-major {statistics.median(a) * 1e3:8.2f}, input-major "
+              f"{statistics.median(b) * 1e3:8.2f} {unit}; input-major / row-major "
+              f"{statistics.median(y / x for x, y in zip(a, b)):.3f} (median of rounds){same}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--new-tokens", type=int, default=200)
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--product-reps", type=int, default=20, help="product chains timed per round")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads")
+    for shape in args.shapes:
+        bench_shape(shape, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""Weight layout for decoding on CPU: linear weights stored input-major.
+
+``nn.Linear`` keeps W (out, in) row-major and computes y = x W^T. A decode step multiplies one vector
+per sequence, so each weight matrix is read once per token and the step is as fast as the BLAS streams
+W from memory. MKL streams the same bytes at different rates depending on the layout: on the reference
+machine (2 threads), x (1, in) @ W^T with W^T (in, out) contiguous reads a matrix from DRAM ~10% faster
+than W @ x over row-major W, and is as fast for matrices that fit in the cache (``python
+benchmarks/bench_decode.py``; docs/benchmarks/decode.md). Products of many rows (prefill, training)
+run at the same speed either way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["store_input_major"]
+
+
+def store_input_major(model: nn.Module) -> None:
+    """Store every ``nn.Linear`` weight W (out, in) of ``model`` input-major, in place.
+
+    The parameter keeps its values, shape (out, in) and identity; only its memory layout changes to
+    W^T (in, out) contiguous, i.e. strides (1, out). ``F.linear(x, W) = x W^T`` then hands the BLAS a
+    contiguous W^T. A weight shared with an ``nn.Embedding`` (a tied head) is left as it is: the table is
+    read by rows, one per token. Meant for a model used for inference; state dicts and checkpoints are
+    unaffected (they are written contiguous).
+    """
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear) and id(m.weight) not in embedded and m.weight.is_contiguous():
+                m.weight.data = m.weight.data.t().contiguous().t()
