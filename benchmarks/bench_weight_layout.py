@@ -2,6 +2,7 @@
 
     python benchmarks/bench_weight_layout.py                   # stories15m and llama-110m, 2 threads
     python benchmarks/bench_weight_layout.py --shapes llama-110m --rounds 8
+    python benchmarks/bench_weight_layout.py --dtype bfloat16     # the products only
 
 ``nn.Linear`` stores W (out, in) row-major; ``tinyformer.generation.weight_layout.store_input_major``
 keeps the values and shape but lays W out as W^T (in, out) contiguous, so that ``F.linear`` hands the
@@ -16,7 +17,8 @@ both in turn (so that the machine's drifting bandwidth hits both alike):
 
 Printed per shape: the median over rounds of each, and the median of the per-round ratios
 (input-major time / row-major time below 1 means input-major is faster). Both copies must decode the
-same tokens.
+same tokens. With ``--dtype bfloat16`` only the products are timed (``store_input_major`` moves float32
+weights only), the input-major copy laid out directly.
 """
 
 from __future__ import annotations
@@ -33,14 +35,16 @@ from bench_model import build_pair  # the same weights as the other benchmarks (
 SHAPES = ("stories15m", "llama-110m")
 
 
-def product_chain(model: torch.nn.Module) -> Callable[[], None]:
-    """Every ``nn.Linear`` of ``model`` applied to one (1, in) vector, in module order."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = {m.in_features: torch.randn(1, m.in_features) for m in linears}
+def product_chain(model: torch.nn.Module, dtype: torch.dtype, input_major: bool) -> Callable[[], None]:
+    """Every ``nn.Linear`` weight of ``model`` (in ``dtype``, laid out input-major or row-major) applied to
+    one (1, in) vector, in module order."""
+    weights = [m.weight.detach().to(dtype) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights = [w.t().contiguous().t() if input_major else w.contiguous() for w in weights]
+    inputs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=dtype) for w in weights}
 
     def fn() -> None:
-        for m in linears:
-            torch.nn.functional.linear(inputs[m.in_features], m.weight)
+        for w in weights:
+            torch.nn.functional.linear(inputs[w.shape[1]], w)
     return fn
 
 
@@ -72,11 +76,11 @@ def bench_shape(shape: str, args: argparse.Namespace) -> None:
                 engine.store_input_major = keep
         return fn
 
-    tasks = {
-        "products": {"row": product_chain(row), "input-major": product_chain(col)},
-        "generate": {k: decode(g, k) for k, g in gens.items()},
-        "generate --compile": {k: decode(g, k) for k, g in compiled.items()},
-    }
+    dtype = getattr(torch, args.dtype)
+    tasks = {"products": {"row": product_chain(row, dtype, False), "input-major": product_chain(row, dtype, True)}}
+    if dtype == torch.float32:
+        tasks["generate"] = {k: decode(g, k) for k, g in gens.items()}
+        tasks["generate --compile"] = {k: decode(g, k) for k, g in compiled.items()}
     tokens = {(task, k): fn() for task, fns in tasks.items() for k, fn in fns.items()}  # warm-up, compiles
     assert row.lm_head.weight.is_contiguous() and not col.lm_head.weight.is_contiguous()
     times: dict[tuple[str, str], list[float]] = {key: [] for key in tokens}
@@ -88,7 +92,8 @@ def bench_shape(shape: str, args: argparse.Namespace) -> None:
                 for _ in range(reps):
                     fn()
                 times[task, k].append((time.perf_counter() - t) / reps)
-    print(f"\n== {shape}: {sum(p.numel() for p in row.parameters()) / 1e6:.1f}M params, {args.rounds} rounds")
+    print(f"\n== {shape}: {sum(p.numel() for p in row.parameters()) / 1e6:.1f}M params, {args.dtype}, "
+          f"{args.rounds} rounds")
     for task in tasks:
         a, b = times[task, "row"], times[task, "input-major"]
         unit = "ms per step" if task == "products" else f"ms for {args.new_tokens} tokens"
@@ -107,6 +112,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=200)
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--product-reps", type=int, default=20, help="product chains timed per round")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads")

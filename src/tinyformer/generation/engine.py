@@ -560,7 +560,8 @@ class Generator:
                         # From the second step on, every step's inputs come from the same place (the
                         # previous step) with the same shapes, strides and dtypes; only values change, so
                         # the guards would pass: skipping their check saves 2-3% of a step (hundreds of
-                        # tensor checks, one per parameter)
+                        # tensor checks, one per parameter). The stance is process-wide, like Dynamo's
+                        # other settings: it holds for this one call only.
                         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                             out = step(tokens[:, None], positions, cache)
                     picked, logits = (out, logits) if ids_only else (None, out)
