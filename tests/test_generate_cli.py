@@ -15,7 +15,7 @@ from tinyformer.data.tokenizer import build_tokenizer
 from tinyformer.generation.engine import Generator
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.models.decoder import DecoderLM
-from tinyformer.run_folder import save_model
+from tinyformer.run_folder import load_model, load_tokenizer, save_model
 
 PYTHON = sys.executable
 CORPUS = "the quick brown fox jumps over the lazy dog. a b c d e f g h i j k l m n o p q r s t u v w x y z\n"
@@ -111,3 +111,13 @@ def test_bad_input_is_one_line_on_stderr_with_exit_code_2(run_dir, cli_env, tmp_
         assert len(stderr.strip().splitlines()) == 1, f"{name}: {stderr!r}"
         assert expected[name] in stderr, f"{name}: {stderr!r}"
         assert stdout == "", name
+
+
+def test_from_run_stores_linear_weights_input_major_with_unchanged_output(run_dir):
+    gen = Generator.from_run(run_dir)
+    w = gen.model.blocks[0].attn.qkv.weight
+    assert w.stride() == (1, w.shape[0])  # W^T contiguous, on CPU
+    plain = Generator(load_model(run_dir), load_tokenizer(run_dir))  # as saved: row-major
+    assert plain.model.blocks[0].attn.qkv.weight.is_contiguous()
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    assert gen.generate(["the fox"], params)[0].token_ids == plain.generate(["the fox"], params)[0].token_ids
