@@ -150,6 +150,21 @@ def test_compiled_decoding_equals_eager_decoding():
     assert [r.token_ids for r in compiled.generate(PROMPTS[:1], greedy, logprobs=False)] == want[:1]
 
 
+@pytest.mark.slow
+def test_one_compiled_step_serves_requests_of_different_lengths():
+    from torch._dynamo.utils import counters
+
+    model = random_lm(n_layer=1, dtype=torch.float32, seed=1)
+    compiled, eager = id_generator(model, compile=True), id_generator(model)
+    torch._dynamo.reset()  # a graph compiled by another test for the same shapes would be reused
+    before = counters["stats"]["unique_graphs"]
+    for n in (5, 17, 40):  # spans of 10 to 48 slots, all in one cache block: one graph
+        params = SamplingParams(temperature=0, max_new_tokens=n)
+        want = [r.token_ids for r in eager.generate(PROMPTS, params, logprobs=False)]
+        assert [r.token_ids for r in compiled.generate(PROMPTS, params, logprobs=False)] == want
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_input_major_weights_keep_values_shapes_and_outputs(tie):
     model = random_lm(tie_embeddings=tie, dtype=torch.float32)

@@ -287,10 +287,11 @@ class Generator:
     no stop strings). ``eos_token_id`` (default: the tokenizer's) ends a sequence; set it to None to
     generate exactly ``max_new_tokens``.
 
-    ``compile=True`` decodes with a ``torch.compile``-d step of fixed shapes: each row at its own cache
-    positions (no padding), attending over the whole cache with a per-row mask, the cache length rounded
-    up to a multiple of ``STATIC_CACHE_BLOCK``. The first request of each (batch, cache length) shape
-    pays the compilation (tens of seconds on CPU); every later token is cheaper, since the many small
+    ``compile=True`` decodes with a ``torch.compile``-d step: each row at its own cache positions (no
+    padding), attending over the cache slots filled so far with a per-row mask; the cache length is
+    rounded up to a multiple of ``STATIC_CACHE_BLOCK``, and only the attended span's length is a
+    symbolic size. The first request of each (batch, cache length) shape pays the compilation (tens of
+    seconds on CPU); every later token is cheaper, since the many small
     kernels of a layer are fused and called without Python in between. Requests that would slide their
     context, and dynamic-NTK RoPE, are decoded eagerly. On CPU it also stores the model's linear weights
     input-major (:func:`~tinyformer.generation.weight_layout.store_input_major`), as ``from_run`` does
@@ -335,7 +336,7 @@ class Generator:
         )
         self._bytes: dict[int, bytes] = {}
         self.compile = compile
-        self._steps: dict[bool, Callable[[Tensor, Tensor, Any], Tensor]] = {}
+        self._steps: dict[bool, Callable[[Tensor, Tensor, Any, Tensor], Tensor]] = {}
 
     @classmethod
     def from_run(cls, run_dir: Any, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
@@ -524,8 +525,10 @@ class Generator:
 
         static = self.compile and width <= L and self.model.cfg.rope_type != "dynamic"
         with torch.inference_mode():
-            if static:  # every row at its own positions; one fixed-shape compiled step per token
-                cache = self.model.new_cache(B, -(-width // STATIC_CACHE_BLOCK) * STATIC_CACHE_BLOCK)
+            if static:  # every row at its own positions; one compiled step per token
+                # one slot more than the request needs: the attended span then never covers the whole
+                # cache, a case the compiled step would specialise (compile again) for
+                cache = self.model.new_cache(B, -(-(width + 1) // STATIC_CACHE_BLOCK) * STATIC_CACHE_BLOCK)
                 logits = self._prefill_rows(prompts, cache)
                 positions = torch.tensor([len(p) for p in prompts], device=dev)
             else:  # left-padded columns, the cache holding columns [start, ...)
@@ -554,8 +557,12 @@ class Generator:
                     break
                 if static:
                     step = self._compiled_step(ids_only)
+                    # the slots [0, c + 1) hold every row's tokens so far: the span to attend over, passed
+                    # as the length of a tensor whose size the compiled step treats as symbolic
+                    span = torch.empty(c + 1, device=dev)
+                    torch._dynamo.maybe_mark_dynamic(span, 0)
                     if t < 2:  # Dynamo checks its guards (and compiles a new shape) as usual
-                        out = step(tokens[:, None], positions, cache)
+                        out = step(tokens[:, None], positions, cache, span)
                     else:
                         # From the second step on, every step's inputs come from the same place (the
                         # previous step) with the same shapes, strides and dtypes; only values change, so
@@ -563,7 +570,7 @@ class Generator:
                         # tensor checks, one per parameter). The stance is process-wide, like Dynamo's
                         # other settings: it holds for this one call only.
                         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                            out = step(tokens[:, None], positions, cache)
+                            out = step(tokens[:, None], positions, cache, span)
                     picked, logits = (out, logits) if ids_only else (None, out)
                     positions += 1
                     continue
@@ -581,16 +588,17 @@ class Generator:
         return torch.cat([self.model(torch.tensor([p], device=self.device), cache=cache.row_view(b),
                                      last_only=True)[:, -1] for b, p in enumerate(prompts)])
 
-    def _static_step(self, tokens: Tensor, positions: Tensor, cache: Any) -> Tensor:
-        """One token per row at ``positions`` (B,), attending over the whole cache (masked per row), so
-        that every shape depends on the batch size and cache length only: logits (B, V)."""
-        return self.model(tokens, cache=cache, cache_positions=positions, kv_len=cache.max_len)[:, -1]
+    def _static_step(self, tokens: Tensor, positions: Tensor, cache: Any, span: Tensor) -> Tensor:
+        """One token per row at ``positions`` (B,), attending over cache slots [0, len(span)) (masked per
+        row): logits (B, V). Every shape but that span's depends on the batch size and cache length only,
+        and the span's is symbolic, so one compiled graph serves every step of a request."""
+        return self.model(tokens, cache=cache, cache_positions=positions, kv_len=span.shape[0])[:, -1]
 
-    def _static_greedy_step(self, tokens: Tensor, positions: Tensor, cache: Any) -> Tensor:
+    def _static_greedy_step(self, tokens: Tensor, positions: Tensor, cache: Any, span: Tensor) -> Tensor:
         """``_static_step`` followed by the argmax: the next token ids (B,)."""
-        return self._static_step(tokens, positions, cache).argmax(dim=-1)
+        return self._static_step(tokens, positions, cache, span).argmax(dim=-1)
 
-    def _compiled_step(self, ids_only: bool) -> Callable[[Tensor, Tensor, Any], Tensor]:
+    def _compiled_step(self, ids_only: bool) -> Callable[[Tensor, Tensor, Any, Tensor], Tensor]:
         """The compiled static step: next-token ids if ``ids_only`` (greedy), else logits."""
         if ids_only not in self._steps:
             options = {}
