@@ -22,6 +22,16 @@ def _seed() -> None:
 
 
 @pytest.fixture
+def one_thread():
+    """One intra-op thread for a test of tiny models: a second thread only adds synchronisation (and
+    stalls badly on a busy machine). Restores the thread count afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def cli_env() -> dict[str, str]:
     """Environment for subprocess runs of the CLI from the source tree."""
     env = dict(os.environ)

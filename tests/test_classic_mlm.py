@@ -49,14 +49,6 @@ def test_mlm_masking_always_leaves_something_to_predict():
         assert (labels != IGNORE).sum() >= 1 and labels[0, 0] == IGNORE
 
 
-@pytest.fixture
-def one_thread():
-    """Small matrices train fastest on one thread (and a second one only contends on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _metrics(run) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -100,14 +100,6 @@ def test_tasks_produce_correct_targets_and_keep_heldout_sources_out_of_training(
     assert batch["tgt_out"][1].tolist() == [tok.encode("3")[0], tok.eos_id, -100]
 
 
-@pytest.fixture
-def one_thread():
-    """Small matrices train fastest on one thread (and a second one only contends on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def test_encoder_decoder_learns_to_reverse_short_digit_strings(one_thread):
     """A short run (150 steps) takes held-out exact match from 0 to well above chance (~1e-5)."""

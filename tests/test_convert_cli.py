@@ -11,8 +11,8 @@ from test_interop_common import (
     PYTHON_CLI,
     hf_logits,
     hf_model,
-    one_thread,  # noqa: F401 - autouse fixture
     padded_batch,
+    pytestmark,  # noqa: F401 - one intra-op thread for every test here
     save_hf,
     write_gguf,
 )

@@ -24,13 +24,8 @@ PYTHON_CLI = [sys.executable, "-m", "tinyformer"]
 SAMPLES = ["the quick brown fox", "def f(x):\n    return x", "Ünïcödé 🙂 text", "  leading spaces", "<|eos|> tail"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: intra-op threads only add synchronisation (and stall badly on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# tiny models: one intra-op thread (conftest.one_thread) for every test here
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def bpe_backend(vocab_size: int = 300):

@@ -21,8 +21,8 @@ from test_interop_common import (
     hf_logits,
     hf_model,
     llama_cpp_rope_freqs,
-    one_thread,  # noqa: F401 - autouse fixture
     padded_batch,
+    pytestmark,  # noqa: F401 - one intra-op thread for every test here
     write_gguf,
 )
 

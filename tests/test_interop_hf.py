@@ -15,8 +15,8 @@ from test_interop_common import (
     hf_greedy,
     hf_logits,
     hf_model,
-    one_thread,  # noqa: F401 - autouse fixture
     padded_batch,
+    pytestmark,  # noqa: F401 - one intra-op thread for every test here
     safetensors_dict,
     save_hf,
 )
