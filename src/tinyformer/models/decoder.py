@@ -123,9 +123,9 @@ class DecoderLM(nn.Module):
         (continuous batching): row b's token sits at cache_positions[b], sees cache positions
         0 .. cache_positions[b], and RoPE/learned positions use that index too. The rows attend over
         cache slots [0, kv_len), each masked beyond its own position; by default kv_len is the furthest
-        position + 1 (read back to the host). A fixed ``kv_len`` (e.g. ``cache.max_len``) keeps every
-        shape static, so the step can be captured by ``torch.compile``; the caller then guarantees
-        that the positions fit.
+        position + 1 (read back to the host). A ``kv_len`` from the caller (``cache.max_len``, or the
+        generator's span length, a symbolic size under ``torch.compile``) needs no host read-back, so the
+        step can be captured by ``torch.compile``; the caller then guarantees that the positions fit.
         """
         B, T = input_ids.shape
         if cache_positions is not None:
