@@ -636,8 +636,12 @@ def _preset(name: str):
 
 
 def _check_llama2_70b(g: list[str], facts: dict) -> list:
+    from tinyformer.config import llama_ffn_hidden
+
     cfg, total = _preset("llama2-70b"), count_json("--preset", "llama2-70b")["total_params"]
-    return [cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.d_ff, cfg.n_layer, total]
+    assert llama_ffn_hidden(cfg.d_model, cfg.ffn_dim_multiplier, cfg.ffn_multiple_of) == cfg.d_ff
+    return [cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.d_ff, cfg.ffn_dim_multiplier, cfg.ffn_multiple_of,
+            cfg.n_layer, total]
 
 
 def _check_exp_limits(g: list[str], facts: dict) -> list:
@@ -756,8 +760,8 @@ def _warm_up_checker(placement: str, layers: str):
 
 # key -> (the body's pattern, the values its groups must state)
 FACTS = {
-    "llama2-70b": (rf"d_model {NUM}, n_head {NUM}, n_kv_head {NUM}, d_ff {NUM}, n_layer {NUM}, total {NUM}",
-                   _check_llama2_70b),
+    "llama2-70b": (rf"d_model {NUM}, n_head {NUM}, n_kv_head {NUM}, d_ff {NUM} \(8 d/3 x {NUM}, rounded up to "
+                   rf"a multiple of {NUM}\), n_layer {NUM}, total {NUM}", _check_llama2_70b),
     "exp limits": (rf"float16 max {NUM}, ln\({NUM}\) = {NUM}; float32 max {NUM}, ln\({NUM}\) = {NUM}",
                    _check_exp_limits),
     "layernorm x": (rf"\[{NUM}, {NUM}, {NUM}, {NUM}\], d = {NUM}, mean {NUM}, variance {NUM} "
@@ -852,6 +856,21 @@ def test_corrections_totals_cover_every_preset_the_walkthrough_runs_and_are_asse
               for line in fact_lines(corrections_section(text)) if TOTAL.match(line.strip().partition(": ")[0])}
     assert set(re.findall(r"--preset ([\w.-]+)", text)) <= totals
     assert totals <= set(PUBLISHED) | {"bert-base", "transformer-base"}  # those two: tests/test_classic_sizing.py
+
+
+@pytest.mark.parametrize("path", WALKTHROUGHS, ids=lambda p: p.name)
+def test_every_logarithm_and_power_written_in_the_walkthrough_holds(path):
+    """`ln(A) = B` and `A^N = B` in the prose too (section 7 repeats the exp limits), to the digits shown."""
+    import math
+
+    text = path.read_text(encoding="utf-8")
+    stated = [(m.group(0), math.log(_number(m.group(1))), m.group(2))
+              for m in re.finditer(rf"ln\({NUM}\) = {NUM}", text)]
+    stated += [(m.group(0), _number(m.group(1)) ** _number(m.group(2)), m.group(3))
+               for m in re.finditer(rf"(?<![\w.]){NUM}\^{NUM} = {NUM}", text)]
+    assert len(stated) >= 6
+    wrong = [claim for claim, value, shown in stated if not shown_equals(shown, value)]
+    assert not wrong, wrong
 
 
 def test_a_wrong_digit_anywhere_on_a_fact_line_is_caught():
