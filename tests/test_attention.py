@@ -64,13 +64,45 @@ def test_reference_and_sdpa_agree_causal_and_padded(n_head, n_kv):
     )
 
 
-def test_gqa_with_n_kv_equal_n_head_equals_mha_model():
-    cfg = ModelConfig(vocab_size=50, d_model=32, n_layer=2, n_head=4, max_seq_len=16)
-    explicit = cfg.replace(n_kv_head=4)
-    a, b = DecoderLM(cfg), DecoderLM(explicit)
-    b.load_state_dict(a.state_dict())
+def _repeat_kv_rows(w: torch.Tensor, n_head: int, n_kv: int, d_h: int, interleave: bool = True) -> torch.Tensor:
+    """A fused qkv weight (or bias) of a GQA layer -> the MHA one whose K/V rows repeat each K/V head for
+    every query head of its group (interleave=True: head g serves query heads g*r .. g*r + r - 1)."""
+    w_q, w_k, w_v = w.split([n_head * d_h, n_kv * d_h, n_kv * d_h])
+    r = n_head // n_kv
+
+    def rep(m: torch.Tensor) -> torch.Tensor:
+        heads = m.reshape(n_kv, d_h, *m.shape[1:])
+        heads = heads.repeat_interleave(r, dim=0) if interleave else heads.repeat(r, *([1] * (heads.dim() - 1)))
+        return heads.reshape(n_head * d_h, *m.shape[1:])
+
+    return torch.cat([w_q, rep(w_k), rep(w_v)])
+
+
+@pytest.mark.parametrize("impl", ["reference", "sdpa"])
+def test_gqa_model_equals_an_mha_model_whose_kv_heads_repeat_for_their_group(impl):
+    """Query head i reads K/V head floor(i / (H / H_kv)): a GQA model equals the MHA model (H_kv = H) whose
+    W_k, W_v rows are each K/V head repeated for its group of query heads, and not a differently grouped one."""
+    gqa_cfg = ModelConfig(vocab_size=50, d_model=32, n_layer=2, n_head=4, n_kv_head=2, max_seq_len=16,
+                          attn_bias=True, attn_impl=impl)
+    mha_cfg = gqa_cfg.replace(n_kv_head=4)
+    gqa = DecoderLM(gqa_cfg).double().eval()
     x = torch.randint(0, 50, (2, 12))
-    torch.testing.assert_close(a(x), b(x), atol=0, rtol=0)
+
+    def mha_logits(interleave: bool) -> torch.Tensor:
+        state = gqa.state_dict()
+        for name in [n for n in state if n.endswith("attn.qkv.weight") or n.endswith("attn.qkv.bias")]:
+            state[name] = _repeat_kv_rows(state[name], 4, 2, gqa_cfg.head_dim, interleave)
+        mha = DecoderLM(mha_cfg).double().eval()
+        mha.load_state_dict(state)
+        assert mha.blocks[0].attn.n_kv_head == 4
+        with torch.no_grad():
+            return mha(x)
+
+    with torch.no_grad():
+        want = gqa(x)
+    torch.testing.assert_close(mha_logits(interleave=True), want, atol=1e-12, rtol=1e-10)
+    # heads (0, 1) -> K/V 0 and (2, 3) -> K/V 1; the other pairing (0, 2) / (1, 3) is a different model
+    assert (mha_logits(interleave=False) - want).abs().max() > 1e-3
 
 
 def test_gqa_equals_mha_with_repeated_kv_heads():
@@ -103,12 +135,24 @@ def test_safe_softmax_finite_above_88_and_for_fully_masked_rows():
     assert torch.isfinite(p).all()
     torch.testing.assert_close(p[0], torch.softmax(s[0].double(), -1).float())
     assert torch.equal(p[1], torch.zeros(3))
-    # float16: exp(12) already overflows, the max subtraction keeps it finite
-    h = safe_softmax(torch.tensor([[12.0, 11.0, 70000.0 / 1000]], dtype=torch.float16))
-    assert torch.isfinite(h).all() and abs(float(h.float().sum()) - 1) < 1e-3
     # naive softmax overflows where the safe one does not
     naive = torch.exp(s[0]) / torch.exp(s[0]).sum()
     assert not torch.isfinite(naive).all()
+
+
+def test_exp_overflows_float16_above_ln_65504_and_half_softmax_is_computed_in_float32():
+    """exp(x) is infinite above ln(max) of the dtype: ln(65504) = 11.09 in float16, ln(3.4e38) = 88.72 in
+    float32. safe_softmax does not subtract the maximum in float16: it computes in float32 and rounds back."""
+    for dtype in (torch.float16, torch.float32):
+        limit = math.log(torch.finfo(dtype).max)
+        below, above = torch.tensor([limit - 0.02, limit + 0.02], dtype=dtype)
+        assert torch.isfinite(torch.exp(below)) and torch.isinf(torch.exp(above)), dtype
+    h = torch.tensor([[12.0, 11.0, 70.0], [-3.0, 0.5, 2.0]], dtype=torch.float16)
+    assert not torch.isfinite(torch.exp(h) / torch.exp(h).sum(-1, keepdim=True)).all()  # naive float16
+    p = safe_softmax(h)
+    assert p.dtype == torch.float16
+    assert torch.equal(p, safe_softmax(h.float()).half())  # the float32 computation, rounded once
+    torch.testing.assert_close(p.double(), torch.softmax(h.double(), -1), atol=2**-11, rtol=2**-10)
 
 
 def test_attention_with_fully_masked_row_is_finite_in_both_paths():
@@ -120,12 +164,19 @@ def test_attention_with_fully_masked_row_is_finite_in_both_paths():
         assert torch.isfinite(out).all(), impl
 
 
-def test_score_scaling_keeps_variance_near_one():
+@pytest.mark.parametrize("impl", ["reference", "sdpa"])
+def test_score_scaling_keeps_variance_near_one(impl):
+    """Var(q.k) = d_h for unit-variance entries; the attention's 1/sqrt(d_h) brings the scores back to variance 1.
+
+    The scores are read off the attention itself: with V = I (one-hot values) its output row is P, and
+    log P_ij = s_ij - logsumexp_j(s_ij), so the variance of log P over the keys j is that of the scores."""
     torch.manual_seed(1)
+    n_keys = 64
+    v = torch.eye(n_keys, dtype=torch.float64)[None, None]  # (1, 1, S, S)
     for d in (16, 64, 256):
-        q, k = torch.randn(20000, d), torch.randn(20000, d)
-        scores = (q * k).sum(-1) / math.sqrt(d)
-        # Var(q.k) = d for unit-variance entries, so the scaled score has variance 1 (+- sampling error)
-        assert abs(float(scores.var()) - 1.0) < 0.05, d
-        unscaled = (q * k).sum(-1)
-        assert float(unscaled.var()) > 0.8 * d
+        q = torch.randn(1, 1, 2000, d, dtype=torch.float64)
+        k = torch.randn(1, 1, n_keys, d, dtype=torch.float64)
+        probs = attend(q, k, v, None, is_causal=False, impl=impl)  # (1, 1, 2000, S)
+        assert abs(float(torch.log(probs).var(-1).mean()) - 1.0) < 0.05, (impl, d)
+        unscaled = reference_attention(q, k, v, scale=1.0)  # without 1/sqrt(d_h): variance d_h
+        assert abs(float(torch.log(unscaled).var(-1).mean()) / d - 1.0) < 0.05, d

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyformer.components.block import Block
+from tinyformer.components.cross_attention import CrossAttention, source_padding_mask
 from tinyformer.components.positions import sinusoidal_table
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
@@ -143,6 +144,110 @@ def test_cross_attention_sees_every_non_padding_source_token_and_decoder_only_th
             t[0, j] = (t[0, j] + 1) % 40
             changed = _changed(model(src, t, src_mask=src_mask), base)[0]
             assert not changed[:j].any() and changed[j:].all()
+
+
+def _cross_case(n_kv_head: int, impl: str):
+    """A CrossAttention with random biases, decoder stream x (2, 5, d), memory m (2, 7, d), and a source
+    mask whose second row ends in 3 padding positions."""
+    cfg = ModelConfig(**SMALL, n_kv_head=n_kv_head, attn_bias=True, attn_out_bias=True, attn_impl=impl)
+    attn = CrossAttention(cfg).double().eval()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    x, m = torch.randn(2, 5, 32, dtype=torch.float64), torch.randn(2, 7, 32, dtype=torch.float64)
+    src_mask = torch.ones(2, 7, dtype=torch.long)
+    src_mask[1, 4:] = 0
+    return attn, x, m, src_mask
+
+
+@pytest.mark.parametrize("impl", ["reference", "sdpa"])
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+def test_cross_attention_equals_its_formula_in_float64(n_kv_head, impl, one_thread):
+    """softmax((x W_q)(m W_k)^T / sqrt(d_h) + M_src)(m W_v) W_o, written out head by head: queries from the
+    decoder stream, keys and values from the memory, no causal mask, -inf on source padding only."""
+    attn, x, m, src_mask = _cross_case(n_kv_head, impl)
+    d_h, kv_size = attn.head_dim, attn.kv_size
+    q = x @ attn.q.weight.T + attn.q.bias
+    w_k, w_v = attn.kv.weight.split(kv_size)
+    b_k, b_v = attn.kv.bias.split(kv_size)
+    k, v = m @ w_k.T + b_k, m @ w_v.T + b_v
+    want = torch.zeros(2, 5, attn.q_size, dtype=torch.float64)
+    for b in range(2):
+        for h in range(attn.n_head):
+            g = h // (attn.n_head // n_kv_head)
+            qs, ks, vs = (slice(h * d_h, (h + 1) * d_h), slice(g * d_h, (g + 1) * d_h), slice(g * d_h, (g + 1) * d_h))
+            s = q[b, :, qs] @ k[b, :, ks].T / math.sqrt(d_h)  # (T, S): every target row sees the whole source
+            s = s.masked_fill(src_mask[b] == 0, float("-inf"))
+            want[b, :, qs] = torch.softmax(s, dim=-1) @ v[b, :, vs]
+    want = want @ attn.out.weight.T + attn.out.bias
+    with torch.no_grad():
+        got = attn(x, attn.project_memory(m), source_padding_mask(src_mask))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+
+
+def test_cross_attention_equals_transformers_bart_cross_attention(one_thread):
+    """The same weights in Hugging Face's BartAttention (is_decoder, key_value_states = encoder output)."""
+    modeling_bart = pytest.importorskip("transformers.models.bart.modeling_bart")
+    from transformers import BartConfig
+
+    attn, x, m, src_mask = _cross_case(4, "sdpa")
+    config = BartConfig(d_model=32, decoder_attention_heads=4, encoder_attention_heads=4, attention_dropout=0.0)
+    config._attn_implementation = "eager"
+    hf = modeling_bart.BartAttention(32, 4, is_decoder=True, bias=True, config=config).double().eval()
+    w_k, w_v = attn.kv.weight.split(attn.kv_size)
+    b_k, b_v = attn.kv.bias.split(attn.kv_size)
+    with torch.no_grad():
+        for proj, w, b in ((hf.q_proj, attn.q.weight, attn.q.bias), (hf.k_proj, w_k, b_k), (hf.v_proj, w_v, b_v),
+                           (hf.out_proj, attn.out.weight, attn.out.bias)):
+            proj.weight.copy_(w)
+            proj.bias.copy_(b)
+        additive = torch.zeros(2, 1, 5, 7, dtype=torch.float64).masked_fill(
+            src_mask[:, None, None, :] == 0, torch.finfo(torch.float64).min)
+        want = hf(x, key_value_states=m, attention_mask=additive)[0]
+        got = attn(x, attn.project_memory(m), source_padding_mask(src_mask))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+
+
+def _jacobian(f, x: torch.Tensor) -> torch.Tensor:
+    """d f(x) / d x flattened to (n, n), n = x.numel()."""
+    return torch.autograd.functional.jacobian(f, x).reshape(x.numel(), x.numel())
+
+
+def test_residual_block_jacobian_is_identity_plus_the_branch_jacobians(one_thread):
+    """Pre-Norm y = h + FFN(Norm(h)), h = x + Attn(Norm(x)): dy/dx = (I + dFFN/dh)(I + dAttn/dx). With the
+    output projections zero the branches add nothing and dy/dx = I exactly: the identity path. Post-Norm
+    with the same zero projections is LayerNorm(x), whose Jacobian is not I (it removes each token's mean)."""
+    cfg = ModelConfig(**SMALL, norm="layernorm", pos="learned", ffn="gelu", attn_bias=True, attn_out_bias=True,
+                      mlp_bias=True)
+    block = Block(cfg, causal=True).double()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    x = torch.randn(1, 2, 32, dtype=torch.float64)
+    eye = torch.eye(x.numel(), dtype=torch.float64)
+
+    def attn_branch(x):
+        return block.attn(block.attn_norm(x))
+
+    def ffn_branch(h):
+        return block.ffn(block.ffn_norm(h))
+
+    h = (x + attn_branch(x)).detach()
+    chain = (eye + _jacobian(ffn_branch, h)) @ (eye + _jacobian(attn_branch, x))
+    torch.testing.assert_close(_jacobian(block, x), chain, atol=1e-10, rtol=1e-8)
+    assert (chain - eye).abs().max() > 1e-2  # the branches do contribute
+
+    post = Block(cfg.replace(norm_placement="post"), causal=True).double()
+    post.load_state_dict(block.state_dict())
+    for b in (block, post):
+        with torch.no_grad():
+            for lin in (b.attn.out, b.ffn.down):
+                lin.weight.zero_()
+                lin.bias.zero_()
+    assert torch.equal(_jacobian(block, x), eye)
+    post_jac = _jacobian(post, x)
+    shift = torch.ones(2, 32, dtype=torch.float64).flatten()  # add the same constant to every feature
+    assert post_jac.matmul(shift).abs().max() < 1e-10 and not torch.allclose(post_jac, eye, atol=1e-2)
 
 
 @pytest.mark.parametrize("placement", ["post", "pre"])

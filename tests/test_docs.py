@@ -575,3 +575,315 @@ def test_walkthrough_formulas_written_out_give_the_models_logits():
     # (RoPE's cos/sin tables are computed in float32 even in a float64 model: hence 1e-8, not 1e-12)
     torch.testing.assert_close(got64, want, atol=1e-8, rtol=1e-6)
     assert want.abs().max() > 1e-2  # the comparison is not between two near-zero tensors
+
+
+# ---------------------------------------------------------------------------------------------- corrections
+#
+# The walkthrough's "Corrections to common figures" section (<a id="corrections">, EN and ZH) states each
+# right value on an indented fact line `    key: body`. The lines are the same in both languages, and every
+# number on them is recomputed here: by `tinyformer count --json`, by the project's own modules, by the
+# formula from the line's own inputs, or read from the experiment the walkthrough quotes. No expected
+# number is typed in this file.
+
+NUM = r"(-?\d[\d,]*(?:\.\d+)?(?:e-?\d+)?)"
+WORD = r"([\w.-]+)"
+NORM_RESULTS = DOCS / "experiments" / "norm_placement.md"
+
+
+@cache
+def count_json(*args: str) -> dict:
+    """What `tinyformer count <args> --json` prints, parsed."""
+    import json
+
+    code, out = run_in_process(["count", *args, "--json"])
+    assert code == 0, out
+    return json.loads(out)
+
+
+@cache
+def norm_placement_results() -> dict[tuple[str, str, str], dict[str, str]]:
+    """The results table of docs/experiments/norm_placement.md: (run, layers, peak lr) -> column -> text."""
+    rows = [r for r in NORM_RESULTS.read_text(encoding="utf-8").splitlines() if r.startswith("|")]
+    head = [c.strip() for c in rows[0].strip("|").split("|")]
+    out = {}
+    for row in rows[2:]:
+        cells = dict(zip(head, (c.strip() for c in row.strip("|").split("|"))))
+        out[(cells["run"].removesuffix(" (6 layers)"), cells["layers"], cells["peak lr"])] = cells
+    return out
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def shown_equals(shown: str, value: object) -> bool:
+    """Does the text ``shown`` state ``value``: exactly for strings and integers, else to the precision shown
+    (half a unit of its last decimal place)."""
+    if isinstance(value, str):
+        return shown == value
+    mantissa, _, exponent = shown.replace(",", "").partition("e")
+    if isinstance(value, int) and "." not in mantissa and not exponent:
+        return int(mantissa) == value
+    decimals = len(mantissa.partition(".")[2])
+    tolerance = 0.5 * 10.0 ** (-decimals) * 10.0 ** int(exponent or 0)
+    return abs(_number(shown) - float(value)) <= tolerance * (1 + 1e-9)
+
+
+def _preset(name: str):
+    from tinyformer.presets import get_preset
+
+    return get_preset(name)
+
+
+def _check_llama2_70b(g: list[str], facts: dict) -> list:
+    from tinyformer.config import llama_ffn_hidden
+
+    cfg, total = _preset("llama2-70b"), count_json("--preset", "llama2-70b")["total_params"]
+    assert llama_ffn_hidden(cfg.d_model, cfg.ffn_dim_multiplier, cfg.ffn_multiple_of) == cfg.d_ff
+    return [cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.d_ff, cfg.ffn_dim_multiplier, cfg.ffn_multiple_of,
+            cfg.n_layer, total]
+
+
+def _check_exp_limits(g: list[str], facts: dict) -> list:
+    import math
+
+    import torch
+
+    f16, f32 = torch.finfo(torch.float16).max, torch.finfo(torch.float32).max
+    return [f16, f16, math.log(f16), f32, f32, math.log(f32)]
+
+
+def _layernorm_example(facts: dict) -> tuple[list[float], int]:
+    xs = [_number(v) for v in re.findall(NUM, facts["layernorm x"][0].partition("]")[0])]
+    return xs, len(xs)
+
+
+def _layernorm(facts: dict, gamma: float, beta: float) -> list[float]:
+    """The project's LayerNorm (eps 0) on the example."""
+    import torch
+
+    from tinyformer.components.norm import LayerNorm
+
+    xs, d = _layernorm_example(facts)
+    ln = LayerNorm(d, eps=0.0).double()
+    with torch.no_grad():
+        ln.weight.fill_(gamma)
+        ln.bias.fill_(beta)
+        return ln(torch.tensor(xs, dtype=torch.float64)).tolist()
+
+
+def _check_layernorm_x(g: list[str], facts: dict) -> list:
+    xs, d = _layernorm_example(facts)
+    mean = sum(xs) / d
+    return [*g[:4], d, mean, sum((v - mean) ** 2 for v in xs) / d]  # the inputs, then the biased variance
+
+
+def _check_layernorm_deviations(g: list[str], facts: dict) -> list:
+    xs, d = _layernorm_example(facts)
+    deviations = [v - sum(xs) / d for v in xs]
+    squares = sum(v * v for v in deviations)
+    return [*deviations, squares, squares / (d - 1)]
+
+
+def _check_layernorm_normalised(g: list[str], facts: dict) -> list:
+    return _layernorm(facts, 1.0, 0.0)
+
+
+def _check_layernorm_output(g: list[str], facts: dict) -> list:
+    return [*g[:2], *_layernorm(facts, _number(g[0]), _number(g[1]))]
+
+
+def _check_layernorm_parameters(g: list[str], facts: dict) -> list:
+    from tinyformer.components.norm import LayerNorm
+
+    _, d = _layernorm_example(facts)
+    return [sum(p.numel() for p in LayerNorm(d).parameters())]
+
+
+def _check_score_memory(g: list[str], facts: dict) -> list:
+    batch, heads, seq = (_number(v) for v in g[:3])
+    args = ("--preset", "llama-7b", "--batch", g[0], "--seq-len", g[2])
+    bf16 = count_json(*args, "--dtype", "bfloat16")["attention_memory"]
+    f32 = count_json(*args, "--dtype", "float32")["attention_memory"]
+    assert batch * heads * seq**2 * 2 == bf16["naive_scores_bytes_per_layer"]  # the formula the line states
+    return [g[0], _preset("llama-7b").n_head, g[2], bf16["naive_scores_bytes_per_layer"],
+            f32["naive_scores_bytes_per_layer"], f32["sdpa_bytes_per_layer"]]
+
+
+def _check_tying(g: list[str], facts: dict) -> list:
+    from tinyformer.sizing import count_params
+
+    cfg, report = _preset("llama-7b"), count_json("--preset", "llama-7b")
+    untied = report["total_params"]
+    saved = untied - count_params(cfg.replace(tie_embeddings=True)).total
+    assert saved == report["params"]["head"]  # what tying removes is the head matrix
+    return [cfg.vocab_size, cfg.d_model, saved, 100 * saved / untied, untied]
+
+
+def _check_activations(g: list[str], facts: dict) -> list:
+    return [g[0], _preset(g[0]).ffn, g[2], _preset(g[2]).ffn, g[4], _preset(g[4]).ffn]
+
+
+def _check_residual_factors(g: list[str], facts: dict) -> list:
+    depth = _preset("gpt3-175b").n_layer
+    return [g[0], depth, _number(g[0]) ** depth, g[3], depth, _number(g[3]) ** depth]
+
+
+def _check_rope_last_pair(g: list[str], facts: dict) -> list:
+    from tinyformer.components.rope import default_inv_freq
+
+    base = _preset("llama-7b").rope_theta
+    expected: list = [base]
+    for d_h in (_number(g[1]), _number(g[3])):
+        inv = default_inv_freq(int(d_h), base).double()
+        expected += [int(d_h), float(inv[0] / inv[-1])]
+    return expected
+
+
+def _check_grad_norms(g: list[str], facts: dict) -> list:
+    pre = norm_placement_results()[("pre-norm, no warm-up", "24", "0.001")]["grad norm at init, blocks 1 / 2 / last"]
+    post = norm_placement_results()[("post-norm, no warm-up", "24", "0.001")]["grad norm at init, blocks 1 / 2 / last"]
+    return [*pre.split(" / "), *post.split(" / ")]
+
+
+def _warm_up_checker(placement: str, layers: str):
+    """Validation losses with and without warm-up, per peak lr, from the experiment's results table."""
+    def check(g: list[str], facts: dict) -> list:
+        out = []
+        for lr in g[0::3]:
+            out += [lr] + [norm_placement_results()[(f"{placement}, {w}", layers, lr)]["val loss"]
+                           for w in ("warm-up 60", "no warm-up")]
+        return out
+
+    return check
+
+
+# key -> (the body's pattern, the values its groups must state)
+FACTS = {
+    "llama2-70b": (rf"d_model {NUM}, n_head {NUM}, n_kv_head {NUM}, d_ff {NUM} \(8 d/3 x {NUM}, rounded up to "
+                   rf"a multiple of {NUM}\), n_layer {NUM}, total {NUM}", _check_llama2_70b),
+    "exp limits": (rf"float16 max {NUM}, ln\({NUM}\) = {NUM}; float32 max {NUM}, ln\({NUM}\) = {NUM}",
+                   _check_exp_limits),
+    "layernorm x": (rf"\[{NUM}, {NUM}, {NUM}, {NUM}\], d = {NUM}, mean {NUM}, variance {NUM} "
+                    r"\(squared deviations summed, divided by d\)", _check_layernorm_x),
+    "layernorm deviations": (rf"\[{NUM}, {NUM}, {NUM}, {NUM}\], squares summed {NUM}; divided by d - 1: {NUM}",
+                             _check_layernorm_deviations),
+    "layernorm normalised": (rf"\[{NUM}, {NUM}, {NUM}, {NUM}\]", _check_layernorm_normalised),
+    "layernorm output": (rf"gamma {NUM}, beta {NUM}: \[{NUM}, {NUM}, {NUM}, {NUM}\]", _check_layernorm_output),
+    "layernorm parameters": (rf"gamma and beta, 2 d = {NUM}", _check_layernorm_parameters),
+    "score memory": (rf"B {NUM}, H {NUM}, T {NUM}: B H T\^2 x 2 bytes \(bfloat16\) = {NUM}, "
+                     rf"x 4 bytes \(float32\) = {NUM}; SDPA keeps B H T x 4 = {NUM} bytes", _check_score_memory),
+    "weight tying": (rf"V {NUM} x d {NUM} = {NUM} parameters saved, {NUM}% of {NUM}", _check_tying),
+    "ffn activation": (rf"{WORD} {WORD}, {WORD} {WORD}, {WORD} {WORD}", _check_activations),
+    "residual factors": (rf"{NUM}\^{NUM} = {NUM}, {NUM}\^{NUM} = {NUM}", _check_residual_factors),
+    "rope last pair": (rf"base\^\(-\(d_h - 2\)/d_h\), base {NUM}: d_h = {NUM}: 1/{NUM}, d_h = {NUM}: 1/{NUM}",
+                       _check_rope_last_pair),
+    "grad norm at init": (rf"pre-norm {NUM} / {NUM} / {NUM}, post-norm {NUM} / {NUM} / {NUM} "
+                          r"\(24 layers, blocks 1 / 2 / 24\)", _check_grad_norms),
+    "warm-up post-norm 24 layers": (rf"lr {NUM}: {NUM} with, {NUM} without; lr {NUM}: {NUM} with, {NUM} without",
+                                    _warm_up_checker("post-norm", "24")),
+    "warm-up post-norm 6 layers": (rf"lr {NUM}: {NUM} with, {NUM} without; lr {NUM}: {NUM} with, {NUM} without",
+                                   _warm_up_checker("post-norm", "6")),
+    "warm-up pre-norm 24 layers": (rf"lr {NUM}: {NUM} with, {NUM} without; lr {NUM}: {NUM} with, {NUM} without",
+                                   _warm_up_checker("pre-norm", "24")),
+}
+TOTAL = re.compile(r"^total ([\w.-]+)$")  # `    total llama2-13b: 13,015,864,320`
+
+
+def corrections_section(text: str) -> list[str]:
+    """The lines from <a id="corrections"> to the next level-2 heading."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if '<a id="corrections"></a>' in line)
+    heading = next(i for i in range(start, len(lines)) if lines[i].startswith("## "))
+    end = next((i for i in range(heading + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return lines[start:end]
+
+
+def fact_lines(section: list[str]) -> list[str]:
+    return [line for line in section if line.startswith("    ") and line.strip()]
+
+
+def fact_problems(section: list[str]) -> list[str]:
+    """Everything wrong with the fact lines of a corrections section (empty when every number holds)."""
+    problems, facts = [], {}
+    for line in fact_lines(section):
+        key, sep, body = line.strip().partition(": ")
+        if not sep or (key not in FACTS and not TOTAL.match(key)):
+            problems.append(f"not a known fact line: {line.strip()!r}")
+        elif key in facts:
+            problems.append(f"fact {key!r} stated twice")
+        else:
+            facts[key] = [body]
+    problems += [f"missing fact line {key!r}" for key in FACTS if key not in facts]
+    for key, (body,) in facts.items():
+        total = TOTAL.match(key)
+        pattern, check = (NUM, None) if total else FACTS[key]
+        m = re.fullmatch(pattern, body)
+        if not m:
+            problems.append(f"{key}: {body!r} does not read as {pattern!r}")
+            continue
+        try:
+            want = [count_json("--preset", total.group(1))["total_params"]] if total else check(list(m.groups()), facts)
+        except Exception as exc:  # a mistyped input (an unknown preset, a missing table row) is a problem too
+            problems.append(f"{key}: cannot recompute {body!r}: {exc!r}")
+            continue
+        wrong = [(s, w) for s, w in zip(m.groups(), want) if not shown_equals(s, w)]
+        if wrong or len(want) != len(m.groups()):
+            problems.append(f"{key}: the doc states {wrong or m.groups()}, the code computes {want}")
+    return problems
+
+
+WALKTHROUGHS = [DOCS / "walkthrough.md", DOCS / "walkthrough.zh.md"]
+
+
+@pytest.mark.parametrize("path", WALKTHROUGHS, ids=lambda p: p.name)
+def test_corrections_section_states_what_count_the_code_and_the_experiments_compute(path):
+    section = corrections_section(path.read_text(encoding="utf-8"))
+    problems = fact_problems(section)
+    assert not problems, "\n".join(problems)
+
+
+def test_corrections_fact_lines_are_the_same_in_english_and_chinese():
+    en, zh = (fact_lines(corrections_section(p.read_text(encoding="utf-8"))) for p in WALKTHROUGHS)
+    assert en == zh
+
+
+def test_corrections_totals_cover_every_preset_the_walkthrough_runs_and_are_asserted_by_test_sizing():
+    from test_sizing import PUBLISHED  # the published totals tests/test_sizing.py asserts
+
+    text = (DOCS / "walkthrough.md").read_text(encoding="utf-8")
+    totals = {TOTAL.match(line.strip().partition(": ")[0]).group(1)
+              for line in fact_lines(corrections_section(text)) if TOTAL.match(line.strip().partition(": ")[0])}
+    assert set(re.findall(r"--preset ([\w.-]+)", text)) <= totals
+    assert totals <= set(PUBLISHED) | {"bert-base", "transformer-base"}  # those two: tests/test_classic_sizing.py
+
+
+@pytest.mark.parametrize("path", WALKTHROUGHS, ids=lambda p: p.name)
+def test_every_logarithm_and_power_written_in_the_walkthrough_holds(path):
+    """`ln(A) = B` and `A^N = B` in the prose too (section 7 repeats the exp limits), to the digits shown."""
+    import math
+
+    text = path.read_text(encoding="utf-8")
+    stated = [(m.group(0), math.log(_number(m.group(1))), m.group(2))
+              for m in re.finditer(rf"ln\({NUM}\) = {NUM}", text)]
+    stated += [(m.group(0), _number(m.group(1)) ** _number(m.group(2)), m.group(3))
+               for m in re.finditer(rf"(?<![\w.]){NUM}\^{NUM} = {NUM}", text)]
+    assert len(stated) >= 6
+    wrong = [claim for claim, value, shown in stated if not shown_equals(shown, value)]
+    assert not wrong, wrong
+
+
+def test_a_wrong_digit_anywhere_on_a_fact_line_is_caught():
+    """Each digit run of each fact line, changed by one in its last digit, makes the check fail."""
+    section = corrections_section((DOCS / "walkthrough.md").read_text(encoding="utf-8"))
+    assert not fact_problems(section)
+    fact_index = [i for i, line in enumerate(section) if line in fact_lines(section)]
+    mutants = 0
+    for i in fact_index:
+        for m in re.finditer(r"\d+", section[i]):
+            last = m.end() - 1
+            digit = str((int(section[i][last]) + 1) % 10)
+            mutated = [*section[:i], section[i][:last] + digit + section[i][last + 1 :], *section[i + 1 :]]
+            assert fact_problems(mutated), f"changing {m.group()!r} in {section[i].strip()!r} went unnoticed"
+            mutants += 1
+    assert mutants > 50

@@ -42,3 +42,28 @@ def test_layernorm_with_and_without_bias_equals_formula_in_float64():
         else:
             assert ln.bias is None
         torch.testing.assert_close(ln(x), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_layernorm_worked_example_divides_the_variance_by_d_and_has_2d_parameters():
+    """The walkthrough's example x = [2, -1, 0.5, 3], gamma = 2, beta = 0.5, against the formula in exact
+    rational arithmetic: mean = sum / d, variance = sum of squared deviations / d (biased, not d - 1)."""
+    from fractions import Fraction
+
+    xs = [Fraction(2), Fraction(-1), Fraction(1, 2), Fraction(3)]
+    gamma, beta, d = Fraction(2), Fraction(1, 2), len(xs)
+    mean = sum(xs) / d
+    var = sum((v - mean) ** 2 for v in xs) / d
+    ln = LayerNorm(d, eps=0.0).double()
+    with torch.no_grad():
+        ln.weight.fill_(float(gamma))
+        ln.bias.fill_(float(beta))
+    got = ln(torch.tensor([float(v) for v in xs], dtype=torch.float64))
+
+    def output(variance: Fraction) -> torch.Tensor:
+        return torch.tensor([float(v - mean) / float(variance) ** 0.5 * float(gamma) + float(beta) for v in xs],
+                            dtype=torch.float64)
+
+    torch.testing.assert_close(got, output(var), atol=1e-14, rtol=1e-14)
+    unbiased = sum((v - mean) ** 2 for v in xs) / (d - 1)
+    assert (got - output(unbiased)).abs().max() > 0.1  # dividing by d - 1 would be visibly wrong
+    assert sum(p.numel() for p in ln.parameters()) == 2 * d  # gamma and beta

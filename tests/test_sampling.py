@@ -193,6 +193,29 @@ def test_temperature_formula():
     assert torch.allclose(Temperature(4.0)(logits, None), torch.tensor([[0.25, -0.5, 0.125]]))
 
 
+def test_temperature_limits_are_argmax_as_t_goes_to_zero_and_uniform_as_t_grows():
+    """p_T = softmax(l / T): as T -> 0 the mass of the largest logit rises monotonically to 1 (argmax, where
+    1 - p_max <= (V - 1) exp(-gap / T)); as T -> inf every p_v tends to 1/V (|p_v - 1/V| <= range(l) / T for
+    T >= range(l), from |exp(x) - 1| <= 2|x| on |x| <= 1)."""
+    logits = torch.tensor([[1.0, -2.0, 0.5, 0.7, 0.65]], dtype=torch.float64)
+    n = logits.shape[-1]
+    top = sorted(logits[0].tolist(), reverse=True)
+    gap, spread = top[0] - top[1], top[0] - top[-1]
+    p_max = []
+    for t in (1.0, 0.3, 0.1, 0.03, 0.01):
+        p = torch.softmax(Temperature(t)(logits, None), -1)[0]
+        assert int(p.argmax()) == int(logits.argmax())
+        assert 1 - float(p.max()) <= (n - 1) * math.exp(-gap / t) + 1e-15
+        p_max.append(float(p.max()))
+    assert p_max == sorted(p_max) and p_max[-1] > 1 - 1e-12
+    dist = []
+    for t in (3.0, 10.0, 1e2, 1e4, 1e6):
+        p = torch.softmax(Temperature(t)(logits, None), -1)[0]
+        dist.append(float((p - 1 / n).abs().max()))
+        assert dist[-1] <= spread / t, t
+    assert dist == sorted(dist, reverse=True) and dist[-1] < 1e-6
+
+
 def test_minp_formula():
     rows = [[2.0, 1.0, 0.0, -1.0, 1.9, -3.0], [0.3, 0.2, 0.25, -0.4, 0.0, 0.31]]
     for min_p in (0.05, 0.3, 0.5, 0.9):

@@ -23,10 +23,72 @@ def test_preset_count_equals_meta_device_model(name):
     assert count_params(cfg).total == meta_count(cfg)
 
 
-def test_published_totals():
-    assert count_params(get_preset("llama-7b")).total == 6_738_415_616
-    assert count_params(get_preset("llama2-70b")).total == 68_976_648_192
-    assert count_params(get_preset("gpt2-124m")).total == 124_439_808
+# Totals published for these shapes (model cards / the counts of the official Hugging Face checkpoints:
+# sum of parameter sizes, tied tensors once). GPT-3's paper only rounds (175.0B).
+PUBLISHED = {
+    "llama-7b": 6_738_415_616,
+    "llama2-7b": 6_738_415_616,
+    "llama2-13b": 13_015_864_320,
+    "llama2-70b": 68_976_648_192,
+    "llama3-8b": 8_030_261_248,
+    "llama3.1-8b": 8_030_261_248,
+    "gpt2-124m": 124_439_808,
+    "gpt2-350m": 354_823_168,
+    "gpt3-175b": 174_604_259_328,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_totals(name):
+    assert count_params(get_preset(name)).total == PUBLISHED[name]
+
+
+def _transformers_model(cfg: ModelConfig):
+    """The same shape as a Hugging Face model (an independent implementation), built on the meta device."""
+    import transformers
+
+    if cfg.ffn == "swiglu":
+        hf_cfg = transformers.LlamaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+            num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+            tie_word_embeddings=cfg.tie_embeddings)
+        cls = transformers.LlamaForCausalLM
+    else:
+        hf_cfg = transformers.GPT2Config(vocab_size=cfg.vocab_size, n_embd=cfg.d_model, n_layer=cfg.n_layer,
+                                         n_head=cfg.n_head, n_positions=cfg.max_seq_len, n_inner=cfg.d_ff)
+        cls = transformers.GPT2LMHeadModel
+    with torch.device("meta"):
+        return cls(hf_cfg)
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(PRESETS) if get_preset(n).arch == "decoder"])
+def test_decoder_preset_counts_like_transformers_built_from_the_same_shape(name):
+    pytest.importorskip("transformers")
+    cfg = get_preset(name)
+    hf = _transformers_model(cfg)
+    assert count_params(cfg).total == sum(p.numel() for p in hf.parameters())
+
+
+def test_weight_tying_saves_vocab_times_d_parameters():
+    """Tying the head to the embedding removes one V x d matrix (131,072,000 for LLaMA-7B), not 1/V of it."""
+    cfg = get_preset("llama-7b")
+    untied, tied = meta_count(cfg), meta_count(cfg.replace(tie_embeddings=True))
+    assert untied - tied == cfg.vocab_size * cfg.d_model
+    assert count_params(cfg).total - count_params(cfg.replace(tie_embeddings=True)).total == untied - tied
+
+
+@pytest.mark.parametrize("dtype, batch, seq_len", [("float32", 2, 16), ("bfloat16", 3, 8), ("float16", 1, 5)])
+def test_attention_score_memory_is_the_size_of_the_tensors_the_kernels_build(dtype, batch, seq_len):
+    """naive: one (B, H, T, T) score matrix per layer in the compute dtype, B H T^2 bytes_per_element; all
+    layers keep theirs for backward. SDPA (flash): only the (B, H, T) float32 log-sum-exp per layer."""
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layer=3, n_head=4, max_seq_len=32)
+    mem = sizing_report(cfg, seq_len=seq_len, batch=batch, dtype=dtype)["attention_memory"]
+    q = torch.randn(batch, cfg.n_head, seq_len, cfg.head_dim).to(getattr(torch, dtype))
+    scores = q @ q.transpose(-2, -1)
+    assert mem["naive_scores_bytes_per_layer"] == scores.numel() * scores.element_size()
+    assert mem["naive_scores_bytes_all_layers"] == cfg.n_layer * mem["naive_scores_bytes_per_layer"]
+    _, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, is_causal=True)[:2]
+    assert mem["sdpa_bytes_per_layer"] == logsumexp.numel() * logsumexp.element_size()
 
 
 @pytest.mark.parametrize(
