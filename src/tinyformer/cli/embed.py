@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tinyformer.errors import ConfigError, DataError
+from tinyformer.utils.io import read_utf8
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,7 +47,7 @@ def read_texts(args: argparse.Namespace) -> list[str]:
             path = Path(args.file)
             if not path.is_file():
                 raise DataError(f"--file {path} does not exist")
-            texts += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            texts += [line for line in read_utf8(path, DataError, "--file").splitlines() if line.strip()]
     if not texts:
         raise ConfigError("give at least one --text or a --file of texts")
     return texts

@@ -123,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
 
     spec = build_spec(args)
     if args.nproc is not None and args.nproc != 1 and not launched_by_torchrun():
+        # a bad value must be one line here, not an error in each of N worker processes
+        TrainConfig.from_dict({**spec.sections.get("train", {}), **spec.train_overrides})
         return launch(args.nproc, args)  # each process runs this function again, as a rank
     prepared = prepare_distributed_run(spec)
     trainer, cfg, mcfg = prepared.trainer, prepared.trainer.cfg, prepared.trainer.model_cfg

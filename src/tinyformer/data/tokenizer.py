@@ -34,6 +34,8 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)
 KINDS = ("char", "bpe")
 DEFAULT_BPE_VOCAB_SIZE = 4096
+#: The smallest byte-level BPE: every byte is a token, plus the special tokens (no merges yet).
+BPE_MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 _CHAR_PATTERN = r"[\s\S]"  # one Unicode scalar value, newlines included (Oniguruma has no (?s))
 
 # Names under which tokenizers in the wild spell their special tokens, most specific first.
@@ -161,7 +163,7 @@ class Tokenizer:
         Raises :class:`DataError` when ``vocab_size`` is below 259 or above what the corpus can
         support (training stops when no pair of tokens occurs twice).
         """
-        minimum = 256 + len(SPECIAL_TOKENS)
+        minimum = BPE_MIN_VOCAB
         if vocab_size < minimum:
             raise DataError(
                 f"bpe vocab_size {vocab_size} is too small: it must be >= {minimum} (256 bytes + specials)"
