@@ -194,3 +194,22 @@ def test_bpe_on_hf_data_without_datasets_says_to_install_it(monkeypatch):
 def test_bare_tinyformer_prints_help_and_exits_0(capsys):
     assert main([]) == 0
     assert "usage: tinyformer" in capsys.readouterr().out
+
+
+def test_init_from_says_what_it_loaded_and_a_long_warm_up_is_mentioned(trained, tmp_path, capsys):
+    from tinyformer.run_folder import load_model
+    from tinyformer.training.config import TrainConfig
+    from tinyformer.training.optim import lr_at
+
+    (tmp_path / "c.txt").write_text(CORPUS)
+    capsys.readouterr()
+    assert main(["train", "--init-from", str(trained), "--data", str(tmp_path / "c.txt"), "--out",
+                 str(tmp_path / "ft"), "--steps", "1", "--batch-size", "2", "--eval-interval", "1", "--eval-iters",
+                 "1", "--sample-tokens", "0", "--warmup-steps", "5", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"initialised from {trained}" in out and "char tokenizer" in out
+    n_params = sum(p.numel() for p in load_model(trained).parameters())
+    assert f"its weights ({n_params:,} parameters" in out
+    cfg = TrainConfig(max_steps=1, warmup_steps=5)
+    assert "warm-up (5 steps) is not shorter than the run (1 steps)" in out
+    assert f"to {lr_at(0, cfg):g} at the last step" in out

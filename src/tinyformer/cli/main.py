@@ -14,6 +14,12 @@ import sys
 from typing import NoReturn
 
 from tinyformer.errors import TinyformerError
+from tinyformer.utils.threads import configure_threads, set_wait_policy
+
+set_wait_policy()  # before torch (and its OpenMP runtime) loads with a subcommand: idle threads sleep
+
+#: Commands that compute with torch: their thread count follows the machine's load (utils/threads.py).
+COMPUTE_COMMANDS = frozenset({"train", "eval", "generate", "chat", "serve", "embed", "inspect"})
 
 # subcommand modules under tinyformer.cli, in the order `--help` lists them
 COMMANDS = [
@@ -58,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        if args.command in COMPUTE_COMMANDS:
+            configure_threads(getattr(args, "threads", None))
         return int(args.func(args) or 0)
     except TinyformerError as exc:
         message = " ".join(str(exc).split())  # one line, whatever the message's source put in it

@@ -232,6 +232,9 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
                 trainer.load_pretrained(Path(train.init_from))
     elif init_from is not None:
         trainer.load_pretrained(init_from)
+        n_params = sum(p.numel() for p in trainer.model.parameters())
+        notes.append(f"initialised from {init_from}: its weights ({n_params:,} parameters, {model_cfg.arch}, "
+                     f"{model_cfg.n_layer} layers) and its {tokenizer.kind} tokenizer ({tokenizer.vocab_size} ids)")
     if dataset is not None and is_main:
         n_train, n_val = len(dataset.splits["train"]), len(dataset.splits["val"])
         notes.append(f"data: {len(dataset):,} tokens ({n_train:,} train / {n_val:,} val) from {corpus_name(train)}")
