@@ -40,8 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a web origin (e.g. http://localhost:3000) whose pages may call the API without a key "
                         "(repeatable)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights dtype; auto (default) = float32 on cpu, bfloat16 on cuda (float16 where the GPU "
+                        "has no bfloat16), as generate and chat")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the idle cores, by the load average; see utils/threads.py)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -81,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
+    from tinyformer.cli.generate import resolve_dtype
     from tinyformer.run_folder import load_config, load_model, load_tokenizer
     from tinyformer.serve.app import create_app
     from tinyformer.serve.guard import is_loopback_host
@@ -94,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     if args.request_timeout < 0:
         raise ConfigError(f"--request-timeout must be >= 0, got {args.request_timeout}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    dtype = resolve_dtype(args.dtype or "auto", torch.device(device))
+    dtype_name = str(dtype).removeprefix("torch.")
 
     run_dir = Path(args.model)
     cfg = load_config(run_dir)
@@ -111,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this address can use "
               "the model (and its compute); see README 'Serving safely'", file=sys.stderr, flush=True)
     try:
-        model = load_model(run_dir, device=device, dtype=getattr(torch, dtype_name), cfg=cfg)
+        model = load_model(run_dir, device=device, dtype=dtype, cfg=cfg)
         name = args.model_name or run_dir.resolve().name
         app = create_app(model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
                          request_timeout=args.request_timeout or None, api_key=args.api_key,
