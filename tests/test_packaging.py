@@ -49,3 +49,12 @@ def test_tomli_is_a_dependency_below_python_311():
     deps = project["project"]["dependencies"]
     assert any(d.replace(" ", "").startswith("tomli>=") and "python_version<'3.11'" in d.replace(" ", "")
                for d in deps), deps
+
+
+def test_the_readme_commands_pictures_need_no_extra():
+    """The README's main command writes loss.png and its inspect example draws PNGs: matplotlib must come
+    with a plain `pip install -e .`."""
+    project = toml_loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert any(d.replace(" ", "").startswith("matplotlib") for d in project["project"]["dependencies"])
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert 'pip install -e . && tinyformer train --out runs/default' in readme
