@@ -14,7 +14,8 @@ torch.cuda.max_memory_allocated instead (--device cuda does).
 
     python benchmarks/attention_memory.py                          # T = 256 .. 4096, forward and forward + backward
     python benchmarks/attention_memory.py --modes forward --seq-lens 512 2048
-    python benchmarks/attention_memory.py --png docs/img/attention_memory.png --markdown table.md
+    python benchmarks/attention_memory.py --png attention_memory.png --markdown table.md
+    python benchmarks/attention_memory.py --png docs/img/attention_memory.png --overwrite   # the docs' figure
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def plot(rows: list[dict], args: argparse.Namespace, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     p.add_argument("--batch", type=int, default=1)
@@ -155,14 +156,20 @@ def main() -> None:
                    help="forward, and/or train (forward + backward) (default: both)")
     p.add_argument("--png", type=Path, default=None, help="write the figure here")
     p.add_argument("--markdown", type=Path, default=None, help="write the table here")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --png / --markdown file (e.g. the figure under docs/img)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", choices=["reference", "sdpa"], help=argparse.SUPPRESS)
     p.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
     p.add_argument("--backward", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.child:
         child(args)
         return
+    # checked before minutes of measuring: a tracked figure is replaced only when asked for
+    taken = [str(path) for path in (args.png, args.markdown) if path is not None and path.exists()]
+    if taken and not args.overwrite:
+        p.error(f"{', '.join(taken)} already exist(s); pass --overwrite to replace, or write elsewhere")
     rows = []
     for T in args.seq_lens:
         row: dict = {"T": T, "scores": args.batch * args.heads * T * T * 4}

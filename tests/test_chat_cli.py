@@ -87,7 +87,7 @@ def test_plain_chat_keeps_the_conversation_in_context_and_reset_forgets_it(runs,
     result = sessions["plain"]
     assert result.returncode == 0, result.stderr
     # after /reset the third turn starts over, so it gets the first reply again
-    assert result.stdout == "".join(r.lstrip() + "\n" for r in (first, second, first))
+    assert result.stdout == "".join(r.lstrip() + "\n---\n" for r in (first, second, first))
     assert second.strip() != first.strip()  # the second turn really depends on the context
 
 
@@ -95,7 +95,7 @@ def test_quit_ends_the_session(runs, sessions):
     result = sessions["quit"]
     first = greedy_reply(runs["plain"], "User: the fox\nAssistant:", ["\nUser:"])
     assert result.returncode == 0, result.stderr
-    assert result.stdout == first.lstrip() + "\n"  # the line after /quit is never answered
+    assert result.stdout == first.lstrip() + "\n---\n"  # the line after /quit is never answered
 
 
 def test_template_chat_renders_like_transformers_apply_chat_template(runs, sessions):
@@ -113,14 +113,14 @@ def test_template_chat_renders_like_transformers_apply_chat_template(runs, sessi
     second = greedy_reply(run, render(messages), [])
     result = sessions["template"]
     assert result.returncode == 0, result.stderr
-    assert result.stdout == first.lstrip() + "\n" + second.lstrip() + "\n"
+    assert result.stdout == first.lstrip() + "\n---\n" + second.lstrip() + "\n---\n"
 
 
 def test_a_turn_with_bad_input_reports_it_and_the_chat_goes_on(runs, sessions):
     result = sessions["bad character"]
     assert result.returncode == 0
     assert "not in the char tokenizer" in result.stderr and "Traceback" not in result.stderr
-    assert result.stdout == greedy_reply(runs["plain"], "User: the fox\nAssistant:", ["\nUser:"]).lstrip() + "\n"
+    assert result.stdout == greedy_reply(runs["plain"], "User: the fox\nAssistant:", ["\nUser:"]).lstrip() + "\n---\n"
 
 
 @pytest.mark.parametrize("template", [

@@ -234,3 +234,41 @@ def test_legacy_sentence_transformers_layout_with_cls_pooling(sentence_transform
     assert ours.cfg.extra["sentence_transformers"] == {"pooling": "cls", "normalize": False, "max_seq_length": 32}
     got = embed(ours, load_tokenizer(tmp_path / "run"), TEXTS)
     assert _cosine_rows(got, want).min() >= 0.9999
+
+
+def test_saved_fixed_padding_in_a_sentence_transformers_folder_does_not_change_embeddings(
+        sentence_transformer, tmp_path):
+    """sentence-transformers folders ship tokenizer.json with `padding: Fixed 128`; embeddings must still
+    equal SentenceTransformer.encode (which, through transformers, ignores the saved padding)."""
+    from tinyformer.cli.embed import embed
+
+    st_model, root = sentence_transformer
+    folder = tmp_path / "padded"
+    shutil.copytree(root / "saved", folder)
+    files = sorted(folder.rglob("tokenizer.json"))
+    assert files
+    for file in files:
+        spec = json.loads(file.read_text())
+        spec["padding"] = {"strategy": {"Fixed": 128}, "direction": "Right", "pad_to_multiple_of": None,
+                           "pad_id": 0, "pad_type_id": 0, "pad_token": "[PAD]"}
+        spec["truncation"] = {"direction": "Right", "max_length": 128, "strategy": "LongestFirst", "stride": 0}
+        file.write_text(json.dumps(spec))
+    want = st_model.encode(TEXTS, convert_to_tensor=True)
+    import_hf(folder, tmp_path / "run")
+    got = embed(load_model(tmp_path / "run"), load_tokenizer(tmp_path / "run"), TEXTS)
+    assert _cosine_rows(got, want).min() >= 0.9999
+
+
+def test_embed_max_length_keeps_the_final_sep_like_sentence_transformers(sentence_transformer, tmp_path):
+    from tinyformer.cli.embed import embed
+
+    st_model, root = sentence_transformer
+    import_hf(root / "saved", tmp_path / "run")
+    old = st_model.max_seq_length
+    st_model.max_seq_length = 5  # [CLS] + 3 words + [SEP]: every text but "blue" is cut
+    try:
+        want = st_model.encode(TEXTS, convert_to_tensor=True)
+    finally:
+        st_model.max_seq_length = old
+    got = embed(load_model(tmp_path / "run"), load_tokenizer(tmp_path / "run"), TEXTS, max_length=5)
+    assert _cosine_rows(got, want).min() >= 0.9999

@@ -231,3 +231,60 @@ def test_token_bytes_sentencepiece_style_byte_fallback() -> None:
     assert [tok.token_bytes(i) for i in ids[2:6]] == [bytes([b]) for b in "😀".encode()]
     # The prepended "▁" is a real space in the bytes; only the decoder's Strip removes it.
     assert tok.decode_bytes(ids) == " a 😀a".encode()
+
+
+# ---------------------------------------------------------------------------- saved padding / truncation
+
+
+def test_saved_padding_and_truncation_do_not_touch_prompts(bpe: Tokenizer, tmp_path: Path) -> None:
+    """A decoder tokenizer.json saved with padding (and truncation) encodes a prompt to its own ids only:
+    the same ids as the file without those settings, read by raw `tokenizers`."""
+    plain = tmp_path / "plain.json"
+    bpe.save(plain)
+    spec = json.loads(plain.read_text())
+    spec["padding"] = {"strategy": {"Fixed": 64}, "direction": "Left", "pad_to_multiple_of": None,
+                       "pad_id": bpe.pad_id, "pad_type_id": 0, "pad_token": PAD}
+    spec["truncation"] = {"direction": "Right", "max_length": 3, "strategy": "LongestFirst", "stride": 0}
+    padded = tmp_path / "padded.json"
+    padded.write_text(json.dumps(spec))
+    text = "The quick brown fox jumps over the lazy dog"
+    want = tokenizers.Tokenizer.from_file(str(plain)).encode(text, add_special_tokens=False).ids
+    raw = tokenizers.Tokenizer.from_file(str(padded)).encode(text)
+    assert len(raw.ids) == 64 and sum(raw.attention_mask) == 3  # what the file asks for: cut to 3, padded to 64
+    tok = Tokenizer.load(padded)
+    assert tok.encode(text) == want
+    assert [e for e in tok.encode_batch([text, "a"])] == [want, tokenizers.Tokenizer.from_file(str(plain)).encode(
+        "a", add_special_tokens=False).ids]
+    assert "padding" not in json.loads(tok.to_json()) or json.loads(tok.to_json())["padding"] is None
+
+
+def test_max_length_truncates_the_content_and_keeps_the_special_tokens() -> None:
+    from tokenizers import processors
+
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "a", "b", "c", "d"])}
+    backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
+                                                           special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tok = Tokenizer(backend)
+    assert tok.encode("a b c d", add_special_tokens=True) == [2, 4, 5, 6, 7, 3]
+    assert tok.encode("a b c d", add_special_tokens=True, max_length=4) == [2, 4, 5, 3]
+    assert tok.encode("a b c d", max_length=2) == [4, 5]
+    with pytest.raises(DataError, match="no room"):
+        tok.encode("a b", add_special_tokens=True, max_length=2)
+
+
+def test_tokenizer_files_get_the_mode_of_other_run_files(bpe: Tokenizer, tmp_path: Path) -> None:
+    import os
+    import stat
+
+    from tinyformer.utils.io import atomic_write_text
+
+    atomic_write_text(tmp_path / "config.json", "{}")  # how every other run file is written
+    bpe.save(tmp_path)
+    want = stat.S_IMODE(os.stat(tmp_path / "config.json").st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert want == 0o666 & ~umask
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == want, name

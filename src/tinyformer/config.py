@@ -293,7 +293,13 @@ class ModelConfig:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
-        return cls.from_json(p.read_text(encoding="utf-8"))
+        from tinyformer.utils.io import read_utf8
+
+        try:
+            return cls.from_json(read_utf8(p, ConfigError, "model config"))
+        except ConfigError as exc:
+            message = str(exc)
+            raise ConfigError(message if str(p) in message else f"{p}: {message}") from None
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""

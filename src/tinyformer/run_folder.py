@@ -186,8 +186,11 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: t
                cfg: ModelConfig | None = None) -> nn.Module:
     """Build the model of ``run_dir`` without a random init (meta device) and load its weights."""
     from tinyformer.models import build_model
+    from tinyformer.sizing import check_buildable
 
     cfg = cfg or load_config(run_dir)
+    # the weights' own dtype is only known once read: bound with the smallest float a run folder stores
+    check_buildable(cfg, torch.empty(0, dtype=dtype).element_size() if dtype is not None else 2)
     with torch.device("meta"):
         model = build_model(cfg)
 

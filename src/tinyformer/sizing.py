@@ -16,6 +16,7 @@ context of T tokens, forward (x1) plus backward (x2).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,3 +169,56 @@ def sizing_report(cfg: ModelConfig, seq_len: int | None = None, batch: int = 1, 
         },
     }
     return report
+
+
+def build_bytes(cfg: ModelConfig, bytes_per_elem: int = 4) -> tuple[int, int]:
+    """(parameter bytes, position-table bytes) that building ``cfg`` allocates at ``bytes_per_elem``:
+    the parameters of :func:`count_params` plus the tables precomputed for every position (RoPE's cos and
+    sin: 2 * max_seq_len * head_dim; a sinusoidal table: max_seq_len * d_model)."""
+    params = count_params(cfg).total
+    if cfg.pos == "rope":
+        tables = 2 * cfg.max_seq_len * cfg.head_dim
+    elif cfg.pos == "sinusoidal":
+        tables = cfg.max_seq_len * cfg.d_model
+    else:
+        tables = 0
+    return params * bytes_per_elem, tables * bytes_per_elem
+
+
+def machine_memory_bytes() -> int | None:
+    """Physical RAM plus the memory of every visible CUDA device (None when the OS does not say)."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        ram += sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    return ram
+
+
+def check_buildable(cfg: ModelConfig, bytes_per_elem: int = 4) -> None:
+    """Refuse, before any allocation, a config whose parameters and position tables (at ``bytes_per_elem``
+    bytes each) exceed all the memory of this machine (RAM + GPUs): e.g. ``--set model.max_seq_len=10**12``
+    would otherwise end in an allocator traceback (or the OOM killer). The message says what would be
+    allocated. It is a sanity bound, not a fit test: activations and the optimizer state come on top."""
+    params, tables = build_bytes(cfg, bytes_per_elem)
+    available = machine_memory_bytes()
+    if available is None or params + tables <= available:
+        return
+    raise ConfigError(
+        f"this model would allocate {_human_bytes(params + tables)} at {bytes_per_elem} bytes per number "
+        f"({_human_bytes(params)} of parameters + {_human_bytes(tables)} of position tables for "
+        f"max_seq_len={cfg.max_seq_len:,}, d_model={cfg.d_model:,}, n_layer={cfg.n_layer:,}, "
+        f"vocab_size={cfg.vocab_size:,}), more than this machine's {_human_bytes(available)} of memory; "
+        "check the sizes in the model config"
+    )
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"

@@ -4,7 +4,8 @@
     printf 'Hello\\nHow are you?\\n' | tinyformer chat --model RUN --seed 0
 
 Each input line is one user turn; ``/reset`` starts a new conversation, ``/quit`` (or end of input,
-Ctrl-D) leaves. With piped input nothing but the replies is printed, one per turn. A turn that
+Ctrl-D) leaves. With piped input nothing but the replies is printed, each followed by a line
+``---`` (``--separator``), since a reply may span several lines. A turn that
 cannot be answered (the conversation no longer fits the context, a character the tokenizer lacks)
 prints an error and the conversation continues without it.
 """
@@ -25,6 +26,7 @@ from tinyformer.errors import TinyformerError
 from tinyformer.generation.chat import ChatSession
 
 HELP = "/reset starts a new conversation, /quit or Ctrl-D leaves"
+PIPED_SEPARATOR = "---"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,6 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Interactive chat with a run folder's model. " + HELP + ".")
     add_model_args(p)
     p.add_argument("--system", default=None, help="a system message placed before the conversation")
+    p.add_argument("--separator", default=PIPED_SEPARATOR, metavar="TEXT",
+                   help=f"with piped input, a line printed after each reply, so that replies of several lines "
+                        f"stay apart (default {PIPED_SEPARATOR!r}; '' for none)")
     add_sampling_args(p)
     p.set_defaults(func=run)
 
@@ -88,4 +93,6 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:  # Ctrl-C stops this reply (it is not kept), not the chat
             print("\n(interrupted)", file=sys.stderr)
         sys.stdout.write("\n")
+        if not interactive and args.separator:
+            sys.stdout.write(args.separator + "\n")
         sys.stdout.flush()

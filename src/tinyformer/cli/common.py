@@ -8,6 +8,19 @@ from typing import Any
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
+from tinyformer.utils.io import read_utf8
+
+
+def _parse_error(path: Path, exc: Exception) -> str:
+    """One line naming the file, line and column of a YAML/JSON/TOML syntax error (YAML's own message
+    spans several lines with a picture of the spot)."""
+    mark = getattr(exc, "problem_mark", None)
+    if mark is not None:  # yaml.MarkedYAMLError
+        problem = " ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x)
+        return f"{path}, line {mark.line + 1}, column {mark.column + 1}: {problem or type(exc).__name__}"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"{path}, line {exc.lineno}, column {exc.colno}: {exc.msg}"
+    return f"{path}: " + " ".join(str(exc).split())  # tomllib: "... (at line L, column C)"
 
 
 def read_structured_file(path: str | Path) -> dict[str, Any]:
@@ -15,7 +28,7 @@ def read_structured_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
-    text = p.read_text(encoding="utf-8")
+    text = read_utf8(p, ConfigError, "config file")
     suffix = p.suffix.lower()
     try:
         if suffix in (".yaml", ".yml"):
@@ -23,16 +36,27 @@ def read_structured_file(path: str | Path) -> dict[str, Any]:
 
             data = yaml.safe_load(text)
         elif suffix == ".toml":
-            import tomllib
-
-            data = tomllib.loads(text)
+            data = toml_loads(text)
         else:
             data = json.loads(text)
     except Exception as exc:  # parse errors of three libraries: report them the same way
-        raise ConfigError(f"cannot parse {p}: {exc}") from None
+        raise ConfigError(f"cannot parse {_parse_error(p, exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p} must hold a mapping of fields at the top level")
     return data
+
+
+def toml_loads(text: str) -> Any:
+    """Parse TOML with the standard library's ``tomllib`` (Python 3.11+) or, on 3.10, the ``tomli`` backport
+    it was adopted from (same API; a dependency for ``python_version < '3.11'`` in pyproject.toml)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            raise ConfigError("TOML configs on Python 3.10 need the tomli package: pip install tomli") from None
+    return tomllib.loads(text)
 
 
 def load_model_config(path: str | Path) -> ModelConfig:

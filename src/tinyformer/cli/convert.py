@@ -30,13 +30,21 @@ def parse_size(text: str) -> int:
     return size
 
 
+def position_summary(cfg) -> str:
+    """How the model encodes positions, as the summary line says it: 'rope (llama3 scaling)', 'learned positions'."""
+    if cfg.pos == "rope":
+        return "rope" if cfg.rope_type == "default" else f"rope ({cfg.rope_type} scaling)"
+    return {"learned": "learned positions", "sinusoidal": "sinusoidal positions"}.get(cfg.pos, "no positions")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert", help="import Hugging Face / GGUF checkpoints, export to Hugging Face",
         description="Convert checkpoints, streaming one tensor at a time. Import: --from-hf DIR or --from-gguf "
                     "FILE with --out RUN (a tinyformer run folder). Export: --model RUN --to-hf DIR (a folder "
                     "transformers.AutoModelForCausalLM.from_pretrained loads). Supported: Llama 1/2/3, Mistral, "
-                    "Qwen2 (and any adapter registered in tinyformer.interop).")
+                    "Qwen2, GPT-2, BERT and sentence-transformers folders (and any adapter registered in "
+                    "tinyformer.interop).")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="Hugging Face model folder to import")
     src.add_argument("--from-gguf", metavar="FILE", help="GGUF file (llama.cpp) to import")
@@ -76,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = str(report.dtype).removeprefix("torch.")
     print(f"wrote {report.out}  ({report.n_params / 1e6:.2f}M parameters, {dtype}, "
           f"{time.perf_counter() - started:.1f}s)")
-    print(f"  model: {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads ({cfg.n_kv_head} kv), "
-          f"vocab {cfg.vocab_size}, context {cfg.max_seq_len}, rope {cfg.rope_type}")
+    print(f"  model: {cfg.arch}, {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads ({cfg.n_kv_head} "
+          f"kv), vocab {cfg.vocab_size}, context {cfg.max_seq_len}, {position_summary(cfg)}")
     print(f"  files: {', '.join(report.files)}")
     for note in report.notes:
         print(f"  note: {note}")

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tinyformer.errors import ConfigError, DataError
+from tinyformer.utils.io import read_utf8
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,7 +47,7 @@ def read_texts(args: argparse.Namespace) -> list[str]:
             path = Path(args.file)
             if not path.is_file():
                 raise DataError(f"--file {path} does not exist")
-            texts += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            texts += [line for line in read_utf8(path, DataError, "--file").splitlines() if line.strip()]
     if not texts:
         raise ConfigError("give at least one --text or a --file of texts")
     return texts
@@ -54,16 +55,19 @@ def read_texts(args: argparse.Namespace) -> list[str]:
 
 def encode_texts(model, tokenizer, texts: list[str], max_length: int) -> list[list[int]]:
     """Token ids per text: the tokenizer's own special tokens (BERT's [CLS] .. [SEP]); a model trained with
-    ``--objective mlm`` gets the [CLS] id it was trained with in front."""
+    ``--objective mlm`` gets the [CLS] id it was trained with in front. A text longer than ``max_length``
+    loses its last content tokens, never the special tokens."""
     cls_id = (model.cfg.extra.get("mlm") or {}).get("cls_token_id") if isinstance(model.cfg.extra, dict) else None
     out = []
     for text in texts:
         ids = tokenizer.encode(text, add_special_tokens=True)
-        if cls_id is not None and (not ids or ids[0] != cls_id):
-            ids = [cls_id, *ids]
+        prefix = [cls_id] if cls_id is not None and (not ids or ids[0] != cls_id) else []
+        if len(prefix) + len(ids) > max_length:  # cut the text, keep the special tokens (as sentence-transformers)
+            ids = tokenizer.encode(text, add_special_tokens=True, max_length=max_length - len(prefix))
+        ids = prefix + ids
         if not ids:
             raise DataError(f"text {text!r} has no tokens")
-        out.append(ids[:max_length])
+        out.append(ids)
     return out
 
 

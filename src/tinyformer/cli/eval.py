@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tinyformer.errors import ConfigError
+from tinyformer.training.config import DTYPES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
-    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="autocast dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16")
     p.add_argument("--cache-dir", default=None, help="token cache folder (default ~/.cache/tinyformer)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -70,6 +72,10 @@ def evaluate_run(run: Path, data: str, *, text_field: str = "text", block_size: 
         raise ConfigError(f"--batch-size must be positive, got {batch_size}")
     if max_batches is not None and max_batches < 1:
         raise ConfigError(f"--max-batches must be positive, got {max_batches}")
+    if block_size is not None and block_size < 1:  # 0 must not mean "the default"
+        raise ConfigError(f"--block-size must be positive, got {block_size}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     cfg = load_config(run)
     T = block_size or _training_block_size(run) or cfg.max_seq_len
     if T < 1 or T > cfg.max_seq_len:

@@ -22,6 +22,7 @@ import torch
 from tinyformer.errors import GenerationError
 from tinyformer.generation.engine import CONTEXT_POLICIES, Generator
 from tinyformer.generation.sampling import SamplingParams
+from tinyformer.training.device import parse_device
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -103,15 +104,7 @@ def sampling_params(args: argparse.Namespace, max_new_tokens: int, **changes: An
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise GenerationError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise GenerationError(f"device {name!r} was asked for but CUDA is not available on this machine")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise GenerationError("device 'mps' was asked for but MPS is not available on this machine")
-    return device
+    return parse_device(name, GenerationError)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -71,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
             raise GenerationError(f"{flag} must be >= 1, got {value}")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p).validate()
     text = read_text(args)
+    out = Path(args.out) if args.out else Path(args.model) / "inspect"
+    if not args.no_plots and out.exists() and not out.is_dir():  # checked before the (slow) model load
+        raise ConfigError(f"--out {out} is a file; give a folder for the pictures")
     if not args.no_plots:
         from tinyformer.inspect.plotting import pyplot
 
@@ -97,8 +100,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(dist, token_text, args.rows))
     if args.no_plots:
         return 0
-    for path in draw_all(model, x, dist, token_text, Path(args.out) if args.out else Path(args.model) / "inspect",
-                         args.max_tokens):
+    for path in draw_all(model, x, dist, token_text, out, args.max_tokens):
         print(f"wrote {path}")
     return 0
 

@@ -11,8 +11,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from tinyformer.errors import TinyformerError
+from tinyformer.utils.threads import configure_threads, set_wait_policy
+
+set_wait_policy()  # before torch (and its OpenMP runtime) loads with a subcommand: idle threads sleep
+
+#: Commands that compute with torch: their thread count follows the machine's load (utils/threads.py).
+COMPUTE_COMMANDS = frozenset({"train", "eval", "generate", "chat", "serve", "embed", "inspect"})
 
 # subcommand modules under tinyformer.cli, in the order `--help` lists them
 COMMANDS = [
@@ -28,8 +35,16 @@ COMMANDS = [
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (argparse prints the whole multi-line usage first), exit 2;
+    subcommand parsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tinyformer",
         description="A from-scratch Transformer and mini-LLM toolkit: count, train, generate, convert.",
     )
@@ -45,13 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
+    if not getattr(args, "func", None):  # bare `tinyformer`: the help is what was asked for
         parser.print_help()
-        return 1
+        return 0
     try:
+        if args.command in COMPUTE_COMMANDS:
+            configure_threads(getattr(args, "threads", None))
         return int(args.func(args) or 0)
     except TinyformerError as exc:
-        print(f"tinyformer {args.command}: error: {exc}", file=sys.stderr)
+        message = " ".join(str(exc).split())  # one line, whatever the message's source put in it
+        print(f"tinyformer {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

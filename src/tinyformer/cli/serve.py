@@ -6,9 +6,11 @@ import argparse
 import logging
 import os
 import socket
+import sys
 from pathlib import Path
 
 from tinyformer.errors import CheckpointError, ConfigError, TinyformerError
+from tinyformer.serve import DEFAULT_MAX_BODY_BYTES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,11 +31,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-context", type=int, default=None,
                    help="positions per slot (default: the model's max_seq_len); lower it to save KV-cache memory")
     p.add_argument("--api-key", default=os.environ.get("TINYFORMER_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $TINYFORMER_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $TINYFORMER_API_KEY, else none). "
+                        "Without a key, browser requests from other sites are refused and, bound to loopback, "
+                        "only Host: localhost / 127.0.0.1 is served")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                   help=f"largest request body; larger ones get 413 unread (default {DEFAULT_MAX_BODY_BYTES:,})")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web origin (e.g. http://localhost:3000) whose pages may call the API without a key "
+                        "(repeatable)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights dtype; auto (default) = float32 on cpu, bfloat16 on cuda (float16 where the GPU "
+                        "has no bfloat16), as generate and chat")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the idle cores, by the load average; see utils/threads.py)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -71,23 +82,22 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
+    from tinyformer.cli.generate import resolve_dtype
     from tinyformer.run_folder import load_config, load_model, load_tokenizer
     from tinyformer.serve.app import create_app
+    from tinyformer.serve.guard import is_loopback_host
 
     for flag, value, low in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
-                             ("--port", args.port, 0)):
+                             ("--port", args.port, 0), ("--max-body-bytes", args.max_body_bytes, 1)):
         if value < low:
             raise ConfigError(f"{flag} must be >= {low}, got {value}")
     if args.port > 65535:
         raise ConfigError(f"--port must be <= 65535, got {args.port}")
     if args.request_timeout < 0:
         raise ConfigError(f"--request-timeout must be >= 0, got {args.request_timeout}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    dtype = resolve_dtype(args.dtype or "auto", torch.device(device))
+    dtype_name = str(dtype).removeprefix("torch.")
 
     run_dir = Path(args.model)
     cfg = load_config(run_dir)
@@ -100,12 +110,16 @@ def run(args: argparse.Namespace) -> int:
         raise CheckpointError(f"{run_dir}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                               f"{cfg.vocab_size}")
     sock = _listen(args.host, args.port)
+    if args.api_key is None and not is_loopback_host(args.host):
+        print(f"warning: serving on {args.host} without --api-key: anyone who can reach this address can use "
+              "the model (and its compute); see README 'Serving safely'", file=sys.stderr, flush=True)
     try:
-        model = load_model(run_dir, device=device, dtype=getattr(torch, dtype_name), cfg=cfg)
+        model = load_model(run_dir, device=device, dtype=dtype, cfg=cfg)
         name = args.model_name or run_dir.resolve().name
         app = create_app(model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
                          request_timeout=args.request_timeout or None, api_key=args.api_key,
-                         max_len=args.max_context)
+                         max_len=args.max_context, max_body_bytes=args.max_body_bytes, bind_host=args.host,
+                         allowed_origins=tuple(args.allow_origin))
         logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host

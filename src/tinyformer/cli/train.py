@@ -15,6 +15,7 @@ from typing import Any
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
 from tinyformer.training.config import TrainConfig, apply_override, coerce_field, parse_value, read_run_file
+from tinyformer.utils.threads import configured_threads
 
 # flag -> (TrainConfig field, type, help); all default to None = "not given"
 TRAIN_FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
@@ -37,7 +38,7 @@ TRAIN_FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--grad-clip",), "grad_clip", float, "max gradient norm (0 = off)"),
     (("--device",), "device", str, "auto, cpu, cuda, cuda:N or mps"),
     (("--dtype",), "dtype", str, "auto, float32, bfloat16 or float16 (autocast)"),
-    (("--threads",), "threads", int, "CPU threads"),
+    (("--threads",), "threads", int, "CPU threads (default: the idle cores, by the load average)"),
     (("--seed",), "seed", int, "random seed"),
     (("--eval-interval",), "eval_interval", int, "evaluate (val loss, sample) every N steps"),
     (("--eval-iters",), "eval_iters", int, "validation batches per evaluation (0 = the whole split)"),
@@ -123,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
 
     spec = build_spec(args)
     if args.nproc is not None and args.nproc != 1 and not launched_by_torchrun():
+        # a bad value must be one line here, not an error in each of N worker processes
+        TrainConfig.from_dict({**spec.sections.get("train", {}), **spec.train_overrides})
         return launch(args.nproc, args)  # each process runs this function again, as a rank
     prepared = prepare_distributed_run(spec)
     trainer, cfg, mcfg = prepared.trainer, prepared.trainer.cfg, prepared.trainer.model_cfg
@@ -137,8 +140,16 @@ def run(args: argparse.Namespace) -> int:
         print(note)
     tokens_per_step = f" x {cfg.block_size} = {global_batch * cfg.block_size:,} tokens" if cfg.block_size else ""
     amp = str(trainer.amp_dtype).replace("torch.", "") if trainer.amp_dtype else "float32"
+    threads = f", {configured_threads()}" if trainer.device.type == "cpu" else ""
     print(f"objective {cfg.objective}; {cfg.max_steps} steps of {global_batch} sequences{tokens_per_step}; "
-          f"lr {cfg.lr:g} ({cfg.lr_schedule}, warm-up {cfg.warmup_steps}); device {trainer.device.type}, {amp}")
+          f"lr {cfg.lr:g} ({cfg.lr_schedule}, warm-up {cfg.warmup_steps}); device {trainer.device.type}, {amp}"
+          f"{threads}")
+    if cfg.warmup_steps >= cfg.max_steps:
+        from tinyformer.training.optim import lr_at
+
+        print(f"note: the warm-up ({cfg.warmup_steps} steps) is not shorter than the run ({cfg.max_steps} steps): "
+              f"the learning rate rises for the whole run, to {lr_at(cfg.max_steps - 1, cfg):g} at the last step "
+              f"(of the peak {cfg.lr:g}), and never decays; lower --warmup-steps or raise --steps")
     if trainer.world_size > 1:
         print(f"{trainer.world_size} processes ({cfg.parallel}), each on its own shard of the data")
     if prepared.resumed_from is not None:

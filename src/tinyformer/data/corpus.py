@@ -136,12 +136,17 @@ def iter_corpus_files(path: str | os.PathLike[str]) -> list[Path]:
     """Resolve a corpus path to the files it names, in sorted order.
 
     A file is returned as is; a folder gives all its ``.txt``/``.md`` files, recursively; a glob
-    pattern (``*``, ``?``, ``[``; ``**`` recurses) gives the files it matches.
+    pattern (``*``, ``?``, ``[``; ``**`` recurses) gives the files it matches; the name of a data set in
+    :data:`~tinyformer.data.named.NAMED_DATASETS` (``tinyshakespeare``) gives its cached, checked file.
     """
+    from tinyformer.data.named import NAMED_DATASETS, fetch_named
+
     text = os.fspath(path)
     p = Path(text).expanduser()
     if p.is_file():
         return [p]
+    if text in NAMED_DATASETS and not p.exists():  # e.g. --data tinyshakespeare (data/named.py)
+        return [fetch_named(text)]
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
         if not files:
@@ -156,7 +161,8 @@ def iter_corpus_files(path: str | os.PathLike[str]) -> list[Path]:
         if not files:
             raise DataError(f"corpus pattern {text!r} matches no files")
         return files
-    raise DataError(f"corpus path {text} does not exist; give a text/.jsonl file, a folder or a glob pattern")
+    raise DataError(f"corpus path {text} does not exist; give a text/.jsonl file, a folder, a glob pattern or a "
+                    f"named data set ({', '.join(NAMED_DATASETS)})")
 
 
 def read_text(path: Path) -> str:

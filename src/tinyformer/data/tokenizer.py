@@ -20,7 +20,6 @@ import functools
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,11 +28,14 @@ import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
 from tinyformer.errors import DataError
+from tinyformer.utils.io import atomic_write_text
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)
 KINDS = ("char", "bpe")
 DEFAULT_BPE_VOCAB_SIZE = 4096
+#: The smallest byte-level BPE: every byte is a token, plus the special tokens (no merges yet).
+BPE_MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 _CHAR_PATTERN = r"[\s\S]"  # one Unicode scalar value, newlines included (Oniguruma has no (?s))
 
 # Names under which tokenizers in the wild spell their special tokens, most specific first.
@@ -98,6 +100,12 @@ class Tokenizer:
         pad_token: str | None = None,
         chat_template: str | None = None,
     ) -> None:
+        # A tokenizer.json may carry padding and truncation settings (sentence-transformers folders ship
+        # `padding: Fixed 128`) that the backend would apply to every text: each prompt padded to 128 ids
+        # that a model then reads as real tokens. As transformers does, they are switched off here and
+        # done explicitly where needed (batching pads with a mask; `encode(max_length=...)` truncates).
+        backend.no_padding()
+        backend.no_truncation()
         self.backend = backend
         self.chat_template = chat_template
         spec = json.loads(backend.to_str())
@@ -161,7 +169,7 @@ class Tokenizer:
         Raises :class:`DataError` when ``vocab_size`` is below 259 or above what the corpus can
         support (training stops when no pair of tokens occurs twice).
         """
-        minimum = 256 + len(SPECIAL_TOKENS)
+        minimum = BPE_MIN_VOCAB
         if vocab_size < minimum:
             raise DataError(
                 f"bpe vocab_size {vocab_size} is too small: it must be >= {minimum} (256 bytes + specials)"
@@ -257,9 +265,27 @@ class Tokenizer:
 
     # ---------------------------------------------------------------- encode / decode
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, max_length: int | None = None) -> list[int]:
         """Token ids of ``text``. ``add_special_tokens`` applies the tokenizer's post-processor
-        (e.g. a BOS prefix in Llama tokenizers); the trained kinds have none."""
+        (e.g. a BOS prefix in Llama tokenizers, [CLS] .. [SEP] in BERT's); the trained kinds have none.
+
+        ``max_length`` truncates the *content* to ``max_length - s`` ids, s = the special tokens the
+        post-processor adds, and then adds them: [CLS] a b [SEP] stays [CLS] a [SEP] at max_length 3
+        (what transformers' ``truncation=True`` and so sentence-transformers do), never [CLS] a b."""
+        if max_length is not None:
+            if max_length < 1:
+                raise DataError(f"max_length must be positive, got {max_length}")
+            n_special = self.backend.num_special_tokens_to_add(False) if add_special_tokens else 0
+            if max_length <= n_special:
+                raise DataError(f"max_length {max_length} leaves no room for text beside the {n_special} special "
+                                "tokens the tokenizer adds")
+            if self.kind == "char" and not add_special_tokens:
+                return self._encode_chars(text)[:max_length]
+            encoding = self.backend.encode(text, add_special_tokens=False)
+            encoding.truncate(max_length - n_special)
+            if add_special_tokens:
+                encoding = self.backend.post_process(encoding, add_special_tokens=True)
+            return encoding.ids
         if self.kind == "char" and not add_special_tokens:
             return self._encode_chars(text)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -347,15 +373,15 @@ class Tokenizer:
         """
         p = Path(path)
         if p.suffix == ".json":
-            _write_atomic(p, self.to_json())
+            atomic_write_text(p, self.to_json())
             return p
         p.mkdir(parents=True, exist_ok=True)
         config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
         for field in ("bos_token", "eos_token", "pad_token", "chat_template"):
             if getattr(self, field) is not None:
                 config[field] = getattr(self, field)
-        _write_atomic(p / "tokenizer.json", self.to_json())
-        _write_atomic(p / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        atomic_write_text(p / "tokenizer.json", self.to_json())
+        atomic_write_text(p / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
         return p / "tokenizer.json"
 
     def __repr__(self) -> str:
@@ -380,20 +406,6 @@ def _read_config(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"cannot read {path}: {e}") from e
     return config if isinstance(config, dict) else {}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    # A crash mid-write must not leave a truncated tokenizer.json next to a checkpoint.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def build_tokenizer(kind: str, text: str, vocab_size: int | None = None) -> Tokenizer:

@@ -78,17 +78,23 @@ def format_table(dist: NextTokenDistribution, token_text: Callable[[int], str], 
     top-p compares with p (over the top-k set when top-k is on), whether the token is kept, and the
     renormalised probability a draw uses. ``token_text(id)`` is the
     token's text (e.g. ``lambda i: tokenizer.decode([i])``)."""
-    rows = [f"{'rank':>4}  {'id':>6}  {'token':<14} {'p':>8}  {'cum p':>7}  {'kept':<4}  {'sampled':>8}"]
+    within_top_k = dist.params.top_k > 0 and dist.params.temperature > 0
+    cum_label = "cum p in top-k" if within_top_k else "cum p"  # the column is not cumulative `p` then
+    width = len(cum_label)
+    rows = [f"{'rank':>4}  {'id':>6}  {'token':<14} {'p':>8}  {cum_label:>{width}}  {'kept':<4}  {'sampled':>8}"]
     cum = 0.0
     for rank, tid in enumerate(dist.top(n), start=1):
         p = float(dist.probs[tid])
         cum += float(dist.nucleus_base[tid])
         kept = bool(dist.kept[tid])
-        rows.append(f"{rank:>4}  {tid:>6}  {token_label(token_text(tid), 14):<14} {p:>8.4f}  {cum:>7.4f}  "
+        rows.append(f"{rank:>4}  {tid:>6}  {token_label(token_text(tid), 14):<14} {p:>8.4f}  {cum:>{width}.4f}  "
                     f"{'yes' if kept else '-':<4}  {float(dist.sampled[tid]) if kept else 0.0:>8.4f}")
     n_kept = int(dist.kept.sum())
     rows.append(f"{n_kept} of {dist.probs.numel()} tokens kept ({_describe(dist.params)}); "
                 f"their probability mass before renormalising: {float(dist.probs[dist.kept].sum()):.4f}")
+    if within_top_k:
+        rows.append(f"{cum_label}: cumulative probability renormalised over the top-{dist.params.top_k} tokens "
+                    "(what top-p compares with p)")
     return "\n".join(rows)
 
 

@@ -1,6 +1,6 @@
 """Shared plotting helpers: the lazy matplotlib import, readable token labels and atomic PNG writes.
 
-matplotlib is an optional dependency (``pip install 'tinyformer[plot]'``). It is imported only when a
+matplotlib is a dependency of the package (an environment may still lack it). It is imported only when a
 picture is drawn, with the non-interactive Agg backend, so nothing here needs a display.
 """
 
@@ -30,7 +30,7 @@ def pyplot() -> Any:
         import matplotlib.pyplot as plt
     except ImportError:
         raise PlottingUnavailableError(
-            "drawing pictures needs matplotlib, which is not installed: pip install 'tinyformer[plot]' "
+            "drawing pictures needs matplotlib, which is not installed: pip install matplotlib "
             "(or pass --no-plots for the terminal table only)"
         ) from None
     return plt

@@ -8,7 +8,14 @@ from tinyformer.config import ModelConfig
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
-    """The model for ``cfg.arch``."""
+    """The model for ``cfg.arch``. Outside the meta device, a config too large for this machine's memory
+    is refused before any allocation (``sizing.check_buildable``)."""
+    import torch
+
+    if torch.empty(0).device.type != "meta":  # a meta build (sizing, loading) allocates nothing
+        from tinyformer.sizing import check_buildable
+
+        check_buildable(cfg)
     if cfg.arch == "decoder":
         from tinyformer.models.decoder import DecoderLM
 

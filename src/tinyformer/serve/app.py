@@ -40,6 +40,7 @@ from tinyformer.errors import TinyformerError
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.serve import protocol as P
 from tinyformer.serve.chat import ChatTemplate
+from tinyformer.serve.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard, is_loopback_host
 from tinyformer.serve.protocol import APIError
 from tinyformer.serve.scheduler import GenerationRequest, QueueFull, Scheduler, StepEvent, TokenInfo
 
@@ -316,11 +317,15 @@ def _total_usage(choices: list[_Choice], prompt_lengths: list[int]) -> dict[str,
 
 def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 16, max_queue: int = 64,
                request_timeout: float | None = 600.0, api_key: str | None = None,
-               max_len: int | None = None) -> FastAPI:
+               max_len: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               bind_host: str = "127.0.0.1", allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """The FastAPI app serving ``model`` (a decoder LM, eval mode) with ``tokenizer``.
 
     The scheduler thread starts with the app (lifespan) and stops with it. ``app.state.server`` is the
-    :class:`Server` (its ``scheduler`` has the slot counters).
+    :class:`Server` (its ``scheduler`` has the slot counters). Every request passes
+    :class:`~tinyformer.serve.guard.RequestGuard` first: bodies over ``max_body_bytes`` get 413 and, without
+    an ``api_key``, cross-site browser requests (and, bound to loopback ``bind_host``, foreign Host names)
+    get 403.
     """
     server = Server(model, tokenizer, model_name=model_name, max_batch=max_batch, max_queue=max_queue,
                     request_timeout=request_timeout, api_key=api_key, max_len=max_len)
@@ -335,6 +340,8 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
 
     app = FastAPI(title="tinyformer", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.server = server
+    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, local_only=server.api_key is None,
+                       bound_to_loopback=is_loopback_host(bind_host), allowed_origins=allowed_origins)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -268,6 +268,16 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: str
             own[key].copy_(value)
 
 
+def check_trainer_fields(meta: Any, ckpt_dir: Path) -> None:
+    """A trainer.json must be an object with every field a resume reads; name the first one missing."""
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{ckpt_dir / TRAINER_FILE} must hold a JSON object")
+    for key in ("step", "optimizer", "rng", "trainer"):
+        if key not in meta:
+            raise CheckpointError(f"{ckpt_dir / TRAINER_FILE} has no {key!r} field: the checkpoint is damaged; "
+                                  "remove that step's folder to resume from an earlier one")
+
+
 def load_checkpoint(
     ckpt_dir: Path,
     model: nn.Module,
@@ -289,6 +299,7 @@ def load_checkpoint(
     if meta.get("format_version") != STATE_FORMAT_VERSION:
         raise CheckpointError(f"{ckpt_dir} has state format {meta.get('format_version')!r}, expected "
                               f"{STATE_FORMAT_VERSION}")
+    check_trainer_fields(meta, ckpt_dir)
     load_weights(model, read_tensors(ckpt_dir / MODEL_FILE), str(ckpt_dir / MODEL_FILE), assign=assign_weights)
     tensors = read_tensors(ckpt_dir / OPTIM_FILE)
     state = optimizer_from_tensors(tensors, meta["optimizer"])

@@ -98,7 +98,7 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "auto"  # auto: bfloat16 (or float16 + GradScaler) autocast on GPU, float32 on CPU
     compile: bool = False
-    threads: int | None = None  # CPU threads; None = torch's default
+    threads: int | None = None  # CPU threads; None = the idle cores by the load average (utils/threads.py)
     # several processes (torchrun / --nproc): ddp replicates the weights, fsdp shards them (training/distributed.py)
     parallel: str = "ddp"
     seed: int = 1337

@@ -15,7 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tinyformer.utils.io import atomic_write_text
+from tinyformer.errors import CheckpointError
+from tinyformer.utils.io import atomic_write_text, read_utf8
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -26,7 +27,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     if not p.is_file():
         return []
     records = []
-    for line in p.read_text(encoding="utf-8").splitlines():
+    for line in read_utf8(p, CheckpointError, "metrics file").splitlines():
         try:
             record = json.loads(line)
         except ValueError:

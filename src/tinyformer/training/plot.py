@@ -1,7 +1,7 @@
 """The loss curve of a run as a PNG (``loss.png``), drawn from ``metrics.jsonl`` with matplotlib.
 
-matplotlib is an optional dependency (``pip install tinyformer[plot]``): without it the plot is
-skipped and the caller is told why.
+matplotlib is a dependency of the package (so the README's first command leaves a ``loss.png``); an
+environment without it skips the plot and the caller is told why.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def plot_loss_curve(metrics_path: str | Path, out_png: str | Path, title: str | 
         matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        return "loss.png skipped: matplotlib is not installed (pip install 'tinyformer[plot]')"
+        return "loss.png skipped: matplotlib is not installed (pip install matplotlib)"
     records = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train" and r.get("loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in records if r.get("kind") == "eval" and r.get("val_loss") is not None]

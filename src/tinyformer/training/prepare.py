@@ -19,8 +19,8 @@ import torch
 
 from tinyformer.data.corpus import builtin_corpus, iter_documents, load_corpus
 from tinyformer.data.dataset import TokenDataset, encode_to_memmap
-from tinyformer.data.tokenizer import DEFAULT_BPE_VOCAB_SIZE, Tokenizer
-from tinyformer.errors import DataError
+from tinyformer.data.tokenizer import BPE_MIN_VOCAB, DEFAULT_BPE_VOCAB_SIZE, Tokenizer
+from tinyformer.errors import DataError, TinyformerError
 from tinyformer.training.config import TOKENIZER_KINDS, TrainConfig
 
 
@@ -52,16 +52,23 @@ def _documents(cfg: TrainConfig) -> Iterator[str]:
 
 
 class _NonEmpty:
-    """Pass documents through while noting whether any holds non-whitespace text."""
+    """Pass documents through while noting whether any holds non-whitespace text, and keep the error that
+    stopped reading them: the BPE trainer consumes them in Rust, which turns a Python exception into an
+    early end of input (or its own error), and the user must see the real reason, not "empty corpus"."""
 
     def __init__(self, docs: Iterable[str]) -> None:
         self.docs, self.seen_text = docs, False
+        self.error: TinyformerError | None = None
 
     def __iter__(self) -> Iterator[str]:
-        for doc in self.docs:
-            if not self.seen_text and doc.strip():
-                self.seen_text = True
-            yield doc
+        try:
+            for doc in self.docs:
+                if not self.seen_text and doc.strip():
+                    self.seen_text = True
+                yield doc
+        except TinyformerError as exc:
+            self.error = exc
+            raise
 
 
 def _chunks(docs: Iterable[str], size: int = 1 << 16) -> Iterator[str]:
@@ -87,12 +94,19 @@ def train_tokenizer(cfg: TrainConfig) -> Tokenizer:
             raise DataError(f"corpus {corpus_name(cfg)} is empty (no non-whitespace text)")
         return Tokenizer.train_char("".join(sorted(chars)))
     vocab = cfg.vocab_size or DEFAULT_BPE_VOCAB_SIZE
+    if vocab < BPE_MIN_VOCAB:  # before reading the corpus: the size, not the data, is the problem
+        raise DataError(f"--vocab-size {vocab} is too small for a byte-level BPE: the minimum is {BPE_MIN_VOCAB} "
+                        f"(256 byte tokens + {BPE_MIN_VOCAB - 256} special tokens), plus the merges it learns")
     try:
         tok = Tokenizer.train_bpe(_chunks(docs), vocab)
-    except DataError:
+    except Exception:
+        if docs.error is not None:
+            raise docs.error from None
         if not docs.seen_text:
             raise DataError(f"corpus {corpus_name(cfg)} is empty (no non-whitespace text)") from None
         raise
+    if docs.error is not None:
+        raise docs.error
     if not docs.seen_text:
         raise DataError(f"corpus {corpus_name(cfg)} is empty (no non-whitespace text)")
     return tok

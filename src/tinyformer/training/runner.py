@@ -21,6 +21,7 @@ from typing import Any
 from tinyformer.config import ModelConfig
 from tinyformer.data.tokenizer import Tokenizer
 from tinyformer.errors import CheckpointError, ConfigError
+from tinyformer.sizing import check_buildable
 from tinyformer.training.checkpoint import STATE_DIR, latest_checkpoint, remove_partial
 from tinyformer.training.config import (
     RESUME_MUTABLE,
@@ -179,6 +180,7 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
     objective_cls = get_objective(train.objective)
     autocast_dtype(train.dtype, resolve_device(train.device))  # an impossible device/dtype fails before any data work
     train = _check_block_size(model_cfg, train) if objective_cls.uses_corpus else train
+    check_buildable(model_cfg)  # an absurd size fails here, not in the allocator after the tokenizer is trained
 
     # ---- tokenizer and data
     if spec.resume:
@@ -230,6 +232,9 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
                 trainer.load_pretrained(Path(train.init_from))
     elif init_from is not None:
         trainer.load_pretrained(init_from)
+        n_params = sum(p.numel() for p in trainer.model.parameters())
+        notes.append(f"initialised from {init_from}: its weights ({n_params:,} parameters, {model_cfg.arch}, "
+                     f"{model_cfg.n_layer} layers) and its {tokenizer.kind} tokenizer ({tokenizer.vocab_size} ids)")
     if dataset is not None and is_main:
         n_train, n_val = len(dataset.splits["train"]), len(dataset.splits["val"])
         notes.append(f"data: {len(dataset):,} tokens ({n_train:,} train / {n_val:,} val) from {corpus_name(train)}")

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from tinyformer.config import ModelConfig
-from tinyformer.errors import ConfigError, TinyformerError
+from tinyformer.errors import CheckpointError, ConfigError, TinyformerError
 from tinyformer.training.checkpoint import (
     MODEL_FILE,
     disk_error,
@@ -44,11 +44,11 @@ from tinyformer.training.checkpoint import (
     save_checkpoint,
 )
 from tinyformer.training.config import TrainConfig
-from tinyformer.training.device import device_peak_flops, synchronize
+from tinyformer.training.device import device_peak_flops, mps_available, parse_device, synchronize
 from tinyformer.training.metrics import MetricsLogger
 from tinyformer.training.objectives import Objective
 from tinyformer.training.optim import build_optimizer, lr_at
-from tinyformer.utils.io import atomic_path, atomic_write_text
+from tinyformer.utils.io import atomic_path, atomic_write_text, read_utf8
 
 SAMPLES_FILE = "samples.txt"
 
@@ -62,15 +62,10 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        if mps_available():
             return torch.device("mps")
         return torch.device("cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={name!r} but no CUDA device is available; use --device cpu or auto")
-    if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise ConfigError(f"train.device={name!r} but MPS is not available; use --device cpu or auto")
-    return device
+    return parse_device(name, ConfigError)
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
@@ -205,7 +200,7 @@ class Trainer:
         self.metrics.truncate_after(step)
         path = self.run_dir / SAMPLES_FILE
         if path.is_file():
-            sections = re.split(r"(?m)^(?====== step \d+)", path.read_text(encoding="utf-8"))
+            sections = re.split(r"(?m)^(?====== step \d+)", read_utf8(path, CheckpointError, "samples file"))
             heads = [(s, re.match(r"===== step (\d+)", s)) for s in sections if s]
             kept = [s for s, m in heads if m is None or int(m.group(1)) <= step]
             atomic_write_text(path, "".join(kept))

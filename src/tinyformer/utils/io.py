@@ -12,6 +12,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from tinyformer.errors import DataError, TinyformerError
+
 
 @contextlib.contextmanager
 def atomic_path(target: str | Path) -> Iterator[Path]:
@@ -61,3 +63,20 @@ def atomic_write_with(target: str | Path, writer: Callable[[Path], None]) -> Non
     """Let ``writer(tmp_path)`` produce the file (e.g. safetensors.save_file), then commit it."""
     with atomic_path(target) as tmp:
         writer(tmp)
+
+
+def read_utf8(path: str | Path, error: type[TinyformerError] = DataError, what: str = "") -> str:
+    """The text of a UTF-8 file (a leading byte-order mark dropped). A file that cannot be read, or that is
+    not UTF-8 text (binary, Latin-1), raises ``error`` naming it, so that the command line prints one line
+    instead of a ``UnicodeDecodeError`` traceback."""
+    p = Path(path)
+    label = f"{what} {p}" if what else str(p)
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise error(f"cannot read {label}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as exc:
+        raise error(f"{label} is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset {exc.start} "
+                    f"({exc.reason}); is it the right file?") from None
