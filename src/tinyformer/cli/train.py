@@ -19,13 +19,16 @@ from tinyformer.training.config import TrainConfig, apply_override, coerce_field
 # flag -> (TrainConfig field, type, help); all default to None = "not given"
 TRAIN_FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--data",), "data", str, "corpus: a text file, a folder of .txt/.md, a glob, a .jsonl file or hf:NAME "
-                               "(default: the built-in corpus)"),
+                               "(default: the built-in corpus); for sft/dpo a chat or preference .jsonl file "
+                               "(default: the built-in instruction / preference set)"),
     (("--text-field",), "text_field", str, "JSONL field holding the text (default: text)"),
     (("--tokenizer",), "tokenizer", str, "char, bpe (trained on the corpus) or a tokenizer.json path (default bpe)"),
     (("--vocab-size",), "vocab_size", int, "BPE vocabulary size (default 4096)"),
     (("--init-from",), "init_from", str, "start from another run's weights and tokenizer (fine-tuning)"),
-    (("--objective",), "objective", str, "training objective (default clm: causal language modelling)"),
+    (("--objective",), "objective", str, "training objective: clm (default, causal language modelling), sft, "
+                                         "dpo, mlm, seq2seq"),
     (("--task",), "task", str, "synthetic task name, for objectives that have tasks"),
+    (("--dpo-beta",), "dpo_beta", float, "objective dpo: beta of the DPO loss (default 0.1)"),
     (("--steps", "--max-steps"), "max_steps", int, "optimizer steps"),
     (("--batch-size",), "batch_size", int, "sequences per micro-batch (per device)"),
     (("--grad-accum",), "grad_accum", int, "micro-batches per optimizer step"),

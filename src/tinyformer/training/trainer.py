@@ -214,7 +214,8 @@ class Trainer:
         """Start from another run's weights (fine-tuning); optimizer and step start fresh."""
         from tinyformer.run_folder import iter_tensors
 
-        load_weights(self.model, dict(iter_tensors(run_dir)), f"--init-from {run_dir}",
+        tensors = self.objective.adapt_pretrained(dict(iter_tensors(run_dir)))
+        load_weights(self.model, tensors, f"--init-from {run_dir}",
                      assign=self.state_loaders().get("assign_weights"))
 
     # ------------------------------------------------------------------ one update
@@ -348,6 +349,10 @@ class Trainer:
             pbar.close()
             self.metrics.close()
         plot_note = self.plot() if self.is_main else None
+        if self.is_main:
+            from tinyformer.training.report import write_report
+
+            write_report(self.run_dir, self.objective, self.model, self.device)
         train_loss = self._last_train_loss()
         return TrainSummary(self.step, self.tokens_seen, self.train_seconds, train_loss, val_loss, sample, plot_note)
 
@@ -358,6 +363,10 @@ class Trainer:
         if val_loss is not None:
             record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 700.0)))
             line += f", val loss {val_loss:.4f} (perplexity {record['val_ppl']:.2f})"
+        if self.is_main:
+            extra = self.objective.eval_metrics(self.model, self.device)
+            record.update(extra)
+            line += "".join(f", {k} {v:.4f}" for k, v in extra.items())
         self.metrics.log(record)
         self._log(pbar, line)
         sample = self.draw_sample()
