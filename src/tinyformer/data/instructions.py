@@ -119,10 +119,14 @@ def _builtin_entries() -> list[Entry]:
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def documented_entries() -> tuple[Entry, ...]:
-    """Every entry, built-ins first, then the standard library in sorted path order; each qualname once."""
-    root = _stdlib_dir()
+def documented_entries(stdlib_dir: str | Path | None = None) -> tuple[Entry, ...]:
+    """Every entry, built-ins first, then the standard library (``stdlib_dir``, default this Python's) in
+    sorted path order; each qualname once."""
+    return _entries(Path(stdlib_dir).resolve() if stdlib_dir is not None else _stdlib_dir())
+
+
+@functools.lru_cache(maxsize=2)
+def _entries(root: Path) -> tuple[Entry, ...]:
     entries = _builtin_entries()
     for path in stdlib_source_files(root):
         module = _module_name(path, root)
@@ -143,10 +147,9 @@ def _module_answer(name: str, module: str) -> str:
     return f"`{name}` is provided by the `{module}` module."
 
 
-@functools.lru_cache(maxsize=1)
-def _questions() -> tuple[tuple[str, str, str], ...]:
+def _questions(stdlib_dir: str | Path | None = None) -> tuple[tuple[str, str, str], ...]:
     """(question, right answer, near-miss answer) triples, in a fixed order."""
-    entries = documented_entries()
+    entries = documented_entries(stdlib_dir)
     by_module: dict[str, list[Entry]] = {}
     for entry in entries:
         by_module.setdefault(entry.module, []).append(entry)
@@ -173,17 +176,17 @@ def _questions() -> tuple[tuple[str, str, str], ...]:
     return tuple(out)
 
 
-def builtin_conversations():  # -> list[Conversation]
+def builtin_conversations(stdlib_dir: str | Path | None = None):  # -> list[Conversation]
     """The instruction set as conversations (user question, assistant answer)."""
     from tinyformer.data.chat_data import Conversation
 
     return [Conversation([{"role": "user", "content": q}, {"role": "assistant", "content": a}], f"built-in:{i}")
-            for i, (q, a, _) in enumerate(_questions())]
+            for i, (q, a, _) in enumerate(_questions(stdlib_dir))]
 
 
-def builtin_preferences():  # -> list[PreferencePair]
+def builtin_preferences(stdlib_dir: str | Path | None = None):  # -> list[PreferencePair]
     """The preference set: each question with its right answer (chosen) and a near miss (rejected)."""
     from tinyformer.data.chat_data import PreferencePair
 
     return [PreferencePair([{"role": "user", "content": q}], a, near, f"built-in:{i}")
-            for i, (q, a, near) in enumerate(_questions())]
+            for i, (q, a, near) in enumerate(_questions(stdlib_dir))]
