@@ -225,7 +225,8 @@ def test_sft_run_resumes_exactly_and_writes_samples_and_report(tmp_path: Path) -
                           {"role": "assistant", "content": f"{a + b}."}]} for a in range(12) for b in range(6)]
     data = write_jsonl(tmp_path / "c.jsonl", rows)
     common = ["train", "--init-from", str(base), "--objective", "sft", "--data", str(data), "--batch-size", "4",
-              "--eval-interval", "2", "--eval-iters", "2", "--threads", "1", "--no-progress", "--warmup-steps", "1"]
+              "--eval-interval", "2", "--eval-iters", "2", "--threads", "1", "--no-progress", "--warmup-steps", "1",
+              "--sample-tokens", "8"]
     assert main([*common, "--out", str(tmp_path / "full"), "--steps", "4"]) == 0
     assert main([*common, "--out", str(tmp_path / "cut"), "--steps", "2"]) == 0
     assert main(["train", "--resume", str(tmp_path / "cut"), "--steps", "4", "--no-progress"]) == 0
@@ -333,6 +334,18 @@ def test_dpo_reference_stays_fixed_and_heldout_preference_accuracy_rises(tmp_pat
     assert {"train_reward_margin", "val_reward_margin", "train_preference_accuracy", "val_dpo_loss"} <= set(last)
     report = (tmp_path / "dpo" / "report.md").read_text()
     assert f"| {accuracy_before:.3f} | {after['val_preference_accuracy']:.3f} |" in report
+
+
+def test_dpo_run_resumes_exactly(tmp_path: Path) -> None:
+    base = make_base_run(tmp_path / "base")
+    data = write_jsonl(tmp_path / "prefs.jsonl", synthetic_preferences(40))
+    common = ["train", "--init-from", str(base), "--objective", "dpo", "--data", str(data), "--batch-size", "4",
+              "--eval-interval", "2", "--eval-iters", "1", "--threads", "1", "--no-progress", "--warmup-steps", "1"]
+    assert main([*common, "--out", str(tmp_path / "full"), "--steps", "4"]) == 0
+    assert main([*common, "--out", str(tmp_path / "cut"), "--steps", "2"]) == 0
+    assert main(["train", "--resume", str(tmp_path / "cut"), "--steps", "4", "--no-progress"]) == 0
+    weights = [(tmp_path / run / "model.safetensors").read_bytes() for run in ("full", "cut")]
+    assert weights[0] == weights[1]
 
 
 # ---------------------------------------------------------------------------- eval, generate --chat, built-in sets

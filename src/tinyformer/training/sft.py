@@ -256,7 +256,8 @@ class SFTObjective(ChatObjective):
         pairs = self.heldout_prompts(REPORT_QUESTIONS)
         if not pairs:
             return []
-        replies = self.answer(model, [p for p, _ in pairs], device)
+        budget = min(SAMPLE_TOKENS, self.cfg.sample_tokens) if self.cfg.sample_tokens else SAMPLE_TOKENS
+        replies = self.answer(model, [p for p, _ in pairs], device, budget)
         lines = [f"## {len(pairs)} held-out questions, answered greedily", ""]
         for (prompt, expected), reply in zip(pairs, replies):
             lines += [f"- **Q:** {prompt[-1]['content']}", f"  **A:** {reply}", f"  *reference:* {expected}"]
