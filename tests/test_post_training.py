@@ -128,6 +128,14 @@ def test_bad_rows_are_one_line_errors_or_counted_skips(tmp_path: Path) -> None:
                                                {"prompt": "q", "chosen": "yes", "rejected": "no"}])
     read = read_preference_file(prefs)
     assert len(read.pairs) == 1 and read.skipped == {"chosen == rejected": 1}
+    from tinyformer.training.preference import encode_pair
+
+    tok = with_chatml(char_tokenizer())
+    long_prompt = read_preference_file(write_jsonl(tmp_path / "l.jsonl", [{"prompt": "x" * 40, "chosen": "yes",
+                                                                          "rejected": "no"}])).pairs[0]
+    assert encode_pair(tok, long_prompt, 40)[0] is None  # the prompt fills the context: skipped by the caller
+    (chosen, rejected), cut = encode_pair(tok, long_prompt, 60)
+    assert cut and len(chosen[0]) == 60 and chosen[1][-1] != -100  # cut to the context, reply tokens left
 
 
 def test_bad_chat_data_on_the_command_line_is_one_line_and_exit_2(tmp_path: Path,
