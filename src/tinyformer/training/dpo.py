@@ -66,6 +66,7 @@ class DPOObjective(ChatObjective):
     name = "dpo"
     loss_label = "held-out DPO loss"
     loss_is_nll = False  # a pairwise loss: exp(loss) is no perplexity
+    val_loss_key = "val_dpo_loss"  # the mean over pairs (the trainer's val_loss weights batches by tokens)
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
         super().__init__(cfg, tokenizer, dataset)

@@ -41,8 +41,9 @@ def report_text(run_dir: Path, objective: Objective, model: nn.Module, device: t
                      f"training time: {last.get('time', 0.0):.1f} s")
         lines.append(f"- last train loss: {last['loss']:.4f}")
     label = getattr(objective, "loss_label", "validation loss")
-    if evals and evals[-1].get("val_loss") is not None:
-        val = evals[-1]["val_loss"]
+    key = getattr(objective, "val_loss_key", "val_loss")  # the record field that holds the figure
+    if evals and evals[-1].get(key) is not None:
+        val = evals[-1][key]
         ppl = f" (perplexity {math.exp(min(val, 700.0)):.2f})" if getattr(objective, "loss_is_nll", True) else ""
         lines.append(f"- {label} (step {evals[-1]['step']}): {val:.4f}{ppl}")
     elif evals:
