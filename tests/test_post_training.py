@@ -224,7 +224,7 @@ def test_sft_loss_is_the_mean_over_assistant_tokens_by_hand(tmp_path: Path) -> N
                 total -= float(logp[t, ids[t + 1]])
                 count += 1
     assert count == int(batch["tokens"])
-    assert math.isclose(float(got), total / count, rel_tol=1e-9)
+    assert math.isclose(float(got.detach()), total / count, rel_tol=1e-9)
 
 
 def test_sft_run_resumes_exactly_and_writes_samples_and_report(tmp_path: Path) -> None:

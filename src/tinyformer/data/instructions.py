@@ -30,8 +30,12 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tinyformer.data.corpus import _stdlib_dir, stdlib_source_files
+
+if TYPE_CHECKING:
+    from tinyformer.data.chat_data import Conversation, PreferencePair
 
 MIN_SENTENCE, MAX_SENTENCE = 15, 160
 BUILTIN_TYPES = (str, bytes, bytearray, list, tuple, dict, set, frozenset, int, float, complex, range, memoryview)
@@ -176,7 +180,7 @@ def _questions(stdlib_dir: str | Path | None = None) -> tuple[tuple[str, str, st
     return tuple(out)
 
 
-def builtin_conversations(stdlib_dir: str | Path | None = None):  # -> list[Conversation]
+def builtin_conversations(stdlib_dir: str | Path | None = None) -> list[Conversation]:
     """The instruction set as conversations (user question, assistant answer)."""
     from tinyformer.data.chat_data import Conversation
 
@@ -184,7 +188,7 @@ def builtin_conversations(stdlib_dir: str | Path | None = None):  # -> list[Conv
             for i, (q, a, _) in enumerate(_questions(stdlib_dir))]
 
 
-def builtin_preferences(stdlib_dir: str | Path | None = None):  # -> list[PreferencePair]
+def builtin_preferences(stdlib_dir: str | Path | None = None) -> list[PreferencePair]:
     """The preference set: each question with its right answer (chosen) and a near miss (rejected)."""
     from tinyformer.data.chat_data import PreferencePair
 

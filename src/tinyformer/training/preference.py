@@ -20,7 +20,7 @@ prefs.jsonl`` prints. On a chat file it prints the assistant-token loss: the mea
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,7 +65,8 @@ def reply_row(ids: list[int], mask: list[int], block_size: int) -> tuple[Row | N
     return (ids[:-1], targets), cut
 
 
-def encode_pair(tokenizer: Tokenizer, pair: PreferencePair, block_size: int, render: Any = None
+def encode_pair(tokenizer: Tokenizer, pair: PreferencePair, block_size: int,
+                render: Callable[[Sequence[dict[str, str]], bool], str] | None = None
                 ) -> tuple[tuple[Row, Row] | None, bool]:
     """((chosen row, rejected row) or None when the prompt is longer than the context, whether a reply was cut)."""
     from tinyformer.data.chat_template import encode_reply

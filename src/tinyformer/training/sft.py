@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -132,7 +132,8 @@ class ChatObjective(Objective):
 
 @torch.no_grad()
 def answer_prompts(model: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[dict[str, str]]],
-                   device: torch.device | str, max_new_tokens: int = SAMPLE_TOKENS, render=None) -> list[str]:
+                   device: torch.device | str, max_new_tokens: int = SAMPLE_TOKENS,
+                   render: Callable[[Sequence[dict[str, str]], bool], str] | None = None) -> list[str]:
     """Greedy replies (stopping at an end-of-turn token or EOS) to each prompt, rendered with the template."""
     from tinyformer.data.chat_template import encode_prompt, stop_token_ids
     from tinyformer.generation.engine import Generator
