@@ -155,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
     rate = summary.tokens / summary.train_seconds if summary.train_seconds else 0.0
     print(f"done: {summary.steps} steps, {summary.tokens:,} tokens in {summary.train_seconds:.1f} s of training "
           f"({rate:,.0f} tokens/s)")
-    if summary.val_loss is not None:
+    if summary.val_loss is not None and not trainer.objective.loss_is_nll:
+        print(f"final val loss {summary.val_loss:.4f}")
+    elif summary.val_loss is not None:
         import math
 
         print(f"final val loss {summary.val_loss:.4f} (perplexity {math.exp(min(summary.val_loss, 700)):.2f})")

@@ -46,6 +46,11 @@ class Objective:
     uses_corpus: ClassVar[bool] = True
     #: True when batches are sequences of at most ``block_size`` tokens (resolved from the model when unset)
     uses_block_size: ClassVar[bool] = False
+    #: the loss is a mean negative log-likelihood, so exp(loss) is a perplexity (not so for DPO)
+    loss_is_nll: ClassVar[bool] = True
+    #: how report.md names the validation figure, and the metrics.jsonl field that holds it
+    loss_label: ClassVar[str] = "validation loss"
+    val_loss_key: ClassVar[str] = "val_loss"
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
         self.cfg = cfg

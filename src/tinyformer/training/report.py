@@ -40,11 +40,11 @@ def report_text(run_dir: Path, objective: Objective, model: nn.Module, device: t
         lines.append(f"- steps: {last['step']}, tokens: {last.get('tokens', 0):,}, "
                      f"training time: {last.get('time', 0.0):.1f} s")
         lines.append(f"- last train loss: {last['loss']:.4f}")
-    label = getattr(objective, "loss_label", "validation loss")
-    key = getattr(objective, "val_loss_key", "val_loss")  # the record field that holds the figure
+    label = objective.loss_label
+    key = objective.val_loss_key
     if evals and evals[-1].get(key) is not None:
         val = evals[-1][key]
-        ppl = f" (perplexity {math.exp(min(val, 700.0)):.2f})" if getattr(objective, "loss_is_nll", True) else ""
+        ppl = f" (perplexity {math.exp(min(val, 700.0)):.2f})" if objective.loss_is_nll else ""
         lines.append(f"- {label} (step {evals[-1]['step']}): {val:.4f}{ppl}")
     elif evals:
         lines.append(f"- {label}: none (no validation split)")

@@ -360,7 +360,10 @@ class Trainer:
         val_loss = self.evaluate("val")
         record: dict[str, Any] = {"kind": "eval", "step": self.step, "train_loss": train_loss}
         line = f"step {self.step}: train loss {train_loss:.4f}"
-        if val_loss is not None:
+        if val_loss is not None and not self.objective.loss_is_nll:  # e.g. DPO: no perplexity
+            record.update(val_loss=val_loss)
+            line += f", val loss {val_loss:.4f}"
+        elif val_loss is not None:
             record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 700.0)))
             line += f", val loss {val_loss:.4f} (perplexity {record['val_ppl']:.2f})"
         if self.is_main:
