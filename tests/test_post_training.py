@@ -443,3 +443,16 @@ def test_builtin_instruction_set_answers_from_the_docstrings(tmp_path: Path) -> 
     prefs = builtin_preferences(tmp_path)
     assert len(prefs) == len(conversations)
     assert all(p.chosen == qa[p.prompt[0]["content"]] and p.rejected != p.chosen for p in prefs)
+
+
+def test_pretraining_run_writes_a_report_card_with_its_validation_loss(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"The {a} cat sat on the {b} mat.\n" for a in ("big", "red", "old") for b in "xyz") * 8)
+    assert main(["train", "--data", str(corpus), "--tokenizer", "char", "--out", str(tmp_path / "run"), "--steps",
+                 "2", "--model.d_model", "32", "--model.n_layer", "1", "--model.n_head", "2", "--model.n_kv_head",
+                 "2", "--model.d_ff", "64", "--model.max_seq_len", "32", "--batch-size", "2", "--eval-iters", "1",
+                 "--sample-tokens", "0", "--threads", "1", "--no-progress"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in records if r["kind"] == "eval"][-1]["val_loss"]
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert f"validation loss (step 2): {val:.4f} (perplexity {math.exp(val):.2f})" in report
