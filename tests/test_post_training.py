@@ -381,7 +381,8 @@ def test_eval_scores_preferences_and_chat_files_against_an_independent_rendering
     def logp(prompt: str, reply: str) -> float:
         head = tok.encode(f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
         ids = head + tok.encode(reply + "<|im_end|>")
-        logits = grown(torch.tensor([ids[:-1]]))[0].double().log_softmax(-1)
+        with torch.no_grad():
+            logits = grown(torch.tensor([ids[:-1]]))[0].double().log_softmax(-1)
         return sum(float(logits[t - 1, ids[t]]) for t in range(len(head), len(ids)))
 
     margins = [logp("Pick one", "left") - logp("Pick one", "right"), logp("2+2?", "4") - logp("2+2?", "five")]
