@@ -147,6 +147,9 @@ def test_bad_chat_data_on_the_command_line_is_one_line_and_exit_2(tmp_path: Path
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
     assert "bad.jsonl:1: row fits no chat format" in err
+    assert main(["train", "--objective", "dpo", "--out", str(tmp_path / "out2"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "give --init-from RUN" in err
 
 
 def test_prompt_longer_than_the_context_is_skipped_and_counted(tmp_path: Path) -> None:
