@@ -8,6 +8,9 @@ predicted from the tokens before it in that window:
     bits per byte = N * loss / (ln 2 * bytes of the predicted tokens)
 
 Bits per byte does not depend on the tokenizer, so it compares models with different vocabularies.
+A .jsonl file of conversations or preference pairs is scored as chat data instead
+(:func:`tinyformer.training.preference.evaluate_chat_data`: assistant-token loss, or preference
+accuracy and mean log-prob margin).
 """
 
 from __future__ import annotations
@@ -122,6 +125,12 @@ def evaluate_run(run: Path, data: str, *, text_field: str = "text", block_size: 
 
 
 def run(args: argparse.Namespace) -> int:
+    from tinyformer.training.preference import evaluate_chat_data
+
+    chat = evaluate_chat_data(Path(args.model), args.data, batch_size=args.batch_size, device=args.device,
+                              as_json=args.json)
+    if chat is not None:  # a chat or preference .jsonl file: printed already
+        return 0
     result = evaluate_run(Path(args.model), args.data, text_field=args.text_field, block_size=args.block_size,
                           batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
                           dtype=args.dtype, cache_dir=args.cache_dir, progress=not args.no_progress)

@@ -3,7 +3,9 @@
     tinyformer generate --model RUN --prompt "Once upon a time" --temperature 0.8 --top-k 50 --seed 1
 
 ``--temperature 0`` is greedy decoding. ``--json`` prints one JSON object per sample, one per line,
-instead of streaming text. Sample i of ``--num-samples N`` uses seed ``--seed + i``; the samples are
+instead of streaming text. ``--chat`` renders the prompt as one user message with the model's chat
+template (as ``tinyformer chat`` does) and stops at the end of the assistant's turn.
+Sample i of ``--num-samples N`` uses seed ``--seed + i``; the samples are
 the same whether they are decoded one at a time (streaming) or as one batch (``--json``).
 The sampler, streaming and stop logic live in ``tinyformer.generation``; this module only parses
 flags and prints.
@@ -12,6 +14,7 @@ flags and prints.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -156,6 +159,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--length-penalty", type=float, default=1.0,
                    help="beam search ranks log p / length**penalty (default 1.0)")
     p.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is one user message: render it with the model's chat template (as `chat` "
+                        "does) and stop at the end of the assistant's turn")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per sample and line: text, token_ids (generated), logprobs")
     add_sampling_args(p)
@@ -190,8 +196,15 @@ def run(args: argparse.Namespace) -> int:
     # Impossible sampler values are reported before the (slow) model load.
     sampling_params(args, 0 if args.max_new_tokens is None else args.max_new_tokens)
     gen = load_generator(args)
+    if args.chat:
+        from tinyformer.generation.chat import ChatSession
+
+        session = ChatSession(gen)
+        prompt = session.render([{"role": "user", "content": prompt}])
     ids = gen.encode(prompt)
     params = sampling_params(args, budget(args, gen, len(ids)))
+    if args.chat:
+        params = session.stop_params(params).validate()
 
     if args.num_beams > 1:
         results = gen.beam_search(ids, args.num_beams, params.max_new_tokens, args.length_penalty)
@@ -215,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         header(args, i)
         if args.echo:
             sys.stdout.write(prompt)
-        for piece in gen.stream(ids, sampling_params(args, params.max_new_tokens, seed=seed), logprobs=False):
+        for piece in gen.stream(ids, dataclasses.replace(params, seed=seed), logprobs=False):
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")

@@ -20,13 +20,16 @@ from tinyformer.utils.threads import configured_threads
 # flag -> (TrainConfig field, type, help); all default to None = "not given"
 TRAIN_FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--data",), "data", str, "corpus: a text file, a folder of .txt/.md, a glob, a .jsonl file or hf:NAME "
-                               "(default: the built-in corpus)"),
+                               "(default: the built-in corpus); for sft/dpo a chat or preference .jsonl file "
+                               "(default: the built-in instruction / preference set)"),
     (("--text-field",), "text_field", str, "JSONL field holding the text (default: text)"),
     (("--tokenizer",), "tokenizer", str, "char, bpe (trained on the corpus) or a tokenizer.json path (default bpe)"),
     (("--vocab-size",), "vocab_size", int, "BPE vocabulary size (default 4096)"),
     (("--init-from",), "init_from", str, "start from another run's weights and tokenizer (fine-tuning)"),
-    (("--objective",), "objective", str, "training objective (default clm: causal language modelling)"),
+    (("--objective",), "objective", str, "training objective: clm (default, causal language modelling), sft, "
+                                         "dpo, mlm, seq2seq"),
     (("--task",), "task", str, "synthetic task name, for objectives that have tasks"),
+    (("--dpo-beta",), "dpo_beta", float, "objective dpo: beta of the DPO loss (default 0.1)"),
     (("--steps", "--max-steps"), "max_steps", int, "optimizer steps"),
     (("--batch-size",), "batch_size", int, "sequences per micro-batch (per device)"),
     (("--grad-accum",), "grad_accum", int, "micro-batches per optimizer step"),
@@ -163,7 +166,9 @@ def run(args: argparse.Namespace) -> int:
     rate = summary.tokens / summary.train_seconds if summary.train_seconds else 0.0
     print(f"done: {summary.steps} steps, {summary.tokens:,} tokens in {summary.train_seconds:.1f} s of training "
           f"({rate:,.0f} tokens/s)")
-    if summary.val_loss is not None:
+    if summary.val_loss is not None and not trainer.objective.loss_is_nll:
+        print(f"final val loss {summary.val_loss:.4f}")
+    elif summary.val_loss is not None:
         import math
 
         print(f"final val loss {summary.val_loss:.4f} (perplexity {math.exp(min(summary.val_loss, 700)):.2f})")

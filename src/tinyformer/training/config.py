@@ -77,6 +77,7 @@ class TrainConfig:
     # objective
     objective: str = "clm"
     task: str | None = None
+    dpo_beta: float = 0.1  # objective dpo: strength of the pull towards the reference (training/dpo.py)
     # batch
     max_steps: int = 400
     batch_size: int = 16  # sequences per micro-step, per rank
@@ -150,6 +151,8 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not is_num(getattr(self, name)) or not 0 <= getattr(self, name) < 1:
                 raise bad(name, "must be in [0, 1)")
+        if not is_num(self.dpo_beta) or self.dpo_beta <= 0:
+            raise bad("dpo_beta", "must be a positive number")
         if not is_num(self.grad_clip) or self.grad_clip < 0:
             raise bad("grad_clip", "must be a non-negative number (0 disables clipping)")
         if not is_num(self.val_fraction) or not 0 <= self.val_fraction < 1:

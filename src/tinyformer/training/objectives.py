@@ -6,6 +6,8 @@ registered by name in :data:`OBJECTIVES`; ``tinyformer train --objective NAME`` 
 
     clm   causal language modelling (GPT, LLaMA): predict token t+1 from tokens <= t,
           loss = -1/N sum_{b,t} log p(x_{b,t+1} | x_{b,<=t})
+    sft   the same loss on the assistant tokens of conversations only (training/sft.py)
+    dpo   direct preference optimisation on (prompt, chosen, rejected) pairs (training/dpo.py)
 """
 
 from __future__ import annotations
@@ -42,6 +44,13 @@ class Objective:
 
     name: ClassVar[str] = ""
     uses_corpus: ClassVar[bool] = True
+    #: True when batches are sequences of at most ``block_size`` tokens (resolved from the model when unset)
+    uses_block_size: ClassVar[bool] = False
+    #: the loss is a mean negative log-likelihood, so exp(loss) is a perplexity (not so for DPO)
+    loss_is_nll: ClassVar[bool] = True
+    #: how report.md names the validation figure, and the metrics.jsonl field that holds it
+    loss_label: ClassVar[str] = "validation loss"
+    val_loss_key: ClassVar[str] = "val_loss"
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
         self.cfg = cfg
@@ -53,9 +62,31 @@ class Objective:
         """The tokenizer of an objective that does not read a corpus (``uses_corpus = False``)."""
         raise NotImplementedError(f"objective {cls.name!r} reads a corpus; the run trains its tokenizer")
 
+    @classmethod
+    def adapt_tokenizer(cls, tokenizer: Tokenizer) -> Tokenizer:
+        """The tokenizer a new run of this objective uses, given the one it starts from (e.g. one with
+        chat-template tokens added); the same one by default."""
+        return tokenizer
+
     def model_config(self, model_cfg: ModelConfig) -> ModelConfig:
         """The run's model config adapted to this objective (e.g. the architecture it needs)."""
         return model_cfg
+
+    def adapt_pretrained(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``--init-from`` weights made to fit :meth:`model_config` (e.g. embeddings grown); unchanged by default."""
+        return tensors
+
+    def describe_data(self) -> str | None:
+        """One line about the data of an objective that does not read a corpus, for the run's notes."""
+        return None
+
+    def eval_metrics(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        """Figures added to each evaluation record of metrics.jsonl besides the loss (none by default)."""
+        return {}
+
+    def report(self, model: nn.Module, device: torch.device) -> list[str]:
+        """Markdown lines this objective adds to the run's report.md (besides the losses); none by default."""
+        return []
 
     def build_model(self, model_cfg: ModelConfig) -> nn.Module:
         from tinyformer.models import build_model
@@ -121,12 +152,7 @@ class CausalLM(Objective):
             yield {"input_ids": x, "targets": y}
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        from tinyformer.models.decoder import DecoderLM
-
-        if isinstance(model, DecoderLM):  # the plain module: its fused head + cross-entropy never stores logits
-            return model.loss(batch["input_ids"], batch["targets"])
-        logits = model(batch["input_ids"])  # a wrapper (compiled, DDP) must be called through forward
-        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten())
+        return lm_loss(model, batch["input_ids"], batch["targets"])
 
     def sample(self, model: nn.Module, device: torch.device) -> str | None:
         if self.cfg.sample_tokens <= 0:
@@ -135,6 +161,16 @@ class CausalLM(Objective):
 
         return sample_text(model, self.tokenizer, self.cfg.sample_prompt, self.cfg.sample_tokens, device,
                            seed=self.cfg.seed)
+
+
+def lm_loss(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of a decoder's next-token predictions over the targets that are not -100."""
+    from tinyformer.models.decoder import DecoderLM
+
+    if isinstance(model, DecoderLM):  # the plain module: its fused head + cross-entropy never stores logits
+        return model.loss(input_ids, targets)
+    logits = model(input_ids)  # a wrapper (compiled, DDP) must be called through forward
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 #: name -> objective class. Other modules add theirs with ``OBJECTIVES["name"] = TheirObjective``.
@@ -147,7 +183,7 @@ import tinyformer.training.mlm  # noqa: F401, E402
 # ---- end of registrations ----
 
 #: Modules imported on first lookup when they exist, so that they can register objectives/tasks.
-PLUGIN_MODULES = ("tinyformer.training.tasks",)
+PLUGIN_MODULES = ("tinyformer.training.tasks", "tinyformer.training.sft", "tinyformer.training.dpo")
 
 
 def _load_plugins() -> None:

@@ -39,7 +39,7 @@ TRAIN_FILE = "train.yaml"
 #: What a run folder holds; ``force`` deletes these and nothing else.
 RUN_ENTRIES = ("config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
                "tokenizer_config.json", TRAIN_FILE, STATE_DIR, "metrics.jsonl", "samples.txt", "loss.png",
-               "tensorboard")
+               "tensorboard", "report.md")
 
 
 @dataclass
@@ -179,7 +179,8 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
             model_cfg = model_cfg.replace(**changes) if changes else model_cfg
     objective_cls = get_objective(train.objective)
     autocast_dtype(train.dtype, resolve_device(train.device))  # an impossible device/dtype fails before any data work
-    train = _check_block_size(model_cfg, train) if objective_cls.uses_corpus else train
+    uses_block = objective_cls.uses_corpus or objective_cls.uses_block_size
+    train = _check_block_size(model_cfg, train) if uses_block else train
     check_buildable(model_cfg)  # an absurd size fails here, not in the allocator after the tokenizer is trained
 
     # ---- tokenizer and data
@@ -196,6 +197,8 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
         tokenizer = train_tokenizer(train)
     else:
         tokenizer = objective_cls.make_tokenizer(train)
+    if not spec.resume:
+        tokenizer = objective_cls.adapt_tokenizer(tokenizer)
     dataset = None
     if objective_cls.uses_corpus:
         dataset = build_dataset(train, tokenizer)
@@ -203,10 +206,10 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
     objective: Objective = objective_cls(train, tokenizer, dataset)
     if not spec.resume and init_from is None:
         model_cfg = model_cfg.replace(vocab_size=tokenizer.vocab_size)
-    elif tokenizer.vocab_size > model_cfg.vocab_size:
+    model_cfg = objective.model_config(model_cfg)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
         raise CheckpointError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
                               f"{model_cfg.vocab_size} embedding rows")
-    model_cfg = objective.model_config(model_cfg)
 
     # ---- run folder
     if is_main:
@@ -235,6 +238,9 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
         n_params = sum(p.numel() for p in trainer.model.parameters())
         notes.append(f"initialised from {init_from}: its weights ({n_params:,} parameters, {model_cfg.arch}, "
                      f"{model_cfg.n_layer} layers) and its {tokenizer.kind} tokenizer ({tokenizer.vocab_size} ids)")
+    data_note = objective.describe_data() if is_main else None
+    if data_note:
+        notes.append(data_note)
     if dataset is not None and is_main:
         n_train, n_val = len(dataset.splits["train"]), len(dataset.splits["val"])
         notes.append(f"data: {len(dataset):,} tokens ({n_train:,} train / {n_val:,} val) from {corpus_name(train)}")

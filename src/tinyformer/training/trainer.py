@@ -209,7 +209,8 @@ class Trainer:
         """Start from another run's weights (fine-tuning); optimizer and step start fresh."""
         from tinyformer.run_folder import iter_tensors
 
-        load_weights(self.model, dict(iter_tensors(run_dir)), f"--init-from {run_dir}",
+        tensors = self.objective.adapt_pretrained(dict(iter_tensors(run_dir)))
+        load_weights(self.model, tensors, f"--init-from {run_dir}",
                      assign=self.state_loaders().get("assign_weights"))
 
     # ------------------------------------------------------------------ one update
@@ -343,6 +344,10 @@ class Trainer:
             pbar.close()
             self.metrics.close()
         plot_note = self.plot() if self.is_main else None
+        if self.is_main:
+            from tinyformer.training.report import write_report
+
+            write_report(self.run_dir, self.objective, self.model, self.device)
         train_loss = self._last_train_loss()
         return TrainSummary(self.step, self.tokens_seen, self.train_seconds, train_loss, val_loss, sample, plot_note)
 
@@ -350,9 +355,16 @@ class Trainer:
         val_loss = self.evaluate("val")
         record: dict[str, Any] = {"kind": "eval", "step": self.step, "train_loss": train_loss}
         line = f"step {self.step}: train loss {train_loss:.4f}"
-        if val_loss is not None:
+        if val_loss is not None and not self.objective.loss_is_nll:  # e.g. DPO: no perplexity
+            record.update(val_loss=val_loss)
+            line += f", val loss {val_loss:.4f}"
+        elif val_loss is not None:
             record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 700.0)))
             line += f", val loss {val_loss:.4f} (perplexity {record['val_ppl']:.2f})"
+        if self.is_main:
+            extra = self.objective.eval_metrics(self.model, self.device)
+            record.update(extra)
+            line += "".join(f", {k} {v:.4f}" for k, v in extra.items())
         self.metrics.log(record)
         self._log(pbar, line)
         sample = self.draw_sample()

@@ -1,0 +1,249 @@
+"""Direct preference optimisation (``--objective dpo``, Rafailov et al. 2023) on (prompt, chosen, rejected) pairs.
+
+    loss = -log sigmoid( beta * ((log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x))) )
+
+averaged over the pairs of a batch, with pi the model being trained, ref the frozen reference (the
+``--init-from`` model), y_w the chosen and y_l the rejected reply, log p(y|x) summed over the reply's
+tokens (:mod:`tinyformer.training.preference`), beta = ``--dpo-beta`` (default 0.1).
+
+The reference never changes, so its log-probabilities are computed once per pair, in eval mode,
+before the first update, and kept (2 floats per pair): no second model stays in memory. With LoRA
+adapters (``has_lora``) the reference is the model itself with its adapters switched off
+(``lora_disabled``), which is the frozen base; otherwise the ``--init-from`` weights are loaded once
+for that pass and dropped. Either way a resumed run computes the same reference values.
+
+A batch holds B pairs as 2B right-padded rows (the chosen replies, then the rejected ones; see
+``pair_batch``) and the pairs' indices. Pairs are split into train and held-out by a hash of the
+first user message (as SFT does). Each evaluation adds to metrics.jsonl, for a fixed set of train
+pairs and the held-out ones: the DPO loss, the reward margin mean(r_w - r_l), the reward accuracy
+(r_w > r_l) and the preference accuracy (log pi(y_w|x) > log pi(y_l|x)). report.md gives the held-out
+preference accuracy of the reference (before) and of the trained model (after).
+
+Rows that cannot be used are skipped and counted: chosen == rejected, a prompt that fills the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from tinyformer.errors import DataError
+from tinyformer.training.objectives import OBJECTIVES, Batch
+from tinyformer.training.preference import Row, dpo_loss, pair_batch, score_pairs, sequence_logps
+from tinyformer.training.sft import ChatObjective, first_user_text
+
+if TYPE_CHECKING:
+    from tinyformer.data.chat_data import PreferencePair
+    from tinyformer.data.dataset import TokenDataset
+    from tinyformer.data.tokenizer import Tokenizer
+    from tinyformer.training.config import TrainConfig
+
+SPLITS = ("train", "val")
+
+
+def _lora_hooks() -> tuple[object, object] | None:
+    """(has_lora, lora_disabled) from the LoRA module, or None where it does not exist."""
+    try:
+        from tinyformer.components.lora import has_lora, lora_disabled
+    except ImportError:
+        return None
+    return has_lora, lora_disabled
+
+
+def plain_module(model: nn.Module) -> nn.Module:
+    """The module inside a compiled (``_orig_mod``) or data-parallel (``module``) wrapper."""
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model)
+
+
+class DPOObjective(ChatObjective):
+    """DPO on preference pairs against a frozen reference (see the module docstring)."""
+
+    name = "dpo"
+    loss_label = "held-out DPO loss"
+    loss_is_nll = False  # a pairwise loss: exp(loss) is no perplexity
+    val_loss_key = "val_dpo_loss"  # the mean over pairs (the trainer's val_loss weights batches by tokens)
+
+    def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
+        super().__init__(cfg, tokenizer, dataset)
+        from tinyformer.data.chat_data import describe_skipped
+        from tinyformer.training.preference import encode_pair
+
+        pairs, self.source, skipped = load_pairs(cfg.data)
+        self.skipped.update(skipped)
+        self.truncated = 0
+        self.pairs: dict[str, list[tuple[Row, Row]]] = {s: [] for s in SPLITS}
+        self.raw: dict[str, list[PreferencePair]] = {s: [] for s in SPLITS}
+        for pair in pairs:
+            encoded, cut = encode_pair(tokenizer, pair, self._block(), self.render)
+            if encoded is None:
+                self.skipped["prompt longer than the context"] += 1
+                continue
+            self.truncated += cut
+            split = self._split(first_user_text(pair.prompt))
+            self.pairs[split].append(encoded)
+            self.raw[split].append(pair)
+        if not self.pairs["train"]:
+            extra = f"; {describe_skipped(self.skipped)}" if self.skipped else ""
+            raise DataError(f"{self.source} has no preference pair to train on{extra}")
+        #: reference log-probs per split, (N, 2) = (chosen, rejected); computed at the first loss
+        self.reference: dict[str, torch.Tensor] | None = None
+
+    def describe_data(self) -> str | None:
+        from tinyformer.data.chat_data import describe_skipped
+
+        parts = [f"data: {len(self.pairs['train']):,} train / {len(self.pairs['val']):,} held-out preference pairs "
+                 f"from {self.source}", f"{self.truncated} cut to the {self._block()}-token context",
+                 f"beta {self.cfg.dpo_beta:g}"]
+        if self.skipped:
+            parts.append(describe_skipped(self.skipped))
+        return "; ".join(parts)
+
+    # ------------------------------------------------------------------ the reference
+    def ensure_reference(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The reference log-probs of every pair, computed on first use (see the module docstring)."""
+        if self.reference is not None:
+            return self.reference
+        model = plain_module(model)
+        device = next(model.parameters()).device
+        hooks = _lora_hooks()
+        if hooks is not None and hooks[0](model):
+            with hooks[1](model):
+                self.reference = self._score_all(model, device)
+        else:
+            self.reference = self._score_all(self._load_reference(model, device), device)
+        return self.reference
+
+    def _load_reference(self, model: nn.Module, device: torch.device) -> nn.Module:
+        """The ``--init-from`` weights in a model shaped like ``model`` (embeddings grown as for training)."""
+        from tinyformer.models import build_model
+        from tinyformer.run_folder import iter_tensors, rebuild_buffers
+        from tinyformer.training.checkpoint import load_weights
+
+        assert self.cfg.init_from is not None, "a chat objective always starts from --init-from"
+        with torch.device("meta"):
+            reference = build_model(model.cfg)
+        reference.to_empty(device=device)
+        rebuild_buffers(reference, device)
+        tensors = self.adapt_pretrained(dict(iter_tensors(Path(self.cfg.init_from))))
+        if model.cfg.tie_embeddings:
+            reference.lm_head.weight = reference.tok_emb.weight
+        load_weights(reference, tensors, f"the DPO reference {self.cfg.init_from}")
+        return reference.requires_grad_(False)
+
+    def _score_all(self, model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+        out = {}
+        for split in SPLITS:
+            if self.pairs[split]:
+                chosen, rejected = score_pairs(model, self.pairs[split], self.pad_id, self.cfg.batch_size, device)
+                out[split] = torch.stack([chosen, rejected], dim=1)
+            else:
+                out[split] = torch.zeros(0, 2)
+        return out
+
+    # ------------------------------------------------------------------ batches and loss
+    def has_split(self, split: str) -> bool:
+        return bool(self.pairs.get(split))
+
+    def _batch(self, split: str, index: list[int]) -> Batch:
+        batch = pair_batch([self.pairs[split][i] for i in index], self.pad_id)
+        batch["pair_index"] = torch.tensor(index, dtype=torch.long)
+        batch["split"] = torch.tensor(SPLITS.index(split))
+        return batch
+
+    def get_batch(self, split: str, generator: torch.Generator, rank: int = 0, world_size: int = 1) -> Batch:
+        n = len(self.pairs[split])
+        index = torch.randint(0, n, (self.cfg.batch_size * world_size,), generator=generator)
+        return self._batch(split, index[rank::world_size].tolist())
+
+    def _eval_indices(self, split: str, max_batches: int | None, rank: int = 0, world_size: int = 1
+                      ) -> Iterator[list[int]]:
+        B, n = self.cfg.batch_size, len(self.pairs[split])
+        for k, start in enumerate(range(rank * B, n, B * world_size)):
+            if max_batches is not None and k >= max_batches:
+                return
+            yield list(range(start, min(start + B, n)))
+
+    def eval_batches(self, split: str, max_batches: int | None, rank: int = 0, world_size: int = 1
+                     ) -> Iterator[Batch]:
+        for index in self._eval_indices(split, max_batches, rank, world_size):
+            yield self._batch(split, index)
+
+    def pair_terms(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor, torch.Tensor]:
+        """(losses, chosen rewards, rejected rewards, log pi(chosen), log pi(rejected)), each (B,)."""
+        reference = self.ensure_reference(model)[SPLITS[int(batch["split"])]]
+        ref = reference[batch["pair_index"].cpu()].to(batch["input_ids"].device)
+        chosen, rejected = sequence_logps(model, batch["input_ids"], batch["targets"]).chunk(2)
+        losses, r_w, r_l = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], self.cfg.dpo_beta)
+        return losses, r_w, r_l, chosen, rejected
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return self.pair_terms(model, batch)[0].mean()
+
+    # ------------------------------------------------------------------ figures
+    @torch.no_grad()
+    def split_metrics(self, model: nn.Module, split: str, device: torch.device) -> dict[str, float]:
+        """DPO loss, reward margin, reward accuracy and preference accuracy over ``split``'s evaluation pairs."""
+        was_training = model.training
+        model.eval()
+        terms = []
+        try:
+            for batch in self.eval_batches(split, self.cfg.eval_iters or None):
+                batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                terms.append(torch.stack(self.pair_terms(model, batch)).double().cpu())
+        finally:
+            model.train(was_training)
+        losses, r_w, r_l, chosen, rejected = torch.cat(terms, dim=1)
+        return {f"{split}_dpo_loss": float(losses.mean()), f"{split}_reward_margin": float((r_w - r_l).mean()),
+                f"{split}_reward_accuracy": float((r_w > r_l).double().mean()),
+                f"{split}_preference_accuracy": float((chosen > rejected).double().mean())}
+
+    def eval_metrics(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for split in SPLITS:
+            if self.pairs[split]:
+                out.update(self.split_metrics(model, split, device))
+        return out
+
+    def reference_accuracy(self, split: str, n: int | None = None) -> float | None:
+        """Preference accuracy of the reference (the model before DPO) on the first ``n`` pairs of ``split``."""
+        if self.reference is None or not len(self.reference[split]):
+            return None
+        ref = self.reference[split][:n]
+        return float((ref[:, 0] > ref[:, 1]).double().mean())
+
+    def report(self, model: nn.Module, device: torch.device) -> list[str]:
+        self.ensure_reference(model)
+        split = "val" if self.pairs["val"] else "train"
+        after = self.split_metrics(model, split, device)
+        name = "held-out" if split == "val" else "train (no held-out pairs)"
+        n = len(self.pairs[split]) if not self.cfg.eval_iters else min(len(self.pairs[split]),
+                                                                        self.cfg.eval_iters * self.cfg.batch_size)
+        before = self.reference_accuracy(split, n)
+        lines = [f"## Preferences ({n} {name} pairs, beta {self.cfg.dpo_beta:g})", "",
+                 "| | before (reference) | after |", "|---|---|---|",
+                 f"| preference accuracy, log p(chosen) > log p(rejected) | {before:.3f} "
+                 f"| {after[f'{split}_preference_accuracy']:.3f} |",
+                 f"| reward margin | 0 | {after[f'{split}_reward_margin']:.4f} |",
+                 f"| reward accuracy | 0 | {after[f'{split}_reward_accuracy']:.3f} |"]
+        return lines
+
+
+def load_pairs(data: str | None) -> tuple[list[PreferencePair], str, dict[str, int]]:
+    """The pairs of ``data`` (a preference JSONL file), or the built-in preference set when None."""
+    from tinyformer.data.chat_data import read_preference_file
+
+    if data is None:
+        from tinyformer.data.instructions import builtin_preferences
+
+        return builtin_preferences(), "the built-in preference set", {}
+    prefs = read_preference_file(data)
+    return prefs.pairs, data, prefs.skipped
+
+
+OBJECTIVES["dpo"] = DPOObjective

@@ -1,0 +1,287 @@
+"""Supervised fine-tuning on conversations (``--objective sft``), and what every chat objective shares.
+
+A chat objective fine-tunes a decoder run (``--init-from RUN``) on chat data (``--data FILE.jsonl``,
+see :mod:`tinyformer.data.chat_data`; without ``--data`` the built-in instruction set of
+:mod:`tinyformer.data.instructions`). A run whose tokenizer has no chat template gets ChatML
+(:func:`~tinyformer.data.chat_template.with_chatml`): its two new token ids get new embedding rows
+(and head rows when the head is untied), each the mean of the existing rows, so every old id keeps
+its row and a new token starts as an "average" token rather than noise.
+
+SFT: each conversation is rendered with the template and encoded with a mask that is 1 on assistant
+replies (their end-of-turn token included, see :mod:`tinyformer.data.chat_template`). With x the
+ids (B, T), m the mask and the prediction of token t + 1 from tokens <= t,
+
+    loss = - sum_{b,t} m[b,t+1] log p(x[b,t+1] | x[b,<=t])  /  sum_{b,t} m[b,t+1]
+
+i.e. the mean over assistant tokens only. A batch holds one conversation per row, right-padded
+(targets -100 on padding): with causal attention a real token never sees the padding after it, so
+no attention crosses conversations and no attention mask is needed. A conversation longer than
+``block_size + 1`` tokens is cut to that length (counted); one left with no assistant token in the
+window is skipped (counted). A fixed fraction (``val_fraction``) of conversations, chosen by a hash
+of the first user message, is held out for validation. Batches are drawn with the trainer's seeded
+generator only, so ``--resume`` continues the exact stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+from tinyformer.config import ModelConfig
+from tinyformer.errors import ConfigError, DataError
+from tinyformer.training.objectives import OBJECTIVES, Batch, Objective, lm_loss
+
+if TYPE_CHECKING:
+    from tinyformer.data.chat_data import Conversation
+    from tinyformer.data.dataset import TokenDataset
+    from tinyformer.data.tokenizer import Tokenizer
+    from tinyformer.training.config import TrainConfig
+
+IGNORE = -100
+SAMPLE_QUESTIONS = 3
+SAMPLE_TOKENS = 64
+REPORT_QUESTIONS = 5
+
+
+def is_heldout(key: str, fraction: float) -> bool:
+    """Whether the example keyed by ``key`` is in the held-out split: sha1(key) as a fraction of 2^32 < fraction.
+    A hash, not a position, so the same question is held out by SFT and DPO and in any file order."""
+    return int(hashlib.sha1(key.encode("utf-8")).hexdigest()[:8], 16) / 2**32 < fraction
+
+
+def first_user_text(messages: Sequence[dict[str, str]]) -> str:
+    return next((m["content"] for m in messages if m["role"] == "user"), "")
+
+
+def grow_vocab(tensors: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+    """``tensors`` with ``tok_emb.weight`` and (untied) ``lm_head.weight`` extended to ``vocab_size`` rows;
+    each new row is the mean of the existing rows, the existing rows are kept as they are."""
+    out = dict(tensors)
+    for key in ("tok_emb.weight", "lm_head.weight"):
+        weight = out.get(key)
+        if weight is not None and weight.shape[0] < vocab_size:
+            mean = weight.float().mean(0, keepdim=True).to(weight.dtype)
+            out[key] = torch.cat([weight, mean.expand(vocab_size - weight.shape[0], -1)], dim=0)
+    return out
+
+
+def pad_rows(rows: Sequence[tuple[list[int], list[int]]], pad_id: int) -> Batch:
+    """(input ids, targets) pairs of different lengths -> right-padded (B, T) tensors (targets -100 on padding)."""
+    T = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    targets = torch.full((len(rows), T), IGNORE, dtype=torch.long)
+    for i, (ids, tgt) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        targets[i, : len(tgt)] = torch.tensor(tgt)
+    return {"input_ids": input_ids, "targets": targets, "tokens": int((targets != IGNORE).sum())}
+
+
+class ChatObjective(Objective):
+    """What SFT and DPO share: a decoder fine-tuned from ``--init-from``, its tokenizer given a chat
+    template, embeddings grown for the template's tokens, answers to held-out prompts as the sample."""
+
+    uses_corpus: ClassVar[bool] = False
+    uses_block_size: ClassVar[bool] = True
+
+    def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
+        super().__init__(cfg, tokenizer, dataset)
+        if cfg.task is not None:
+            raise ConfigError(f"--task {cfg.task!r} does not apply to objective {self.name!r} (it reads chat data)")
+        from tinyformer.data.chat_template import renderer
+
+        self.render = renderer(tokenizer)
+        self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else (tokenizer.eos_id or 0)
+        self.skipped: Counter = Counter()
+
+    @classmethod
+    def make_tokenizer(cls, cfg: TrainConfig) -> Tokenizer:
+        raise ConfigError(f"objective {cls.name!r} fine-tunes a trained model: give --init-from RUN (for example "
+                          "the run folder of a plain `tinyformer train`)")
+
+    @classmethod
+    def adapt_tokenizer(cls, tokenizer: Tokenizer) -> Tokenizer:
+        from tinyformer.data.chat_template import with_chatml
+
+        return with_chatml(tokenizer)
+
+    def model_config(self, model_cfg: ModelConfig) -> ModelConfig:
+        if model_cfg.arch != "decoder":
+            raise ConfigError(f"objective {self.name!r} fine-tunes a decoder, but model.arch is {model_cfg.arch!r}")
+        return model_cfg.replace(vocab_size=max(model_cfg.vocab_size, self.tokenizer.vocab_size))
+
+    def adapt_pretrained(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return grow_vocab(tensors, self.tokenizer.vocab_size)
+
+    def _block(self) -> int:
+        assert self.cfg.block_size is not None, "block_size is resolved before the objective is used"
+        return self.cfg.block_size
+
+    def _split(self, key: str) -> str:
+        return "val" if is_heldout(key, self.cfg.val_fraction) else "train"
+
+    def answer(self, model: nn.Module, prompts: Sequence[Sequence[dict[str, str]]], device: torch.device | str,
+               max_new_tokens: int = SAMPLE_TOKENS) -> list[str]:
+        """Greedy replies of ``model`` to each prompt (messages ending with a user turn)."""
+        return answer_prompts(model, self.tokenizer, prompts, device, max_new_tokens, self.render)
+
+
+@torch.no_grad()
+def answer_prompts(model: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[dict[str, str]]],
+                   device: torch.device | str, max_new_tokens: int = SAMPLE_TOKENS,
+                   render: Callable[[Sequence[dict[str, str]], bool], str] | None = None) -> list[str]:
+    """Greedy replies (stopping at an end-of-turn token or EOS) to each prompt, rendered with the template."""
+    from tinyformer.data.chat_template import encode_prompt, stop_token_ids
+    from tinyformer.generation.engine import Generator
+    from tinyformer.generation.sampling import SamplingParams
+
+    model = getattr(model, "_orig_mod", model)  # a compiled wrapper's module
+    was_training = model.training
+    gen = Generator(model, tokenizer)
+    stops = stop_token_ids(tokenizer)
+    replies = []
+    try:
+        for messages in prompts:
+            ids = encode_prompt(tokenizer, messages, render)
+            room = model.cfg.max_seq_len - len(ids)
+            if room <= 0:
+                replies.append("(the prompt is longer than the context)")
+                continue
+            params = SamplingParams(temperature=0.0, max_new_tokens=min(max_new_tokens, room),
+                                    stop_token_ids=stops).validate()
+            replies.append(gen.generate([ids], params)[0].text.strip())
+    finally:
+        model.train(was_training)
+    return replies
+
+
+class SFTObjective(ChatObjective):
+    """Supervised fine-tuning: next-token loss on assistant tokens only (see the module docstring)."""
+
+    name = "sft"
+    loss_label = "held-out assistant-token loss"
+
+    def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
+        super().__init__(cfg, tokenizer, dataset)
+        from tinyformer.data.chat_data import describe_skipped
+
+        conversations, source, skipped = load_conversations(cfg.data)
+        self.source = source
+        self.skipped.update(skipped)
+        self.truncated = 0
+        self.examples: dict[str, list[tuple[list[int], list[int]]]] = {"train": [], "val": []}
+        self.heldout: list[Conversation] = []
+        for conv in conversations:
+            example = self.encode(conv)
+            if example is None:
+                continue
+            split = self._split(first_user_text(conv.messages))
+            self.examples[split].append(example)
+            if split == "val":
+                self.heldout.append(conv)
+        if not self.examples["train"]:
+            extra = f"; {describe_skipped(self.skipped)}" if self.skipped else ""
+            raise DataError(f"{source} has no conversation to train on{extra}")
+
+    def encode(self, conv: Conversation) -> tuple[list[int], list[int]] | None:
+        """(input ids, targets) of a conversation cut to the context, or None (counted) when no assistant
+        token is left."""
+        from tinyformer.data.chat_template import encode_conversation
+
+        try:
+            ids, mask = encode_conversation(self.tokenizer, conv.messages, self.render)
+        except DataError as exc:
+            raise DataError(f"{conv.source}: {exc}") from None
+        if len(ids) > self._block() + 1:
+            ids, mask = ids[: self._block() + 1], mask[: self._block() + 1]
+            self.truncated += 1
+        targets = [t if m else IGNORE for t, m in zip(ids[1:], mask[1:])]
+        if all(t == IGNORE for t in targets):
+            self.skipped["no assistant token within the context"] += 1
+            return None
+        return ids[:-1], targets
+
+    def describe_data(self) -> str | None:
+        from tinyformer.data.chat_data import describe_skipped
+
+        n_train, n_val = len(self.examples["train"]), len(self.examples["val"])
+        parts = [f"data: {n_train:,} train / {n_val:,} held-out conversations from {self.source}",
+                 f"{self.truncated} cut to the {self._block()}-token context"]
+        if self.skipped:
+            parts.append(describe_skipped(self.skipped))
+        return "; ".join(parts)
+
+    def has_split(self, split: str) -> bool:
+        return bool(self.examples.get(split))
+
+    def get_batch(self, split: str, generator: torch.Generator, rank: int = 0, world_size: int = 1) -> Batch:
+        examples = self.examples[split]
+        index = torch.randint(0, len(examples), (self.cfg.batch_size * world_size,), generator=generator)
+        mine = index[rank::world_size].tolist()  # every rank draws the same numbers and keeps its share
+        return pad_rows([examples[i] for i in mine], self.pad_id)
+
+    def eval_batches(self, split: str, max_batches: int | None, rank: int = 0, world_size: int = 1
+                     ) -> Iterator[Batch]:
+        examples = self.examples[split]
+        B = self.cfg.batch_size
+        for n, start in enumerate(range(rank * B, len(examples), B * world_size)):
+            if max_batches is not None and n >= max_batches:
+                return
+            yield pad_rows(examples[start : start + B], self.pad_id)
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return lm_loss(model, batch["input_ids"], batch["targets"])
+
+    def heldout_prompts(self, n: int) -> list[tuple[list[dict[str, str]], str]]:
+        """(prompt messages, expected reply) of the first ``n`` held-out conversations, cut before their
+        last assistant turn."""
+        out = []
+        for conv in self.heldout[:n]:
+            last = max(i for i, m in enumerate(conv.messages) if m["role"] == "assistant")
+            out.append((conv.messages[:last], conv.messages[last]["content"]))
+        return out
+
+    def sample(self, model: nn.Module, device: torch.device) -> str | None:
+        """Greedy answers to the first held-out questions, next to the expected answers."""
+        if self.cfg.sample_tokens <= 0 or not self.heldout:
+            return None
+        return format_answers(self.heldout_prompts(SAMPLE_QUESTIONS),
+                              self.answer(model, [p for p, _ in self.heldout_prompts(SAMPLE_QUESTIONS)], device,
+                                          min(SAMPLE_TOKENS, self.cfg.sample_tokens)))
+
+    def report(self, model: nn.Module, device: torch.device) -> list[str]:
+        pairs = self.heldout_prompts(REPORT_QUESTIONS)
+        if not pairs:
+            return []
+        budget = min(SAMPLE_TOKENS, self.cfg.sample_tokens) if self.cfg.sample_tokens else SAMPLE_TOKENS
+        replies = self.answer(model, [p for p, _ in pairs], device, budget)
+        lines = [f"## {len(pairs)} held-out questions, answered greedily", ""]
+        for (prompt, expected), reply in zip(pairs, replies):
+            lines += [f"- **Q:** {prompt[-1]['content']}", f"  **A:** {reply}", f"  *reference:* {expected}"]
+        return lines
+
+
+def format_answers(pairs: Sequence[tuple[Sequence[dict[str, str]], str]], replies: Sequence[str]) -> str:
+    lines = []
+    for (prompt, expected), reply in zip(pairs, replies):
+        lines += [f"Q: {prompt[-1]['content']}", f"A: {reply}", f"   (reference: {expected})"]
+    return "\n".join(lines)
+
+
+def load_conversations(data: str | None) -> tuple[list[Conversation], str, Counter]:
+    """The conversations of ``data`` (a chat JSONL file), or of the built-in instruction set when None."""
+    from tinyformer.data.chat_data import read_chat_file
+
+    if data is None:
+        from tinyformer.data.instructions import builtin_conversations
+
+        return builtin_conversations(), "the built-in instruction set", Counter()
+    chat = read_chat_file(data)
+    return chat.conversations, data, chat.skipped
+
+
+OBJECTIVES["sft"] = SFTObjective
