@@ -10,13 +10,13 @@ left, exactly as lm-eval's ``hf`` backend cuts its input ``(c + k)[-(max_length 
 continuation itself must fit (K <= max_length).
 
 How it is computed. Requests with the same (cut) context form a group (the choices of a
-multiple-choice question). A batch holds up to ``batch_size`` continuations from G groups:
+multiple-choice question). Groups are taken ``batch_size`` at a time, longest context first:
 
     prefill:  the G contexts, left padded to P = max P_g with a padding mask    ids (G, P)
               -> KV cache (G rows) and the last position's logits                 (G, V)
-    expand:   cache rows copied to the N continuations (row g(r) for continuation r)
-    extend:   k_1..k_{K_r - 1} of every continuation, right padded to K - 1       ids (N, K - 1)
-              against the cache -> hidden states; the LM head runs only on real positions
+    extend:   continuations longest first, batch_size rows at a time: the rows' cache
+              copied from their contexts' rows, k_1..k_{K_r - 1} right padded    ids (n, K - 1)
+              -> hidden states; the LM head runs only on real positions
 
 so a shared context is encoded once, not once per choice, and the vocabulary-sized head (the largest
 matmul of a small model) runs only where a continuation token is scored. Padding after the real
@@ -26,8 +26,10 @@ context. Log-softmax is taken in float32.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -58,29 +60,13 @@ def _cut(ctx: Sequence[int], cont: Sequence[int], max_length: int) -> tuple[int,
     return tuple(ctx[-(max_length + 1 - len(cont)):])
 
 
-def _batches(groups: list[tuple[tuple[int, ...], list[int]]], batch_size: int):
-    """Split groups (context, request indices) into batches of at most ``batch_size`` continuations;
-    a group larger than a batch is split into several (its context is then encoded once per part)."""
-    batch: list[tuple[tuple[int, ...], list[int]]] = []
-    rows = 0
-    for ctx, members in groups:
-        for i in range(0, len(members), batch_size):
-            part = members[i : i + batch_size]
-            if rows + len(part) > batch_size:
-                yield batch
-                batch, rows = [], 0
-            batch.append((ctx, part))
-            rows += len(part)
-    if batch:
-        yield batch
-
-
 @torch.inference_mode()
 def score_continuations(model: nn.Module, requests: Sequence[tuple[Sequence[int], Sequence[int]]], *,
                         batch_size: int = 8, max_length: int | None = None,
                         progress: bool = False) -> list[Score]:
     """Score each (context ids, continuation ids) request with a decoder LM; one :class:`Score` per
-    request, in order. ``max_length`` (default: the model's ``max_seq_len``) is the longest input."""
+    request, in order. ``max_length`` (default: the model's ``max_seq_len``) is the longest input;
+    no forward pass holds more than ``batch_size`` rows."""
     from tqdm.auto import tqdm
 
     if batch_size < 1:
@@ -93,26 +79,26 @@ def score_continuations(model: nn.Module, requests: Sequence[tuple[Sequence[int]
     for i, (ctx, _) in enumerate(requests):
         by_ctx.setdefault(_cut([int(t) for t in ctx], conts[i], L), []).append(i)
     # longest first, as lm-eval does: neighbours have similar lengths (little padding)
-    groups = sorted(by_ctx.items(), key=lambda g: -(len(g[0]) + max(len(conts[i]) for i in g[1])))
+    groups = sorted(by_ctx.items(), key=lambda g: (-len(g[0]), -max(len(conts[i]) for i in g[1])))
     device = model.tok_emb.weight.device
     out: list[Score | None] = [None] * len(requests)
     bar = tqdm(total=len(requests), desc="scoring", unit="req", disable=not progress)
-    for batch in _batches(groups, batch_size):
-        members = [i for _, part in batch for i in part]
-        for index, score in zip(members, _score_batch(model, batch, conts, device)):
+    for start in range(0, len(groups), batch_size):
+        done = _score_groups(model, groups[start : start + batch_size], conts, batch_size, device)
+        for index, score in done:
             out[index] = score
-        bar.update(len(members))
+        bar.update(len(done))
     bar.close()
     return out  # type: ignore[return-value]
 
 
-def _score_batch(model: nn.Module, batch: list[tuple[tuple[int, ...], list[int]]], conts: list[tuple[int, ...]],
-                 device: torch.device) -> list[Score]:
+def _score_groups(model: nn.Module, batch: list[tuple[tuple[int, ...], list[int]]], conts: list[tuple[int, ...]],
+                  batch_size: int, device: torch.device) -> list[tuple[int, Score]]:
+    """Prefill the (at most batch_size) contexts of ``batch`` once, then extend their continuations,
+    longest first, batch_size rows at a time: (request index, score) pairs."""
     G = len(batch)
     P = max(len(ctx) for ctx, _ in batch)
-    rows = [(g, conts[i]) for g, (_, members) in enumerate(batch) for i in members]  # (group, continuation)
-    N = len(rows)
-    K = max(len(k) for _, k in rows)
+    K = max(len(conts[i]) for _, members in batch for i in members)
     ctx_ids = torch.zeros(G, P, dtype=torch.long)
     ctx_mask = torch.zeros(G, P, dtype=torch.long)
     for g, (ctx, _) in enumerate(batch):
@@ -122,35 +108,51 @@ def _score_batch(model: nn.Module, batch: list[tuple[tuple[int, ...], list[int]]
     ctx_ids, ctx_mask = ctx_ids.to(device), ctx_mask.to(device)
     cache = model.new_cache(G, P + K - 1)
     first = model(ctx_ids, attention_mask=ctx_mask if padded else None, cache=cache, last_only=True)[:, -1]  # (G, V)
-    group = torch.tensor([g for g, _ in rows], device=device)
-    targets = torch.zeros(N, K, dtype=torch.long)
-    real = torch.zeros(N, K, dtype=torch.bool)
-    for r, (_, k) in enumerate(rows):
+    # Each forward pass streams every weight from memory, so rows are packed batch_size at a time; sorted
+    # by length, the rows of a pass need little padding.
+    rows = sorted(((g, i) for g, (_, members) in enumerate(batch) for i in members), key=lambda r: -len(conts[r[1]]))
+    done = []
+    for j in range(0, len(rows), batch_size):
+        chunk = rows[j : j + batch_size]
+        scores = _extend(model, cache, first, ctx_mask if padded else None,
+                         [g for g, _ in chunk], [conts[i] for _, i in chunk], device)
+        done.extend(zip((i for _, i in chunk), scores))
+    return done
+
+
+def _extend(model: nn.Module, cache: Any, first: Tensor, ctx_mask: Tensor | None, groups: list[int],
+            conts: list[tuple[int, ...]], device: torch.device) -> list[Score]:
+    """Score continuation r after context groups[r]: k_1 from the prefill logits ``first`` (G, V),
+    k_2 .. k_K from one pass over k_1 .. k_{K-1} against a copy of the contexts' cache rows."""
+    n = len(conts)
+    K = max(len(k) for k in conts)
+    group = torch.tensor(groups, device=device)
+    targets = torch.zeros(n, K, dtype=torch.long)
+    real = torch.zeros(n, K, dtype=torch.bool)
+    for r, k in enumerate(conts):
         targets[r, : len(k)] = torch.tensor(k)
         real[r, : len(k)] = True
     targets, real = targets.to(device), real.to(device)
-    token_lp = torch.zeros(N, K, device=device)
+    token_lp = torch.zeros(n, K, device=device)
     greedy = ~real
-    # k_1 of every row is predicted by its context's last position
-    lp, hit = _pick(first.index_select(0, group), targets[:, 0])
-    token_lp[:, 0], greedy[:, 0] = lp, hit
+    token_lp[:, 0], greedy[:, 0] = _pick(first.index_select(0, group), targets[:, 0])
     if K > 1:
-        cache.reorder(group)
+        part = copy.copy(cache)
+        part.reorder(group)  # index_select: new tensors; the prefill cache stays for the next rows
         ext = targets[:, : K - 1]  # k_1 .. k_{K-1}; padding (token 0) after a shorter row's end
         ext_real = real[:, 1:]  # position j predicts k_{j+2}: real where that token exists
         mask = None
-        if padded or not bool(ext_real.all()):
+        if ctx_mask is not None or not bool(ext_real.all()):
             # padding keys are hidden and padding positions do not advance (they stay inside the context)
-            mask = torch.cat([ctx_mask.index_select(0, group), ext_real.long()], dim=1)
-        h = model.hidden_states(ext, attention_mask=mask, cache=cache)  # (N, K - 1, d)
-        lp, hit = _pick(model.lm_head(h[ext_real]), targets[:, 1:][ext_real])  # head on real positions only
+            left = ctx_mask.index_select(0, group) if ctx_mask is not None else torch.ones(
+                n, part.length, dtype=torch.long, device=device)
+            mask = torch.cat([left, ext_real.long()], dim=1)
+        h = model.hidden_states(ext, attention_mask=mask, cache=part)  # (n, K - 1, d)
+        lp, hit = _pick(model.lm_head(h[ext_real]), targets[:, 1:][ext_real])  # the head on real positions only
         token_lp[:, 1:][ext_real], greedy[:, 1:][ext_real] = lp, hit
     greedy_rows = greedy.all(dim=1).tolist()
-    scores = []
-    for r, (_, k) in enumerate(rows):
-        lps = token_lp[r, : len(k)].tolist()
-        scores.append(Score(float(sum(lps)), greedy_rows[r], tuple(lps)))
-    return scores
+    return [Score(float(sum(lps)), greedy_rows[r], tuple(lps))
+            for r, lps in enumerate(token_lp[r, : len(k)].tolist() for r, k in enumerate(conts))]
 
 
 def _pick(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
