@@ -175,6 +175,27 @@ def test_report_card_gains_the_eval_table(run: Path, tmp_path: Path, capsys: pyt
     assert (copy / "report.md").read_text() == report
 
 
+def test_builtin_accuracy_lands_beside_the_loss_in_the_report_card(run: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from tinyformer.evaluation.report import add_builtin_accuracy, merge_eval_table
+
+    stdlib = tmp_path / "stdlib"
+    for module, cls in [("alpha", "A"), ("beta", "B"), ("gamma", "C"), ("delta", "D"), ("eps", "E")]:
+        stdlib.mkdir(exist_ok=True)
+        (stdlib / f"{module}.py").write_text(f"class {cls}: pass\n")
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    assert add_builtin_accuracy(copy, load_model(copy), load_tokenizer(copy), 5, stdlib_dir=stdlib) is None
+    (copy / "report.md").write_text("# Report\n")
+    merge_eval_table(copy, [("text val", "loss", 2.5, 1000)])
+    add_builtin_accuracy(copy, load_model(copy), load_tokenizer(copy), 5, stdlib_dir=stdlib)
+    expected = evaluate_items(load_model(copy), load_tokenizer(copy), builtin_task(5, stdlib_dir=stdlib))
+    lines = (copy / "report.md").read_text().splitlines()
+    assert "| text val | loss | 2.5000 | 1000 |" in lines
+    assert f"| task builtin | acc | {expected['multiple_choice']['acc']:.4f} | 5 |" in lines
+
+
 def test_per_token_losses_sum_to_the_loss_and_give_bits_per_byte(run: Path, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:

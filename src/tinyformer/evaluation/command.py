@@ -52,6 +52,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _task(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[str, str, float, int | None]]]:
+    from tinyformer.evaluation.report import task_rows
     from tinyformer.evaluation.tasks import BUILTIN, builtin_task, evaluate_items, read_task_file
     from tinyformer.run_folder import load_model, load_tokenizer
     from tinyformer.training.trainer import resolve_device
@@ -63,10 +64,7 @@ def _task(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[str, str
     model, tokenizer = load_model(args.model, device=dev), load_tokenizer(args.model)
     scores = evaluate_items(model, tokenizer, items, batch_size=args.batch_size,
                             max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
-    name = f"task {args.task}"
-    rows = [(name, metric, value, part["n"]) for part in scores.values() for metric, value in part.items()
-            if metric != "n" and not metric.endswith("_stderr")]
-    return {"model": str(args.model), "task": args.task, **scores}, rows
+    return {"model": str(args.model), "task": args.task, **scores}, task_rows(f"task {args.task}", scores)
 
 
 def _harness(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[str, str, float, int | None]]]:
@@ -78,13 +76,8 @@ def _harness(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[str, 
     if not tasks:
         raise ConfigError("--harness needs at least one task name")
     dtype = None if args.dtype == "auto" else args.dtype
-    device = "cpu" if args.device == "auto" else args.device
-    if args.device == "auto":
-        from tinyformer.training.trainer import resolve_device
-
-        device = str(resolve_device("auto"))
     results = run_harness(Path(args.model), tasks, include_path=args.include_path, batch_size=args.batch_size,
-                          limit=args.limit, num_fewshot=args.num_fewshot, device=device, dtype=dtype)
+                          limit=args.limit, num_fewshot=args.num_fewshot, device=args.device, dtype=dtype)
     rows = [(f"lm-eval {task}", metric.replace(",none", ""), float(value), None)
             for task, metrics in results.items() for metric, value in metrics.items()
             if isinstance(value, (int, float)) and "stderr" not in metric]

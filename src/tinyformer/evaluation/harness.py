@@ -56,11 +56,12 @@ class TinyformerLM(TemplateLM):
     in memory (``model=..., tokenizer=...``)."""
 
     def __init__(self, run: str | None = None, batch_size: int | str = DEFAULT_BATCH_SIZE,
-                 max_length: int | str | None = None, max_gen_toks: int | str = 256, device: str | None = "cpu",
+                 max_length: int | str | None = None, max_gen_toks: int | str = 256, device: str | None = "auto",
                  dtype: str | None = None, model: Any = None, tokenizer: Any = None, **kwargs: Any) -> None:
         super().__init__()
         from tinyformer.generation.engine import Generator
         from tinyformer.interop.hf_folder import parse_dtype
+        from tinyformer.training.trainer import resolve_device
 
         unknown = sorted(set(kwargs) - set(_IGNORED_ARGS))
         if unknown:
@@ -69,7 +70,7 @@ class TinyformerLM(TemplateLM):
         if model is None:
             if run is None:
                 raise ConfigError("the tinyformer lm-eval model needs run=RUN (a run folder)")
-            gen = Generator.from_run(Path(run), device=device or "cpu", dtype=parse_dtype(dtype))
+            gen = Generator.from_run(Path(run), device=resolve_device(device or "auto"), dtype=parse_dtype(dtype))
         else:
             gen = Generator(model, tokenizer)
         if gen.tokenizer is None:
@@ -183,7 +184,7 @@ class TinyformerLM(TemplateLM):
 
 def run_harness(run: str | Path, tasks: Sequence[str], *, include_path: str | Path | None = None,
                 batch_size: int = DEFAULT_BATCH_SIZE, limit: int | None = None, num_fewshot: int | None = None,
-                max_length: int | None = None, device: str = "cpu", dtype: str | None = None,
+                max_length: int | None = None, device: str = "auto", dtype: str | None = None,
                 seed: int = 1234) -> dict[str, Any]:
     """Run lm-eval ``tasks`` on the model of ``run``; ``include_path`` adds a folder of task YAMLs.
     Returns lm-eval's results, ``{task: {"acc,none": ..., "acc_stderr,none": ..., ...}}``."""

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from tinyformer.utils.io import atomic_write_text
 
-__all__ = ["REPORT", "merge_eval_table"]
+__all__ = ["REPORT", "add_builtin_accuracy", "merge_eval_table", "task_rows"]
 
 REPORT = "report.md"
 BEGIN, END = "<!-- tinyformer eval -->", "<!-- /tinyformer eval -->"
@@ -62,3 +63,21 @@ def merge_eval_table(run: str | Path, rows: Iterable[Row]) -> Path | None:
     new = [*before, BEGIN, *_HEADER, *table.values(), END, *after]
     atomic_write_text(path, "\n".join(new) + "\n")
     return path
+
+
+def task_rows(name: str, scores: dict[str, dict[str, Any]]) -> list[Row]:
+    """Table rows of :func:`~tinyformer.evaluation.tasks.evaluate_items`' result (standard errors left out)."""
+    return [(name, metric, value, part["n"]) for part in scores.values() for metric, value in part.items()
+            if metric != "n" and not metric.endswith("_stderr")]
+
+
+def add_builtin_accuracy(run: str | Path, model: Any, tokenizer: Any, questions: int = 100, batch_size: int = 8,
+                         stdlib_dir: str | Path | None = None) -> Path | None:
+    """Score the built-in task and put its accuracy into ``run``'s report card (if it has one): what a
+    training recipe calls at its end so that its report card shows an accuracy beside the loss."""
+    from tinyformer.evaluation.tasks import BUILTIN, builtin_task, evaluate_items
+
+    if not (Path(run) / REPORT).is_file():
+        return None
+    scores = evaluate_items(model, tokenizer, builtin_task(questions, stdlib_dir=stdlib_dir), batch_size=batch_size)
+    return merge_eval_table(run, task_rows(f"task {BUILTIN}", scores))
