@@ -302,7 +302,7 @@ def test_lm_eval_model_matches_the_hf_backend(run: Path, exported: Path, tmp_pat
     assert (offline["acc"], offline["acc_norm"]) == (theirs["acc,none"], theirs["acc_norm,none"])
 
 
-def test_harness_mistakes_are_one_line_errors(run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_question_mode_mistakes_are_one_line_errors(run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("lm_eval")
     from functools import partialmethod
@@ -315,6 +315,9 @@ def test_harness_mistakes_are_one_line_errors(run: Path, tmp_path: Path, monkeyp
     for args, message in [(["--harness", "no_such_task_xyz", "--include-path", str(folder)], "unknown lm-eval task"),
                           (["--harness", "tiny_mc", "--include-path", str(tmp_path / "none")], "is not a folder"),
                           (["--harness", "tiny_mc", "--task", "builtin"], "not both"),
+                          (["--task", "builtin", "--per-token"], "--per-token goes with --data"),
+                          (["--data", "x.txt", "--include-path", str(folder)], "--include-path goes with --task"),
+                          (["--data", "x.txt", "--task", "builtin"], "not both"),
                           ([], "eval needs --data")]:
         assert main(["eval", "--model", str(run), *args, "--no-progress"]) == 2
         err = capsys.readouterr().err.strip()

@@ -145,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("eval needs --data TEXT, --task FILE.jsonl|builtin or --harness TASKS")
     if args.per_token and not args.json:
         raise ConfigError("--per-token goes with --json")
+    from tinyformer.evaluation.command import check_text_mode
+
+    check_text_mode(args)
     result = evaluate_run(Path(args.model), args.data, text_field=args.text_field, block_size=args.block_size,
                           batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
                           dtype=args.dtype, cache_dir=args.cache_dir, progress=not args.no_progress,

@@ -16,7 +16,11 @@ from typing import Any
 
 from tinyformer.errors import ConfigError
 
-__all__ = ["add_arguments", "run_modes"]
+__all__ = ["add_arguments", "check_text_mode", "run_modes"]
+
+# flags of the question modes, with their defaults: given with --data they would silently do nothing
+_QUESTION_FLAGS = {"include_path": None, "num_fewshot": None, "limit": None, "builtin_questions": 100,
+                   "max_new_tokens": 32}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,6 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-report", action="store_true", help="leave RUN/report.md as it is")
 
 
+def check_text_mode(args: argparse.Namespace) -> None:
+    """--data mode: refuse flags that only the question modes read."""
+    for name, default in _QUESTION_FLAGS.items():
+        if getattr(args, name) != default:
+            raise ConfigError(f"--{name.replace('_', '-')} goes with --task or --harness, not --data")
+
+
 def _check(args: argparse.Namespace) -> None:
     for name in ("limit", "num_fewshot", "builtin_questions", "max_new_tokens"):
         value = getattr(args, name)
@@ -49,6 +60,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError("give --task or --harness, not both")
     if args.include_path and not args.harness:
         raise ConfigError("--include-path goes with --harness")
+    if args.per_token:
+        raise ConfigError("--per-token goes with --data")
 
 
 def _task(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[str, str, float, int | None]]]:
