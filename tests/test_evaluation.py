@@ -155,7 +155,8 @@ def test_builtin_task_asks_which_module_defines_a_class(tmp_path: Path) -> None:
         assert it.choices[it.answer] == owner[it.question.split("`")[1]]
 
 
-def test_report_card_gains_the_eval_table(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_card_gains_the_eval_table(run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
     import shutil
 
     copy = tmp_path / "run"
@@ -173,6 +174,15 @@ def test_report_card_gains_the_eval_table(run: Path, tmp_path: Path, capsys: pyt
     assert f"| {result['multiple_choice']['acc']:.4f} | 5 |" in rows[0]
     assert main(["eval", "--model", str(copy), "--task", str(task), "--no-report", "--no-progress"]) == 0
     assert (copy / "report.md").read_text() == report
+    # loss on text joins the same table
+    monkeypatch.setenv("TINYFORMER_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog.\n" * 10)
+    capsys.readouterr()
+    assert main(["eval", "--model", str(copy), "--data", str(tmp_path / "t.txt"), "--json", "--no-progress"]) == 0
+    text = json.loads(capsys.readouterr().out)
+    lines = (copy / "report.md").read_text().splitlines()
+    assert f"| text {tmp_path / 't.txt'} | loss | {text['loss']:.4f} | {text['tokens']} |" in lines
+    assert set(rows) <= set(lines) and lines.count("<!-- tinyformer eval -->") == 1
 
 
 def test_builtin_accuracy_lands_beside_the_loss_in_the_report_card(run: Path, tmp_path: Path) -> None:
