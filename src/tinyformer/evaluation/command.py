@@ -105,7 +105,8 @@ def run_modes(args: argparse.Namespace) -> int:
     result, rows = _task(args) if args.task else _harness(args)
     report = None if args.no_report else merge_eval_table(args.model, rows)
     if args.json:
-        print(json.dumps({**result, "report": None if report is None else str(report)}))
+        # default=str: lm-eval's results may hold numpy integers, which json cannot write
+        print(json.dumps({**result, "report": None if report is None else str(report)}, default=str))
         return 0
     for name, metric, value, n in rows:
         count = f" ({n} questions)" if n is not None else ""
