@@ -11,6 +11,10 @@ Bits per byte does not depend on the tokenizer, so it compares models with diffe
 A .jsonl file of conversations or preference pairs is scored as chat data instead
 (:func:`tinyformer.training.preference.evaluate_chat_data`: assistant-token loss, or preference
 accuracy and mean log-prob margin).
+
+``--task FILE.jsonl|builtin`` (accuracy on multiple-choice and exact-answer questions) and
+``--harness TASKS`` (lm-evaluation-harness) are the question modes, in :mod:`tinyformer.evaluation`.
+Every mode adds its figures to the run's report card (``report.md``) when there is one.
 """
 
 from __future__ import annotations
@@ -28,12 +32,12 @@ from tinyformer.training.config import DTYPES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="loss and perplexity of a run on a text corpus",
-                       description="Evaluate a run folder's model on a corpus: mean next-token loss, perplexity "
-                                   "and bits per byte.")
+    p = sub.add_parser("eval", help="loss and perplexity of a run on a text corpus, accuracy on tasks",
+                       description="Evaluate a run folder's model on a corpus (--data: mean next-token loss, "
+                                   "perplexity and bits per byte) or on questions (--task, --harness: accuracy).")
     p.add_argument("--model", required=True, metavar="RUN", help="run folder (config.json, model.safetensors, "
                                                                   "tokenizer.json)")
-    p.add_argument("--data", required=True, help="a text file, folder of .txt/.md, glob or .jsonl file")
+    p.add_argument("--data", default=None, help="a text file, folder of .txt/.md, glob or .jsonl file")
     p.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per window (default: the run's training block size, else max_seq_len)")
@@ -45,6 +49,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", default=None, help="token cache folder (default ~/.cache/tinyformer)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--per-token", action="store_true",
+                   help="with --json: also every predicted token's id, text, bytes and loss (token_losses)")
+    from tinyformer.evaluation.command import add_arguments
+
+    add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -62,8 +71,9 @@ def _training_block_size(run: Path) -> int | None:
 
 def evaluate_run(run: Path, data: str, *, text_field: str = "text", block_size: int | None = None,
                  batch_size: int = 8, max_batches: int | None = None, device: str = "auto", dtype: str = "auto",
-                 cache_dir: str | None = None, progress: bool = True) -> dict:
-    """Loss, perplexity and bits per byte of the model in ``run`` on the corpus ``data``."""
+                 cache_dir: str | None = None, progress: bool = True, per_token: bool = False) -> dict:
+    """Loss, perplexity and bits per byte of the model in ``run`` on the corpus ``data``; with
+    ``per_token``, ``token_losses`` lists {id, text, bytes, loss} of every predicted token in text order."""
     from tqdm.auto import tqdm
 
     from tinyformer.data.dataset import TokenDataset, encode_to_memmap
@@ -101,18 +111,25 @@ def evaluate_run(run: Path, data: str, *, text_field: str = "text", block_size: 
     if max_batches is not None:
         n_batches = min(n_batches, max_batches)
     nll, count, n_bytes = 0.0, 0, 0
+    token_losses: list[dict] = []
     ctx = torch.autocast(device_type=dev.type, dtype=amp) if amp is not None else torch.autocast(dev.type,
                                                                                                   enabled=False)
     with torch.no_grad(), ctx:
         batches = dataset.iter_eval_batches("train", batch_size, T, max_batches=max_batches)
         for x, y in tqdm(batches, total=n_batches, desc="eval", unit="batch", disable=not progress):
             logits = model(x.to(dev))
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.to(dev).flatten(),
-                                                     reduction="sum")
-            nll += float(loss)
+            losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.to(dev).flatten(),
+                                                       reduction="none")
+            nll += float(losses.sum())
+            if per_token:
+                # a token may hold part of a character: its text is then lossy, its byte count exact
+                token_losses.extend({"id": t, "text": tokenizer.token_bytes(t).decode("utf-8", errors="replace"),
+                                     "bytes": int(token_bytes[t]), "loss": v}
+                                    for t, v in zip(y.flatten().tolist(), losses.tolist()))
             count += y.numel()
             n_bytes += int(token_bytes[y.numpy()].sum())
     mean = nll / count
+    extra = {"token_losses": token_losses} if per_token else {}
     return {
         "model": str(run),
         "data": str(data),
@@ -121,23 +138,56 @@ def evaluate_run(run: Path, data: str, *, text_field: str = "text", block_size: 
         "loss": mean,
         "perplexity": math.exp(min(mean, 700.0)),
         "bits_per_byte": nll / math.log(2) / n_bytes if n_bytes else None,
+        "bytes": n_bytes,
+        **extra,
     }
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.task or args.harness:  # accuracy on questions: tinyformer.evaluation
+        if args.data:
+            raise ConfigError("give --data (text) or --task / --harness (questions), not both")
+        from tinyformer.evaluation.command import run_modes
+
+        return run_modes(args)
+    if not args.data:
+        raise ConfigError("eval needs --data TEXT, --task FILE.jsonl|builtin or --harness TASKS")
     from tinyformer.training.preference import evaluate_chat_data
 
     chat = evaluate_chat_data(Path(args.model), args.data, batch_size=args.batch_size, device=args.device,
                               as_json=args.json)
     if chat is not None:  # a chat or preference .jsonl file: printed already
         return 0
+    if args.per_token and not args.json:
+        raise ConfigError("--per-token goes with --json")
+    from tinyformer.evaluation.command import check_text_mode
+
+    check_text_mode(args)
     result = evaluate_run(Path(args.model), args.data, text_field=args.text_field, block_size=args.block_size,
                           batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
-                          dtype=args.dtype, cache_dir=args.cache_dir, progress=not args.no_progress)
+                          dtype=args.dtype, cache_dir=args.cache_dir, progress=not args.no_progress,
+                          per_token=args.per_token)
+    report = _report_text(args, result)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps({**result, "report": report}))
         return 0
     bpb = f", {result['bits_per_byte']:.4f} bits/byte" if result["bits_per_byte"] is not None else ""
     print(f"{result['model']} on {result['data']}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}"
           f"{bpb} ({result['tokens']:,} tokens, block size {result['block_size']})")
+    if report is not None:
+        print(f"updated {report}")
     return 0
+
+
+def _report_text(args: argparse.Namespace, result: dict) -> str | None:
+    """Add loss, perplexity and bits per byte on ``--data`` to the run's report card, if it has one."""
+    from tinyformer.evaluation.report import merge_eval_table
+
+    if args.no_report:
+        return None
+    name, n = f"text {args.data}", result["tokens"]
+    rows = [(name, "loss", result["loss"], n), (name, "perplexity", result["perplexity"], n)]
+    if result["bits_per_byte"] is not None:
+        rows.append((name, "bits_per_byte", result["bits_per_byte"], n))
+    path = merge_eval_table(args.model, rows)
+    return None if path is None else str(path)

@@ -1,0 +1,8 @@
+"""Evaluation beyond loss on text (`tinyformer eval --task`, `--harness`).
+
+    scoring.py   log p(continuation | context), batched and KV-cached       needs torch only
+    tasks.py     offline JSONL tasks and the built-in stdlib task            needs torch only
+    report.py    the eval table of a run's report.md
+    command.py   the --task / --harness modes of `tinyformer eval`
+    harness.py   the lm-evaluation-harness model "tinyformer"               needs the `eval` extra
+"""
