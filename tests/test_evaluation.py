@@ -332,3 +332,33 @@ def test_question_mode_mistakes_are_one_line_errors(run: Path, tmp_path: Path, m
         assert main(["eval", "--model", str(run), *args, "--no-progress"]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_training_on_the_builtin_corpus_puts_the_builtin_task_accuracy_in_the_report_card(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TINYFORMER_CACHE", str(tmp_path / "cache"))
+    tiny = ["--model.d_model", "32", "--model.n_layer", "1", "--model.n_head", "2", "--model.n_kv_head", "2",
+            "--model.d_ff", "64", "--model.max_seq_len", "256", "--block-size", "32", "--batch-size", "2",
+            "--eval-iters", "1", "--sample-tokens", "0", "--threads", "1", "--no-progress", "--tokenizer", "char",
+            "--steps", "2"]
+    assert main(["train", "--out", str(tmp_path / "builtin"), *tiny]) == 0  # no --data: the built-in corpus
+    capsys.readouterr()
+    assert main(["eval", "--model", str(tmp_path / "builtin"), "--task", "builtin", "--json", "--no-report"]) == 0
+    acc = json.loads(capsys.readouterr().out)["multiple_choice"]["acc"]
+    report = (tmp_path / "builtin" / "report.md").read_text().splitlines()
+    assert f"| task builtin | acc | {acc:.4f} | 100 |" in report
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The cat sat on the mat.\n" * 200)
+    assert main(["train", "--out", str(tmp_path / "own"), "--data", str(corpus), *tiny]) == 0
+    assert "task builtin" not in (tmp_path / "own" / "report.md").read_text()  # its own text: no stdlib questions
+
+
+def test_a_context_too_short_for_the_builtin_questions_still_finishes_the_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TINYFORMER_CACHE", str(tmp_path / "cache"))
+    assert main(["train", "--out", str(tmp_path / "short"), "--model.d_model", "32", "--model.n_layer", "1",
+                 "--model.n_head", "2", "--model.n_kv_head", "2", "--model.d_ff", "64", "--model.max_seq_len", "8",
+                 "--batch-size", "2", "--eval-iters", "1", "--sample-tokens", "0", "--threads", "1",
+                 "--no-progress", "--tokenizer", "char", "--steps", "1"]) == 0
+    assert "built-in question task was not scored" in capsys.readouterr().err
+    assert (tmp_path / "short" / "report.md").is_file()

@@ -43,6 +43,8 @@ class Objective:
     """
 
     name: ClassVar[str] = ""
+    # language modelling on the built-in CPython corpus: the report card adds the built-in question task
+    scores_builtin_task: ClassVar[bool] = False
     uses_corpus: ClassVar[bool] = True
     #: True when batches are sequences of at most ``block_size`` tokens (resolved from the model when unset)
     uses_block_size: ClassVar[bool] = False
@@ -125,6 +127,7 @@ class CausalLM(Objective):
     """
 
     name = "clm"
+    scores_builtin_task = True
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
         super().__init__(cfg, tokenizer, dataset)

@@ -25,6 +25,7 @@ import contextlib
 import math
 import re
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -348,6 +349,15 @@ class Trainer:
             from tinyformer.training.report import write_report
 
             write_report(self.run_dir, self.objective, self.model, self.device)
+            if self.objective.scores_builtin_task and self.objective.cfg.data is None:
+                # a model of the built-in corpus: its report card gains the built-in task's accuracy
+                from tinyformer.errors import TinyformerError
+                from tinyformer.evaluation.report import add_builtin_accuracy
+
+                try:
+                    add_builtin_accuracy(self.run_dir, self.model, self.objective.tokenizer)
+                except TinyformerError as exc:  # e.g. a context too short for the questions: the run still stands
+                    print(f"report.md: the built-in question task was not scored: {exc}", file=sys.stderr)
         train_loss = self._last_train_loss()
         return TrainSummary(self.step, self.tokens_seen, self.train_seconds, train_loss, val_loss, sample, plot_note)
 
