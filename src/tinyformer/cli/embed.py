@@ -34,6 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-length", type=int, default=None, help="truncate texts to this many tokens")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--precision", type=int, default=6, help="decimals printed (default 6)")
+    p.add_argument("--no-verify", action="store_true", help="load the weights without checking them against the run's manifest.json checksums")
     p.set_defaults(func=run)
 
 
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.arch != "encoder":
         raise ConfigError(f"{args.model} is a {cfg.arch} model; embed needs an encoder (arch 'encoder', e.g. BERT)")
     texts = read_texts(args)
-    model = load_model(args.model, cfg=cfg)
+    model = load_model(args.model, cfg=cfg, verify=not args.no_verify)
     tokenizer = load_tokenizer(args.model)
     e = embed(model, tokenizer, texts, args.pooling, args.max_length, args.batch_size)
     if args.similarity:

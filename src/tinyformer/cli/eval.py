@@ -39,6 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
     p.add_argument("--cache-dir", default=None, help="token cache folder (default ~/.cache/tinyformer)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-verify", action="store_true", help="load the weights without checking them against the run's manifest.json checksums")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -57,7 +58,7 @@ def _training_block_size(run: Path) -> int | None:
 
 def evaluate_run(run: Path, data: str, *, text_field: str = "text", block_size: int | None = None,
                  batch_size: int = 8, max_batches: int | None = None, device: str = "auto", dtype: str = "auto",
-                 cache_dir: str | None = None, progress: bool = True) -> dict:
+                 cache_dir: str | None = None, progress: bool = True, verify: bool = True) -> dict:
     """Loss, perplexity and bits per byte of the model in ``run`` on the corpus ``data``."""
     from tqdm.auto import tqdm
 
@@ -77,7 +78,7 @@ def evaluate_run(run: Path, data: str, *, text_field: str = "text", block_size: 
     dev = resolve_device(device)
     amp = autocast_dtype(dtype, dev)
     tokenizer = load_tokenizer(run)
-    model = load_model(run, device=dev)
+    model = load_model(run, device=dev, verify=verify)
     path = encode_to_memmap(Path(data), tokenizer, (Path(cache_dir) if cache_dir else default_cache_dir()) / "tokens",
                             text_field=text_field)
     dataset = TokenDataset(path, val_fraction=0.0)
@@ -101,6 +102,10 @@ def evaluate_run(run: Path, data: str, *, text_field: str = "text", block_size: 
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.to(dev).flatten(),
                                                      reduction="sum")
             nll += float(loss)
+            if not math.isfinite(nll):  # a NaN loss would be reported as a result, exit 0
+                from tinyformer.errors import NonFiniteOutputError, non_finite_message
+
+                raise NonFiniteOutputError(non_finite_message(f"on {data}"))
             count += y.numel()
             n_bytes += int(token_bytes[y.numpy()].sum())
     mean = nll / count
@@ -118,7 +123,8 @@ def evaluate_run(run: Path, data: str, *, text_field: str = "text", block_size: 
 def run(args: argparse.Namespace) -> int:
     result = evaluate_run(Path(args.model), args.data, text_field=args.text_field, block_size=args.block_size,
                           batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
-                          dtype=args.dtype, cache_dir=args.cache_dir, progress=not args.no_progress)
+                          dtype=args.dtype, cache_dir=args.cache_dir, progress=not args.no_progress,
+                          verify=not args.no_verify)
     if args.json:
         print(json.dumps(result))
         return 0

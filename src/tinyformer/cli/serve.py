@@ -35,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--no-verify", action="store_true", help="load the weights without checking them against the run's manifest.json checksums")
     p.set_defaults(func=run)
 
 
@@ -101,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
                               f"{cfg.vocab_size}")
     sock = _listen(args.host, args.port)
     try:
-        model = load_model(run_dir, device=device, dtype=getattr(torch, dtype_name), cfg=cfg)
+        model = load_model(run_dir, device=device, dtype=getattr(torch, dtype_name), cfg=cfg,
+                           verify=not args.no_verify)
         name = args.model_name or run_dir.resolve().name
         app = create_app(model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
                          request_timeout=args.request_timeout or None, api_key=args.api_key,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,41 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         if isinstance(record, dict):
             records.append(record)
     return records
+
+
+@dataclass
+class RunningWindow:
+    """The sums behind the logged averages since the last log (``loss``/``steps``: the train record's mean
+    loss; ``tokens``/``seconds``: its tokens per second) and since the last evaluation (``eval_loss`` /
+    ``eval_steps``: the eval record's train_loss). They are saved with every checkpoint, so that a run
+    resumed between two logs logs the same averages as one that was never interrupted."""
+
+    loss: float = 0.0
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    eval_loss: float = 0.0
+    eval_steps: int = 0
+
+    def add(self, loss: float, tokens: int, seconds: float) -> None:
+        self.loss, self.steps = self.loss + loss, self.steps + 1
+        self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
+        self.eval_loss, self.eval_steps = self.eval_loss + loss, self.eval_steps + 1
+
+    def reset_log(self) -> None:
+        self.loss, self.steps, self.tokens, self.seconds = 0.0, 0, 0, 0.0
+
+    def reset_eval(self) -> None:
+        self.eval_loss, self.eval_steps = 0.0, 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)  # JSON keeps a float's shortest repr, which reads back to the same double
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> RunningWindow:
+        """The saved window; an empty one for checkpoints written before windows were saved."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (data or {}).items() if k in names})
 
 
 def _json_value(v: Any) -> Any:
