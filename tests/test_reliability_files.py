@@ -23,7 +23,7 @@ from tinyformer.errors import CheckpointError
 from tinyformer.integrity import MANIFEST
 from tinyformer.interop.hf_folder import open_hf_weights
 from tinyformer.models.decoder import DecoderLM
-from tinyformer.run_folder import load_model, save_model, save_tensors, state_dict_for_saving
+from tinyformer.run_folder import load_model, save_model, state_dict_for_saving
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import ConfigError, DataError
 
 
@@ -34,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-length", type=int, default=None, help="truncate texts to this many tokens")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--precision", type=int, default=6, help="decimals printed (default 6)")
-    p.add_argument("--no-verify", action="store_true", help="load the weights without checking them against the run's manifest.json checksums")
+    add_no_verify_flag(p)
     p.set_defaults(func=run)
 
 

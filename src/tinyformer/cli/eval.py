@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import ConfigError
 
 
@@ -39,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
     p.add_argument("--cache-dir", default=None, help="token cache folder (default ~/.cache/tinyformer)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--no-verify", action="store_true", help="load the weights without checking them against the run's manifest.json checksums")
+    add_no_verify_flag(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import GenerationError
 from tinyformer.generation.engine import CONTEXT_POLICIES, Generator
 from tinyformer.generation.sampling import SamplingParams
@@ -39,7 +40,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "the last tokens (--slide-keep) and prefills them again (default: error)")
     p.add_argument("--slide-keep", type=int, default=None, metavar="N",
                    help="tokens kept when the context slides (default: 3/4 of the context)")
-    p.add_argument("--no-verify", action="store_true", help="load the weights without checking them against the run's manifest.json checksums")
+    add_no_verify_flag(p)
     p.add_argument("--compile", action="store_true",
                    help="decode with a torch.compile-d step: tens of seconds to start, then faster tokens "
                         "(worth it for long outputs; on CPU it needs a C++ compiler)")

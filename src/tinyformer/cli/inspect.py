@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import ConfigError, GenerationError
 
 OUTPUTS = ("attention.png", "next_token.png", "token_loss.png", "rope.png")
@@ -42,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=32, metavar="N",
                    help="last N tokens shown in the attention maps (default 32)")
     p.add_argument("--no-plots", action="store_true", help="print the table only (no matplotlib needed)")
-    p.add_argument("--no-verify", action="store_true", help="load the weights without checking them against the run's manifest.json checksums")
+    add_no_verify_flag(p)
     p.set_defaults(func=run)
 
 

@@ -8,6 +8,7 @@ import os
 import socket
 from pathlib import Path
 
+from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import CheckpointError, ConfigError, TinyformerError
 
 
@@ -35,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--no-verify", action="store_true", help="load the weights without checking them against the run's manifest.json checksums")
+    add_no_verify_flag(p)
     p.set_defaults(func=run)
 
 

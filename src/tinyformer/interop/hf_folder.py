@@ -45,6 +45,7 @@ import torch
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import CheckpointError, ConfigError, DataError
+from tinyformer.integrity import checked_shard_names, write_manifest
 from tinyformer.interop.adapter import (  # noqa: F401 - re-exported: the registry's public home
     ADAPTERS,
     Adapter,
@@ -53,7 +54,6 @@ from tinyformer.interop.adapter import (  # noqa: F401 - re-exported: the regist
     adapters,
     register_adapter,
 )
-from tinyformer.integrity import checked_shard_names, write_manifest
 from tinyformer.interop.safetensors_io import SafetensorsFile, TensorSpec, write_planned
 from tinyformer.utils.io import atomic_write_bytes, atomic_write_text
 
