@@ -77,11 +77,13 @@ def timed_run(cmd: list[str], env: dict[str, str], run: Path) -> float:
 def interrupt(cmd: list[str], env: dict[str, str], run: Path, delay: float, kind: str) -> tuple[int | None, float]:
     """Start a run, wait ``delay`` s after its folder appears, interrupt it; (exit code, seconds from the last
     signal to the exit). The exit code is None when the run finished before the interruption."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(run.parent / "stderr.txt", "w")  # noqa: SIM115 - closed below, after the process ends
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
     while not started(run) and proc.poll() is None:
         time.sleep(0.005)
     time.sleep(delay)
     if proc.poll() is not None:
+        log.close()
         return None, 0.0
     if kind == "kill":
         proc.send_signal(signal.SIGKILL)
@@ -94,6 +96,7 @@ def interrupt(cmd: list[str], env: dict[str, str], run: Path, delay: float, kind
             proc.send_signal(signal.SIGINT)
     t0 = time.monotonic()
     proc.wait(timeout=120)
+    log.close()
     return proc.returncode, time.monotonic() - t0
 
 
@@ -130,7 +133,8 @@ def trial(kind: str, corpus: Path, env: dict[str, str], ref: Path, work: Path, d
     if code is None:
         note += "finished first; "
     elif kind == "sigint" and code != 130:
-        return False, note + f"exit code {code}, expected 130"
+        said = (work / "stderr.txt").read_text().strip().replace("\n", " / ")
+        return False, note + f"exit code {code}, expected 130; stderr: {said[-300:]}"
     elif kind == "double" and exit_s > 2.0:
         return False, note + f"the second Ctrl-C took {exit_s:.1f} s to end the process"
     else:

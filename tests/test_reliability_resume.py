@@ -73,13 +73,14 @@ def metrics(run: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run / "metrics.jsonl")]
 
 
-def crash_when(monkeypatch: pytest.MonkeyPatch, target: object, name: str, hit) -> None:
-    """Make ``target.name`` raise Crash on the call for which ``hit(*args)`` is true."""
+def crash_when(monkeypatch: pytest.MonkeyPatch, target: object, name: str, hit,
+               exc: type[BaseException] = Crash) -> None:
+    """Make ``target.name`` raise ``exc`` on the call for which ``hit(*args)`` is true."""
     real = getattr(target, name)
 
     def wrapper(*args, **kwargs):
         if hit(*args, **kwargs):
-            raise Crash(name)
+            raise exc(name)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(target, name, wrapper)
@@ -246,6 +247,11 @@ def test_ctrl_c_before_the_first_step_leaves_no_run_folder(corpus: Path, tmp_pat
     run = tmp_path / "run"
     assert train(corpus, run, "--steps", "4") == 130
     assert "nothing was trained" in capsys.readouterr().err
+    assert not run.exists()
+    # earlier, while the trainer is being built (the run folder exists, the loop has not taken the signals)
+    monkeypatch.undo()
+    crash_when(monkeypatch, Trainer, "_flops_per_token", lambda self: True, exc=KeyboardInterrupt)
+    assert train(corpus, run, "--steps", "4") == 130
     assert not run.exists()
 
 

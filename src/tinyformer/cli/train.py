@@ -157,6 +157,17 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc != 1 and not launched_by_torchrun():
         return launch(args.nproc, args)  # each process runs this function again, as a rank
     prepared = prepare_distributed_run(spec)
+    try:
+        return _train(prepared)
+    except KeyboardInterrupt:  # before the loop took over the signals: a new run leaves nothing behind
+        from tinyformer.training.runner import discard_untrained
+
+        if prepared.fresh and prepared.trainer.step == 0 and prepared.trainer.is_main:
+            discard_untrained(prepared.run_dir, prepared.created)
+        raise
+
+
+def _train(prepared: Any) -> int:
     trainer, cfg, mcfg = prepared.trainer, prepared.trainer.cfg, prepared.trainer.model_cfg
     tok = prepared.tokenizer
     n_params = sum(p.numel() for p in trainer.model.parameters())

@@ -341,19 +341,24 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
     if is_main and not spec.resume:
         created = _create_run(run_dir, files, spec.force)
 
-    trainer = make_trainer(model_cfg, train, objective, run_dir, rank=rank, world_size=world_size)
-    trainer.run_files = files
-    if spec.resume:
-        if latest is not None:
-            trainer.restore(latest)
-        else:
-            notes.append(f"{run_dir} has no checkpoint yet: starting it from step 0")
-            if train.init_from:
-                trainer.load_pretrained(Path(train.init_from))
-        if is_main:
-            publish_resumed(trainer, latest, {k: v for k, v in files.items() if k in (TRAIN_FILE, "config.json")})
-    elif init_from is not None:
-        trainer.load_pretrained(init_from)
+    try:
+        trainer = make_trainer(model_cfg, train, objective, run_dir, rank=rank, world_size=world_size)
+        trainer.run_files = files
+        if spec.resume:
+            if latest is not None:
+                trainer.restore(latest)
+            else:
+                notes.append(f"{run_dir} has no checkpoint yet: starting it from step 0")
+                if train.init_from:
+                    trainer.load_pretrained(Path(train.init_from))
+            if is_main:
+                publish_resumed(trainer, latest, {k: v for k, v in files.items() if k in (TRAIN_FILE, "config.json")})
+        elif init_from is not None:
+            trainer.load_pretrained(init_from)
+    except BaseException:  # Ctrl-C or an error before the first step: a new run leaves nothing behind
+        if is_main and not spec.resume:
+            discard_untrained(run_dir, created)
+        raise
     if dataset is not None and is_main:
         n_train, n_val = len(dataset.splits["train"]), len(dataset.splits["val"])
         notes.append(f"data: {len(dataset):,} tokens ({n_train:,} train / {n_val:,} val) from {corpus_name(train)}")
