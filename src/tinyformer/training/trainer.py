@@ -324,7 +324,9 @@ class Trainer:
 
     def fit(self) -> TrainSummary:
         """Train until ``max_steps``: log every ``log_interval``, evaluate (val loss, sample) every
-        ``eval_interval``, checkpoint every ``checkpoint_interval`` and at the end."""
+        ``eval_interval``, checkpoint every ``checkpoint_interval`` and at the end. When ``stop_request`` is
+        set (Ctrl-C, training/interrupt.py) it checkpoints the current step and returns early, the summary's
+        ``interrupted`` naming the signal."""
         from tqdm.auto import tqdm
 
         cfg = self.cfg
