@@ -10,9 +10,10 @@ truncated file is an error naming the file instead of a silently different model
 manifest (older runs, folders written by other tools) loads unchecked.
 
 Why CRC-32 and not SHA-256: the check guards against corruption (bit rot, a torn copy), not against
-tampering, and it must be cheap on every load. Hashing 500 MB from memory on this project's shared
-2-core machine took 0.23 s with ``zlib.crc32``, 0.77 s with ``hashlib.sha256`` and 1.13 s with
-``hashlib.blake2b`` (load average 6.3, one run; docs/reliability.md). CRC-32 detects every burst of
+tampering, and it must be cheap on every load. Hashing a 500 MB file from the page cache on this
+project's shared 2-core machine took 0.17 s with ``zlib.crc32``, 0.50 s with ``hashlib.sha256`` and
+0.71 s with ``hashlib.blake2b`` (best of 3, load average 10.3; benchmarks/bench_checksum.py,
+docs/benchmarks/integrity.md). CRC-32 detects every burst of
 up to 32 flipped bits and any other random corruption with probability 1 - 2^-32; the size catches
 truncation on its own.
 
