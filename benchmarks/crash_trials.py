@@ -2,8 +2,9 @@
 
 Each trial starts a real training process, interrupts it at a time drawn uniformly over the reference
 run's life (from the moment its run folder appears to its exit: tokenizer, steps, evaluations,
-checkpoints and the final publishing all included), then runs ``train --resume`` until it succeeds and
-compares the run folder with the reference:
+checkpoints and the final publishing all included), then runs ``train --resume`` (or, when the run was stopped
+before its first step and so removed its folder, the original command) and compares the run folder
+with the reference:
 
     kill -9         SIGKILL, no chance to clean up
     Ctrl-C          one SIGINT: the run must exit with code 130 after checkpointing its current step (or,
@@ -155,8 +156,12 @@ def trial(kind: str, corpus: Path, env: dict[str, str], ref: Path, work: Path, d
         return False, note + f"the second Ctrl-C took {exit_s:.1f} s to end the process"
     else:
         note += f"exit {code}; "
+    again = train_cmd(corpus, run, "--resume")
+    if not run.exists():  # stopped before the first step: the run removed its files; start it again
+        note += "nothing trained, run folder removed, started again; "
+        again = cmd
     for _ in range(3):  # a resume interrupted by nothing should succeed at once
-        done = subprocess.run(train_cmd(corpus, run, "--resume"), env=env, capture_output=True, text=True)
+        done = subprocess.run(again, env=env, capture_output=True, text=True)
         if done.returncode == 0:
             break
     else:
