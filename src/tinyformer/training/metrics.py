@@ -84,13 +84,18 @@ class MetricsLogger:
         self.path = run_dir / METRICS_FILE
         self.enabled = enabled
         self.tb = None
-        if enabled and tensorboard:
+        self._tb_dir = run_dir / "tensorboard" if enabled and tensorboard else None
+
+    def _tensorboard(self) -> Any:
+        """The TensorBoard writer, opened at the first record (a resume that fails before it writes nothing)."""
+        if self._tb_dir is not None and self.tb is None:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # needs the optional tensorboard package
 
-                self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+                self.tb = SummaryWriter(log_dir=str(self._tb_dir))
             except ImportError:
-                self.tb = None
+                self._tb_dir = None
+        return self.tb
 
     def truncate_after(self, step: int) -> None:
         """Keep only records with ``step <= step`` (a resumed run rewrites what came after its checkpoint)."""
@@ -105,11 +110,12 @@ class MetricsLogger:
         clean = {k: _json_value(v) for k, v in record.items()}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(clean) + "\n")
-        if self.tb is not None:
+        tb = self._tensorboard()
+        if tb is not None:
             kind, step = record.get("kind", "train"), int(record.get("step", 0))
             for key, value in record.items():
                 if key not in ("kind", "step") and isinstance(value, (int, float)) and value is not None:
-                    self.tb.add_scalar(f"{kind}/{key}", value, step)
+                    tb.add_scalar(f"{kind}/{key}", value, step)
 
     def close(self) -> None:
         if self.tb is not None:
