@@ -297,8 +297,14 @@ def test_output_folder_is_not_overwritten_without_force(tmp_path):
     with pytest.raises(CheckpointError, match="not empty.*--force"):
         import_hf(tmp_path / "hf", out)
     assert (out / "keep.txt").read_text() == "precious"
+    with pytest.raises(CheckpointError, match="keep.txt, which convert did not write"):
+        import_hf(tmp_path / "hf", out, force=True)  # --force replaces a conversion's output, nothing else
+    assert (out / "keep.txt").read_text() == "precious"
+    (out / "keep.txt").unlink()
+    import_hf(tmp_path / "hf", out)
+    (out / "model.safetensors").write_bytes(b"an older conversion")
     import_hf(tmp_path / "hf", out, force=True)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert (out / "model.safetensors").read_bytes() != b"an older conversion"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]
     umask = os.umask(0)
     os.umask(umask)

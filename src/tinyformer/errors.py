@@ -26,3 +26,14 @@ class CheckpointError(TinyformerError):
 
 class GenerationError(TinyformerError, ValueError):
     """A prompt or sampler value cannot be used for generation."""
+
+
+class NonFiniteOutputError(TinyformerError):
+    """The model's outputs (logits, loss) hold NaN or inf: its weights are corrupt or overflow in this dtype."""
+
+
+def non_finite_message(where: str) -> str:
+    """The one explanation shared by generate, chat, eval and serve."""
+    return (f"the model produced non-finite logits (NaN or inf) {where}: its weights are corrupt or overflow in "
+            "this dtype; check the run folder (a training run: tinyformer train --resume RUN republishes its "
+            "checkpoint) or try --dtype float32")

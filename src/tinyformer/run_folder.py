@@ -5,6 +5,7 @@
       model.safetensors        weights; large models: model-0000i-of-0000n.safetensors + model.safetensors.index.json
       tokenizer.json           Hugging Face `tokenizers` format (char tokenizers too)
       tokenizer_config.json    optional: chat template, special tokens
+      manifest.json            size and CRC-32 of each weight file, checked on load (integrity.py)
       train.yaml, state/, metrics.jsonl, loss.png, samples.txt   (training runs only)
 
 Weights are read with safetensors only (never unpickled). Every file is written atomically
@@ -23,6 +24,7 @@ from torch import nn
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import CheckpointError
+from tinyformer.integrity import checked_shard_names, verify_files, write_manifest
 from tinyformer.utils.io import atomic_write_text, atomic_write_with
 
 WEIGHTS = "model.safetensors"
@@ -78,6 +80,7 @@ def save_tensors(run_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]
     if len(written) == 1:
         (run / written[0][0]).replace(run / WEIGHTS)
         (run / INDEX).unlink(missing_ok=True)
+        write_manifest(run, [WEIGHTS])
         return [WEIGHTS]
     n = len(written)
     weight_map: dict[str, str] = {}
@@ -90,6 +93,7 @@ def save_tensors(run_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]
     atomic_write_text(run / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                               indent=2))
     (run / WEIGHTS).unlink(missing_ok=True)
+    write_manifest(run, [*names, INDEX])
     return names
 
 
@@ -97,9 +101,9 @@ def weight_files(run_dir: str | Path) -> list[Path]:
     run = Path(run_dir)
     if (run / INDEX).is_file():
         try:
-            index = json.loads((run / INDEX).read_text())
-            files = sorted(set(index["weight_map"].values()))
-        except (ValueError, KeyError) as exc:
+            index = json.loads((run / INDEX).read_text(encoding="utf-8"))
+            files = checked_shard_names(run / INDEX, index["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{run / INDEX} is not a valid safetensors index: {exc}") from None
         return [run / f for f in files]
     if (run / WEIGHTS).is_file():
@@ -107,13 +111,25 @@ def weight_files(run_dir: str | Path) -> list[Path]:
     raise CheckpointError(f"no {WEIGHTS} (or {INDEX}) in {run}")
 
 
-def iter_tensors(run_dir: str | Path, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs from the run's safetensors file(s), one at a time (memory-mapped)."""
-    from safetensors import SafetensorError, safe_open
-
-    for path in weight_files(run_dir):
+def checked_weight_files(run_dir: str | Path, verify: bool = True) -> list[Path]:
+    """The run's weight files, each present and (with ``verify``) matching its manifest entry; the index
+    file, when there is one, is checked too."""
+    paths = weight_files(run_dir)
+    for path in paths:
         if not path.is_file():
             raise CheckpointError(f"weight file {path} is missing")
+    if verify:
+        index = Path(run_dir) / INDEX
+        verify_files(run_dir, [*paths, index] if index.is_file() else paths)
+    return paths
+
+
+def iter_tensors(run_dir: str | Path, device: str = "cpu", verify: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from the run's safetensors file(s), one at a time (memory-mapped); the files are
+    checked against the run's manifest first unless ``verify`` is False."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in checked_weight_files(run_dir, verify):
         try:
             with safe_open(str(path), framework="pt", device=device) as f:
                 for key in f.keys():
@@ -183,8 +199,9 @@ def load_state_into(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]
 
 
 def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               cfg: ModelConfig | None = None) -> nn.Module:
-    """Build the model of ``run_dir`` without a random init (meta device) and load its weights."""
+               cfg: ModelConfig | None = None, verify: bool = True) -> nn.Module:
+    """Build the model of ``run_dir`` without a random init (meta device) and load its weights (checked
+    against the run's manifest first unless ``verify`` is False)."""
     from tinyformer.models import build_model
     from tinyformer.sizing import check_buildable
 
@@ -195,7 +212,7 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: t
         model = build_model(cfg)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for k, v in iter_tensors(run_dir):
+        for k, v in iter_tensors(run_dir, verify=verify):
             v = v.to(device)
             yield k, (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
 

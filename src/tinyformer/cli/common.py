@@ -75,3 +75,9 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
         return get_preset(preset, **data)
     return ModelConfig.from_dict(data)
+
+
+def add_no_verify_flag(p: Any) -> None:
+    """``--no-verify`` of every command that loads a run's weights (see integrity.py)."""
+    p.add_argument("--no-verify", action="store_true",
+                   help="load the weights without checking them against the run's manifest.json checksums")

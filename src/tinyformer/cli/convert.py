@@ -55,7 +55,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="stored precision (default: the source's; float32 for quantized GGUF)")
     p.add_argument("--max-shard-size", default="2GiB", help="split weights into files of at most this size "
                    "(default 2GiB)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--force", action="store_true", help="replace an output folder holding a previous conversion "
+                   "(a folder holding other files is refused)")
+    p.add_argument("--no-verify", action="store_true", help="export the run's weights without checking them "
+                   "against its manifest.json checksums")
     p.set_defaults(func=run)
 
 
@@ -68,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--model RUN exports and needs --to-hf DIR (not --out)")
         from tinyformer.interop.hf_folder import export_hf
 
-        report = export_hf(args.model, args.to_hf, **kwargs)
+        report = export_hf(args.model, args.to_hf, verify=not args.no_verify, **kwargs)
     else:
         if not args.out or args.to_hf:
             raise ConfigError("--from-hf/--from-gguf import and need --out RUN (not --to-hf)")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import ConfigError, DataError
 from tinyformer.utils.io import read_utf8
 
@@ -35,6 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-length", type=int, default=None, help="truncate texts to this many tokens")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--precision", type=int, default=6, help="decimals printed (default 6)")
+    add_no_verify_flag(p)
     p.set_defaults(func=run)
 
 
@@ -101,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.arch != "encoder":
         raise ConfigError(f"{args.model} is a {cfg.arch} model; embed needs an encoder (arch 'encoder', e.g. BERT)")
     texts = read_texts(args)
-    model = load_model(args.model, cfg=cfg)
+    model = load_model(args.model, cfg=cfg, verify=not args.no_verify)
     tokenizer = load_tokenizer(args.model)
     e = embed(model, tokenizer, texts, args.pooling, args.max_length, args.batch_size)
     if args.similarity:

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import ConfigError
 from tinyformer.training.config import DTYPES
 
@@ -48,6 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="autocast dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16 or float16")
     p.add_argument("--cache-dir", default=None, help="token cache folder (default ~/.cache/tinyformer)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_no_verify_flag(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--per-token", action="store_true",
                    help="with --json: also every predicted token's id, text, bytes and loss (token_losses)")
@@ -71,7 +73,8 @@ def _training_block_size(run: Path) -> int | None:
 
 def evaluate_run(run: Path, data: str, *, text_field: str = "text", block_size: int | None = None,
                  batch_size: int = 8, max_batches: int | None = None, device: str = "auto", dtype: str = "auto",
-                 cache_dir: str | None = None, progress: bool = True, per_token: bool = False) -> dict:
+                 cache_dir: str | None = None, progress: bool = True, per_token: bool = False,
+                 verify: bool = True) -> dict:
     """Loss, perplexity and bits per byte of the model in ``run`` on the corpus ``data``; with
     ``per_token``, ``token_losses`` lists {id, text, bytes, loss} of every predicted token in text order."""
     from tqdm.auto import tqdm
@@ -96,7 +99,7 @@ def evaluate_run(run: Path, data: str, *, text_field: str = "text", block_size: 
     dev = resolve_device(device)
     amp = autocast_dtype(dtype, dev)
     tokenizer = load_tokenizer(run)
-    model = load_model(run, device=dev)
+    model = load_model(run, device=dev, verify=verify)
     path = encode_to_memmap(Path(data), tokenizer, (Path(cache_dir) if cache_dir else default_cache_dir()) / "tokens",
                             text_field=text_field)
     dataset = TokenDataset(path, val_fraction=0.0)
@@ -121,6 +124,10 @@ def evaluate_run(run: Path, data: str, *, text_field: str = "text", block_size: 
             losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.to(dev).flatten(),
                                                        reduction="none")
             nll += float(losses.sum())
+            if not math.isfinite(nll):  # a NaN loss would be reported as a result, exit 0
+                from tinyformer.errors import NonFiniteOutputError, non_finite_message
+
+                raise NonFiniteOutputError(non_finite_message(f"on {data}"))
             if per_token:
                 # a token may hold part of a character: its text is then lossy, its byte count exact
                 token_losses.extend({"id": t, "text": tokenizer.token_bytes(t).decode("utf-8", errors="replace"),
@@ -166,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     result = evaluate_run(Path(args.model), args.data, text_field=args.text_field, block_size=args.block_size,
                           batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
                           dtype=args.dtype, cache_dir=args.cache_dir, progress=not args.no_progress,
-                          per_token=args.per_token)
+                          per_token=args.per_token, verify=not args.no_verify)
     report = _report_text(args, result)
     if args.json:
         print(json.dumps({**result, "report": report}))

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import GenerationError
 from tinyformer.generation.engine import CONTEXT_POLICIES, Generator
 from tinyformer.generation.sampling import SamplingParams
@@ -43,6 +44,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "the last tokens (--slide-keep) and prefills them again (default: error)")
     p.add_argument("--slide-keep", type=int, default=None, metavar="N",
                    help="tokens kept when the context slides (default: 3/4 of the context)")
+    add_no_verify_flag(p)
     p.add_argument("--compile", action="store_true",
                    help="decode with a torch.compile-d step: tens of seconds to start, then faster tokens "
                         "(worth it for long outputs; on CPU it needs a C++ compiler)")
@@ -123,7 +125,7 @@ def load_generator(args: argparse.Namespace) -> Generator:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     return Generator.from_run(args.model, device=device, dtype=dtype, context_policy=args.context_policy,
-                              slide_keep=args.slide_keep, compile=args.compile)
+                              slide_keep=args.slide_keep, compile=args.compile, verify=not args.no_verify)
 
 
 def budget(args: argparse.Namespace, gen: Generator, prompt_len: int) -> int:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import ConfigError, GenerationError
 
 OUTPUTS = ("attention.png", "next_token.png", "token_loss.png", "rope.png")
@@ -42,6 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=32, metavar="N",
                    help="last N tokens shown in the attention maps (default 32)")
     p.add_argument("--no-plots", action="store_true", help="print the table only (no matplotlib needed)")
+    add_no_verify_flag(p)
     p.set_defaults(func=run)
 
 
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: the prompt has {len(ids)} tokens; the last {cfg.max_seq_len} (max_seq_len) are used",
               file=sys.stderr)
         ids = ids[-cfg.max_seq_len :]
-    model = load_model(args.model)
+    model = load_model(args.model, verify=not args.no_verify)
     x = torch.tensor([ids])
 
     def token_text(i: int) -> str:

@@ -9,6 +9,7 @@ import socket
 import sys
 from pathlib import Path
 
+from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import CheckpointError, ConfigError, TinyformerError
 from tinyformer.serve import DEFAULT_MAX_BODY_BYTES
 
@@ -46,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the idle cores, by the load average; see utils/threads.py)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_no_verify_flag(p)
     p.set_defaults(func=run)
 
 
@@ -114,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this address can use "
               "the model (and its compute); see README 'Serving safely'", file=sys.stderr, flush=True)
     try:
-        model = load_model(run_dir, device=device, dtype=dtype, cfg=cfg)
+        model = load_model(run_dir, device=device, dtype=dtype, cfg=cfg, verify=not args.no_verify)
         name = args.model_name or run_dir.resolve().name
         app = create_app(model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
                          request_timeout=args.request_timeout or None, api_key=args.api_key,

@@ -122,6 +122,38 @@ def _fmt_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def _fit(prepared: Any):  # -> TrainSummary | None
+    """``trainer.fit()``, stopping cleanly on Ctrl-C / SIGTERM (training/interrupt.py): the current step is
+    checkpointed and the way to resume printed; a new run stopped before its first step is removed.
+    Returns None when stopped before any step; a summary with ``interrupted`` set when stopped later."""
+    from tinyformer.training.interrupt import stop_on_signals
+    from tinyformer.training.runner import discard_untrained
+
+    trainer, run_dir = prepared.trainer, prepared.run_dir
+    start = trainer.step
+    try:
+        with stop_on_signals(enabled=trainer.world_size == 1) as stop:
+            trainer.stop_request = stop
+            summary = trainer.fit()
+    except KeyboardInterrupt:  # a signal the handler did not catch (e.g. outside the main thread)
+        summary = None
+    if summary is not None and not summary.interrupted:
+        return summary
+    signal_name = summary.interrupted if summary is not None else "interrupted"
+    if trainer.step == 0 and prepared.fresh and trainer.is_main:
+        discard_untrained(run_dir, prepared.created)
+        print(f"{signal_name}: stopped before the first step; nothing was trained, the run's files were removed",
+              file=sys.stderr)
+        return None
+    if summary is None:
+        raise KeyboardInterrupt
+    saved = trainer.last_checkpoint
+    what = f"checkpoint {saved} holds it" if saved is not None else "no checkpoint was written"
+    print(f"{signal_name}: stopped at step {trainer.step} of {trainer.cfg.max_steps} ({trainer.step - start} steps "
+          f"this time); {what}. Continue with: tinyformer train --resume {run_dir}", file=sys.stderr)
+    return summary
+
+
 def run(args: argparse.Namespace) -> int:
     from tinyformer.training.distributed import launch, launched_by_torchrun, prepare_distributed_run
 
@@ -131,6 +163,17 @@ def run(args: argparse.Namespace) -> int:
         TrainConfig.from_dict({**spec.sections.get("train", {}), **spec.train_overrides})
         return launch(args.nproc, args)  # each process runs this function again, as a rank
     prepared = prepare_distributed_run(spec)
+    try:
+        return _train(prepared)
+    except KeyboardInterrupt:  # before the loop took over the signals: a new run leaves nothing behind
+        from tinyformer.training.runner import discard_untrained
+
+        if prepared.fresh and prepared.trainer.step == 0 and prepared.trainer.is_main:
+            discard_untrained(prepared.run_dir, prepared.created)
+        raise
+
+
+def _train(prepared: Any) -> int:
     trainer, cfg, mcfg = prepared.trainer, prepared.trainer.cfg, prepared.trainer.model_cfg
     tok = prepared.tokenizer
     n_params = sum(p.numel() for p in trainer.model.parameters())
@@ -158,11 +201,13 @@ def run(args: argparse.Namespace) -> int:
     if prepared.resumed_from is not None:
         print(f"resuming from {prepared.resumed_from} (step {trainer.step})")
     if trainer.step >= cfg.max_steps:
-        print(f"the run is already at step {trainer.step} of {cfg.max_steps}; nothing to do "
-              "(raise --steps to train further)")
+        print(f"the run is already at step {trainer.step} of {cfg.max_steps}; nothing to train (its files are up "
+              "to date with that checkpoint; raise --steps to train further)")
         return 0
     sys.stdout.flush()
-    summary = trainer.fit()
+    summary = _fit(prepared)
+    if summary is None or summary.interrupted:
+        return 130
     rate = summary.tokens / summary.train_seconds if summary.train_seconds else 0.0
     print(f"done: {summary.steps} steps, {summary.tokens:,} tokens in {summary.train_seconds:.1f} s of training "
           f"({rate:,.0f} tokens/s)")

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tinyformer.errors import GenerationError, TinyformerError
+from tinyformer.errors import GenerationError, NonFiniteOutputError, TinyformerError, non_finite_message
 from tinyformer.generation.sampling import (
     LogitsProcessor,
     SamplingParams,
@@ -169,6 +169,15 @@ class Beam:
     token_logprobs: list[float]
     logprob: float
     score: float
+
+
+def check_finite(logits: Tensor, index: int) -> Tensor:
+    """``logits`` unchanged when every value is finite; else NonFiniteOutputError. NaN logits would
+    otherwise sample token 0 or nothing at all, and inf ones an arbitrary token, silently. One reduction
+    over (B, V) per step, small beside the forward pass that produced them."""
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteOutputError(non_finite_message(f"for generated token {index + 1}"))
+    return logits
 
 
 def beam_search(
@@ -340,11 +349,12 @@ class Generator:
 
     @classmethod
     def from_run(cls, run_dir: Any, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                 **kwargs: Any) -> Generator:
-        """Load the model and tokenizer of a run folder."""
+                 verify: bool = True, **kwargs: Any) -> Generator:
+        """Load the model and tokenizer of a run folder (weights checked against its manifest unless
+        ``verify`` is False)."""
         from tinyformer.run_folder import load_model, load_tokenizer
 
-        model = load_model(run_dir, device=device, dtype=dtype)
+        model = load_model(run_dir, device=device, dtype=dtype, verify=verify)
         if next(model.parameters()).device.type == "cpu":  # the model is this generator's alone
             store_input_major(model)
         return cls(model, load_tokenizer(run_dir), device, **kwargs)
@@ -432,7 +442,7 @@ class Generator:
         with torch.inference_mode():
             cache = self.model.new_cache(1, len(ids) + max_new_tokens)
             x = torch.tensor([ids], device=self.device)
-            logits = self.model(x, cache=cache, last_only=True)[:, -1]
+            logits = check_finite(self.model(x, cache=cache, last_only=True)[:, -1], 0)
 
             def step(tokens: Tensor, cache: Any) -> Tensor:
                 return self.model(tokens[:, None], cache=cache)[:, -1]
@@ -542,6 +552,8 @@ class Generator:
             for t in range(budget):
                 c = P + t  # the column being sampled
                 history = hist[:, hist_from:c] if penalised else None
+                if picked is None:  # the compiled greedy step returns ids only: its prefill logits were checked
+                    check_finite(logits, t)
                 if picked is not None:
                     tokens, logprobs = picked, None
                 elif ids_only:

@@ -45,6 +45,7 @@ import torch
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import CheckpointError, ConfigError, DataError
+from tinyformer.integrity import checked_shard_names, write_manifest
 from tinyformer.interop.adapter import (  # noqa: F401 - re-exported: the registry's public home
     ADAPTERS,
     Adapter,
@@ -218,7 +219,7 @@ def open_hf_weights(folder: str | Path) -> TensorSource:
             weight_map = data.get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"{index} has no weight_map")
-            files = sorted(set(weight_map.values()))
+            files = checked_shard_names(index, weight_map.values())
             missing = [f for f in files if not (folder / f).is_file()]
             if missing:
                 raise CheckpointError(f"{index} lists shard(s) that are missing: {', '.join(missing)}")
@@ -305,11 +306,24 @@ def _umask() -> int:
     return mask
 
 
+#: What a conversion writes (an HF export or a run folder import): ``--force`` replaces a folder holding
+#: only these, and refuses one holding anything else (it would be deleted with the folder).
+CONVERT_OUTPUTS = frozenset({
+    "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+    "generation_config.json", "manifest.json",
+})
+
+
+def _written_by_convert(name: str) -> bool:
+    return name in CONVERT_OUTPUTS or (name.startswith("model-") and name.endswith(".safetensors"))
+
+
 @contextlib.contextmanager
 def staged_output(out: str | Path, force: bool = False, inputs: tuple[Path, ...] = ()) -> Iterator[Path]:
     """Yield an empty hidden folder next to ``out``; on success it replaces ``out`` by a rename.
 
-    Refuses a non-empty ``out`` unless ``force``, and an ``out`` that is (or contains) one of ``inputs``."""
+    Refuses a non-empty ``out`` unless ``force``, an ``out`` holding files a conversion does not write
+    (even with ``force``: the swap would delete them), and an ``out`` that is (or contains) one of ``inputs``."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"output {out} exists and is not a folder")
@@ -317,8 +331,14 @@ def staged_output(out: str | Path, force: bool = False, inputs: tuple[Path, ...]
         src_r, out_r = Path(src).resolve(), out.resolve()
         if src_r == out_r or out_r in src_r.parents:
             raise CheckpointError(f"output folder {out} would overwrite the input {src}")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise CheckpointError(f"output folder {out} is not empty; pass --force to replace it")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise CheckpointError(f"output folder {out} is not empty; pass --force to replace it")
+        foreign = sorted(p.name for p in out.iterdir() if not _written_by_convert(p.name) or not p.is_file())
+        if foreign:
+            raise CheckpointError(f"output folder {out} holds {_names(foreign, 3)}, which convert did not write; "
+                                  "--force only replaces a previous conversion's output: move those away or "
+                                  "choose another folder")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
@@ -377,6 +397,9 @@ def import_checkpoint(hf_config: Mapping[str, Any], source: TensorSource, out: s
         write_planned(staging, specs, stream(), max_shard_bytes)
         cfg.save(staging / "config.json")
         notes = write_tokenizer(staging)
+        weights = [p.name for p in staging.iterdir() if p.name.endswith(".safetensors")]
+        index = ["model.safetensors.index.json"] if (staging / "model.safetensors.index.json").is_file() else []
+        write_manifest(staging, [*weights, *index])
         files = sorted(p.name for p in staging.iterdir())
     n_params = sum(torch.Size(s.shape).numel() for s in specs)
     return ConvertReport(Path(out), cfg, dtype, n_params, files, notes)
@@ -485,8 +508,9 @@ def import_hf(src: str | Path, out: str | Path, *, dtype: str | torch.dtype | No
 
 
 def export_hf(run: str | Path, out: str | Path, *, dtype: str | torch.dtype | None = None,
-              max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> ConvertReport:
-    """tinyformer run folder -> Hugging Face model folder that ``transformers`` loads offline."""
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False, verify: bool = True) -> ConvertReport:
+    """tinyformer run folder -> Hugging Face model folder that ``transformers`` loads offline (the run's
+    weights checked against its manifest first unless ``verify`` is False)."""
     from tinyformer import run_folder
 
     run = Path(run)
@@ -495,7 +519,7 @@ def export_hf(run: str | Path, out: str | Path, *, dtype: str | torch.dtype | No
                               "import it with --from-hf")
     cfg = run_folder.load_config(run)
     adapter = adapter_for_model(cfg)
-    source: TensorSource = SafetensorsSource(run_folder.weight_files(run), str(run))
+    source: TensorSource = SafetensorsSource(run_folder.checked_weight_files(run, verify), str(run))
     expected = _MetaStateDict(cfg)
     check_tensors(source, expected, lambda n: False, "config.json")
     dt = (parse_dtype(dtype) if isinstance(dtype, str) else dtype) or source.main_float_dtype()

@@ -257,6 +257,9 @@ class Server:
 def _event_error(event: StepEvent) -> APIError:
     if event.finish_reason == "timeout":
         return APIError(504, event.error or "the request timed out", type="timeout", code="timeout")
+    if event.finish_reason == "model_error":  # the model, not the server, failed: no 500 and no garbage text
+        return APIError(503, event.error or "the model's output is not usable", type="server_error",
+                        code="model_error")
     return APIError(500, event.error or "generation failed", type="server_error", code="internal_error")
 
 

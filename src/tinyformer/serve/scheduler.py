@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from tinyformer.components.kv_cache import KVCache
+from tinyformer.errors import non_finite_message
 from tinyformer.generation.sampling import (
     LogitsProcessor,
     SamplingParams,
@@ -454,6 +455,13 @@ class Scheduler:
         seeded request draws the same random numbers whether or not it shares the batch.
         """
         n = len(states)
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        if not all(finite):  # those requests end with an error; the others are sampled as usual
+            good = [i for i in range(n) if finite[i]]
+            events = dict(zip(good, self._sample(logits[torch.tensor(good, dtype=torch.long, device=logits.device)],
+                                                 [states[i] for i in good]) if good else []))
+            message = non_finite_message("for this request")
+            return [events[i] if i in events else states[i].event("", [], "model_error", message) for i in range(n)]
         tokens = [0] * n
         logps = [0.0] * n
         groups: dict[object, list[int]] = {}

@@ -3,12 +3,17 @@
     RUN/state/step-000500/
         model.safetensors       the weights (a tied head stored once, as in the run folder)
         optimizer.safetensors   optimizer moments, RNG states (torch, CUDA, numpy, python, data)
-        trainer.json            step, tokens seen, optimizer hyper-parameters, RNG scalars, scaler
+        trainer.json            step, tokens seen, running log windows, optimizer hyper-parameters, RNG scalars,
+                                scaler, and the CRC-32 of every other file of the folder (checked on load)
+        train.yaml, config.json, tokenizer.json, tokenizer_config.json
+                                the run folder's files at that step, so that a resume can republish them
 
 A checkpoint is written into ``state/.tmp-step-000500-<pid>/`` (every file fsynced), then the
 folder is renamed to ``step-000500`` in one step: a crash, ``kill -9`` or full disk at any moment
 leaves either the complete new checkpoint or none, and the previous ones untouched. Only the last
-``keep_last`` are kept. Nothing is pickled: tensors go to safetensors, the rest to JSON.
+``keep_last`` are kept; an older one is pruned by renaming it to ``.old-step-*`` first, so an
+interrupted pruning never leaves a half-deleted ``step-*`` folder. Nothing is pickled: tensors go to
+safetensors, the rest to JSON.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 from torch import nn
 
 from tinyformer.errors import CheckpointError
+from tinyformer.integrity import bytes_checksum, file_checksum
 from tinyformer.run_folder import state_dict_for_saving
 from tinyformer.utils.io import fsync_dir
 
@@ -120,19 +126,26 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """safetensors bytes written through Python's file API, so a full disk raises OSError(ENOSPC)."""
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+    """safetensors bytes written through Python's file API, so a full disk raises OSError(ENOSPC); returns
+    their CRC-32 (integrity.bytes_checksum)."""
     from safetensors.torch import save
 
-    _write_file(path, save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}))
+    data = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+    _write_file(path, data)
+    return bytes_checksum(data)
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def read_tensors(path: Path, checksum: str | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint file, its CRC-32 compared with ``checksum`` first when one was recorded."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing")
+    if checksum is not None and file_checksum(path) != checksum:
+        raise CheckpointError(f"{path} does not match the checksum recorded when it was written: the checkpoint "
+                              f"is corrupt; {_older(path.parent)}")
     try:
         return load_file(str(path))
     except SafetensorError as exc:
@@ -157,13 +170,35 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return dirs[-1][1] if dirs else None
 
 
+def _older(ckpt_dir: Path) -> str:
+    """What a user can do about a corrupt checkpoint: resume from the one before, if there is one."""
+    earlier = [d for _, d in step_dirs(ckpt_dir.parent.parent) if d.name < ckpt_dir.name]
+    if earlier:
+        return f"delete {ckpt_dir} to resume from {earlier[-1].name}"
+    return "no earlier checkpoint exists"
+
+
 def remove_partial(run_dir: str | Path) -> None:
-    """Delete temporary checkpoint folders a crash left behind (they are never read)."""
+    """Delete what a crash left behind in state/: temporary checkpoint folders, folders being pruned, and
+    ``step-*`` folders without their trainer.json (an interrupted deletion); none of them is ever read."""
     state = Path(run_dir) / STATE_DIR
     if state.is_dir():
         for child in state.iterdir():
-            if child.name.startswith(".tmp-") or child.name.startswith(".old-"):
+            partial = _STEP_DIR.match(child.name) and child.is_dir() and not (child / TRAINER_FILE).is_file()
+            if child.name.startswith(".tmp-") or child.name.startswith(".old-") or partial:
                 shutil.rmtree(child, ignore_errors=True)
+
+
+def prune(run_dir: str | Path, keep_last: int) -> None:
+    """Delete all but the last ``keep_last`` checkpoints: each is first renamed out of the ``step-*``
+    names (one atomic step), so a crash mid-deletion leaves a hidden folder that remove_partial clears."""
+    for _, old_dir in step_dirs(run_dir)[:-keep_last]:
+        doomed = old_dir.parent / f".old-{old_dir.name}-{os.getpid()}"
+        try:
+            old_dir.rename(doomed)
+        except OSError:
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def disk_error(exc: OSError, what: str, previous: str) -> CheckpointError:
@@ -187,12 +222,14 @@ def save_checkpoint(
     model_state: dict[str, torch.Tensor] | None = None,
     optimizer_state: dict[str, Any] | None = None,
     extra_tensors: dict[str, torch.Tensor] | None = None,
+    run_files: dict[str, bytes] | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically and prune to the last ``keep_last``; returns its folder.
 
     ``model_state`` / ``optimizer_state`` replace ``model``'s and ``optimizer``'s own state dicts when the
     caller has gathered them (a sharded model's consolidated weights); ``extra_tensors`` (e.g. every
-    rank's random streams) are stored next to the optimizer state.
+    rank's random streams) are stored next to the optimizer state; ``run_files`` (name -> bytes: the run
+    folder's train.yaml, config.json, tokenizer files) are stored with the checkpoint for a resume to republish.
 
     Raises :class:`CheckpointError` on a write failure (e.g. a full disk) after removing the partial
     folder: the earlier checkpoints are intact.
@@ -207,11 +244,16 @@ def save_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        write_tensors(tmp / MODEL_FILE, state_dict_for_saving(model) if model_state is None else model_state)
+        checksums = {MODEL_FILE: write_tensors(
+            tmp / MODEL_FILE, state_dict_for_saving(model) if model_state is None else model_state)}
         optim_tensors, optim_meta = optimizer_to_tensors(
             optimizer.state_dict() if optimizer_state is None else optimizer_state)
         rng_tensors, rng_meta = capture_rng(data_generator)
-        write_tensors(tmp / OPTIM_FILE, {**optim_tensors, **rng_tensors, **(extra_tensors or {})})
+        checksums[OPTIM_FILE] = write_tensors(tmp / OPTIM_FILE, {**optim_tensors, **rng_tensors,
+                                                                 **(extra_tensors or {})})
+        for name, data in (run_files or {}).items():
+            _write_file(tmp / name, data)
+            checksums[name] = bytes_checksum(data)
         meta = {
             "format_version": STATE_FORMAT_VERSION,
             "step": step,
@@ -219,6 +261,7 @@ def save_checkpoint(
             "optimizer": optim_meta,
             "rng": rng_meta,
             "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+            "checksums": checksums,
         }
         _write_file(tmp / TRAINER_FILE, (json.dumps(meta, indent=1) + "\n").encode())
         fsync_dir(tmp)
@@ -233,8 +276,7 @@ def save_checkpoint(
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise disk_error(exc, f"the checkpoint of step {step} to {state_dir}", previous) from None
-    for _, old_dir in step_dirs(run_dir)[:-keep_last]:
-        shutil.rmtree(old_dir, ignore_errors=True)
+    prune(run_dir, keep_last)
     return final
 
 
@@ -292,16 +334,11 @@ def load_checkpoint(
 
     ``assign_weights`` / ``assign_optimizer`` put the checked state into the model and optimizer instead
     of ``load_state_dict`` (a sharded model re-shards the consolidated state there)."""
-    try:
-        meta = json.loads((ckpt_dir / TRAINER_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {ckpt_dir / TRAINER_FILE}: {exc}") from None
-    if meta.get("format_version") != STATE_FORMAT_VERSION:
-        raise CheckpointError(f"{ckpt_dir} has state format {meta.get('format_version')!r}, expected "
-                              f"{STATE_FORMAT_VERSION}")
-    check_trainer_fields(meta, ckpt_dir)
-    load_weights(model, read_tensors(ckpt_dir / MODEL_FILE), str(ckpt_dir / MODEL_FILE), assign=assign_weights)
-    tensors = read_tensors(ckpt_dir / OPTIM_FILE)
+    meta = read_meta(ckpt_dir)
+    sums = meta.get("checksums") or {}
+    load_weights(model, read_tensors(ckpt_dir / MODEL_FILE, sums.get(MODEL_FILE)), str(ckpt_dir / MODEL_FILE),
+                 assign=assign_weights)
+    tensors = read_tensors(ckpt_dir / OPTIM_FILE, sums.get(OPTIM_FILE))
     state = optimizer_from_tensors(tensors, meta["optimizer"])
     saved_sizes = [len(g["params"]) for g in state["param_groups"]]
     own_sizes = [len(g["params"]) for g in optimizer.param_groups]
@@ -319,6 +356,33 @@ def load_checkpoint(
     if scaler is not None and meta.get("scaler"):
         scaler.load_state_dict(meta["scaler"])
     return {"step": int(meta["step"]), **meta["trainer"]}
+
+
+def read_meta(ckpt_dir: Path) -> dict[str, Any]:
+    """A checkpoint's trainer.json, checked to be readable and of this format."""
+    try:
+        meta = json.loads((ckpt_dir / TRAINER_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {ckpt_dir / TRAINER_FILE}: {exc}; {_older(ckpt_dir)}") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != STATE_FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{ckpt_dir} has state format {version!r}, expected {STATE_FORMAT_VERSION}")
+    check_trainer_fields(meta, ckpt_dir)
+    return meta
+
+
+def run_file(ckpt_dir: Path, name: str) -> bytes | None:
+    """A run-folder file stored with the checkpoint (checked against its CRC-32), or None when the
+    checkpoint has none (checkpoints written before run files were stored)."""
+    path = ckpt_dir / name
+    if not path.is_file():
+        return None
+    data = path.read_bytes()
+    expected = (read_meta(ckpt_dir).get("checksums") or {}).get(name)
+    if expected is not None and bytes_checksum(data) != expected:
+        raise CheckpointError(f"{path} does not match the checksum recorded when it was written: the checkpoint "
+                              f"is corrupt; {_older(ckpt_dir)}")
+    return data
 
 
 def _param_by_index(optimizer: torch.optim.Optimizer, index: int) -> torch.Tensor:

@@ -446,8 +446,8 @@ def prepare_distributed_run(spec: Any, ctx: DistContext | None = None):  # -> ru
     """``runner.prepare_run`` for every rank of a job (or a single process).
 
     Rank 0 resolves the run folder and prepares it (tokenizer, token cache, train.yaml, config.json) while
-    the others wait; they then open it as a resume does, so every rank trains the same resolved config
-    with the same tokenizer, and nothing is computed or written twice.
+    the others wait; they then open it as a resume does (or, for a resume, resolve the same request), so
+    every rank trains the same resolved config with the same tokenizer, and nothing is written twice.
     """
     from tinyformer.training.runner import RunSpec, default_run_dir, prepare_run
 
@@ -463,8 +463,10 @@ def prepare_distributed_run(spec: Any, ctx: DistContext | None = None):  # -> ru
         return prepare_run(dataclasses.replace(spec, out=out), rank=0, world_size=ctx.world_size,
                            make_trainer=rank0_trainer)
     barrier()
-    return prepare_run(RunSpec(out=out, resume=True), rank=ctx.rank, world_size=ctx.world_size,
-                       make_trainer=DistributedTrainer)
+    # A new run: open what rank 0 wrote. A resume: resolve the same request as rank 0 (which writes the
+    # resolved train.yaml only once its checkpoint has loaded, after this barrier).
+    own = dataclasses.replace(spec, out=out) if spec.resume else RunSpec(out=out, resume=True)
+    return prepare_run(own, rank=ctx.rank, world_size=ctx.world_size, make_trainer=DistributedTrainer)
 
 
 def _run_command(args: Any) -> int:

@@ -7,11 +7,27 @@
 
 The run folder receives, before the first step: ``train.yaml`` (the resolved config),
 ``config.json`` (the model) and ``tokenizer.json``; checkpoints add ``model.safetensors`` and state/.
+
+Crash safety (every state a ``kill -9`` can leave is either complete or resumable):
+
+    creation      the first files are built in a hidden folder next to the run folder and renamed into
+                  place in one step; a crash before that leaves no run folder (``--force`` into a folder
+                  holding other files writes them one by one, train.yaml last)
+    resume        validates everything first (configs, tokenizer, the checkpoint's files and checksums) and
+                  writes nothing until then; it then republishes the run folder's files from the latest
+                  checkpoint, which stores copies of them (train.yaml, config.json, tokenizer files, weights
+                  and their manifest, loss.png once the run is complete), so files a crash left stale or a
+                  user deleted come back
+    interrupted   with nothing trained yet (Ctrl-C before the first step), :func:`discard_untrained` removes
+                  the files this run created
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +38,7 @@ from tinyformer.config import ModelConfig
 from tinyformer.data.tokenizer import Tokenizer
 from tinyformer.errors import CheckpointError, ConfigError
 from tinyformer.sizing import check_buildable
-from tinyformer.training.checkpoint import STATE_DIR, latest_checkpoint, remove_partial
+from tinyformer.training.checkpoint import STATE_DIR, latest_checkpoint, remove_partial, run_file
 from tinyformer.training.config import (
     RESUME_MUTABLE,
     TrainConfig,
@@ -33,13 +49,15 @@ from tinyformer.training.config import (
 )
 from tinyformer.training.objectives import Objective, get_objective
 from tinyformer.training.trainer import Trainer, autocast_dtype, resolve_device
-from tinyformer.utils.io import atomic_write_text
+from tinyformer.utils.io import atomic_write_bytes, fsync_dir
 
 TRAIN_FILE = "train.yaml"
 #: What a run folder holds; ``force`` deletes these and nothing else.
 RUN_ENTRIES = ("config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
                "tokenizer_config.json", TRAIN_FILE, STATE_DIR, "metrics.jsonl", "samples.txt", "loss.png",
-               "tensorboard", "report.md")
+               "tensorboard", "report.md", "manifest.json")
+#: The run folder's small files stored with every checkpoint, so that a resume can put them back.
+RUN_FILES = (TRAIN_FILE, "config.json", "tokenizer.json", "tokenizer_config.json")
 
 
 @dataclass
@@ -92,21 +110,43 @@ def _clear_run(run_dir: Path) -> None:
         shard.unlink()
 
 
-def _saved_configs(run_dir: Path) -> tuple[ModelConfig, TrainConfig]:
+def _check_resumable(run_dir: Path) -> Path | None:
+    """The latest complete checkpoint of a run that can be resumed (None: not saved yet); reads only."""
     if not run_dir.is_dir():
         raise CheckpointError(f"--resume: run folder {run_dir} does not exist")
-    if not (run_dir / TRAIN_FILE).is_file():
+    state = run_dir / STATE_DIR
+    if state.exists() and not state.is_dir():
+        raise CheckpointError(f"--resume: {state} is not a folder (the run's checkpoints belong there); move it "
+                              "away and resume again")
+    return latest_checkpoint(run_dir)
+
+
+def _saved_configs(run_dir: Path, latest: Path | None) -> tuple[ModelConfig, TrainConfig]:
+    """The run's configs from its train.yaml, or from the copy in its latest checkpoint when it is gone."""
+    path = run_dir / TRAIN_FILE
+    if not path.is_file() and latest is not None and run_file(latest, TRAIN_FILE) is not None:
+        path = latest / TRAIN_FILE
+    if not path.is_file():
         raise CheckpointError(f"--resume: {run_dir} has no {TRAIN_FILE}; is it a tinyformer training run?")
-    saved = read_run_file(run_dir / TRAIN_FILE)
+    saved = read_run_file(path)
     try:
         return build_model_config(saved["model"]), TrainConfig.from_dict(saved["train"])
     except ConfigError as exc:
-        raise CheckpointError(f"--resume: {run_dir / TRAIN_FILE} is not a valid run config: {exc}") from None
+        raise CheckpointError(f"--resume: {path} is not a valid run config: {exc}") from None
 
 
-def _resume_configs(spec: RunSpec, run_dir: Path) -> tuple[ModelConfig, TrainConfig]:
+def _resume_tokenizer(run_dir: Path, latest: Path | None) -> Tokenizer:
+    """The run's tokenizer: the checkpoint's copy when it has one (the run folder's may be gone)."""
+    if latest is not None and run_file(latest, "tokenizer.json") is not None:
+        return Tokenizer.load(latest)
+    if not (run_dir / "tokenizer.json").is_file():
+        raise CheckpointError(f"--resume: {run_dir} has no tokenizer.json and its checkpoint no copy of it")
+    return Tokenizer.load(run_dir)
+
+
+def _resume_configs(spec: RunSpec, run_dir: Path, latest: Path | None) -> tuple[ModelConfig, TrainConfig]:
     """The saved configs, with the changes a resume may make; anything else that differs is an error."""
-    model_cfg, train = _saved_configs(run_dir)
+    model_cfg, train = _saved_configs(run_dir, latest)
     if spec.config_file is not None:  # the whole file is the request
         asked_train = TrainConfig.from_dict({**spec.sections.get("train", {}), **spec.train_overrides})
         model_fields = {**spec.sections.get("model", {}), **spec.model_overrides}
@@ -141,6 +181,95 @@ class PreparedRun:
     tokenizer: Tokenizer
     resumed_from: Path | None
     notes: list[str]
+    created: bool = False  # this invocation made the run folder (it did not exist or was empty)
+    fresh: bool = False  # this invocation wrote the run's first files (a new run, not a resume)
+
+
+def _run_file_bytes(model_cfg: ModelConfig, train: TrainConfig, tokenizer: Tokenizer) -> dict[str, bytes]:
+    """train.yaml, config.json and the tokenizer files of a new run, as bytes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save(tmp)
+        files = {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir())}
+    files["config.json"] = (model_cfg.to_json() + "\n").encode()
+    files[TRAIN_FILE] = to_yaml(model_cfg, train).encode()
+    return files
+
+
+def _remove_stale_staging(run_dir: Path) -> None:
+    """Staging folders of earlier creations of this run folder whose process is gone (killed mid-way)."""
+    for old in run_dir.parent.glob(f".{run_dir.name}.creating-*"):
+        pid = old.name.rsplit("-", 2)[-2] if old.name.count("-") >= 2 else ""
+        try:
+            os.kill(int(pid), 0)
+            continue  # that process still runs
+        except (ValueError, ProcessLookupError):
+            shutil.rmtree(old, ignore_errors=True)
+        except (PermissionError, OSError):
+            continue
+
+
+def _create_run(run_dir: Path, files: dict[str, bytes], force: bool) -> bool:
+    """Write a new run's first files; returns True when the folder itself was created (or was empty).
+
+    A new or empty folder is built complete in a hidden sibling and renamed into place (atomic); with
+    ``force`` the previous run files are deleted and the new ones written one by one, train.yaml last."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(run_dir)
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        _clear_run(run_dir)
+        for name in sorted(files, key=lambda n: n == TRAIN_FILE):
+            atomic_write_bytes(run_dir / name, files[name])
+        return False
+    staging = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.creating-{os.getpid()}-", dir=run_dir.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder is private; a run folder is not
+        for name, data in files.items():
+            atomic_write_bytes(staging / name, data)
+        if run_dir.is_dir():  # empty: rename() replaces an empty folder on POSIX, not on Windows
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
+        os.rename(staging, run_dir)
+        fsync_dir(run_dir.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return True
+
+
+def discard_untrained(run_dir: Path, created: bool) -> None:
+    """Remove the run files of a new run that was stopped before its first step (and the folder, when this
+    run created it and nothing else is in it), so that no empty run is left behind."""
+    _clear_run(run_dir)
+    if created:
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()
+
+
+def publish_resumed(trainer: Trainer, latest: Path | None, files: dict[str, bytes]) -> None:
+    """Bring the run folder of a resumed run up to its latest checkpoint: every published file (train.yaml,
+    config.json, tokenizer files, weights and manifest, loss.png and report.md when the run is complete) is
+    rewritten if it differs or is missing; logs after the checkpoint's step are dropped. Called only after
+    every check passed."""
+    run_dir = trainer.run_dir
+    remove_partial(run_dir)
+    if latest is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            data = run_file(latest, name)
+            if data is not None:
+                files[name] = data
+    for name, data in files.items():
+        path = run_dir / name
+        if not path.is_file() or path.read_bytes() != data:
+            atomic_write_bytes(path, data)
+    trainer.run_files = {name: (run_dir / name).read_bytes() for name in RUN_FILES if (run_dir / name).is_file()}
+    trainer.forget_after(trainer.step)
+    if latest is not None:
+        trainer.publish_weights(latest)
+        if trainer.step >= trainer.cfg.max_steps:  # fit() will not run to draw or write them
+            trainer.plot()
+            trainer.write_report()
 
 
 def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
@@ -158,8 +287,10 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
     is_main = rank == 0
 
     # ---- configs (all checks that need no data come first: they fail in a second, not a minute)
+    latest = None
     if spec.resume:
-        model_cfg, train = _resume_configs(spec, run_dir)
+        latest = _check_resumable(run_dir)
+        model_cfg, train = _resume_configs(spec, run_dir, latest)
         init_from = None
     else:
         if run_dir.exists() and not run_dir.is_dir():
@@ -185,7 +316,7 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
 
     # ---- tokenizer and data
     if spec.resume:
-        tokenizer = Tokenizer.load(run_dir)
+        tokenizer = _resume_tokenizer(run_dir, latest)
     elif init_from is not None:
         from tinyformer.run_folder import load_tokenizer
 
@@ -211,30 +342,31 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
         raise CheckpointError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
                               f"{model_cfg.vocab_size} embedding rows")
 
-    # ---- run folder
-    if is_main:
-        if not spec.resume:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if spec.force:
-                _clear_run(run_dir)
-            model_cfg.save(run_dir / "config.json")
-            tokenizer.save(run_dir)
-        remove_partial(run_dir)
-        atomic_write_text(run_dir / TRAIN_FILE, to_yaml(model_cfg, train))
+    # ---- run folder: a new run's files are written here; a resume writes only once the checkpoint loaded
+    files = _run_file_bytes(model_cfg, train, tokenizer) if is_main else {}
+    created = False
+    if is_main and not spec.resume:
+        created = _create_run(run_dir, files, spec.force)
 
-    trainer = make_trainer(model_cfg, train, objective, run_dir, rank=rank, world_size=world_size)
-    resumed_from = None
-    if spec.resume:
-        resumed_from = latest_checkpoint(run_dir)
-        if resumed_from is not None:
-            trainer.restore(resumed_from)
-        else:
-            notes.append(f"{run_dir} has no checkpoint yet: starting it from step 0")
-            trainer.forget_after(0)
-            if train.init_from:
-                trainer.load_pretrained(Path(train.init_from))
-    elif init_from is not None:
-        trainer.load_pretrained(init_from)
+    try:
+        trainer = make_trainer(model_cfg, train, objective, run_dir, rank=rank, world_size=world_size)
+        trainer.run_files = files
+        if spec.resume:
+            if latest is not None:
+                trainer.restore(latest)
+            else:
+                notes.append(f"{run_dir} has no checkpoint yet: starting it from step 0")
+                if train.init_from:
+                    trainer.load_pretrained(Path(train.init_from))
+            if is_main:
+                publish_resumed(trainer, latest, {k: v for k, v in files.items() if k in (TRAIN_FILE, "config.json")})
+        elif init_from is not None:
+            trainer.load_pretrained(init_from)
+    except BaseException:  # Ctrl-C or an error before the first step: a new run leaves nothing behind
+        if is_main and not spec.resume:
+            discard_untrained(run_dir, created)
+        raise
+    if init_from is not None and not spec.resume:
         n_params = sum(p.numel() for p in trainer.model.parameters())
         notes.append(f"initialised from {init_from}: its weights ({n_params:,} parameters, {model_cfg.arch}, "
                      f"{model_cfg.n_layer} layers) and its {tokenizer.kind} tokenizer ({tokenizer.vocab_size} ids)")
@@ -244,4 +376,4 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
     if dataset is not None and is_main:
         n_train, n_val = len(dataset.splits["train"]), len(dataset.splits["val"])
         notes.append(f"data: {len(dataset):,} tokens ({n_train:,} train / {n_val:,} val) from {corpus_name(train)}")
-    return PreparedRun(trainer, run_dir, tokenizer, resumed_from, notes)
+    return PreparedRun(trainer, run_dir, tokenizer, latest, notes, created=created, fresh=not spec.resume)

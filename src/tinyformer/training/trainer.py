@@ -46,7 +46,7 @@ from tinyformer.training.checkpoint import (
 )
 from tinyformer.training.config import TrainConfig
 from tinyformer.training.device import device_peak_flops, mps_available, parse_device, synchronize
-from tinyformer.training.metrics import MetricsLogger
+from tinyformer.training.metrics import MetricsLogger, RunningWindow
 from tinyformer.training.objectives import Objective
 from tinyformer.training.optim import build_optimizer, lr_at
 from tinyformer.utils.io import atomic_path, atomic_write_text, read_utf8
@@ -100,6 +100,7 @@ class TrainSummary:
     val_loss: float | None
     sample: str | None
     plot_note: str | None
+    interrupted: str | None = None  # the signal that stopped training early (a checkpoint was saved), if any
 
 
 class Trainer:
@@ -131,6 +132,12 @@ class Trainer:
         self.tokens_seen = 0
         self.train_seconds = 0.0
         self.last_checkpoint: Path | None = None
+        self.window = RunningWindow()
+        # the run folder's files (train.yaml, config.json, tokenizer files) stored with every checkpoint;
+        # set by runner.prepare_run
+        self.run_files: dict[str, bytes] = {}
+        # asked to stop (Ctrl-C / SIGTERM, interrupt.py): the loop saves and returns after the current step
+        self.stop_request: Any = None
         self.flops_per_token = self._flops_per_token()
         self.peak_flops = cfg.peak_flops or guess_peak_flops(self.device, self.amp_dtype)
         self.metrics = MetricsLogger(self.run_dir, enabled=self.is_main, tensorboard=cfg.tensorboard)
@@ -185,14 +192,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ loading
     def restore(self, ckpt_dir: Path) -> None:
-        """Continue from a checkpoint: weights, optimizer, RNG streams, step and counters."""
+        """Continue from a checkpoint: weights, optimizer, RNG streams, step, counters and log windows.
+        Reads only: the run folder is brought up to the checkpoint afterwards (runner.publish_resumed)."""
         state = load_checkpoint(ckpt_dir, self.model, self.optimizer, self.data_generator, self.scaler,
                                 **self.state_loaders())
         self.step = state["step"]
         self.tokens_seen = int(state.get("tokens_seen", 0))
         self.train_seconds = float(state.get("train_seconds", 0.0))
+        self.window = RunningWindow.from_dict(state.get("window"))
         self.last_checkpoint = ckpt_dir
-        self.forget_after(self.step)
 
     def forget_after(self, step: int) -> None:
         """Drop metrics and samples logged after ``step`` by an interrupted run (they will be redone)."""
@@ -278,7 +286,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ saving
     def trainer_state(self) -> dict[str, Any]:
-        return {"tokens_seen": self.tokens_seen, "train_seconds": self.train_seconds, "world_size": self.world_size}
+        return {"tokens_seen": self.tokens_seen, "train_seconds": self.train_seconds, "world_size": self.world_size,
+                "window": self.window.to_dict()}
 
     def save(self) -> None:
         """Checkpoint into state/ and refresh the run folder's model.safetensors (rank 0 writes)."""
@@ -286,11 +295,22 @@ class Trainer:
         if not self.is_main:
             return
         ckpt = save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.trainer_state(),
-                               self.data_generator, self.cfg.keep_last, self.scaler, **states)
+                               self.data_generator, self.cfg.keep_last, self.scaler, run_files=self.run_files,
+                               **states)
         self.last_checkpoint = ckpt
-        try:  # same bytes as the checkpoint's weights; atomic, so readers never see half a file
+        self.publish_weights(ckpt)
+
+    def publish_weights(self, ckpt: Path) -> None:
+        """Copy checkpoint ``ckpt``'s weights into the run folder (atomically, so readers never see half a
+        file) and record their checksum in its manifest (integrity.py)."""
+        from tinyformer.integrity import write_manifest
+        from tinyformer.training.checkpoint import read_meta
+
+        known = (read_meta(ckpt).get("checksums") or {}).get(MODEL_FILE)
+        try:
             with atomic_path(self.run_dir / MODEL_FILE) as tmp:
                 shutil.copyfile(ckpt / MODEL_FILE, tmp)
+            write_manifest(self.run_dir, [MODEL_FILE], known={MODEL_FILE: known} if known else None)
         except OSError as exc:
             raise disk_error(exc, f"{self.run_dir / MODEL_FILE}", f"checkpoint {ckpt} is complete") from None
 
@@ -301,30 +321,32 @@ class Trainer:
 
     def fit(self) -> TrainSummary:
         """Train until ``max_steps``: log every ``log_interval``, evaluate (val loss, sample) every
-        ``eval_interval``, checkpoint every ``checkpoint_interval`` and at the end."""
+        ``eval_interval``, checkpoint every ``checkpoint_interval`` and at the end. When ``stop_request`` is
+        set (Ctrl-C, training/interrupt.py) it checkpoints the current step and returns early, the summary's
+        ``interrupted`` naming the signal."""
         from tqdm.auto import tqdm
 
         cfg = self.cfg
         self.model.train()
         pbar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                     disable=not (self.is_main and cfg.progress))
-        window_loss, window_steps, window_tokens, window_time = 0.0, 0, 0, 0.0
-        recent_losses: list[float] = []
+        win = self.window
         val_loss = sample = None
+        interrupted = None
         try:
             while self.step < cfg.max_steps:
+                if self.stop_request:
+                    interrupted = self._stop_and_save()
+                    break
                 t0 = time.perf_counter()
                 loss, grad_norm, tokens = self.train_step()
-                dt = time.perf_counter() - t0
-                window_loss, window_steps = window_loss + loss, window_steps + 1
-                window_tokens, window_time = window_tokens + tokens, window_time + dt
-                recent_losses.append(loss)
+                win.add(loss, tokens, time.perf_counter() - t0)
                 pbar.update(1)
                 last = self.step == cfg.max_steps
                 if self.step % cfg.log_interval == 0 or last:
-                    tps = window_tokens / window_time if window_time > 0 else 0.0
+                    tps = win.tokens / win.seconds if win.seconds > 0 else 0.0
                     flops = tps * self.flops_per_token if self.flops_per_token else None
-                    record = {"kind": "train", "step": self.step, "loss": window_loss / window_steps,
+                    record = {"kind": "train", "step": self.step, "loss": win.loss / win.steps,
                               "lr": lr_at(self.step - 1, cfg), "grad_norm": grad_norm, "tokens": self.tokens_seen,
                               "tokens_per_s": tps, "flops_per_s": flops,
                               "mfu": flops / (self.peak_flops * self.world_size) if flops and self.peak_flops
@@ -335,31 +357,43 @@ class Trainer:
                     if record["mfu"] is not None:
                         postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
                     pbar.set_postfix(postfix, refresh=False)
-                    window_loss, window_steps, window_tokens, window_time = 0.0, 0, 0, 0.0
+                    win.reset_log()
                 if self.step % cfg.eval_interval == 0 or last:
-                    val_loss, sample = self._evaluate_and_log(pbar, sum(recent_losses) / len(recent_losses))
-                    recent_losses = []
+                    val_loss, sample = self._evaluate_and_log(pbar, win.eval_loss / win.eval_steps)
+                    win.reset_eval()
                 if self.step % cfg.save_every == 0 or last:
                     self.save()
         finally:
             pbar.close()
             self.metrics.close()
-        plot_note = self.plot() if self.is_main else None
-        if self.is_main:
-            from tinyformer.training.report import write_report
-
-            write_report(self.run_dir, self.objective, self.model, self.device)
-            if self.objective.scores_builtin_task and self.objective.cfg.data is None:
-                # a model of the built-in corpus: its report card gains the built-in task's accuracy
-                from tinyformer.errors import TinyformerError
-                from tinyformer.evaluation.report import add_builtin_accuracy
-
-                try:
-                    add_builtin_accuracy(self.run_dir, self.model, self.objective.tokenizer)
-                except TinyformerError as exc:  # e.g. a context too short for the questions: the run still stands
-                    print(f"report.md: the built-in question task was not scored: {exc}", file=sys.stderr)
+        plot_note = self.plot() if self.is_main and interrupted is None else None
+        if self.is_main and interrupted is None:
+            self.write_report()
         train_loss = self._last_train_loss()
-        return TrainSummary(self.step, self.tokens_seen, self.train_seconds, train_loss, val_loss, sample, plot_note)
+        return TrainSummary(self.step, self.tokens_seen, self.train_seconds, train_loss, val_loss, sample, plot_note,
+                            interrupted)
+
+    def write_report(self) -> None:
+        """Write report.md (:mod:`tinyformer.training.report`) for the model as it is now."""
+        from tinyformer.training.report import write_report
+
+        write_report(self.run_dir, self.objective, self.model, self.device)
+        if self.objective.scores_builtin_task and self.objective.cfg.data is None:
+            # a model of the built-in corpus: its report card gains the built-in task's accuracy
+            from tinyformer.errors import TinyformerError
+            from tinyformer.evaluation.report import add_builtin_accuracy
+
+            try:
+                add_builtin_accuracy(self.run_dir, self.model, self.objective.tokenizer)
+            except TinyformerError as exc:  # e.g. a context too short for the questions: the run still stands
+                print(f"report.md: the built-in question task was not scored: {exc}", file=sys.stderr)
+
+    def _stop_and_save(self) -> str:
+        """Checkpoint the current step (unless it is step 0 or already saved); returns the signal's name."""
+        saved = self.last_checkpoint is not None and self.last_checkpoint.name == f"step-{self.step:06d}"
+        if self.step > 0 and not saved:
+            self.save()
+        return self.stop_request.signal_name
 
     def _evaluate_and_log(self, pbar: Any, train_loss: float) -> tuple[float | None, str | None]:
         val_loss = self.evaluate("val")
