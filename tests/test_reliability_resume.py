@@ -111,12 +111,13 @@ def test_resume_restores_run_files_that_were_deleted(corpus: Path, tmp_path: Pat
     run = tmp_path / "run"
     assert train(corpus, run, "--steps", "2", "--eval-interval", "2") == 0
     names = ("config.json", "tokenizer.json", "tokenizer_config.json", "train.yaml", "model.safetensors",
-             "manifest.json")
+             "manifest.json", "report.md")
     before = {n: (run / n).read_bytes() for n in names}
-    for n in names:
+    for n in (*names, "loss.png"):
         (run / n).unlink()
     assert resume(run) == 0
     assert {n: (run / n).read_bytes() for n in names} == before
+    assert (run / "loss.png").is_file()
 
 
 # ---------------------------------------------------------------------------- a failed resume writes nothing
