@@ -3,7 +3,9 @@
     fresh run     the out folder must be new or empty (``force`` clears a previous run's files)
     resume        the run's own train.yaml is the config; only logging/hardware fields and
                   max_steps may change; training continues from the latest checkpoint in state/
-    init_from     model config, weights and tokenizer come from another run folder (fine-tuning)
+    init_from     model config, weights and tokenizer come from another run folder (fine-tuning); with
+                  lora_rank the run trains adapters on those frozen weights and its folder stores the
+                  adapter and the base run's path (adapter.safetensors, adapter_config.json), not the weights
 
 The run folder receives, before the first step: ``train.yaml`` (the resolved config),
 ``config.json`` (the model) and ``tokenizer.json``; checkpoints add ``model.safetensors`` and state/.
@@ -38,7 +40,7 @@ TRAIN_FILE = "train.yaml"
 #: What a run folder holds; ``force`` deletes these and nothing else.
 RUN_ENTRIES = ("config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
                "tokenizer_config.json", TRAIN_FILE, STATE_DIR, "metrics.jsonl", "samples.txt", "loss.png",
-               "tensorboard")
+               "tensorboard", "adapter.safetensors", "adapter_config.json")
 
 
 @dataclass
@@ -176,6 +178,10 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
             model_cfg = load_config(init_from)
             changes = {k: v for k, v in model_fields.items() if k != "vocab_size"}
             model_cfg = model_cfg.replace(**changes) if changes else model_cfg
+    if train.lora_rank is not None and not spec.resume and init_from is None:
+        raise ConfigError("--lora-rank trains adapters on a trained model: give it with --init-from RUN")
+    if train.lora_rank is not None and world_size > 1:
+        raise ConfigError("LoRA runs train in one process; drop --nproc (the adapters are small enough)")
     objective_cls = get_objective(train.objective)
     autocast_dtype(train.dtype, resolve_device(train.device))  # an impossible device/dtype fails before any data work
     train = _check_block_size(model_cfg, train) if objective_cls.uses_corpus else train
@@ -214,6 +220,11 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
                 _clear_run(run_dir)
             model_cfg.save(run_dir / "config.json")
             tokenizer.save(run_dir)
+            lora = train.lora_config()
+            if lora is not None and init_from is not None:
+                from tinyformer.run_folder import write_adapter_config
+
+                write_adapter_config(run_dir, lora.to_dict(), init_from)
         remove_partial(run_dir)
         atomic_write_text(run_dir / TRAIN_FILE, to_yaml(model_cfg, train))
 
