@@ -30,13 +30,18 @@ SHAPES = {
 
 
 def build_pair(preset: str):
+    from tinyformer.presets import get_preset
+
+    return build_pair_from_config(get_preset(preset))
+
+
+def build_pair_from_config(cfg):
+    """(cfg, tinyformer DecoderLM, transformers LlamaForCausalLM) holding the same random weights."""
     import transformers
 
     from tinyformer.interop.llama import config_to_hf, tinyformer_to_hf
     from tinyformer.models.decoder import DecoderLM
-    from tinyformer.presets import get_preset
 
-    cfg = get_preset(preset)
     torch.manual_seed(0)
     ours = DecoderLM(cfg)
     hf_cfg = config_to_hf(cfg)
@@ -129,16 +134,24 @@ def peak_memory_child(kind: str, shape: str, steps: int) -> None:
     import gc
 
     gc.collect()
-    # reset the kernel's peak-RSS counter so that building both models does not count
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    reset_peak_rss()  # building both models does not count
     step = train_step_fn(model, kind, x, y)
     for _ in range(steps):
         step()
+    print(json.dumps({"peak_mib": peak_rss_mib()}))
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS counter of this process (Linux)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process since the last ``reset_peak_rss``, in MiB (Linux)."""
     with open("/proc/self/status") as f:
         status = {line.split(":")[0]: line.split()[1] for line in f if len(line.split()) > 1}
-    peak = int(status["VmHWM"])  # KiB
-    print(json.dumps({"peak_mib": peak / 1024}))
+    return int(status["VmHWM"]) / 1024  # VmHWM is in KiB
 
 
 def main() -> None:
