@@ -102,24 +102,29 @@ def decode_step_fn(model, kind: str, cfg, prompt_len: int = 64):
     return hf_step
 
 
-def timed(fn, warmup: int, reps: int) -> list[float]:
+def timed(fn, warmup: int, reps: int, cpu: list[float] | None = None) -> list[float]:
+    """Wall seconds of each of ``reps`` calls; ``cpu`` (if given) receives their process CPU seconds (all
+    threads), which other jobs on a shared machine inflate much less than the wall time."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+        if cpu is not None:
+            cpu.append(time.process_time() - c0)
     return times
 
 
-def interleaved(fns: dict, warmup: int, reps: int) -> dict[str, list[float]]:
+def interleaved(fns: dict, warmup: int, reps: int, cpu: dict[str, list[float]] | None = None
+                ) -> dict[str, list[float]]:
     for fn in fns.values():
         timed(fn, warmup, 0)
     out: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
         for k, fn in fns.items():
-            out[k] += timed(fn, 0, 1)
+            out[k] += timed(fn, 0, 1, None if cpu is None else cpu.setdefault(k, []))
     return out
 
 
