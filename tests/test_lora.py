@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import copy
 import os
-import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import ROOT
+from test_checkpoint import assert_same_optimizer_moments, sigkill_after_first_checkpoint
 
 from tinyformer.cli.main import main
 from tinyformer.components.lora import (
@@ -31,7 +29,6 @@ from tinyformer.errors import ConfigError
 from tinyformer.models import build_model
 from tinyformer.presets import get_preset
 from tinyformer.run_folder import load_model, save_adapter_run, save_model
-from tinyformer.training import checkpoint as ckpt
 from tinyformer.training.config import TrainConfig
 from tinyformer.training.optim import build_optimizer
 
@@ -303,15 +300,7 @@ def test_lora_resume_after_sigkill_gives_bit_identical_adapters(corpus: Path, tm
 
     full, killed = tmp_path / "full", tmp_path / "killed"
     assert main(cmd(full)[3:]) == 0  # the uninterrupted run in this process: one interpreter start less
-    proc = subprocess.Popen(cmd(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not ckpt.step_dirs(killed) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(random.Random(99).uniform(0.0, 0.1))  # somewhere after the first checkpoint, mid-step
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed: make it longer"
-    interrupted_at = ckpt.step_dirs(killed)[-1][0]
+    interrupted_at = sigkill_after_first_checkpoint(cmd(killed), env, killed, 0.1, seed=99)
     assert 0 < interrupted_at < 60
     resumed = subprocess.run(cmd(killed, "--resume"), env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
@@ -323,8 +312,4 @@ def test_lora_resume_after_sigkill_gives_bit_identical_adapters(corpus: Path, tm
     assert a.keys() == b.keys() and all(".lora_" in k for k in a)
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    oa = load_file(ckpt.latest_checkpoint(full) / "optimizer.safetensors")
-    ob = load_file(ckpt.latest_checkpoint(killed) / "optimizer.safetensors")
-    for name in oa:
-        if name.startswith("optim."):
-            assert torch.equal(oa[name], ob[name]), name
+    assert_same_optimizer_moments(full, killed)
