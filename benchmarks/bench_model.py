@@ -30,13 +30,18 @@ SHAPES = {
 
 
 def build_pair(preset: str):
+    from tinyformer.presets import get_preset
+
+    return build_pair_from_config(get_preset(preset))
+
+
+def build_pair_from_config(cfg):
+    """(cfg, tinyformer DecoderLM, transformers LlamaForCausalLM) holding the same random weights."""
     import transformers
 
     from tinyformer.interop.llama import config_to_hf, tinyformer_to_hf
     from tinyformer.models.decoder import DecoderLM
-    from tinyformer.presets import get_preset
 
-    cfg = get_preset(preset)
     torch.manual_seed(0)
     ours = DecoderLM(cfg)
     hf_cfg = config_to_hf(cfg)
@@ -97,24 +102,29 @@ def decode_step_fn(model, kind: str, cfg, prompt_len: int = 64):
     return hf_step
 
 
-def timed(fn, warmup: int, reps: int) -> list[float]:
+def timed(fn, warmup: int, reps: int, cpu: list[float] | None = None) -> list[float]:
+    """Wall seconds of each of ``reps`` calls; ``cpu`` (if given) receives their process CPU seconds (all
+    threads), which other jobs on a shared machine inflate much less than the wall time."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+        if cpu is not None:
+            cpu.append(time.process_time() - c0)
     return times
 
 
-def interleaved(fns: dict, warmup: int, reps: int) -> dict[str, list[float]]:
+def interleaved(fns: dict, warmup: int, reps: int, cpu: dict[str, list[float]] | None = None
+                ) -> dict[str, list[float]]:
     for fn in fns.values():
         timed(fn, warmup, 0)
     out: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
         for k, fn in fns.items():
-            out[k] += timed(fn, 0, 1)
+            out[k] += timed(fn, 0, 1, None if cpu is None else cpu.setdefault(k, []))
     return out
 
 
@@ -129,16 +139,24 @@ def peak_memory_child(kind: str, shape: str, steps: int) -> None:
     import gc
 
     gc.collect()
-    # reset the kernel's peak-RSS counter so that building both models does not count
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    reset_peak_rss()  # building both models does not count
     step = train_step_fn(model, kind, x, y)
     for _ in range(steps):
         step()
+    print(json.dumps({"peak_mib": peak_rss_mib()}))
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS counter of this process (Linux)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process since the last ``reset_peak_rss``, in MiB (Linux)."""
     with open("/proc/self/status") as f:
         status = {line.split(":")[0]: line.split()[1] for line in f if len(line.split()) > 1}
-    peak = int(status["VmHWM"])  # KiB
-    print(json.dumps({"peak_mib": peak / 1024}))
+    return int(status["VmHWM"]) / 1024  # VmHWM is in KiB
 
 
 def main() -> None:

@@ -155,16 +155,7 @@ def test_resume_after_sigkill_mid_run_gives_bit_identical_weights(tmp_path: Path
     full, killed = tmp_path / "full", tmp_path / "killed"
     subprocess.run(_train_cmd(corpus, full), env=env, check=True, capture_output=True, timeout=300)
 
-    proc = subprocess.Popen(_train_cmd(corpus, killed), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not ckpt.step_dirs(killed) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(random.Random(1234).uniform(0.0, 0.25))  # somewhere after the first checkpoint, mid-step
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed: make it longer"
-    interrupted_at = ckpt.step_dirs(killed)[-1][0]
+    interrupted_at = sigkill_after_first_checkpoint(_train_cmd(corpus, killed), env, killed, 0.25, seed=1234)
     assert 0 < interrupted_at < 120
 
     resumed = subprocess.run(_train_cmd(corpus, killed, "--resume"), env=env, capture_output=True, text=True,
@@ -176,9 +167,28 @@ def test_resume_after_sigkill_mid_run_gives_bit_identical_weights(tmp_path: Path
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    # the optimizer moments agree too, so training could go on identically
-    oa = load_file(ckpt.latest_checkpoint(full) / "optimizer.safetensors")
-    ob = load_file(ckpt.latest_checkpoint(killed) / "optimizer.safetensors")
+    assert_same_optimizer_moments(full, killed)  # so training could go on identically
+
+
+def sigkill_after_first_checkpoint(cmd: list[str], env: dict[str, str], run: Path, max_delay: float,
+                                   seed: int) -> int:
+    """Start the training command ``cmd``, SIGKILL it at a random moment (up to ``max_delay`` s) after its
+    first checkpoint in ``run``; returns the step of the last checkpoint it completed."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not ckpt.step_dirs(run) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(random.Random(seed).uniform(0.0, max_delay))  # somewhere after the first checkpoint, mid-step
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed: make it longer"
+    return ckpt.step_dirs(run)[-1][0]
+
+
+def assert_same_optimizer_moments(run_a: Path, run_b: Path) -> None:
+    """The optimizer state of the latest checkpoints of two runs is bit-identical."""
+    oa = load_file(ckpt.latest_checkpoint(run_a) / "optimizer.safetensors")
+    ob = load_file(ckpt.latest_checkpoint(run_b) / "optimizer.safetensors")
     for name in oa:
         if name.startswith("optim."):
             assert torch.equal(oa[name], ob[name]), name

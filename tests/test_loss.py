@@ -46,3 +46,16 @@ def test_loss_without_grad_does_not_allocate_gradients():
     with torch.no_grad():
         out = linear_cross_entropy(h, w, y)
     torch.testing.assert_close(out, F.cross_entropy(h @ w.T, y))
+
+
+@pytest.mark.parametrize("frozen", ["weight", "hidden"])
+def test_with_a_frozen_input_the_other_gradient_is_still_exact(frozen):
+    """A frozen head (LoRA) skips the weight gradient; the hidden-state gradient stays exact (float64)."""
+    torch.manual_seed(0)
+    h = torch.randn(9, 6, dtype=torch.float64, requires_grad=frozen != "hidden")
+    w = torch.randn(11, 6, dtype=torch.float64, requires_grad=frozen != "weight")
+    y = torch.randint(0, 11, (9,))
+    live = h if frozen == "weight" else w
+    (ours,) = torch.autograd.grad(linear_cross_entropy(h, w, y), live)
+    (ref,) = torch.autograd.grad(F.cross_entropy(h @ w.T, y), live)
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)

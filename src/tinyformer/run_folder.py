@@ -8,6 +8,16 @@
       manifest.json            size and CRC-32 of each weight file, checked on load (integrity.py)
       train.yaml, state/, metrics.jsonl, loss.png, samples.txt   (training runs only)
 
+A LoRA run (``train --lora-rank``) stores its adapter instead of the weights, and names its base run:
+
+    RUN/
+      config.json, tokenizer.json, ...   as above (the base model's config)
+      adapter.safetensors      the LoRA A/B matrices only (components/lora.py names)
+      adapter_config.json      rank, alpha, dropout, targets, and the base run folder's path
+
+``load_model`` (which every command uses) loads the base run, adds the adapter and merges it: a LoRA run
+is used like any other.
+
 Weights are read with safetensors only (never unpickled). Every file is written atomically
 (temporary file, fsync, rename), so a crash never leaves a half-written file in place of a good one.
 A tied LM head is stored once, as ``tok_emb.weight``.
@@ -16,6 +26,7 @@ A tied LM head is stored once, as ``tok_emb.weight``.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -28,6 +39,8 @@ from tinyformer.integrity import checked_shard_names, verify_files, write_manife
 from tinyformer.utils.io import atomic_write_text, atomic_write_with
 
 WEIGHTS = "model.safetensors"
+ADAPTER_WEIGHTS = "adapter.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 2 * 2**30
 
@@ -201,10 +214,13 @@ def load_state_into(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]
 def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                cfg: ModelConfig | None = None, verify: bool = True) -> nn.Module:
     """Build the model of ``run_dir`` without a random init (meta device) and load its weights (checked
-    against the run's manifest first unless ``verify`` is False)."""
+    against the run's manifest first unless ``verify`` is False); for a LoRA run, the base run's model with
+    the adapter merged in (:func:`load_adapter_run`)."""
     from tinyformer.models import build_model
     from tinyformer.sizing import check_buildable
 
+    if is_adapter_run(run_dir):
+        return load_adapter_run(run_dir, device, dtype, verify=verify)
     cfg = cfg or load_config(run_dir)
     # the weights' own dtype is only known once read: bound with the smallest float a run folder stores
     check_buildable(cfg, torch.empty(0, dtype=dtype).element_size() if dtype is not None else 2)
@@ -228,3 +244,98 @@ def load_tokenizer(run_dir: str | Path):  # -> tinyformer.data.tokenizer.Tokeniz
     if not path.is_file():
         raise CheckpointError(f"{run_dir} has no tokenizer.json")
     return Tokenizer.load(path)
+
+
+# ---------------------------------------------------------------------------- LoRA runs
+
+
+def is_adapter_run(run_dir: str | Path) -> bool:
+    return (Path(run_dir) / ADAPTER_CONFIG).is_file()
+
+
+def write_adapter_config(run_dir: str | Path, lora: dict, base_run: str | Path) -> None:
+    """adapter_config.json: the LoRA settings and the base run, by its path relative to ``run_dir`` (found
+    when both folders move together) and absolute (found when only the LoRA run moves)."""
+    run, base = Path(run_dir), Path(base_run).resolve()
+    data = {"format_version": 1, "kind": "lora", **lora, "base_run": os.path.relpath(base, run.resolve()),
+            "base_run_absolute": str(base)}
+    atomic_write_text(run / ADAPTER_CONFIG, json.dumps(data, indent=2) + "\n")
+
+
+def read_adapter_config(run_dir: str | Path):  # -> tuple[LoRAConfig, Path]
+    """(LoRAConfig, base run folder) of a LoRA run; a CheckpointError names what is wrong."""
+    from tinyformer.components.lora import LoRAConfig
+    from tinyformer.errors import ConfigError
+
+    run = Path(run_dir)
+    path = run / ADAPTER_CONFIG
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        lora = LoRAConfig(rank=data["rank"], alpha=data["alpha"], dropout=data["dropout"],
+                          targets=tuple(data["targets"]))
+        candidates = [run / data["base_run"], Path(data["base_run_absolute"])]
+    except (OSError, ValueError, KeyError, TypeError, ConfigError) as exc:
+        raise CheckpointError(f"{path} is not a valid LoRA adapter config: {exc}") from None
+    for base in candidates:
+        if (base / "config.json").is_file():
+            return lora, Path(os.path.normpath(base))
+    raise CheckpointError(f"the base run of LoRA run {run} is missing (looked for {candidates[0]} and "
+                          f"{candidates[1]}); put the base run folder back there")
+
+
+def save_adapter_run(run_dir: str | Path, model: nn.Module, base_run: str | Path) -> None:
+    """Write a LoRA run folder for ``model`` (which carries adapters) on ``base_run``: config.json,
+    adapter.safetensors, adapter_config.json and the base run's tokenizer files."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from tinyformer.components.lora import adapter_state_dict
+
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous() for k, v in adapter_state_dict(model).items()}
+    atomic_write_with(run / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    write_adapter_config(run, model.lora_config.to_dict(), base_run)
+    model.cfg.save(run / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (Path(base_run) / name).is_file():
+            shutil.copyfile(Path(base_run) / name, run / name)
+
+
+def load_adapter_run(run_dir: str | Path, device: str | torch.device = "cpu",
+                     dtype: torch.dtype | None = None, verify: bool = True) -> nn.Module:
+    """The base run's model with the LoRA run's adapter merged in (W + (alpha/r) B A), as a plain model."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from tinyformer.components.lora import adapter_state_dict, apply_lora, merge_lora
+
+    lora, base = read_adapter_config(run_dir)
+    path = Path(run_dir) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise CheckpointError(f"LoRA run {run_dir} has no {ADAPTER_WEIGHTS} yet (it writes one at each checkpoint)")
+    try:
+        tensors = load_file(str(path), device=str(device))
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
+    model = load_model(base, device=device, dtype=dtype, verify=verify)
+    with torch.random.fork_rng(devices=[]):  # the adapters' random init is overwritten: leave the RNG alone
+        apply_lora(model, lora)
+    own = adapter_state_dict(model)
+    if set(own) != set(tensors) or any(tuple(tensors[k].shape) != tuple(v.shape) for k, v in own.items()):
+        raise CheckpointError(f"{path} does not match the adapter that {ADAPTER_CONFIG} and the base run "
+                              f"{base} describe")
+    with torch.no_grad():
+        for key, value in own.items():
+            value.copy_(tensors[key])
+    merge_lora(model)
+    return model.eval()
+
+
+def model_tensors(run_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a run's model as a plain run folder stores it; a LoRA run's are merged."""
+    if is_adapter_run(run_dir):
+        yield from state_dict_for_saving(load_adapter_run(run_dir)).items()
+    else:
+        yield from iter_tensors(run_dir)

@@ -3,6 +3,8 @@
     tinyformer convert --from-hf DIR   --out RUN     HF folder (safetensors or pytorch_model.bin) -> run folder
     tinyformer convert --from-gguf FILE --out RUN    llama.cpp GGUF (float or quantized)          -> run folder
     tinyformer convert --model RUN --to-hf DIR       run folder -> HF folder for transformers
+    tinyformer convert --model LORA_RUN --merge-lora --out RUN   LoRA run -> plain run (adapter merged)
+    tinyformer convert --model LORA_RUN --to-peft DIR            LoRA run -> PEFT adapter folder
 
 A run folder is what ``generate``, ``chat``, ``eval`` and ``train --init-from`` read.
 """
@@ -51,6 +53,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--model", metavar="RUN", help="tinyformer run folder to export (with --to-hf)")
     p.add_argument("--out", metavar="RUN", help="run folder to write (imports)")
     p.add_argument("--to-hf", metavar="DIR", help="Hugging Face folder to write (exports)")
+    p.add_argument("--to-peft", metavar="DIR", help="with --model LORA_RUN: write a PEFT adapter folder for the "
+                   "--to-hf export of its base run")
+    p.add_argument("--merge-lora", action="store_true", help="with --model LORA_RUN --out RUN: write a plain run "
+                   "with the adapter merged into the weights")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="stored precision (default: the source's; float32 for quantized GGUF)")
     p.add_argument("--max-shard-size", default="2GiB", help="split weights into files of at most this size "
@@ -66,13 +72,24 @@ def run(args: argparse.Namespace) -> int:
     shard = parse_size(args.max_shard_size)
     kwargs = dict(dtype=args.dtype, max_shard_bytes=shard, force=args.force)
     started = time.perf_counter()
-    if args.model:
+    if args.model and (args.merge_lora or args.to_peft):
+        from tinyformer.interop.peft import export_peft, merge_run
+
+        if args.merge_lora and (not args.out or args.to_hf or args.to_peft):
+            raise ConfigError("--merge-lora writes a run folder: --model LORA_RUN --merge-lora --out RUN")
+        if args.to_peft and (args.out or args.to_hf):
+            raise ConfigError("--to-peft writes only the adapter folder: --model LORA_RUN --to-peft DIR")
+        report = (merge_run(args.model, args.out, **kwargs) if args.merge_lora
+                  else export_peft(args.model, args.to_peft, dtype=args.dtype, force=args.force))
+    elif args.model:
         if not args.to_hf or args.out:
             raise ConfigError("--model RUN exports and needs --to-hf DIR (not --out)")
         from tinyformer.interop.hf_folder import export_hf
 
         report = export_hf(args.model, args.to_hf, verify=not args.no_verify, **kwargs)
     else:
+        if args.merge_lora or args.to_peft:
+            raise ConfigError("--merge-lora and --to-peft read a LoRA run: --model LORA_RUN")
         if not args.out or args.to_hf:
             raise ConfigError("--from-hf/--from-gguf import and need --out RUN (not --to-hf)")
         if args.from_hf:

@@ -26,6 +26,12 @@ TRAIN_FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--tokenizer",), "tokenizer", str, "char, bpe (trained on the corpus) or a tokenizer.json path (default bpe)"),
     (("--vocab-size",), "vocab_size", int, "BPE vocabulary size (default 4096)"),
     (("--init-from",), "init_from", str, "start from another run's weights and tokenizer (fine-tuning)"),
+    (("--lora-rank",), "lora_rank", int, "train LoRA adapters of rank R on the frozen --init-from model "
+                                         "(the run folder stores the adapter only)"),
+    (("--lora-alpha",), "lora_alpha", float, "LoRA scale numerator: updates enter as alpha/R B A x (default R)"),
+    (("--lora-dropout",), "lora_dropout", float, "dropout on the LoRA adapters' input (default 0)"),
+    (("--lora-targets",), "lora_targets", str, "projections to adapt, comma-separated among q,k,v,o,gate,up,down "
+                                               "(default all)"),
     (("--objective",), "objective", str, "training objective: clm (default, causal language modelling), sft, "
                                          "dpo, mlm, seq2seq"),
     (("--task",), "task", str, "synthetic task name, for objectives that have tasks"),
@@ -182,6 +188,13 @@ def _train(prepared: Any) -> int:
     print(f"model: {_fmt_count(n_params)} parameters ({mcfg.arch}, d_model {mcfg.d_model}, {mcfg.n_layer} layers, "
           f"{mcfg.n_head} heads, {mcfg.norm}, {mcfg.pos}, {mcfg.ffn}); tokenizer: {tok.kind}, "
           f"{tok.vocab_size} ids")
+    if trainer.lora is not None:
+        from tinyformer.components.lora import trainable_share
+
+        trainable, total = trainable_share(trainer.model)
+        print(f"LoRA rank {trainer.lora.rank} (alpha {trainer.lora.scale * trainer.lora.rank:g}) on "
+              f"{','.join(trainer.lora.targets)}: {_fmt_count(trainable)} trainable parameters of "
+              f"{_fmt_count(total)} ({100 * trainable / total:.2f}%); the base weights are frozen")
     for note in prepared.notes:
         print(note)
     tokens_per_step = f" x {cfg.block_size} = {global_batch * cfg.block_size:,} tokens" if cfg.block_size else ""

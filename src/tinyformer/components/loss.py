@@ -26,12 +26,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n_rows, vocab = h.shape[0], weight.shape[0]
         valid = targets != ignore_index
         n_valid = valid.sum().clamp_min(1).to(torch.float32)
-        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(h) if want_grad else None
+        # a frozen head (LoRA) needs no weight gradient: skipping it saves a third of the head's work
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_grad = want_h or want_w
+        grad_h = torch.empty_like(h) if want_h else None
         # accumulate in float32 at least (float64 stays float64) whatever the compute dtype
         acc = torch.float64 if h.dtype == torch.float64 else torch.float32
         n_valid = n_valid.to(acc)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
         w = weight.to(h.dtype)
         total = torch.zeros((), dtype=acc, device=h.device)
         rows = max(1, CHUNK_ELEMENTS // vocab)
@@ -47,16 +49,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 p = logp.exp_()  # softmax, in place
                 p.scatter_add_(1, safe_t[:, None], -vc[:, None].to(p.dtype))  # minus one-hot at the target
                 p.mul_((vc.to(p.dtype) / n_valid)[:, None])  # ignored rows get zero gradient
-                grad_h[start:stop] = (p.to(h.dtype) @ w).to(h.dtype)
-                grad_w.addmm_(p.T, hc.to(acc))
+                if want_h:
+                    grad_h[start:stop] = (p.to(h.dtype) @ w).to(h.dtype)
+                if want_w:
+                    grad_w.addmm_(p.T, hc.to(acc))
         if want_grad:
-            ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+            ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if want_w else None)
         return total / n_valid
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None
+        return (grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
+                grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None, None, None)
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

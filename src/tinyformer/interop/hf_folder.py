@@ -517,6 +517,9 @@ def export_hf(run: str | Path, out: str | Path, *, dtype: str | torch.dtype | No
     if (run / "config.json").is_file() and "model_type" in read_json(run / "config.json", "model config"):
         raise CheckpointError(f"{run} is a Hugging Face model folder, not a tinyformer run folder; "
                               "import it with --from-hf")
+    if run_folder.is_adapter_run(run):
+        raise CheckpointError(f"{run} is a LoRA run (an adapter on {run_folder.read_adapter_config(run)[1]}): "
+                              "export it with --merge-lora --out RUN first, or as a PEFT adapter with --to-peft DIR")
     cfg = run_folder.load_config(run)
     adapter = adapter_for_model(cfg)
     source: TensorSource = SafetensorsSource(run_folder.checked_weight_files(run, verify), str(run))

@@ -1,7 +1,8 @@
 """Training checkpoints: everything a run needs to continue bit for bit, written atomically.
 
     RUN/state/step-000500/
-        model.safetensors       the weights (a tied head stored once, as in the run folder)
+        model.safetensors       the weights (a tied head stored once, as in the run folder); a LoRA run's
+                                adapters only (its base is frozen: the base run holds it)
         optimizer.safetensors   optimizer moments, RNG states (torch, CUDA, numpy, python, data)
         trainer.json            step, tokens seen, running log windows, optimizer hyper-parameters, RNG scalars,
                                 scaler, and the CRC-32 of every other file of the folder (checked on load)
@@ -281,13 +282,16 @@ def save_checkpoint(
 
 
 def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: str, *,
-                 assign: Callable[[dict[str, torch.Tensor]], None] | None = None) -> None:
+                 assign: Callable[[dict[str, torch.Tensor]], None] | None = None,
+                 own: dict[str, torch.Tensor] | None = None) -> None:
     """Copy ``tensors`` into ``model``'s parameters in place, strictly (names and shapes must match).
 
     Copying (not re-assigning) keeps the parameter objects, so an optimizer built on them stays valid.
     ``assign`` replaces the copy, once the tensors are checked (e.g. to shard them into a distributed model).
+    ``own`` (default: the whole state dict) is the part of the model's state the tensors fill, e.g. a LoRA
+    model's adapters only, or its base weights only.
     """
-    own = model.state_dict()
+    own = model.state_dict() if own is None else own
     cfg = getattr(model, "cfg", None)
     tied = bool(getattr(cfg, "tie_embeddings", False)) and "lm_head.weight" in own and "tok_emb.weight" in own
     expected = set(own) - ({"lm_head.weight"} if tied else set())
@@ -329,15 +333,17 @@ def load_checkpoint(
     *,
     assign_weights: Callable[[dict[str, torch.Tensor]], None] | None = None,
     assign_optimizer: Callable[[dict[str, Any]], None] | None = None,
+    own_weights: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Restore weights, optimizer, RNG streams and scaler from ``ckpt_dir``; returns the trainer state.
 
     ``assign_weights`` / ``assign_optimizer`` put the checked state into the model and optimizer instead
-    of ``load_state_dict`` (a sharded model re-shards the consolidated state there)."""
+    of ``load_state_dict`` (a sharded model re-shards the consolidated state there); ``own_weights`` is the
+    part of the model's state the checkpoint holds (a LoRA run's adapters; default all of it)."""
     meta = read_meta(ckpt_dir)
     sums = meta.get("checksums") or {}
     load_weights(model, read_tensors(ckpt_dir / MODEL_FILE, sums.get(MODEL_FILE)), str(ckpt_dir / MODEL_FILE),
-                 assign=assign_weights)
+                 assign=assign_weights, own=own_weights)
     tensors = read_tensors(ckpt_dir / OPTIM_FILE, sums.get(OPTIM_FILE))
     state = optimizer_from_tensors(tensors, meta["optimizer"])
     saved_sizes = [len(g["params"]) for g in state["param_groups"]]

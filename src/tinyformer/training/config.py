@@ -74,6 +74,11 @@ class TrainConfig:
     vocab_size: int | None = None  # bpe only; None = 4096
     # start from another run's weights and tokenizer (fine-tuning); None = random initialisation
     init_from: str | None = None
+    # LoRA (components/lora.py): train adapters of this rank on the frozen init_from model; None = all weights
+    lora_rank: int | None = None
+    lora_alpha: float | None = None  # None = lora_rank (update scale alpha / rank = 1)
+    lora_dropout: float = 0.0  # dropout on the adapters' input
+    lora_targets: str = "q,k,v,o,gate,up,down"  # comma-separated projections to adapt
     # objective
     objective: str = "clm"
     task: str | None = None
@@ -174,6 +179,14 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise bad(name, "must be a string or null")
+        if self.lora_rank is not None or self.lora_alpha is not None or self.lora_dropout != 0.0:
+            if self.lora_rank is None:
+                raise ConfigError("train.lora_alpha and train.lora_dropout apply with train.lora_rank (--lora-rank R)")
+            if not is_int(self.lora_rank) or self.lora_rank < 1:
+                raise bad("lora_rank", "must be a positive integer or null")
+        if not isinstance(self.lora_targets, str):
+            raise bad("lora_targets", "must be a comma-separated string such as 'q,v'")
+        self.lora_config()
         if not self.tokenizer:
             raise bad("tokenizer", "must be 'char', 'bpe' or a path to a tokenizer.json")
         if self.vocab_size is not None and self.tokenizer == "char":
@@ -182,6 +195,14 @@ class TrainConfig:
             )
 
     # ------------------------------------------------------------------ derived values
+    def lora_config(self):  # -> tinyformer.components.lora.LoRAConfig | None
+        """The LoRA settings (validated), or None for a run that trains every weight."""
+        from tinyformer.components.lora import LoRAConfig
+
+        if self.lora_rank is None:
+            return None
+        return LoRAConfig(self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets)
+
     @property
     def total_decay_steps(self) -> int:
         return self.decay_steps if self.decay_steps is not None else self.max_steps

@@ -300,15 +300,15 @@ class DistributedTrainer(Trainer):
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_states(self) -> dict[str, Any]:
         """Consolidated weights and optimizer state plus every rank's random streams, gathered on rank 0
-        (a collective: every rank calls it). Empty without a process group (the model is whole)."""
+        (a collective: every rank calls it). Without a process group the model is whole: as Trainer does."""
         if not self.distributed:
-            return {}
+            return super().checkpoint_states()
         return {"model_state": full_model_state(self.model), "optimizer_state": full_optimizer_state(self),
                 "extra_tensors": self._gather_rank_rng()}
 
     def state_loaders(self) -> dict[str, Any]:
         if not self.distributed:
-            return {}
+            return super().state_loaders()
         return {"assign_weights": functools.partial(load_full_model_state, self.model),
                 "assign_optimizer": functools.partial(load_full_optimizer_state, self)}
 

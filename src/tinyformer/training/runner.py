@@ -3,7 +3,9 @@
     fresh run     the out folder must be new or empty (``force`` clears a previous run's files)
     resume        the run's own train.yaml is the config; only logging/hardware fields and
                   max_steps may change; training continues from the latest checkpoint in state/
-    init_from     model config, weights and tokenizer come from another run folder (fine-tuning)
+    init_from     model config, weights and tokenizer come from another run folder (fine-tuning); with
+                  lora_rank the run trains adapters on those frozen weights and its folder stores the
+                  adapter and the base run's path (adapter.safetensors, adapter_config.json), not the weights
 
 The run folder receives, before the first step: ``train.yaml`` (the resolved config),
 ``config.json`` (the model) and ``tokenizer.json``; checkpoints add ``model.safetensors`` and state/.
@@ -55,7 +57,7 @@ TRAIN_FILE = "train.yaml"
 #: What a run folder holds; ``force`` deletes these and nothing else.
 RUN_ENTRIES = ("config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
                "tokenizer_config.json", TRAIN_FILE, STATE_DIR, "metrics.jsonl", "samples.txt", "loss.png",
-               "tensorboard", "report.md", "manifest.json")
+               "tensorboard", "report.md", "manifest.json", "adapter.safetensors", "adapter_config.json")
 #: The run folder's small files stored with every checkpoint, so that a resume can put them back.
 RUN_FILES = (TRAIN_FILE, "config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -308,6 +310,10 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
             model_cfg = load_config(init_from)
             changes = {k: v for k, v in model_fields.items() if k != "vocab_size"}
             model_cfg = model_cfg.replace(**changes) if changes else model_cfg
+    if train.lora_rank is not None and not spec.resume and init_from is None:
+        raise ConfigError("--lora-rank trains adapters on a trained model: give it with --init-from RUN")
+    if train.lora_rank is not None and world_size > 1:
+        raise ConfigError("LoRA runs train in one process; drop --nproc (the adapters are small enough)")
     objective_cls = get_objective(train.objective)
     autocast_dtype(train.dtype, resolve_device(train.device))  # an impossible device/dtype fails before any data work
     uses_block = objective_cls.uses_corpus or objective_cls.uses_block_size
@@ -337,7 +343,13 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
     objective: Objective = objective_cls(train, tokenizer, dataset)
     if not spec.resume and init_from is None:
         model_cfg = model_cfg.replace(vocab_size=tokenizer.vocab_size)
+    vocab_before = model_cfg.vocab_size
     model_cfg = objective.model_config(model_cfg)
+    if train.lora_rank is not None and not spec.resume and model_cfg.vocab_size != vocab_before:
+        # the new rows would be trained by nothing (the base is frozen) and stored nowhere (the adapter holds A, B)
+        raise ConfigError(f"--lora-rank keeps {init_from} frozen, but --objective {train.objective} adds the chat "
+                          f"template's tokens to its tokenizer ({vocab_before} -> {model_cfg.vocab_size} ids): run "
+                          "it once without --lora-rank, or start from a run that has a chat template")
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise CheckpointError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
                               f"{model_cfg.vocab_size} embedding rows")
@@ -347,6 +359,11 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
     created = False
     if is_main and not spec.resume:
         created = _create_run(run_dir, files, spec.force)
+        lora = train.lora_config()
+        if lora is not None and init_from is not None:
+            from tinyformer.run_folder import write_adapter_config
+
+            write_adapter_config(run_dir, lora.to_dict(), init_from)
 
     try:
         trainer = make_trainer(model_cfg, train, objective, run_dir, rank=rank, world_size=world_size)

@@ -37,6 +37,7 @@ from torch import nn
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import CheckpointError, ConfigError, TinyformerError
+from tinyformer.run_folder import ADAPTER_WEIGHTS
 from tinyformer.training.checkpoint import (
     MODEL_FILE,
     disk_error,
@@ -120,6 +121,11 @@ class Trainer:
         self.amp_dtype = autocast_dtype(cfg.dtype, self.device)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.model = objective.build_model(model_cfg).to(self.device)
+        self.lora = cfg.lora_config()  # LoRA: adapters on a frozen model (components/lora.py)
+        if self.lora is not None:
+            from tinyformer.components.lora import apply_lora
+
+            apply_lora(self.model, self.lora)  # before the optimizer: it takes the trainable tensors only
         self.train_model = self.wrap_model(self.model)
         self.optimizer = build_optimizer(self.model, cfg, self.device.type)
         use_scaler = self.amp_dtype == torch.float16 and self.device.type == "cuda"
@@ -165,13 +171,18 @@ class Trainer:
 
     def checkpoint_states(self) -> dict[str, Any]:
         """Keyword arguments for ``save_checkpoint``, computed on every rank before rank 0 writes (a sharded
-        model gathers its consolidated state here); none for a model held whole."""
-        return {}
+        model gathers its consolidated state here); for a model held whole, none (a LoRA model: its adapters)."""
+        return {"model_state": self._adapters()} if self.lora is not None else {}
 
     def state_loaders(self) -> dict[str, Any]:
-        """Keyword arguments for ``load_checkpoint`` (``assign_weights``, ``assign_optimizer``); none for a
-        model held whole."""
-        return {}
+        """Keyword arguments for ``load_checkpoint`` (``assign_weights``, ``assign_optimizer``, ``own_weights``);
+        for a model held whole, none (a LoRA model: its adapters are what a checkpoint holds)."""
+        return {"own_weights": self._adapters()} if self.lora is not None else {}
+
+    def _adapters(self) -> dict[str, torch.Tensor]:
+        from tinyformer.components.lora import adapter_state_dict
+
+        return adapter_state_dict(self.model)
 
     # ------------------------------------------------------------------ helpers
     def _flops_per_token(self) -> int | None:
@@ -193,7 +204,13 @@ class Trainer:
     # ------------------------------------------------------------------ loading
     def restore(self, ckpt_dir: Path) -> None:
         """Continue from a checkpoint: weights, optimizer, RNG streams, step, counters and log windows.
-        Reads only: the run folder is brought up to the checkpoint afterwards (runner.publish_resumed)."""
+        Reads only: the run folder is brought up to the checkpoint afterwards (runner.publish_resumed). A LoRA
+        checkpoint holds the adapters only: the frozen base comes from the base run that adapter_config.json
+        names."""
+        if self.lora is not None:
+            from tinyformer.run_folder import read_adapter_config
+
+            self.load_pretrained(read_adapter_config(self.run_dir)[1])
         state = load_checkpoint(ckpt_dir, self.model, self.optimizer, self.data_generator, self.scaler,
                                 **self.state_loaders())
         self.step = state["step"]
@@ -216,11 +233,13 @@ class Trainer:
 
     def load_pretrained(self, run_dir: Path) -> None:
         """Start from another run's weights (fine-tuning); optimizer and step start fresh."""
-        from tinyformer.run_folder import iter_tensors
+        from tinyformer.components.lora import base_state_dict
+        from tinyformer.run_folder import model_tensors
 
-        tensors = self.objective.adapt_pretrained(dict(iter_tensors(run_dir)))
+        tensors = self.objective.adapt_pretrained(dict(model_tensors(run_dir)))
         load_weights(self.model, tensors, f"--init-from {run_dir}",
-                     assign=self.state_loaders().get("assign_weights"))
+                     assign=self.state_loaders().get("assign_weights"),
+                     own=base_state_dict(self.model) if self.lora is not None else None)
 
     # ------------------------------------------------------------------ one update
     def train_step(self) -> tuple[float, float | None, int]:
@@ -290,7 +309,8 @@ class Trainer:
                 "window": self.window.to_dict()}
 
     def save(self) -> None:
-        """Checkpoint into state/ and refresh the run folder's model.safetensors (rank 0 writes)."""
+        """Checkpoint into state/ and refresh the run folder's model.safetensors (a LoRA run's
+        adapter.safetensors) (rank 0 writes)."""
         states = self.checkpoint_states()
         if not self.is_main:
             return
@@ -301,18 +321,19 @@ class Trainer:
         self.publish_weights(ckpt)
 
     def publish_weights(self, ckpt: Path) -> None:
-        """Copy checkpoint ``ckpt``'s weights into the run folder (atomically, so readers never see half a
-        file) and record their checksum in its manifest (integrity.py)."""
+        """Copy checkpoint ``ckpt``'s weights (a LoRA run's adapters) into the run folder (atomically, so
+        readers never see half a file) and record their checksum in its manifest (integrity.py)."""
         from tinyformer.integrity import write_manifest
         from tinyformer.training.checkpoint import read_meta
 
         known = (read_meta(ckpt).get("checksums") or {}).get(MODEL_FILE)
+        target = self.run_dir / (ADAPTER_WEIGHTS if self.lora is not None else MODEL_FILE)
         try:
-            with atomic_path(self.run_dir / MODEL_FILE) as tmp:
+            with atomic_path(target) as tmp:
                 shutil.copyfile(ckpt / MODEL_FILE, tmp)
-            write_manifest(self.run_dir, [MODEL_FILE], known={MODEL_FILE: known} if known else None)
+            write_manifest(self.run_dir, [target.name], known={target.name: known} if known else None)
         except OSError as exc:
-            raise disk_error(exc, f"{self.run_dir / MODEL_FILE}", f"checkpoint {ckpt} is complete") from None
+            raise disk_error(exc, f"{target}", f"checkpoint {ckpt} is complete") from None
 
     # ------------------------------------------------------------------ the loop
     def _log(self, pbar: Any, text: str) -> None:

@@ -1,0 +1,169 @@
+"""Fine-tuning step on the SmolLM2-135M shape: tinyformer LoRA vs transformers + peft, and full vs transformers.
+
+The shape is built offline from SmolLM2-135M's config values (hidden 576, 30 layers, 9 heads, 3 K/V heads,
+intermediate 1536, vocab 49152, tied embeddings, RoPE theta 1e5); weights are random but identical on both
+sides (mapped with tinyformer.interop.llama), and so are the LoRA A matrices (mapped with
+tinyformer.interop.peft), so both sides compute the same losses: the benchmark checks that the step-0 and
+step-1 losses agree before it times anything. One step = causal-LM loss on the same (B, T) token batch,
+backward, AdamW (foreach, the same on both sides) over the trainable tensors: rank-8 adapters on every
+linear layer (q, k, v, o, gate, up, down; alpha 8, no dropout) for LoRA, every weight for full fine-tuning.
+
+Timings alternate between the two implementations (A, B, A, B, ...) so that load from other processes hits
+both alike; the median is reported as tokens/s of wall time and per CPU second (all threads of the process:
+on a shared machine it is inflated much less than the wall time by the other jobs). Peak memory is measured in
+a fresh subprocess per (implementation, mode): the peak resident set size during the training steps (after model
+construction).
+
+    python benchmarks/bench_lora.py                      # SmolLM2-135M shape, batch 2 x 256, 2 threads
+    python benchmarks/bench_lora.py --small --steps 2    # a tiny shape: checks that the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+from bench_model import build_pair_from_config, interleaved, peak_rss_mib, reset_peak_rss
+
+RANK = 8
+
+
+def model_config(small: bool):
+    from tinyformer.presets import get_preset
+
+    if small:
+        return get_preset("llama-110m", d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128, vocab_size=512,
+                          tie_embeddings=True, max_seq_len=512)
+    return get_preset("llama-110m", d_model=576, n_layer=30, n_head=9, n_kv_head=3, d_ff=1536, vocab_size=49152,
+                      tie_embeddings=True, rope_theta=100000.0, norm_eps=1e-5, max_seq_len=2048)
+
+
+def build(kind: str, mode: str, small: bool):
+    """(ours, hf) with the same weights; with mode 'lora', both carry the same rank-8 adapters."""
+    from tinyformer.components.lora import LoRAConfig, adapter_state_dict, apply_lora
+    from tinyformer.interop.peft import HF_MODULES, peft_tensors
+
+    cfg, ours, hf = build_pair_from_config(model_config(small))
+    if mode == "lora":
+        import peft
+
+        apply_lora(ours, LoRAConfig(RANK))
+        targets = sorted({m.split(".")[1] for m in HF_MODULES.values()})
+        hf = peft.get_peft_model(hf, peft.LoraConfig(r=RANK, lora_alpha=RANK, lora_dropout=0.0,
+                                                     target_modules=targets, task_type="CAUSAL_LM"))
+        missing = peft.set_peft_model_state_dict(hf, peft_tensors(adapter_state_dict(ours)))
+        assert not missing.unexpected_keys, missing.unexpected_keys
+    hf.train()
+    ours.train()
+    return cfg, ours, hf
+
+
+def step_fn(model, kind: str, x, y):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0,
+                            foreach=True)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        if kind == "ours":
+            loss = model.loss(x, y)
+        else:
+            logits = model(input_ids=x).logits
+            loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return step
+
+
+def batch(cfg, b: int, t: int):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (b, t + 1), generator=g)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def peak_memory_child(kind: str, mode: str, small: bool, b: int, t: int, steps: int) -> None:
+    """Runs in a subprocess: build, train ``steps`` steps of one implementation, print the peak RSS in MiB."""
+    cfg, ours, hf = build(kind, mode, small)
+    model = ours if kind == "ours" else hf
+    del ours, hf  # only the measured model stays alive
+    gc.collect()
+    x, y = batch(cfg, b, t)
+    reset_peak_rss()  # construction does not count
+    step = step_fn(model, kind, x, y)
+    for _ in range(steps):
+        step()
+    print(json.dumps({"peak_mib": peak_rss_mib()}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", nargs="+", default=["lora", "full"], choices=["lora", "full"])
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per implementation (after one warm-up)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--small", action="store_true", help="a tiny shape, to check that the script runs")
+    ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args._child:
+        peak_memory_child(args._child[0], args._child[1], args.small, args.batch, args.seq, 2)
+        return
+    load = os.getloadavg()
+    print(f"torch {torch.__version__}, {args.threads} threads, fp32 CPU, batch {args.batch} x {args.seq}; "
+          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start")
+    rows = []
+    for mode in args.modes:
+        cfg, ours, hf = build("both", mode, args.small)
+        x, y = batch(cfg, args.batch, args.seq)
+        steps = {"ours": step_fn(ours, "ours", x, y), "hf": step_fn(hf, "hf", x, y)}
+        # same weights, adapters and data: the losses agree at step 0 and, after one update, at step 1
+        first = {k: [fn(), fn()] for k, fn in steps.items()}
+        for i in range(2):
+            assert abs(first["ours"][i] - first["hf"][i]) < 1e-3, (mode, first)
+        cpu: dict[str, list[float]] = {}
+        times = interleaved(steps, warmup=0, reps=args.steps, cpu=cpu)
+        trainable = sum(p.numel() for p in ours.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in ours.parameters())
+        row = {"mode": mode, "params": total, "trainable": trainable, "losses": first,
+               "tokens_per_s": {k: args.batch * args.seq / statistics.median(v) for k, v in times.items()},
+               "tokens_per_cpu_s": {k: args.batch * args.seq / statistics.median(v) for k, v in cpu.items()}}
+        del ours, hf, steps
+        gc.collect()
+        if not args.skip_memory:
+            row["peak_mib"] = {}
+            for kind in ("ours", "hf"):
+                cmd = [sys.executable, __file__, "--threads", str(args.threads), "--batch", str(args.batch),
+                       "--seq", str(args.seq), *(["--small"] if args.small else []), "--_child", kind, mode]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ)
+                row["peak_mib"][kind] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
+        rows.append(row)
+        tps, tpc = row["tokens_per_s"], row["tokens_per_cpu_s"]
+        what = f"LoRA r={RANK}, all linear layers" if mode == "lora" else "full fine-tuning"
+        print(f"\n{what}: {trainable / 1e6:.2f}M of {total / 1e6:.1f}M parameters trained "
+              f"({100 * trainable / total:.2f}%)")
+        print(f"  step loss agreement (steps 0, 1): tinyformer {first['ours'][0]:.5f} {first['ours'][1]:.5f}, "
+              f"HF {first['hf'][0]:.5f} {first['hf'][1]:.5f}")
+        print(f"  tokens/s   tinyformer {tps['ours']:8.1f}   transformers{' + peft' if mode == 'lora' else ''} "
+              f"{tps['hf']:8.1f}   ratio {tps['ours'] / tps['hf']:.2f}x")
+        print(f"  tokens per CPU second (all threads)   tinyformer {tpc['ours']:8.1f}   HF {tpc['hf']:8.1f}   "
+              f"ratio {tpc['ours'] / tpc['hf']:.2f}x")
+        if "peak_mib" in row:
+            pm = row["peak_mib"]
+            print(f"  peak RSS during training   tinyformer {pm['ours']:8.0f} MiB   HF {pm['hf']:8.0f} MiB   "
+                  f"ratio {pm['ours'] / pm['hf']:.2f}")
+    load = os.getloadavg()
+    print(f"\nload average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")
+    print("JSON " + json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
