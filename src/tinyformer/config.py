@@ -26,6 +26,7 @@ NORM_PLACEMENTS = ("pre", "post")
 POSITIONS = ("rope", "learned", "sinusoidal", "none")
 FFNS = ("swiglu", "gelu", "gelu_tanh", "relu")
 ATTN_IMPLS = ("sdpa", "reference")
+LAYER_TYPES = ("full", "sliding")  # per-layer attention span: every earlier key, or the last sliding_window keys
 
 # Allowed keys of `rope_scaling` per type (besides "rope_type"), with HF's names and meaning.
 ROPE_SCALING_KEYS: dict[str, dict[str, bool]] = {
@@ -99,6 +100,7 @@ class ModelConfig:
     # biases
     attn_bias: bool = False  # q, k, v projections
     attn_out_bias: bool = False  # output projection
+    qk_norm: bool = False  # per-head norm (the config's norm, over head_dim) of q and k before RoPE (Qwen3)
     mlp_bias: bool = False
     # embeddings and head
     tie_embeddings: bool = True
@@ -115,6 +117,11 @@ class ModelConfig:
     # computation
     attn_impl: str = "sdpa"
     init_std: float = 0.02
+    # sliding-window attention (Mistral, Qwen2/3 use_sliding_window, Gemma's local layers): query i sees keys
+    # j with i - sliding_window < j <= i. ``layer_types[l]`` is "sliding" or "full" per layer; None means
+    # every layer slides when sliding_window is set. A sliding layer's KV cache keeps only W positions.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
     # encoder-decoder: layers of the encoder stack (n_layer is the decoder's)
     n_encoder_layer: int | None = None
     pad_token_id: int | None = None
@@ -184,7 +191,7 @@ class ModelConfig:
         if isinstance(self.type_vocab_size, bool) or not isinstance(self.type_vocab_size, int) \
                 or self.type_vocab_size < 0:
             raise ConfigError(f"type_vocab_size must be a non-negative integer, got {self.type_vocab_size!r}")
-        for name in ("embed_norm", "pooler", "mlm_head", "share_src_tgt_embeddings"):
+        for name in ("embed_norm", "pooler", "mlm_head", "share_src_tgt_embeddings", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         # options that only one kind of stack implements
@@ -202,9 +209,26 @@ class ModelConfig:
             n = self.n_encoder_layer
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ConfigError(f"n_encoder_layer must be a positive integer, got {n!r}")
+        self._validate_sliding_window()
         if self.pad_token_id is not None and not (0 <= self.pad_token_id < self.vocab_size):
             raise ConfigError(f"pad_token_id ({self.pad_token_id}) must be in [0, vocab_size)")
         self._validate_rope_scaling()
+
+    def _validate_sliding_window(self) -> None:
+        w, types = self.sliding_window, self.layer_types
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+            raise ConfigError(f"sliding_window must be a positive integer or null, got {w!r}")
+        if w is not None and self.arch != "decoder":
+            raise ConfigError(f"sliding_window is implemented for arch 'decoder' only, not {self.arch!r}")
+        if types is None:
+            return
+        if not isinstance(types, list) or len(types) != self.n_layer:
+            raise ConfigError(f"layer_types must be a list of {self.n_layer} entries (one per layer), got {types!r}")
+        bad = [t for t in types if t not in LAYER_TYPES]
+        if bad:
+            raise ConfigError(f"layer_types entry {bad[0]!r} is not one of {', '.join(LAYER_TYPES)}")
+        if "sliding" in types and w is None:
+            raise ConfigError("layer_types has 'sliding' layers but sliding_window is not set")
 
     def _validate_rope_scaling(self) -> None:
         rs = self.rope_scaling
@@ -245,6 +269,14 @@ class ModelConfig:
             raise ConfigError(f"rope_scaling.original_max_position_embeddings must be a positive int, got {omp!r}")
 
     # ------------------------------------------------------------------ derived values
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window W of layer ``layer`` (keys j with i - W < j <= i), or None for full causal."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding":
+            return None
+        return self.sliding_window
+
     @property
     def rope_type(self) -> str:
         """The RoPE scaling type: 'default' when there is no scaling."""

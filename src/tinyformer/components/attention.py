@@ -19,6 +19,14 @@ Under ``torch.compile`` a single query per row (the compiled decode step) is com
 
 Shapes: x (B, T, d) -> q (B, H, T, d_head), k/v (B, H_kv, S, d_head) -> out (B, T, d),
 where S = T plus whatever the KV cache already holds.
+
+Sliding window (``ModelConfig.sliding_window``, Beltagy et al. 2020; Mistral): M also masks keys j <= i - W,
+so query i sees keys j with i - W < j <= i. The mask comes from the model (models/decoder.py); a layer whose
+KV cache is a rolling buffer of W slots (components/kv_cache.py) writes position p into slot p mod W.
+
+QK-norm (``ModelConfig.qk_norm``, Qwen3, Gemma 3): q and k are normalised per head over d_head (RMSNorm
+with learned gains of shape (d_head,)) before RoPE, which bounds the logits q.k / sqrt(d_head):
+q_h <- RMSNorm_q(q_h), k_h <- RMSNorm_k(k_h).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyformer.components.norm import build_norm
 from tinyformer.components.rope import apply_rope
 from tinyformer.config import ModelConfig
 
@@ -141,6 +150,8 @@ class SelfAttention(nn.Module):
         self.kv_size = cfg.n_kv_head * cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, self.q_size + 2 * self.kv_size, bias=cfg.attn_bias)
         self.out = nn.Linear(self.q_size, cfg.d_model, bias=cfg.attn_out_bias)
+        self.q_norm = build_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = build_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -150,20 +161,29 @@ class SelfAttention(nn.Module):
         cache: tuple[torch.Tensor, torch.Tensor] | None = None,
         start: int | torch.Tensor = 0,
         kv_len: int = 0,
+        rolling: bool = False,
     ) -> torch.Tensor:
         """x (B, T, d); rope = (cos, sin) for these T positions; mask (B|1, 1, T, S) bool or None;
         cache = this layer's preallocated (k, v) buffers (B, H_kv, L, d_head), filled up to ``start``.
         ``start`` may be a (B,) tensor of per-row positions (then T must be 1, the first ``kv_len``
-        cache positions are attended and ``mask`` says which of them each row may see)."""
+        cache positions are attended and ``mask`` says which of them each row may see).
+        ``rolling``: the cache is a ring of W slots (position p in slot p mod W); then the keys are the W
+        slots (after writing, when T = 1) or the W slots followed by the T new keys (before writing), and
+        ``mask`` is over those keys."""
         B, T, _ = x.shape
         H, H_kv = self.n_head, self.n_kv_head
         # the qkv rows are H query heads, then H_kv key heads, then H_kv value heads
         qkv = self.qkv(x).view(B, T, H + 2 * H_kv, self.head_dim).transpose(1, 2)  # (B, H + 2 H_kv, T, d_head)
         qk, v = qkv[:, : H + H_kv], qkv[:, H + H_kv :]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split((H, H_kv), dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         if rope is not None:  # queries and keys are rotated alike: one call for both
             qk = apply_rope(qk, *rope)
         q, k = qk.split((H, H_kv), dim=1)  # (B, H, T, d_head), (B, H_kv, T, d_head)
-        if cache is not None and isinstance(start, torch.Tensor):
+        if cache is not None and rolling:
+            k, v = self._write_ring(cache, k, v, start)
+        elif cache is not None and isinstance(start, torch.Tensor):
             # per-row positions (continuous batching): row b writes its one new token at start[b]
             k_cache, v_cache = cache
             rows = torch.arange(B, device=x.device)
@@ -180,3 +200,30 @@ class SelfAttention(nn.Module):
         y = attend(q, k, v, mask, is_causal, self.impl, self.dropout_p if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, self.q_size)  # merge heads: (B, T, H d_head)
         return self.out(y)
+
+    @staticmethod
+    def _write_ring(cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                    start: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new keys/values into a ring of W slots (position p -> slot p mod W); return the keys and
+        values to attend over. One new token overwrites position p - W, which it may not see anyway, so it
+        is written first and the W slots are attended; a block of T > 1 tokens attends the W old slots plus
+        its own keys (a query in the block may still see positions the block's later tokens overwrite)."""
+        k_cache, v_cache = cache
+        W = k_cache.shape[2]
+        T = k.shape[2]
+        if isinstance(start, torch.Tensor):  # one token per row, each at its own position
+            rows = torch.arange(k.shape[0], device=k.device)
+            slot = start % W
+            k_cache[rows, :, slot] = k[:, :, 0]
+            v_cache[rows, :, slot] = v[:, :, 0]
+            return k_cache, v_cache
+        if T == 1:
+            k_cache[:, :, start % W] = k[:, :, 0]
+            v_cache[:, :, start % W] = v[:, :, 0]
+            return k_cache, v_cache
+        keys, values = torch.cat([k_cache, k], dim=2), torch.cat([v_cache, v], dim=2)
+        n = min(T, W)  # only the last W positions of the block outlive it
+        slots = torch.arange(start + T - n, start + T, device=k.device) % W
+        k_cache.index_copy_(2, slots, k[:, :, T - n :])
+        v_cache.index_copy_(2, slots, v[:, :, T - n :])
+        return keys, values

@@ -37,10 +37,11 @@ class Block(nn.Module):
         cache: tuple[torch.Tensor, torch.Tensor] | None = None,
         start: int | torch.Tensor = 0,
         kv_len: int = 0,
+        rolling: bool = False,
     ) -> torch.Tensor:
         """x (B, T, d) -> (B, T, d)."""
         if self.pre_norm:
-            x = x + self.drop(self.attn(self.attn_norm(x), rope, mask, cache, start, kv_len))
+            x = x + self.drop(self.attn(self.attn_norm(x), rope, mask, cache, start, kv_len, rolling))
             return x + self.drop(self.ffn(self.ffn_norm(x)))
-        x = self.attn_norm(x + self.drop(self.attn(x, rope, mask, cache, start, kv_len)))
+        x = self.attn_norm(x + self.drop(self.attn(x, rope, mask, cache, start, kv_len, rolling)))
         return self.ffn_norm(x + self.drop(self.ffn(x)))

@@ -1,4 +1,4 @@
-"""Weight adapter: Hugging Face Llama (and Mistral / Qwen2, which share its layout) <-> tinyformer.
+"""Weight adapter: Hugging Face Llama (and Mistral / Qwen2 / Qwen3, which share its layout) <-> tinyformer.
 
 RoPE convention: both sides use the half-split pairing (dimension i rotates with i + d_head/2),
 so q/k rows are copied unpermuted. (Meta's original checkpoints and GGUF files pair adjacent
@@ -10,16 +10,19 @@ Name mapping, per layer i (HF  ->  tinyformer):
   model.layers.i.self_attn.{q,k,v}_proj.weight     blocks.i.attn.qkv.weight   (rows: q, then k, then v)
   model.layers.i.self_attn.{q,k,v}_proj.bias       blocks.i.attn.qkv.bias     (Qwen2; Llama attention_bias)
   model.layers.i.self_attn.o_proj.{weight,bias}    blocks.i.attn.out.{weight,bias}
+  model.layers.i.self_attn.{q,k}_norm.weight       blocks.i.attn.{q,k}_norm.weight (Qwen3: qk_norm)
   model.layers.i.post_attention_layernorm.weight   blocks.i.ffn_norm.weight
   model.layers.i.mlp.{gate,up}_proj.weight         blocks.i.ffn.gate_up.weight (rows: gate, then up)
   model.layers.i.mlp.down_proj.weight              blocks.i.ffn.down.weight
   model.norm.weight                                norm.weight
   lm_head.weight                                   lm_head.weight (absent when tied)
 
-The three architectures differ only in their biases: Llama has ``attention_bias`` (q, k, v *and* o)
-and ``mlp_bias``; Qwen2 always has q/k/v biases and nothing else; Mistral has none. Mistral and Qwen2
-may declare a sliding attention window: within a context no longer than the window it is plain causal
-attention, so the import keeps the model exact by limiting ``max_seq_len`` to the window.
+The architectures differ in their biases: Llama and Qwen3 have ``attention_bias`` (q, k, v *and* o)
+and Llama ``mlp_bias``; Qwen2 always has q/k/v biases and nothing else; Mistral has none. Qwen3 adds a
+per-head RMSNorm of q and k (``qk_norm``) and states ``head_dim`` explicitly. Sliding-window attention maps
+to ``sliding_window`` and ``layer_types``: every Mistral layer slides when ``sliding_window`` is set; Qwen2/3
+slide only with ``use_sliding_window``, in the layers ``layer_types`` marks "sliding_attention" (by default
+the layers from ``max_window_layers`` on). The context stays ``max_position_embeddings``.
 
 An imported config remembers the Hugging Face ``config.json`` it came from (``extra["hf_config"]``).
 Exporting a model whose shape still equals that config writes the original back unchanged, so an
@@ -37,8 +40,34 @@ from tinyformer.config import ROPE_SCALING_KEYS, ModelConfig
 from tinyformer.errors import ConfigError
 from tinyformer.interop.adapter import Adapter
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
+
+
+def window_from_hf(hf: Mapping[str, Any], all_layers: bool) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types) from a HF config. ``all_layers``: the architecture slides in every layer
+    whenever ``sliding_window`` is set (Mistral); otherwise only with ``use_sliding_window`` (Qwen2/3), in the
+    layers ``layer_types`` names, or from ``max_window_layers`` on, as transformers' config classes decide."""
+    window = hf.get("sliding_window")
+    if window is None or (not all_layers and not hf.get("use_sliding_window")):
+        return None, None
+    n = int(hf["num_hidden_layers"])
+    hf_types = hf.get("layer_types")
+    if all_layers:
+        types = ["sliding"] * n
+    elif hf_types:
+        unknown = sorted(set(hf_types) - set(HF_LAYER_TYPES))
+        if unknown:
+            raise ConfigError(f"layer_types {', '.join(unknown)} are not supported")
+        types = [HF_LAYER_TYPES[t] for t in hf_types]
+    else:
+        first = int(hf.get("max_window_layers", n))
+        types = ["sliding" if i >= first else "full" for i in range(n)]
+    if "sliding" not in types:
+        return None, None
+    return int(window), None if set(types) == {"sliding"} else types
 
 
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -95,16 +124,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         raise ConfigError(f"config.json lacks {', '.join(missing)}")
     theta, rope_scaling = _rope_from_hf(hf)
     max_seq_len = int(hf["max_position_embeddings"])
-    window = hf.get("sliding_window")
-    uses_window = window is not None and {
-        "mistral": True,
-        "qwen2": bool(hf.get("use_sliding_window")) and "sliding_attention" in (hf.get("layer_types")
-                                                                                  or ["sliding_attention"]),
-    }.get(model_type, False)
-    if uses_window and window < max_seq_len:
-        if rope_scaling and rope_scaling["rope_type"] == "dynamic":
-            raise ConfigError(f"sliding_window={window} with dynamic RoPE scaling is not supported")
-        max_seq_len = int(window)  # full causal attention == sliding-window attention up to the window
+    window, layer_types = (None, None) if model_type == "llama" else window_from_hf(hf, model_type == "mistral")
     n_head = hf["num_attention_heads"]
     pad = hf.get("pad_token_id")
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
@@ -112,7 +132,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         qkv_bias, out_bias, mlp_bias = True, False, False
     elif model_type == "mistral":
         qkv_bias = out_bias = mlp_bias = False
-    else:
+    else:  # llama, qwen3
         qkv_bias = out_bias = bool(hf.get("attention_bias", False))
         mlp_bias = bool(hf.get("mlp_bias", False))
     return ModelConfig(
@@ -136,6 +156,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         mlp_bias=mlp_bias,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attn_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
+        qk_norm=model_type == "qwen3",
+        sliding_window=window,
+        layer_types=layer_types,
         pad_token_id=pad if isinstance(pad, int) and 0 <= pad < hf["vocab_size"] else None,
         extra={"source": model_type, "hf_config": dict(hf)},
     )
@@ -148,6 +171,12 @@ def export_problem(cfg: ModelConfig) -> str | None:
     for key, value in wanted.items():
         if getattr(cfg, key) != value:
             return f"{key}={getattr(cfg, key)!r} cannot be exported as Llama/Qwen2 (needs {value!r})"
+    if cfg.mlp_bias and (cfg.qk_norm or cfg.sliding_window is not None):
+        return "mlp_bias with qk_norm or sliding_window: only Llama has MLP biases, and it has neither"
+    if cfg.sliding_window is not None and not cfg.qk_norm and (cfg.attn_out_bias or (
+            cfg.layer_types is not None and not cfg.attn_bias)):
+        return ("sliding_window needs Mistral (no biases, every layer sliding) or Qwen2 (q/k/v biases only); "
+                "this model has other biases or a per-layer pattern without q/k/v biases")
     return None
 
 
@@ -160,6 +189,10 @@ def export_model_type(cfg: ModelConfig) -> str:
     tokenizer.json pre-tokenizer of any model whose model_type is qwen2 and imposes Qwen2's."""
     original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
     wanted = original.get("model_type") if isinstance(original, dict) else None
+    if cfg.qk_norm:
+        return "qwen3"
+    if cfg.sliding_window is not None:  # Llama has no window: Qwen2 for q/k/v biases, else Mistral
+        return "qwen2" if cfg.attn_bias else "mistral"
     if wanted == "qwen2" and cfg.attn_bias and not cfg.attn_out_bias and not cfg.mlp_bias:
         return "qwen2"
     if wanted == "mistral" and not (cfg.attn_bias or cfg.attn_out_bias or cfg.mlp_bias):
@@ -228,12 +261,17 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
     }
     if cfg.rope_scaling:
         hf["rope_scaling"] = dict(rope_parameters)  # the transformers 4 spelling, for older readers
-    if model_type == "llama":
+    if model_type in ("llama", "qwen3"):
         hf["attention_bias"] = cfg.attn_bias or cfg.attn_out_bias
+    if model_type == "llama":
         hf["mlp_bias"] = cfg.mlp_bias
     else:
-        hf["sliding_window"] = None
-        hf["use_sliding_window"] = False
+        hf["sliding_window"] = cfg.sliding_window
+        hf["use_sliding_window"] = cfg.sliding_window is not None
+    if model_type in ("qwen2", "qwen3"):
+        types = [("sliding_attention" if cfg.layer_window(i) else "full_attention") for i in range(cfg.n_layer)]
+        hf["layer_types"] = types
+        hf["max_window_layers"] = types.index("sliding_attention") if "sliding_attention" in types else cfg.n_layer
     if isinstance(original, dict):  # keep the special-token ids of an imported model
         for key in ("bos_token_id", "eos_token_id"):
             if key in original:
@@ -264,6 +302,9 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Ite
         yield a + "attn.out.weight", get(p + "self_attn.o_proj.weight")
         if cfg.attn_out_bias:
             yield a + "attn.out.bias", get(p + "self_attn.o_proj.bias")
+        if cfg.qk_norm:
+            yield a + "attn.q_norm.weight", get(p + "self_attn.q_norm.weight")
+            yield a + "attn.k_norm.weight", get(p + "self_attn.k_norm.weight")
         yield a + "ffn_norm.weight", get(p + "post_attention_layernorm.weight")
         yield a + "ffn.gate_up.weight", torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         if cfg.mlp_bias:
@@ -282,7 +323,7 @@ def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterat
     Llama has either all four attention biases or none: a model with only some of them gets the others
     as zeros (adding zero changes nothing)."""
     q, kv, f = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.d_ff
-    llama_bias = export_model_type(cfg) == "llama" and (cfg.attn_bias or cfg.attn_out_bias)
+    llama_bias = export_model_type(cfg) in ("llama", "qwen3") and (cfg.attn_bias or cfg.attn_out_bias)
     yield "model.embed_tokens.weight", sd["tok_emb.weight"]
     for i in range(cfg.n_layer):
         p, a = f"model.layers.{i}.", f"blocks.{i}."
@@ -302,6 +343,9 @@ def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterat
             yield p + "self_attn.o_proj.bias", sd[a + "attn.out.bias"]
         elif llama_bias:
             yield p + "self_attn.o_proj.bias", torch.zeros(cfg.d_model, dtype=out_w.dtype, device=out_w.device)
+        if cfg.qk_norm:
+            yield p + "self_attn.q_norm.weight", sd[a + "attn.q_norm.weight"]
+            yield p + "self_attn.k_norm.weight", sd[a + "attn.k_norm.weight"]
         yield p + "post_attention_layernorm.weight", sd[a + "ffn_norm.weight"]
         gate, up = sd[a + "ffn.gate_up.weight"].split((f, f))
         yield p + "mlp.gate_proj.weight", gate.contiguous()

@@ -29,9 +29,11 @@ from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError, GenerationError
 
 
-def build_attention_mask(attention_mask: torch.Tensor, T: int, start: int, causal: bool = True) -> torch.Tensor:
+def build_attention_mask(attention_mask: torch.Tensor, T: int, start: int, causal: bool = True,
+                         window: int | None = None) -> torch.Tensor:
     """Boolean (B, 1, T, S) mask, True = may attend, for T queries at positions start .. start+T-1
     over S = start + T keys. ``attention_mask`` (B, S) marks real tokens with 1 and padding with 0.
+    With a ``window`` W query i also needs i - W < j (sliding-window attention).
 
     A padding query would otherwise see no key at all; it is let see itself, which keeps every
     softmax row finite in every kernel (its output is never used).
@@ -41,7 +43,38 @@ def build_attention_mask(attention_mask: torch.Tensor, T: int, start: int, causa
     q_pos = torch.arange(start, S, device=attention_mask.device)[:, None]  # (T, 1)
     k_pos = torch.arange(S, device=attention_mask.device)[None, :]  # (1, S)
     allowed = key_ok & (k_pos <= q_pos) if causal else key_ok.expand(-1, -1, T, -1)
+    if window is not None:
+        allowed = allowed & (k_pos > q_pos - window)
     return allowed | (k_pos == q_pos)
+
+
+def window_mask(T: int, start: int, window: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, T, start + T) causal sliding-window mask without padding: key j visible to query i (at
+    position start + i) iff start + i - W < j <= start + i."""
+    q_pos = torch.arange(start, start + T, device=device)[:, None]
+    k_pos = torch.arange(start + T, device=device)[None, :]
+    return ((k_pos <= q_pos) & (k_pos > q_pos - window))[None, None]
+
+
+def ring_mask(attention_mask: torch.Tensor | None, T: int, start: int, window: int,
+              device: torch.device) -> torch.Tensor:
+    """(B|1, 1, T, K) mask over the keys a rolling-cache layer attends (``SelfAttention._write_ring``).
+
+    Slot s of the W-slot ring holds the latest position c = p - ((p - s) mod W) with c = s (mod W) up to
+    p = start (one new token, written before attending: K = W) or p = start - 1 (a block of T > 1, attending
+    the old slots and then its own T keys: K = W + T). A slot with c < 0 was never written. Query i sees key
+    column c iff 0 <= c, i - W < c <= i and attention_mask[c] (columns count from the cache's start)."""
+    slots = torch.arange(window, device=device)
+    last = start if T == 1 else start - 1
+    cols = last - torch.remainder(last - slots, window)
+    if T > 1:
+        cols = torch.cat([cols, torch.arange(start, start + T, device=device)])
+    q_pos = torch.arange(start, start + T, device=device)[:, None]
+    allowed = (cols >= 0) & (cols <= q_pos) & (cols > q_pos - window)  # (T, K)
+    if attention_mask is None:
+        return allowed[None, None]
+    key_ok = attention_mask[:, cols.clamp_min(0)].bool()[:, None, None, :]  # (B, 1, 1, K)
+    return (allowed & key_ok) | (cols == q_pos)
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -156,15 +189,30 @@ class DecoderLM(nn.Module):
         x = self.emb_drop(x)
         rope = self.rope(start, T, position_ids) if self.rope is not None else None
 
-        mask = None
-        if attention_mask is not None:
-            mask = build_attention_mask(attention_mask, T, start)
+        masks: dict[tuple[int | None, bool], torch.Tensor | None] = {}  # one per (window, rolling) kind of layer
         for i, block in enumerate(self.blocks):
+            window = self.cfg.layer_window(i)
+            rolling = cache is not None and cache.rolling[i]
+            if (window, rolling) not in masks:
+                masks[window, rolling] = self._mask(attention_mask, T, start, window, rolling, input_ids.device)
             layer_cache = cache.layers[i] if cache is not None else None
-            x = block(x, rope, mask, layer_cache, start)
+            x = block(x, rope, masks[window, rolling], layer_cache, start, 0, rolling)
         if cache is not None:
             cache.length = start + T
         return self.norm(x)
+
+    @staticmethod
+    def _mask(attention_mask: torch.Tensor | None, T: int, start: int, window: int | None, rolling: bool,
+              device: torch.device) -> torch.Tensor | None:
+        """The boolean mask of one kind of layer (None: plain causal, left to the attention kernel)."""
+        if rolling:
+            assert window is not None
+            return ring_mask(attention_mask, T, start, window, device)
+        if attention_mask is not None:
+            return build_attention_mask(attention_mask, T, start, window=window)
+        if window is not None and start + T > window:  # some query has keys beyond its window
+            return window_mask(T, start, window, device)
+        return None
 
     def _decode_rows(self, input_ids: torch.Tensor, cache: KVCache | None, pos: torch.Tensor,
                      kv_len: int | None = None) -> torch.Tensor:
@@ -188,7 +236,15 @@ class DecoderLM(nn.Module):
         keys = torch.arange(kv_len, device=input_ids.device)
         mask = (keys[None, :] <= pos[:, None])[:, None, None, :]  # (B, 1, 1, kv_len)
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, mask, cache.layers[i], pos, kv_len)
+            window, rolling = self.cfg.layer_window(i), cache.rolling[i]
+            layer_mask, layer_len = mask, kv_len
+            if rolling:  # slot s holds a position within the window once written: s <= pos, or every slot
+                assert window is not None
+                layer_len = window
+                layer_mask = (torch.arange(window, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]
+            elif window is not None:
+                layer_mask = mask & (keys[None, :] > pos[:, None] - window)[:, None, None, :]
+            x = block(x, rope, layer_mask, cache.layers[i], pos, layer_len, rolling)
         return self.norm(x)
 
     def forward(
@@ -219,9 +275,13 @@ class DecoderLM(nn.Module):
         h = self.hidden_states(input_ids, attention_mask=attention_mask)
         return linear_cross_entropy(h, self.lm_head.weight, targets, ignore_index)
 
-    def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
+                  rolling: bool = True) -> KVCache:
+        """A KV cache for ``max_len`` positions; sliding-window layers get W-slot rings unless ``rolling`` is
+        False (then every layer keeps every position and the window is a mask only)."""
         p = self.tok_emb.weight
-        return KVCache(self.cfg, batch_size, max_len or self.cfg.max_seq_len, p.device, dtype or p.dtype)
+        return KVCache(self.cfg, batch_size, max_len or self.cfg.max_seq_len, p.device, dtype or p.dtype,
+                       rolling=rolling)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (shared tensors once); ``non_embedding`` leaves out token and position tables
