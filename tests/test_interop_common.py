@@ -150,7 +150,7 @@ def permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
 GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
+              "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 # byte offsets of the float16 scales inside one block, so random blocks get sane magnitudes
 _SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,),
@@ -205,7 +205,10 @@ def write_gguf(model, path: Path, qtype: str = "F32", arch: str = "llama", token
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
     if rope_scaling:
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling["type"]))
@@ -358,3 +361,36 @@ def test_a_registered_adapter_handles_its_model_type(tmp_path):
     with torch.no_grad():
         ours = load_model(tmp_path / "run")(ids, attention_mask=mask)
     torch.testing.assert_close(ours[mask.bool()], hf_logits(model, ids, mask)[mask.bool()], atol=1e-4, rtol=1e-4)
+
+
+def assert_import_matches_transformers(kind: str, folder: Path, length: int = 20, new_tokens: int = 8,
+                                       **overrides):
+    """A random transformers model of ``kind`` imported into ``folder``/run must give transformers' logits on
+    a left-padded batch, the same logits when decoded one token at a time through the KV cache, the tokens
+    of transformers' ``generate`` (plain cache loop and the engine), and export back to identical tensors.
+    Returns (transformers model, tinyformer model)."""
+    from tinyformer.interop.hf_folder import export_hf, import_hf
+    from tinyformer.run_folder import load_model
+
+    hf = hf_model(kind, **overrides)
+    save_hf(hf, folder / "hf", tokenizer=False)
+    import_hf(folder / "hf", folder / "run")
+    ours = load_model(folder / "run")
+    ids, mask = padded_batch(length=length)
+    real = mask.bool()
+    with torch.no_grad():
+        logits = ours(ids, attention_mask=mask)
+        torch.testing.assert_close(logits[real], hf_logits(hf, ids, mask)[real], atol=1e-4, rtol=1e-4)
+        cache = ours.new_cache(2, length)
+        steps = [ours(ids[:, :3], attention_mask=mask[:, :3], cache=cache)]
+        steps += [ours(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache) for t in range(3, length)]
+        torch.testing.assert_close(torch.cat(steps, 1)[real], logits[real], atol=1e-5, rtol=1e-5)
+    want = hf_greedy(hf, ids, mask, new_tokens)
+    assert torch.equal(greedy(ours, ids, mask, new_tokens), want)
+    assert torch.equal(engine_greedy(ours, ids, mask, new_tokens), want)
+    export_hf(folder / "run", folder / "hf2")
+    before, after = safetensors_dict(folder / "hf"), safetensors_dict(folder / "hf2")
+    assert before.keys() == after.keys()
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    return hf, ours

@@ -39,6 +39,7 @@ def test_published_totals():
         dict(ffn="gelu", pos="sinusoidal", tie_embeddings=False),
         dict(n_kv_head=1, head_dim=24),
         dict(final_norm=False, norm_placement="post"),
+        dict(qk_norm=True, head_dim=16),
     ],
 )
 def test_option_counts_equal_meta_device_model(kw):

@@ -8,20 +8,17 @@ import json
 import pytest
 import torch
 from test_interop_common import (
-    engine_greedy,
-    greedy,
+    assert_import_matches_transformers,
     hf_greedy,
-    hf_logits,
     hf_model,
     padded_batch,
     pytestmark,  # noqa: F401 - one intra-op thread for every test here
-    safetensors_dict,
     save_hf,
 )
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.interop.hf_folder import export_hf, import_hf
+from tinyformer.interop.hf_folder import import_hf
 from tinyformer.models.decoder import DecoderLM
 from tinyformer.run_folder import load_config, load_model
 
@@ -114,24 +111,10 @@ HF_CASES = {
 @pytest.mark.parametrize("case", list(HF_CASES))
 def test_import_matches_transformers_beyond_the_window(case, tmp_path):
     kind, overrides = HF_CASES[case]
-    hf = hf_model(kind, **overrides)
-    save_hf(hf, tmp_path / "hf", tokenizer=False)
-    import_hf(tmp_path / "hf", tmp_path / "run")
+    assert_import_matches_transformers(kind, tmp_path, length=4 * W, new_tokens=2 * W, **overrides)
     cfg = load_config(tmp_path / "run")
     assert (cfg.sliding_window, cfg.max_seq_len) == (W, 64)
     assert cfg.layer_types == (["full", "sliding"] if kind == "qwen2" else None)
-    ours = load_model(tmp_path / "run")
-    ids, mask = padded_batch(length=4 * W)
-    real = mask.bool()
-    with torch.no_grad():
-        logits = ours(ids, attention_mask=mask)
-    torch.testing.assert_close(logits[real], hf_logits(hf, ids, mask)[real], atol=1e-4, rtol=1e-4)
-    want = hf_greedy(hf, ids, mask, 2 * W)
-    assert torch.equal(greedy(ours, ids, mask, 2 * W), want)  # the rolling cache, left-padded batch
-    assert torch.equal(engine_greedy(ours, ids, mask, 2 * W), want)
-    export_hf(tmp_path / "run", tmp_path / "hf2")
-    before, after = safetensors_dict(tmp_path / "hf"), safetensors_dict(tmp_path / "hf2")
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     config = json.loads((tmp_path / "hf2" / "config.json").read_text())
     assert (config["sliding_window"], config["max_position_embeddings"]) == (W, 64)
 

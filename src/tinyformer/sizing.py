@@ -4,7 +4,7 @@ Everything here is computed from the config by formula (no model is built), and 
 each parameter count against ``sum(p.numel())`` of the real model built on the ``meta`` device.
 
 Per decoder layer (d = d_model, H / H_kv = query / key-value heads, d_h = head_dim, f = d_ff):
-  attention: d (H d_h + 2 H_kv d_h)  [W_q, W_k, W_v]  +  H d_h d  [W_o]  (+ biases)
+  attention: d (H d_h + 2 H_kv d_h)  [W_q, W_k, W_v]  +  H d_h d  [W_o]  (+ biases, + 2 d_h with qk_norm)
   FFN:       SwiGLU 3 d f;  GELU/ReLU MLP 2 d f  (+ biases)
   norms:     2 d (RMSNorm), 4 d (LayerNorm with bias)
 Training FLOPs per token (Kaplan et al. 2020; PaLM appendix B):
@@ -31,10 +31,12 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def norm_params(cfg: ModelConfig) -> int:
+def norm_params(cfg: ModelConfig, dim: int | None = None) -> int:
+    """Parameters of one norm over ``dim`` (default d_model): the gain, plus the bias of a LayerNorm."""
+    d = cfg.d_model if dim is None else dim
     if cfg.norm == "rmsnorm":
-        return cfg.d_model
-    return cfg.d_model * (2 if cfg.norm_bias else 1)
+        return d
+    return d * (2 if cfg.norm_bias else 1)
 
 
 def attention_params(cfg: ModelConfig) -> int:
@@ -44,6 +46,8 @@ def attention_params(cfg: ModelConfig) -> int:
         n += q + 2 * kv
     if cfg.attn_out_bias:
         n += d
+    if cfg.qk_norm:  # one gain vector each for q and k, shared by the heads
+        n += 2 * norm_params(cfg, cfg.head_dim)
     return n
 
 

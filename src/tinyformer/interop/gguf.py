@@ -16,10 +16,10 @@ permutes each head's rows of W_q and W_k (and their biases) from Hugging Face's 
     gguf = hf.reshape(n_head, 2, d_head / 2, d_in).swapaxes(1, 2).reshape(rows, d_in)
 
 Reading undoes it: ``hf = gguf.reshape(n_head, d_head / 2, 2, d_in).swapaxes(1, 2).reshape(rows, d_in)``
-(n_head = the key/value head count for W_k). ``qwen2`` files use llama.cpp's half-split ("neox") RoPE
-and are not permuted. Llama 3.1 RoPE scaling is stored as a ``rope_freqs`` tensor of per-frequency
-divisors; it is turned back into ``rope_scaling = {"rope_type": "llama3", ...}`` and checked to
-reproduce the tensor.
+(n_head = the key/value head count for W_k). ``qwen2`` and ``qwen3`` files use llama.cpp's half-split
+("neox") RoPE and are not permuted; ``qwen3`` adds the per-head q/k norms ``attn_q_norm``/``attn_k_norm``.
+Llama 3.1 RoPE scaling is stored as a ``rope_freqs`` tensor of per-frequency divisors; it is turned back
+into ``rope_scaling = {"rope_type": "llama3", ...}`` and checked to reproduce the tensor.
 
 Tokenizer. ``tokenizer.ggml.model = "gpt2"`` (byte-level BPE: tokens + merges) and ``"llama"``
 (SentencePiece BPE: tokens + scores, merges rebuilt from the scores, byte fallback) become a
@@ -47,15 +47,17 @@ from tinyformer.interop.hf_folder import (
     import_checkpoint,
     parse_dtype,
 )
+from tinyformer.interop.llama import ARCHITECTURES
 
-ARCHS = {"llama": "llama", "qwen2": "qwen2"}  # GGUF general.architecture -> HF model_type
+ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF general.architecture -> HF model_type
 PERMUTED_ARCHS = ("llama",)  # llama.cpp's interleaved (GPT-J style) RoPE
 
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 NOT_WEIGHTS = ("rope_freqs.weight",)  # turned into rope_scaling
 
@@ -230,7 +232,7 @@ def hf_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
     ctx = key("context_length", required=True)
     theta = _f32(key("rope.freq_base", 10000.0))
     hf: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if ARCHS[arch] == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [ARCHITECTURES[ARCHS[arch]]],
         "model_type": ARCHS[arch],
         "vocab_size": int(vocab),
         "hidden_size": int(hidden),
@@ -245,9 +247,9 @@ def hf_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in g.tensors,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
     }
+    if ARCHS[arch] in ("llama", "qwen3"):
+        hf["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
     if ARCHS[arch] == "llama":
-        bias = "blk.0.attn_q.bias" in g.tensors
-        hf["attention_bias"] = bias
         hf["mlp_bias"] = "blk.0.ffn_down.bias" in g.tensors
     else:
         hf["use_sliding_window"] = False
