@@ -24,7 +24,8 @@ ARCHS = ("decoder", "encoder", "encoder_decoder")
 NORMS = ("rmsnorm", "layernorm")
 NORM_PLACEMENTS = ("pre", "post")
 POSITIONS = ("rope", "learned", "sinusoidal", "none")
-FFNS = ("swiglu", "gelu", "gelu_tanh", "relu")
+FFNS = ("swiglu", "gelu", "gelu_tanh", "relu", "moe")
+ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
 ATTN_IMPLS = ("sdpa", "reference")
 LAYER_TYPES = ("full", "sliding")  # per-layer attention span: every earlier key, or the last sliding_window keys
 
@@ -97,6 +98,18 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     # feed-forward
     ffn: str = "swiglu"
+    # mixture of experts (ffn="moe", components/moe.py): n_experts SwiGLU experts of width d_ff, experts_per_token
+    # = k of them per token, MoE(x) = sum_k g_k Expert_k(x) (+ a shared SwiGLU expert of width shared_expert_d_ff).
+    # router_order: "softmax_topk" (g = top-k of softmax(r), divided by their sum if router_norm_topk) or
+    # "topk_softmax" (g = softmax of the top-k logits). Training adds router_aux_loss_coef * E sum_e f_e P_e
+    # (Switch load balancing) and router_z_loss_coef * mean (logsumexp r)^2 (ST-MoE z-loss).
+    n_experts: int = 0
+    experts_per_token: int = 2
+    shared_expert_d_ff: int = 0
+    router_order: str = "softmax_topk"
+    router_norm_topk: bool = True
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.0
     # biases
     attn_bias: bool = False  # q, k, v projections
     attn_out_bias: bool = False  # output projection
@@ -138,7 +151,7 @@ class ModelConfig:
                 )
             self.head_dim = self.d_model // self.n_head if self.n_head > 0 else 0
         if self.d_ff is None and isinstance(self.d_model, int):
-            if self.ffn == "swiglu":
+            if self.ffn in ("swiglu", "moe"):  # MoE experts are SwiGLU FFNs
                 self.d_ff = llama_ffn_hidden(self.d_model, self.ffn_dim_multiplier, self.ffn_multiple_of)
             else:
                 self.d_ff = 4 * self.d_model
@@ -156,6 +169,7 @@ class ModelConfig:
             "pos": POSITIONS,
             "ffn": FFNS,
             "attn_impl": ATTN_IMPLS,
+            "router_order": ROUTER_ORDERS,
         }
         for name, allowed in choices.items():
             value = getattr(self, name)
@@ -210,9 +224,35 @@ class ModelConfig:
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ConfigError(f"n_encoder_layer must be a positive integer, got {n!r}")
         self._validate_sliding_window()
+        self._validate_moe()
         if self.pad_token_id is not None and not (0 <= self.pad_token_id < self.vocab_size):
             raise ConfigError(f"pad_token_id ({self.pad_token_id}) must be in [0, vocab_size)")
         self._validate_rope_scaling()
+
+    def _validate_moe(self) -> None:
+        for name in ("n_experts", "experts_per_token", "shared_expert_d_ff"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} must be a non-negative number, got {value!r}")
+        if not isinstance(self.router_norm_topk, bool):
+            raise ConfigError(f"router_norm_topk must be true or false, got {self.router_norm_topk!r}")
+        if self.ffn != "moe":
+            if self.n_experts or self.shared_expert_d_ff:
+                raise ConfigError("n_experts / shared_expert_d_ff are set but ffn is not 'moe'")
+            return
+        if self.arch != "decoder":
+            raise ConfigError(f"ffn='moe' is implemented for arch 'decoder' only, not {self.arch!r}")
+        if self.mlp_bias:
+            raise ConfigError("mlp_bias is not implemented for ffn='moe' (experts have no biases)")
+        if self.n_experts < 1:
+            raise ConfigError("ffn='moe' needs n_experts >= 1")
+        if not 1 <= self.experts_per_token <= self.n_experts:
+            raise ConfigError(f"experts_per_token must be in [1, n_experts={self.n_experts}], "
+                              f"got {self.experts_per_token}")
 
     def _validate_sliding_window(self) -> None:
         w, types = self.sliding_window, self.layer_types

@@ -6,12 +6,15 @@ each parameter count against ``sum(p.numel())`` of the real model built on the `
 Per decoder layer (d = d_model, H / H_kv = query / key-value heads, d_h = head_dim, f = d_ff):
   attention: d (H d_h + 2 H_kv d_h)  [W_q, W_k, W_v]  +  H d_h d  [W_o]  (+ biases, + 2 d_h with qk_norm)
   FFN:       SwiGLU 3 d f;  GELU/ReLU MLP 2 d f  (+ biases)
+             MoE: d E [router] + E 3 d f [experts] + 3 d f_s [shared expert]; active per token:
+             d E + k 3 d f + 3 d f_s (k = experts_per_token)
   norms:     2 d (RMSNorm), 4 d (LayerNorm with bias)
 Training FLOPs per token (Kaplan et al. 2020; PaLM appendix B):
   6 N_matmul + 12 n_layer H d_h T
 where N_matmul counts the weights that take part in matrix multiplies (every matrix, the LM head
-included even when tied, but not the embedding lookups) and the second term is QK^T and AV for a
-context of T tokens, forward (x1) plus backward (x2).
+included even when tied, but not the embedding lookups; for MoE only the k experts a token runs) and the
+second term is QK^T and AV for a context of T tokens (min(T, W) in a sliding-window layer), forward (x1)
+plus backward (x2).
 """
 
 from __future__ import annotations
@@ -56,8 +59,13 @@ def cross_attention_params(cfg: ModelConfig) -> int:
     return attention_params(cfg)
 
 
-def ffn_params(cfg: ModelConfig) -> int:
+def ffn_params(cfg: ModelConfig, active: bool = False) -> int:
+    """FFN parameters of one layer; ``active``: only those one token uses (MoE: the router, k experts and the
+    shared expert)."""
     d, f = cfg.d_model, cfg.d_ff
+    if cfg.ffn == "moe":
+        experts = cfg.experts_per_token if active else cfg.n_experts
+        return d * cfg.n_experts + experts * 3 * d * f + 3 * d * cfg.shared_expert_d_ff
     if cfg.ffn == "swiglu":
         return 3 * d * f + ((2 * f + d) if cfg.mlp_bias else 0)
     return 2 * d * f + ((f + d) if cfg.mlp_bias else 0)
@@ -74,6 +82,7 @@ class ParamCount:
     final_norm: int
     head: int  # 0 when tied to the embedding
     extra: dict[str, int] = field(default_factory=dict)  # arch-specific parts (pooler, cross-attn, ...)
+    ffn_active_per_layer: int | None = None  # MoE: the FFN parameters one token uses (None: all of them)
 
     @property
     def per_layer(self) -> int:
@@ -87,6 +96,17 @@ class ParamCount:
     @property
     def non_embedding(self) -> int:
         return self.total - self.embedding - self.positions
+
+    @property
+    def inactive(self) -> int:
+        """Parameters a token does not use (MoE experts it is not routed to)."""
+        if self.ffn_active_per_layer is None:
+            return 0
+        return (self.ffn_per_layer - self.ffn_active_per_layer) * self.n_layer
+
+    @property
+    def active(self) -> int:
+        return self.total - self.inactive
 
 
 def count_params(cfg: ModelConfig) -> ParamCount:
@@ -105,18 +125,22 @@ def count_params(cfg: ModelConfig) -> ParamCount:
         n_layer=cfg.n_layer,
         final_norm=norm_params(cfg) if cfg.final_norm else 0,
         head=0 if cfg.tie_embeddings else cfg.vocab_size * d,
+        ffn_active_per_layer=ffn_params(cfg, active=True) if cfg.ffn == "moe" else None,
     )
 
 
 def matmul_params(cfg: ModelConfig, counts: ParamCount) -> int:
-    """Weights that take part in a matmul per token: all layer matrices plus the LM head."""
-    return counts.non_embedding - counts.head + cfg.vocab_size * cfg.d_model
+    """Weights that take part in a matmul per token: all layer matrices a token uses plus the LM head."""
+    return counts.non_embedding - counts.inactive - counts.head + cfg.vocab_size * cfg.d_model
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     counts = count_params(cfg)
-    n_layers = cfg.n_layer + (cfg.n_encoder_layer or 0 if cfg.arch == "encoder_decoder" else 0)
-    return 6 * matmul_params(cfg, counts) + 12 * n_layers * cfg.n_head * cfg.head_dim * seq_len
+    if cfg.arch == "decoder":  # a sliding-window layer attends to at most W keys
+        spans = sum(min(seq_len, cfg.layer_window(i) or seq_len) for i in range(cfg.n_layer))
+    else:
+        spans = (cfg.n_layer + (cfg.n_encoder_layer or 0 if cfg.arch == "encoder_decoder" else 0)) * seq_len
+    return 6 * matmul_params(cfg, counts) + 12 * cfg.n_head * cfg.head_dim * spans
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_elem: int) -> int:
@@ -136,6 +160,7 @@ def sizing_report(cfg: ModelConfig, seq_len: int | None = None, batch: int = 1, 
     naive_layer = batch * cfg.n_head * T * T * b
     report: dict[str, Any] = {
         "total_params": c.total,
+        "active_params": c.active,  # per token: differs from the total for MoE
         "non_embedding_params": c.non_embedding,
         "params": {
             "embedding": c.embedding,

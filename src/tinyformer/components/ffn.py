@@ -3,6 +3,7 @@
 SwiGLU (Shazeer 2020; LLaMA):  FFN(x) = W_down (silu(W_gate x) * (W_up x)),   silu(z) = z * sigmoid(z)
 GELU MLP (GPT-2, BERT):         FFN(x) = W_2 gelu(W_1 x + b_1) + b_2   (exact erf GELU, or its tanh approximation)
 ReLU MLP (Vaswani et al. 2017): FFN(x) = W_2 max(0, W_1 x + b_1) + b_2
+Mixture of experts:             FFN(x) = sum_k g_k SwiGLU_k(x) over the router's top k experts (components/moe.py)
 
 The SwiGLU gate and up projections are stored as one (2 d_ff, d) matrix ``gate_up`` — rows
 [0, d_ff) are W_gate, rows [d_ff, 2 d_ff) are W_up — so that one matmul computes both.
@@ -48,6 +49,10 @@ class MLP(nn.Module):
 
 
 def build_ffn(cfg: ModelConfig) -> nn.Module:
+    if cfg.ffn == "moe":  # routed experts (components/moe.py), which builds on SwiGLU
+        from tinyformer.components.moe import MoE
+
+        return MoE(cfg)
     if cfg.ffn == "swiglu":
         return SwiGLU(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
     return MLP(cfg.d_model, cfg.d_ff, cfg.ffn, bias=cfg.mlp_bias)

@@ -93,6 +93,8 @@ def init_weights(model: nn.Module, std: float, residual_branches: int) -> None:
     otherwise grow with the number of branches (GPT-2's scaled initialisation)."""
     residual_std = std / math.sqrt(max(1, residual_branches))
     for name, module in model.named_modules():
+        if hasattr(module, "init_experts"):  # expert matrices are stacked parameters, not nn.Linear
+            module.init_experts(std, residual_std)
         if isinstance(module, nn.Linear):
             is_residual = name.endswith(("attn.out", "ffn.down"))
             nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
@@ -128,6 +130,7 @@ class DecoderLM(nn.Module):
         self.emb_drop = nn.Dropout(cfg.embd_dropout) if cfg.embd_dropout > 0 else nn.Identity()
         self.blocks = nn.ModuleList(Block(cfg, causal=True) for _ in range(cfg.n_layer))
         self.norm = build_norm(cfg) if cfg.final_norm else nn.Identity()
+        self.last_moe_losses: dict[str, torch.Tensor] = {}
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -273,7 +276,32 @@ class DecoderLM(nn.Module):
         The head and the cross-entropy are fused (components/loss.py): same value, but the (B, T, vocab)
         logit matrix is never stored, which is most of a small model's activation memory."""
         h = self.hidden_states(input_ids, attention_mask=attention_mask)
-        return linear_cross_entropy(h, self.lm_head.weight, targets, ignore_index)
+        loss = linear_cross_entropy(h, self.lm_head.weight, targets, ignore_index)
+        if self.training and self.cfg.ffn == "moe":
+            loss = loss + self.router_loss(attention_mask)
+        return loss
+
+    def moe_losses(self, attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The MoE auxiliary losses of the last training forward (components/moe.py), over the router logits
+        of every layer pooled, padding rows left out: {"moe_balance": L_bal, "moe_z": L_z}."""
+        from tinyformer.components.moe import balance_loss, z_loss
+
+        logits = [b.ffn.router_logits for b in self.blocks if getattr(b.ffn, "router_logits", None) is not None]
+        if not logits:
+            return {}
+        rows = torch.cat(logits)
+        if attention_mask is not None:
+            rows = rows[attention_mask.reshape(-1).bool().repeat(len(logits))]
+        return {"moe_balance": balance_loss(rows, self.cfg.experts_per_token), "moe_z": z_loss(rows)}
+
+    def router_loss(self, attention_mask: torch.Tensor | None = None) -> torch.Tensor | float:
+        """router_aux_loss_coef * L_bal + router_z_loss_coef * L_z, added to the training loss of a MoE model;
+        the terms are kept (detached) in ``last_moe_losses`` for the training log."""
+        terms = self.moe_losses(attention_mask)
+        if not terms:
+            return 0.0
+        self.last_moe_losses = {k: v.detach() for k, v in terms.items()}
+        return self.cfg.router_aux_loss_coef * terms["moe_balance"] + self.cfg.router_z_loss_coef * terms["moe_z"]
 
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
                   rolling: bool = True) -> KVCache:

@@ -126,7 +126,11 @@ class CausalLM(Objective):
         if isinstance(model, DecoderLM):  # the plain module: its fused head + cross-entropy never stores logits
             return model.loss(batch["input_ids"], batch["targets"])
         logits = model(batch["input_ids"])  # a wrapper (compiled, DDP) must be called through forward
-        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten())
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten())
+        inner = getattr(model, "_orig_mod", getattr(model, "module", model))
+        if isinstance(inner, DecoderLM) and inner.training and inner.cfg.ffn == "moe":
+            loss = loss + inner.router_loss()  # the MoE balancing / z-losses, as DecoderLM.loss adds them
+        return loss
 
     def sample(self, model: nn.Module, device: torch.device) -> str | None:
         if self.cfg.sample_tokens <= 0:
