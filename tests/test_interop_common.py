@@ -72,6 +72,8 @@ def hf_model(kind: str = "llama", seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("mlp.gate.weight"):  # MoE routers: clear margins between experts, so that float
+                p.normal_(0.0, 1.0)               # rounding cannot flip a top-k choice
     model.generation_config.eos_token_id = None  # generate exactly the requested number of tokens
     return model
 

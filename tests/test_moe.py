@@ -158,3 +158,65 @@ def test_compiled_decode_step_of_a_moe_equals_eager():
     params = SamplingParams(temperature=0, max_new_tokens=12)
     want = [r.token_ids for r in id_generator(model).generate(PROMPTS, params)]
     assert [r.token_ids for r in id_generator(model, compile=True).generate(PROMPTS, params)] == want
+
+
+MOE_CASES = {
+    # every layer slides (window 6 < prompt 24)
+    "mixtral-window": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=6)),
+    "qwen3-moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                    norm_topk_prob=False)),
+    "qwen3-moe-norm-window": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                                norm_topk_prob=True, use_sliding_window=True, sliding_window=6)),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_import_matches_transformers(case, tmp_path):
+    from test_interop_common import assert_import_matches_transformers
+
+    from tinyformer.run_folder import load_config
+
+    kind, overrides = MOE_CASES[case]
+    hf, ours = assert_import_matches_transformers(kind, tmp_path, length=24, **overrides)
+    cfg = load_config(tmp_path / "run")
+    assert (cfg.ffn, cfg.n_experts, cfg.experts_per_token) == ("moe", 4, 2)
+    assert cfg.router_norm_topk == (kind == "mixtral" or overrides["norm_topk_prob"])
+    # training-mode balancing loss equals transformers' aux_loss (its router logits, its formula)
+    ids = torch.randint(3, 320, (2, 12))
+    hf.config.output_router_logits = True
+    ours.train()
+    ours.loss(ids[:, :-1], ids[:, 1:])
+    with torch.no_grad():
+        out = hf(input_ids=ids[:, :-1], output_router_logits=True)
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    torch.testing.assert_close(ours.last_moe_losses["moe_balance"],
+                               load_balancing_loss_func(out.router_logits, 4, 2), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fields", [dict(router_order="topk_softmax"),
+                                    dict(qk_norm=True, router_norm_topk=False, attn_bias=True)])
+def test_native_moe_exports_to_transformers(fields, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from test_interop_common import hf_logits, padded_batch
+
+    from tinyformer.interop.hf_folder import export_hf
+    from tinyformer.models.decoder import DecoderLM
+    from tinyformer.run_folder import save_model
+
+    torch.manual_seed(0)
+    model = DecoderLM(moe_cfg(vocab_size=320, d_model=32, n_head=4, n_kv_head=2, **fields)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "router" in name:
+                p.normal_(0.0, 1.0)
+            elif name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    save_model(tmp_path / "run", model)
+    export_hf(tmp_path / "run", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    assert type(hf).__name__ == ("Qwen3MoeForCausalLM" if fields.get("qk_norm") else "MixtralForCausalLM")
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        ours = model(ids, attention_mask=mask)
+    torch.testing.assert_close(ours[mask.bool()], hf_logits(hf, ids, mask)[mask.bool()], atol=1e-4, rtol=1e-4)

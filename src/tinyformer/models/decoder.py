@@ -96,7 +96,7 @@ def init_weights(model: nn.Module, std: float, residual_branches: int) -> None:
         if hasattr(module, "init_experts"):  # expert matrices are stacked parameters, not nn.Linear
             module.init_experts(std, residual_std)
         if isinstance(module, nn.Linear):
-            is_residual = name.endswith(("attn.out", "ffn.down"))
+            is_residual = name.endswith(("attn.out", "ffn.down", "ffn.shared.down"))
             nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
