@@ -56,6 +56,8 @@ ARCH = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
 
 
@@ -67,7 +69,9 @@ def hf_model(kind: str = "llama", seed: int = 0, **overrides):
                   bos_token_id=0, eos_token_id=1, pad_token_id=2)
     fields.update(overrides)
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**fields)).eval()
+    config = config_cls(**fields)
+    config._attn_implementation = "eager"  # the formula written out (Gemma 2's soft-capping needs it)
+    model = model_cls(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

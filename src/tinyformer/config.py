@@ -22,9 +22,9 @@ CONFIG_FORMAT_VERSION = 1
 
 ARCHS = ("decoder", "encoder", "encoder_decoder")
 NORMS = ("rmsnorm", "layernorm")
-NORM_PLACEMENTS = ("pre", "post")
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
 POSITIONS = ("rope", "learned", "sinusoidal", "none")
-FFNS = ("swiglu", "gelu", "gelu_tanh", "relu", "moe")
+FFNS = ("swiglu", "geglu_tanh", "gelu", "gelu_tanh", "relu", "moe")
 ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
 ATTN_IMPLS = ("sdpa", "reference")
 LAYER_TYPES = ("full", "sliding")  # per-layer attention span: every earlier key, or the last sliding_window keys
@@ -90,12 +90,17 @@ class ModelConfig:
     norm: str = "rmsnorm"
     norm_eps: float = 1e-5
     norm_bias: bool = True  # LayerNorm only: with or without the additive bias beta
-    norm_placement: str = "pre"
+    norm_placement: str = "pre"  # "sandwich": a norm before and after each sub-block (Gemma 2/3)
+    # RMSNorm gain: y = x / rms(x) * (norm_gain_offset + g); Gemma stores g around 0 and uses offset 1
+    norm_gain_offset: float = 0.0
     final_norm: bool = True  # a norm before the head (Pre-Norm stacks need it; Post-Norm ones do not)
     # positions
     pos: str = "rope"
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    # RoPE base of the sliding-window layers, unscaled (Gemma 3: 10000 local, rope_theta 1e6 global); None: theirs
+    # is rope_theta and rope_scaling, like every other layer
+    rope_local_theta: float | None = None
     # feed-forward
     ffn: str = "swiglu"
     # mixture of experts (ffn="moe", components/moe.py): n_experts SwiGLU experts of width d_ff, experts_per_token
@@ -114,6 +119,9 @@ class ModelConfig:
     attn_bias: bool = False  # q, k, v projections
     attn_out_bias: bool = False  # output projection
     qk_norm: bool = False  # per-head norm (the config's norm, over head_dim) of q and k before RoPE (Qwen3)
+    attn_scale: float | None = None  # the score scale s in softmax(s q.k + M); None: 1/sqrt(head_dim)
+    attn_logit_softcap: float | None = None  # scores -> c tanh(scores / c) before the mask (Gemma 2)
+    final_logit_softcap: float | None = None  # logits -> c tanh(logits / c) (Gemma 2)
     mlp_bias: bool = False
     # embeddings and head
     tie_embeddings: bool = True
@@ -151,7 +159,7 @@ class ModelConfig:
                 )
             self.head_dim = self.d_model // self.n_head if self.n_head > 0 else 0
         if self.d_ff is None and isinstance(self.d_model, int):
-            if self.ffn in ("swiglu", "moe"):  # MoE experts are SwiGLU FFNs
+            if self.ffn in ("swiglu", "geglu_tanh", "moe"):  # gated FFNs (MoE experts are SwiGLU)
                 self.d_ff = llama_ffn_hidden(self.d_model, self.ffn_dim_multiplier, self.ffn_multiple_of)
             else:
                 self.d_ff = 4 * self.d_model
@@ -225,6 +233,19 @@ class ModelConfig:
                 raise ConfigError(f"n_encoder_layer must be a positive integer, got {n!r}")
         self._validate_sliding_window()
         self._validate_moe()
+        for name in ("attn_scale", "attn_logit_softcap", "final_logit_softcap", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a positive number or null, got {value!r}")
+        if not (isinstance(self.norm_gain_offset, (int, float)) and math.isfinite(self.norm_gain_offset)):
+            raise ConfigError(f"norm_gain_offset must be a number, got {self.norm_gain_offset!r}")
+        if self.norm_gain_offset and self.norm != "rmsnorm":
+            raise ConfigError("norm_gain_offset applies to norm 'rmsnorm' only")
+        if self.rope_local_theta is not None and (self.pos != "rope" or self.sliding_window is None):
+            raise ConfigError("rope_local_theta needs pos='rope' and sliding_window (it is the sliding layers' base)")
+        if self.norm_placement == "sandwich" and self.arch != "decoder":
+            raise ConfigError(f"norm_placement 'sandwich' is implemented for arch 'decoder' only, not {self.arch!r}")
         if self.pad_token_id is not None and not (0 <= self.pad_token_id < self.vocab_size):
             raise ConfigError(f"pad_token_id ({self.pad_token_id}) must be in [0, vocab_size)")
         self._validate_rope_scaling()

@@ -8,6 +8,10 @@ divides it, MQA when it is 1. M is 0 where a query may look and -inf where it ma
 mask j > i, and padding). The 1/sqrt(d_head) keeps the score variance near 1 when q and k have
 unit-variance entries, so the softmax does not saturate as d_head grows.
 
+Options: ``attn_scale`` replaces 1/sqrt(d_head) by s (Gemma: query_pre_attn_scalar^-1/2);
+``attn_logit_softcap`` c bounds the scores, s q.k -> c tanh(s q.k / c), before the mask (Gemma 2); the
+fused kernels have no soft-capping, so a capped model always takes the explicit formula.
+
 Two computations of the same formula, selected by ``ModelConfig.attn_impl``:
   * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` (fused flash / memory-efficient
     kernels; never materialises the T x T matrix when it can avoid it);
@@ -65,15 +69,19 @@ def reference_attention(
     is_causal: bool = False,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The explicit formula. q (B, H, T, d); k, v (B, H_kv, S, d); mask broadcastable to (B, H, T, S),
-    True = may attend. With ``is_causal`` query i (the last T of S positions) sees keys j <= S - T + i."""
+    True = may attend. With ``is_causal`` query i (the last T of S positions) sees keys j <= S - T + i.
+    ``softcap`` c: scores -> c tanh(scores / c) before masking."""
     n_head, n_kv = q.shape[1], k.shape[1]
     if n_kv != n_head:  # each K/V head serves n_head / n_kv consecutive query heads
         k = k.repeat_interleave(n_head // n_kv, dim=1)
         v = v.repeat_interleave(n_head // n_kv, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     T, S = scores.shape[-2], scores.shape[-1]
     if is_causal:
         causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
@@ -87,7 +95,7 @@ def reference_attention(
 
 
 def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           mask: torch.Tensor | None = None) -> torch.Tensor:
+                           mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """softmax(q K^T / sqrt(d) + M) V for one query per row: q (B, H, 1, d); k, v (B, H_kv, S, d);
     mask broadcastable to (B, 1, 1, S), True = may attend -> (B, H, 1, d).
 
@@ -97,7 +105,8 @@ def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     B, H, _, d = q.shape
     n_kv = k.shape[1]
-    scores = (q.reshape(B, n_kv, H // n_kv, d) @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))  # (B, H_kv, g, S)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scores = (q.reshape(B, n_kv, H // n_kv, d) @ k.transpose(-2, -1)) * scale  # (B, H_kv, g, S)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return (torch.softmax(scores, dim=-1) @ v).reshape(B, H, 1, d)
@@ -111,16 +120,19 @@ def attend(
     is_causal: bool,
     impl: str = "sdpa",
     dropout_p: float = 0.0,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + M) v by the chosen implementation; see ``reference_attention``."""
-    if impl == "reference":
-        return reference_attention(q, k, v, mask, is_causal, dropout_p)
+    """softmax(s q k^T + M) v (s = ``scale`` or 1/sqrt(d)) by the chosen implementation; see
+    ``reference_attention``. Soft-capped scores always take the explicit formula."""
+    if impl == "reference" or softcap is not None:
+        return reference_attention(q, k, v, mask, is_causal, dropout_p, scale, softcap)
     if (q.shape[-2] == 1 and dropout_p == 0.0 and torch.compiler.is_compiling()
             and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4
                                   and mask.shape[1] == mask.shape[2] == 1))):
         # eager, SDPA's one fused call is cheaper; compiled, the written-out formula fuses into the
         # step's own kernels (a few percent faster per decoded token)
-        return single_query_attention(q, k, v, mask)
+        return single_query_attention(q, k, v, mask, scale)
     gqa = k.shape[1] != q.shape[1]
     if is_causal and mask is None and q.shape[-2] != k.shape[-2]:
         # SDPA's is_causal aligns the mask to the top-left corner; a query block that continues a
@@ -129,7 +141,8 @@ def attend(
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
         is_causal = False
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal and mask is None, enable_gqa=gqa
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal and mask is None, enable_gqa=gqa,
+        scale=scale,
     )
 
 
@@ -146,6 +159,7 @@ class SelfAttention(nn.Module):
         self.causal = causal
         self.impl = cfg.attn_impl
         self.dropout_p = cfg.attn_dropout
+        self.scale, self.softcap = cfg.attn_scale, cfg.attn_logit_softcap
         self.q_size = cfg.n_head * cfg.head_dim
         self.kv_size = cfg.n_kv_head * cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, self.q_size + 2 * self.kv_size, bias=cfg.attn_bias)
@@ -197,7 +211,8 @@ class SelfAttention(nn.Module):
             k, v = k_cache[:, :, : start + T], v_cache[:, :, : start + T]
         # a single new token attends to everything cached: no mask needed at all
         is_causal = self.causal and mask is None and T > 1
-        y = attend(q, k, v, mask, is_causal, self.impl, self.dropout_p if self.training else 0.0)
+        y = attend(q, k, v, mask, is_causal, self.impl, self.dropout_p if self.training else 0.0, self.scale,
+                   self.softcap)
         y = y.transpose(1, 2).reshape(B, T, self.q_size)  # merge heads: (B, T, H d_head)
         return self.out(y)
 

@@ -205,7 +205,8 @@ def _moe_from_hf(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
 def export_problem(cfg: ModelConfig) -> str | None:
     """Why ``cfg`` cannot be written as Llama/Mistral/Qwen2, or None when it can."""
     wanted = {"arch": "decoder", "norm": "rmsnorm", "norm_placement": "pre", "pos": "rope",
-              "final_norm": True, "embed_scale": False, "type_vocab_size": 0}
+              "final_norm": True, "embed_scale": False, "type_vocab_size": 0, "norm_gain_offset": 0.0,
+              "attn_scale": None, "attn_logit_softcap": None, "final_logit_softcap": None, "rope_local_theta": None}
     for key, value in wanted.items():
         if getattr(cfg, key) != value:
             return f"{key}={getattr(cfg, key)!r} cannot be exported as Llama/Qwen2 (needs {value!r})"
@@ -265,23 +266,26 @@ def _same_model(a: ModelConfig, b: ModelConfig) -> bool:
     return da == db
 
 
-def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
-    """A Hugging Face config dict: the imported original when the model is unchanged, else a fresh one for
-    the architecture ``export_model_type`` picks."""
-    check_llama_compatible(cfg)
+def original_if_unchanged(cfg: ModelConfig, from_hf: Any, torch_dtype: str) -> dict[str, Any] | None:
+    """The imported HF config (``extra["hf_config"]``) with the new dtype when ``from_hf`` of it still gives
+    ``cfg``'s fields, so that an import/export round trip writes the original back; None otherwise."""
     original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
-    if isinstance(original, dict):
-        try:
-            unchanged = _same_model(config_from_hf(original), cfg)
-        except ConfigError:
-            unchanged = False
-        if unchanged:
-            hf = dict(original)
-            if "torch_dtype" in hf or "dtype" not in hf:
-                hf["torch_dtype"] = torch_dtype
-            hf["dtype"] = torch_dtype
-            return hf
-    model_type = export_model_type(cfg)
+    if not isinstance(original, dict):
+        return None
+    try:
+        if not _same_model(from_hf(original), cfg):
+            return None
+    except ConfigError:
+        return None
+    hf = dict(original)
+    if "torch_dtype" in hf or "dtype" not in hf:
+        hf["torch_dtype"] = torch_dtype
+    hf["dtype"] = torch_dtype
+    return hf
+
+
+def rope_to_hf(cfg: ModelConfig) -> tuple[dict[str, Any], int]:
+    """(HF rope_parameters, max_position_embeddings) for ``cfg``'s rope_theta and rope_scaling."""
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     max_positions = cfg.max_seq_len
     if cfg.rope_scaling:
@@ -291,8 +295,15 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         if cfg.rope_type == "dynamic":
             # transformers scales dynamic NTK from max_position_embeddings: make that the original length
             max_positions = int(rope_parameters.pop("original_max_position_embeddings", None) or cfg.max_seq_len)
+    return rope_parameters, max_positions
+
+
+def shape_to_hf(cfg: ModelConfig, model_type: str, architecture: str, rope_parameters: dict[str, Any],
+                max_positions: int, torch_dtype: str) -> dict[str, Any]:
+    """The config.json keys every Llama-layout family spells alike: sizes, RoPE, norm epsilon, tying, dtype,
+    and the special-token ids (those of an imported model are kept)."""
     hf: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[model_type]],
+        "architectures": [architecture],
         "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
@@ -303,14 +314,36 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         "head_dim": cfg.head_dim,
         "max_position_embeddings": max_positions,
         "rms_norm_eps": cfg.norm_eps,
-        "hidden_act": "silu",
-        "rope_theta": cfg.rope_theta,
         "rope_parameters": rope_parameters,
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_dropout": cfg.attn_dropout,
         "torch_dtype": torch_dtype,
         "dtype": torch_dtype,
     }
+    original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
+    if isinstance(original, dict):
+        for key in ("bos_token_id", "eos_token_id"):
+            if key in original:
+                hf[key] = original[key]
+    if cfg.pad_token_id is not None:
+        hf["pad_token_id"] = cfg.pad_token_id
+    return hf
+
+
+def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+    """A Hugging Face config dict: the imported original when the model is unchanged, else a fresh one for
+    the architecture ``export_model_type`` picks."""
+    check_llama_compatible(cfg)
+    kept = original_if_unchanged(cfg, config_from_hf, torch_dtype)
+    if kept is not None:
+        return kept
+    model_type = export_model_type(cfg)
+    rope_parameters, max_positions = rope_to_hf(cfg)
+    hf = shape_to_hf(cfg, model_type, ARCHITECTURES[model_type], rope_parameters, max_positions, torch_dtype)
+    hf.update({
+        "hidden_act": "silu",
+        "rope_theta": cfg.rope_theta,
+    })
     if cfg.rope_scaling:
         hf["rope_scaling"] = dict(rope_parameters)  # the transformers 4 spelling, for older readers
     if model_type in ("llama", "qwen3", "qwen3_moe"):
@@ -330,12 +363,6 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         types = [("sliding_attention" if cfg.layer_window(i) else "full_attention") for i in range(cfg.n_layer)]
         hf["layer_types"] = types
         hf["max_window_layers"] = types.index("sliding_attention") if "sliding_attention" in types else cfg.n_layer
-    if isinstance(original, dict):  # keep the special-token ids of an imported model
-        for key in ("bos_token_id", "eos_token_id"):
-            if key in original:
-                hf[key] = original[key]
-    if cfg.pad_token_id is not None:
-        hf["pad_token_id"] = cfg.pad_token_id
     return hf
 
 

@@ -3,6 +3,7 @@
     h_0 = E[x] (* sqrt(d) if embed_scale) (+ P[pos] for learned/sinusoidal positions)
     h_l = Block_l(h_{l-1})                       l = 1 .. n_layer   (see components/block.py)
     logits = W_head Norm(h_L)                    W_head = E when the embeddings are tied
+    (logits = c tanh(logits / c) with final_logit_softcap c)
 
 Shapes: input_ids (B, T) -> logits (B, T, vocab_size). With RoPE, positions enter inside
 attention (rotating q and k) instead of being added to h_0.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tinyformer.components.block import Block
@@ -106,7 +108,7 @@ def init_weights(model: nn.Module, std: float, residual_branches: int) -> None:
             nn.init.normal_(module.weight, mean=0.0, std=std / 2)
     for module in model.modules():
         if module.__class__.__name__ in ("RMSNorm", "LayerNorm") and hasattr(module, "weight"):
-            nn.init.ones_(module.weight)
+            nn.init.constant_(module.weight, 1.0 - getattr(module, "offset", 0.0))  # an effective gain of 1
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
 
@@ -121,6 +123,9 @@ class DecoderLM(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.rope = RotaryEmbedding(cfg) if cfg.pos == "rope" else None
+        # the sliding-window layers' own RoPE base (Gemma 3), unscaled
+        self.local_rope = (RotaryEmbedding(cfg.replace(rope_theta=cfg.rope_local_theta, rope_scaling=None))
+                           if cfg.pos == "rope" and cfg.rope_local_theta is not None else None)
         self.pos_emb: nn.Module | None = None
         if cfg.pos == "learned":
             self.pos_emb = LearnedPositions(cfg.max_seq_len, cfg.d_model)
@@ -191,6 +196,7 @@ class DecoderLM(nn.Module):
             x = x + self.pos_emb(positions)
         x = self.emb_drop(x)
         rope = self.rope(start, T, position_ids) if self.rope is not None else None
+        local_rope = self.local_rope(start, T, position_ids) if self.local_rope is not None else rope
 
         masks: dict[tuple[int | None, bool], torch.Tensor | None] = {}  # one per (window, rolling) kind of layer
         for i, block in enumerate(self.blocks):
@@ -199,7 +205,8 @@ class DecoderLM(nn.Module):
             if (window, rolling) not in masks:
                 masks[window, rolling] = self._mask(attention_mask, T, start, window, rolling, input_ids.device)
             layer_cache = cache.layers[i] if cache is not None else None
-            x = block(x, rope, masks[window, rolling], layer_cache, start, 0, rolling)
+            x = block(x, rope if window is None else local_rope, masks[window, rolling], layer_cache, start, 0,
+                      rolling)
         if cache is not None:
             cache.length = start + T
         return self.norm(x)
@@ -236,6 +243,7 @@ class DecoderLM(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb(position_ids)
         rope = self.rope(0, 1, position_ids) if self.rope is not None else None
+        local_rope = self.local_rope(0, 1, position_ids) if self.local_rope is not None else rope
         keys = torch.arange(kv_len, device=input_ids.device)
         mask = (keys[None, :] <= pos[:, None])[:, None, None, :]  # (B, 1, 1, kv_len)
         for i, block in enumerate(self.blocks):
@@ -247,7 +255,8 @@ class DecoderLM(nn.Module):
                 layer_mask = (torch.arange(window, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]
             elif window is not None:
                 layer_mask = mask & (keys[None, :] > pos[:, None] - window)[:, None, None, :]
-            x = block(x, rope, layer_mask, cache.layers[i], pos, layer_len, rolling)
+            x = block(x, rope if window is None else local_rope, layer_mask, cache.layers[i], pos, layer_len,
+                      rolling)
         return self.norm(x)
 
     def forward(
@@ -267,7 +276,12 @@ class DecoderLM(nn.Module):
                                cache_positions=cache_positions, kv_len=kv_len)
         if last_only:
             h = h[:, -1:]
-        return self.lm_head(h)
+        return self._softcap(self.lm_head(h))
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits -> c tanh(logits / c) with c = final_logit_softcap (Gemma 2), else unchanged."""
+        c = self.cfg.final_logit_softcap
+        return logits if c is None else torch.tanh(logits / c) * c
 
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -276,7 +290,11 @@ class DecoderLM(nn.Module):
         The head and the cross-entropy are fused (components/loss.py): same value, but the (B, T, vocab)
         logit matrix is never stored, which is most of a small model's activation memory."""
         h = self.hidden_states(input_ids, attention_mask=attention_mask)
-        loss = linear_cross_entropy(h, self.lm_head.weight, targets, ignore_index)
+        if self.cfg.final_logit_softcap is not None:  # the capped logits are needed: no fused head
+            logits = self._softcap(self.lm_head(h)).float()
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
+        else:
+            loss = linear_cross_entropy(h, self.lm_head.weight, targets, ignore_index)
         if self.training and self.cfg.ffn == "moe":
             loss = loss + self.router_loss(attention_mask)
         return loss
