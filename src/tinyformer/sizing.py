@@ -5,10 +5,10 @@ each parameter count against ``sum(p.numel())`` of the real model built on the `
 
 Per decoder layer (d = d_model, H / H_kv = query / key-value heads, d_h = head_dim, f = d_ff):
   attention: d (H d_h + 2 H_kv d_h)  [W_q, W_k, W_v]  +  H d_h d  [W_o]  (+ biases, + 2 d_h with qk_norm)
-  FFN:       SwiGLU 3 d f;  GELU/ReLU MLP 2 d f  (+ biases)
+  FFN:       SwiGLU / GeGLU 3 d f;  GELU/ReLU MLP 2 d f  (+ biases)
              MoE: d E [router] + E 3 d f [experts] + 3 d f_s [shared expert]; active per token:
              d E + k 3 d f + 3 d f_s (k = experts_per_token)
-  norms:     2 d (RMSNorm), 4 d (LayerNorm with bias)
+  norms:     2 d (RMSNorm), 4 d (LayerNorm with bias); twice that with sandwich norms
 Training FLOPs per token (Kaplan et al. 2020; PaLM appendix B):
   6 N_matmul + 12 n_layer H d_h T
 where N_matmul counts the weights that take part in matrix multiplies (every matrix, the LM head
@@ -66,7 +66,7 @@ def ffn_params(cfg: ModelConfig, active: bool = False) -> int:
     if cfg.ffn == "moe":
         experts = cfg.experts_per_token if active else cfg.n_experts
         return d * cfg.n_experts + experts * 3 * d * f + 3 * d * cfg.shared_expert_d_ff
-    if cfg.ffn == "swiglu":
+    if cfg.ffn in ("swiglu", "geglu_tanh"):
         return 3 * d * f + ((2 * f + d) if cfg.mlp_bias else 0)
     return 2 * d * f + ((f + d) if cfg.mlp_bias else 0)
 
@@ -121,7 +121,7 @@ def count_params(cfg: ModelConfig) -> ParamCount:
         positions=cfg.max_seq_len * d if cfg.pos == "learned" else 0,
         attention_per_layer=attention_params(cfg),
         ffn_per_layer=ffn_params(cfg),
-        norms_per_layer=2 * norm_params(cfg),
+        norms_per_layer=(4 if cfg.norm_placement == "sandwich" else 2) * norm_params(cfg),
         n_layer=cfg.n_layer,
         final_norm=norm_params(cfg) if cfg.final_norm else 0,
         head=0 if cfg.tie_embeddings else cfg.vocab_size * d,
