@@ -57,6 +57,7 @@ ARCH = {
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
 

@@ -4,7 +4,7 @@ A GPT-2, a LLaMA-3 or a BERT is not a code path but a set of values (see ``prese
 The model code reads these fields and never branches on a model's name.
 
 RoPE scaling uses Hugging Face's ``rope_parameters`` vocabulary so that checkpoints agree:
-``{"rope_type": "linear" | "dynamic" | "yarn" | "llama3", "factor": ..., ...}``.
+``{"rope_type": "linear" | "dynamic" | "yarn" | "llama3" | "longrope", "factor": ..., ...}``.
 """
 
 from __future__ import annotations
@@ -49,6 +49,14 @@ ROPE_SCALING_KEYS: dict[str, dict[str, bool]] = {
         "low_freq_factor": True,
         "high_freq_factor": True,
         "original_max_position_embeddings": True,
+    },
+    # LongRoPE (Phi-3's "su"): per-frequency divisors, short_factor up to the original context, long_factor beyond
+    "longrope": {
+        "short_factor": True,
+        "long_factor": True,
+        "original_max_position_embeddings": True,
+        "factor": False,
+        "attention_factor": False,
     },
 }
 
@@ -317,8 +325,15 @@ class ModelConfig:
             if required and rs.get(key) is None:
                 raise ConfigError(f"rope_scaling.{key} is required for rope_type {kind!r}")
         factor = rs.get("factor")
-        if not (isinstance(factor, (int, float)) and factor > 0):
+        if not (isinstance(factor, (int, float)) and factor > 0) and (factor is not None or allowed["factor"]):
             raise ConfigError(f"rope_scaling.factor must be a positive number, got {factor!r}")
+        if kind == "longrope":
+            for key in ("short_factor", "long_factor"):
+                value = rs[key]
+                if not (isinstance(value, list) and len(value) == self.head_dim // 2
+                        and all(isinstance(v, (int, float)) and v > 0 for v in value)):
+                    raise ConfigError(f"rope_scaling.{key} must be a list of head_dim/2 = {self.head_dim // 2} "
+                                      "positive numbers")
         if kind == "llama3":
             low, high = rs["low_freq_factor"], rs["high_freq_factor"]
             if not (0 < low < high):

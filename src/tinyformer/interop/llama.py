@@ -20,6 +20,9 @@ MoE layers (ffn="moe"; E experts stacked along the first dimension):
              model.layers.i.block_sparse_moe.experts.e.{w1,w3}.weight   blocks.i.ffn.gate_up[e] (rows: w1, then w3)
              model.layers.i.block_sparse_moe.experts.e.w2.weight        blocks.i.ffn.down[e]
   Qwen3-MoE: model.layers.i.mlp.gate.weight, mlp.experts.e.{gate,up,down}_proj.weight, likewise
+Phi-3 stores q/k/v and gate/up fused already, in tinyformer's row order:
+  model.layers.i.self_attn.qkv_proj.weight         blocks.i.attn.qkv.weight
+  model.layers.i.mlp.gate_up_proj.weight           blocks.i.ffn.gate_up.weight
   model.norm.weight                                norm.weight
   lm_head.weight                                   lm_head.weight (absent when tied)
 
@@ -48,10 +51,11 @@ from tinyformer.config import ROPE_SCALING_KEYS, ModelConfig
 from tinyformer.errors import ConfigError
 from tinyformer.interop.adapter import Adapter
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-WINDOW_IN_EVERY_LAYER = ("mistral", "mixtral")  # the others slide only with use_sliding_window
+                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
+WINDOW_IN_EVERY_LAYER = ("mistral", "mixtral", "phi3")  # the others slide only with use_sliding_window
 PER_LAYER_WINDOW = ("qwen2", "qwen3")  # layer_types / max_window_layers choose the sliding layers
 QK_NORM = ("qwen3", "qwen3_moe")
 MOE_NAMES = {  # model_type -> (router, expert prefix, gate, up, down) under model.layers.i.
@@ -101,6 +105,7 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if partial != 1.0:
         raise ConfigError(f"partial_rotary_factor={partial} (RoPE on part of each head) is not supported")
     kind = params.pop("rope_type", params.pop("type", "default"))
+    kind = {"su": "longrope"}.get(kind, kind)  # Phi-3's first name for LongRoPE
     if kind == "default":
         return float(theta), None
     if kind not in ROPE_SCALING_KEYS:
@@ -109,7 +114,7 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
         # transformers' dynamic NTK always scales from max_position_embeddings (it ignores any
         # original_max_position_embeddings), and so does tinyformer when the key is absent
         params.pop("original_max_position_embeddings", None)
-    if kind in ("yarn", "llama3"):
+    if kind in ("yarn", "llama3", "longrope"):
         params.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings")
                           or hf["max_position_embeddings"])
     unknown = sorted(set(params) - set(ROPE_SCALING_KEYS[kind]))
@@ -242,6 +247,9 @@ def export_model_type(cfg: ModelConfig) -> str:
     wanted = original.get("model_type") if isinstance(original, dict) else None
     if cfg.ffn == "moe":
         return "qwen3_moe" if cfg.qk_norm else "mixtral"
+    if wanted == "phi3" and not (cfg.qk_norm or cfg.attn_bias or cfg.attn_out_bias or cfg.mlp_bias
+                                 or cfg.layer_types is not None):
+        return "phi3"
     if cfg.qk_norm:
         return "qwen3"
     if cfg.sliding_window is not None:  # Llama has no window: Qwen2 for q/k/v biases, else Mistral
@@ -377,11 +385,15 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Ite
             raise ConfigError(f"tensor {name!r} is missing from the checkpoint")
         return hf_sd[name]
 
+    fused = export_model_type(cfg) == "phi3"
     yield "tok_emb.weight", get("model.embed_tokens.weight")
     for i in range(cfg.n_layer):
         p, a = f"model.layers.{i}.", f"blocks.{i}."
         yield a + "attn_norm.weight", get(p + "input_layernorm.weight")
-        yield a + "attn.qkv.weight", torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        if fused:
+            yield a + "attn.qkv.weight", get(p + "self_attn.qkv_proj.weight")
+        else:
+            yield a + "attn.qkv.weight", torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
         if cfg.attn_bias:
             yield a + "attn.qkv.bias", torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
         yield a + "attn.out.weight", get(p + "self_attn.o_proj.weight")
@@ -399,7 +411,10 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Ite
                                                   for e in range(cfg.n_experts)])
             yield a + "ffn.down", torch.stack([get(f"{p}{experts}.{e}.{down}.weight") for e in range(cfg.n_experts)])
             continue
-        yield a + "ffn.gate_up.weight", torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+        if fused:
+            yield a + "ffn.gate_up.weight", get(p + "mlp.gate_up_proj.weight")
+        else:
+            yield a + "ffn.gate_up.weight", torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         if cfg.mlp_bias:
             yield a + "ffn.gate_up.bias", torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
         yield a + "ffn.down.weight", get(p + "mlp.down_proj.weight")
@@ -417,11 +432,14 @@ def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterat
     as zeros (adding zero changes nothing)."""
     q, kv, f = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.d_ff
     llama_bias = export_model_type(cfg) in ("llama", "qwen3") and (cfg.attn_bias or cfg.attn_out_bias)
+    fused = export_model_type(cfg) == "phi3"
     yield "model.embed_tokens.weight", sd["tok_emb.weight"]
     for i in range(cfg.n_layer):
         p, a = f"model.layers.{i}.", f"blocks.{i}."
         yield p + "input_layernorm.weight", sd[a + "attn_norm.weight"]
-        for name, part in zip("qkv", sd[a + "attn.qkv.weight"].split((q, kv, kv))):
+        if fused:
+            yield p + "self_attn.qkv_proj.weight", sd[a + "attn.qkv.weight"]
+        for name, part in zip("qkv", () if fused else sd[a + "attn.qkv.weight"].split((q, kv, kv))):
             yield p + f"self_attn.{name}_proj.weight", part.contiguous()
         if cfg.attn_bias:
             for name, part in zip("qkv", sd[a + "attn.qkv.bias"].split((q, kv, kv))):
@@ -449,9 +467,12 @@ def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterat
                 yield f"{p}{experts}.{e}.{up_name}.weight", expert_up.contiguous()
                 yield f"{p}{experts}.{e}.{down_name}.weight", expert_down.contiguous()
             continue
-        gate, up = sd[a + "ffn.gate_up.weight"].split((f, f))
-        yield p + "mlp.gate_proj.weight", gate.contiguous()
-        yield p + "mlp.up_proj.weight", up.contiguous()
+        if fused:
+            yield p + "mlp.gate_up_proj.weight", sd[a + "ffn.gate_up.weight"]
+        else:
+            gate, up = sd[a + "ffn.gate_up.weight"].split((f, f))
+            yield p + "mlp.gate_proj.weight", gate.contiguous()
+            yield p + "mlp.up_proj.weight", up.contiguous()
         if cfg.mlp_bias:
             gate_b, up_b = sd[a + "ffn.gate_up.bias"].split((f, f))
             yield p + "mlp.gate_proj.bias", gate_b.contiguous()
