@@ -90,6 +90,14 @@ def test_per_row_decoding_with_rolling_cache_equals_full_forward():
             pos = pos + 1
 
 
+def test_count_of_the_kv_cache_equals_the_rolling_cache_bytes():
+    from tinyformer.sizing import sizing_report
+
+    model = tiny(layer_types=["full", "sliding"])
+    report = sizing_report(model.cfg, seq_len=40, batch=2, dtype="float32")
+    assert report["kv_cache"]["bytes_total"] == model.new_cache(2, 40).nbytes()
+
+
 def test_window_fields_are_validated():
     with pytest.raises(ConfigError, match="sliding_window must be a positive"):
         ModelConfig(sliding_window=0)

@@ -185,7 +185,9 @@ def sizing_report(cfg: ModelConfig, seq_len: int | None = None, batch: int = 1, 
         "kv_cache": {
             "bytes_per_token": kv_tok,
             "bytes_per_token_if_mha": kv_tok_mha,
-            "bytes_total": kv_tok * T * batch,
+            # a sliding-window layer keeps only its last W positions (a rolling cache)
+            "bytes_total": kv_tok // cfg.n_layer * batch * sum(
+                min(T, (cfg.layer_window(i) if cfg.arch == "decoder" else None) or T) for i in range(cfg.n_layer)),
         },
         "attention_memory": {
             # one layer's T x T score matrix for the batch, as a naive implementation builds it

@@ -11,11 +11,11 @@ E experts, each a SwiGLU FFN of width f; a router W_r (E, d) picks k of them per
 Only k of the E experts run per token: the parameters grow with E, the compute per token with k.
 
 Dispatch, without a Python loop over tokens: the N k (token, expert)
-assignments are sorted by expert, each expert runs once on its contiguous slice of gathered tokens (a loop
-over experts), and the weighted outputs are summed back per token with ``index_add``. When there are at most
-E assignments (decoding a few tokens), or under ``torch.compile`` at inference, each token instead gathers its
-k experts' weights and multiplies them directly (batched matmuls, no host synchronisation, so the compiled
-decode step can capture it).
+assignments are sorted by expert, each expert that has tokens runs once on its contiguous slice of gathered
+tokens (a loop over experts, reading each expert's matrices in place), and the weighted outputs are summed back
+per token with ``index_add``. Under ``torch.compile`` at inference (the compiled decode step, which cannot read
+the per-expert counts back to the host), each token instead gathers its k experts' weights and multiplies them
+directly (batched matmuls).
 
 Auxiliary losses (training only; ``moe_losses``), over the router outputs of every MoE layer pooled
 (N rows in all), as transformers' ``load_balancing_loss_func``:
@@ -92,8 +92,8 @@ class MoE(nn.Module):
         weights, index = route(logits, self.k, self.order, self.normalize)
         weights = weights.to(x.dtype)
         # the sorted dispatch reads the per-expert counts back to the host, which a compiled (inference) step
-        # cannot capture; a few tokens' gathered weights cost no more than running every expert once
-        if index.numel() <= self.n_experts or (torch.compiler.is_compiling() and not self.training):
+        # cannot capture: there each token gathers its k experts' weights instead (a few tokens per step)
+        if torch.compiler.is_compiling() and not self.training:
             out = self._gathered(flat, weights, index)
         else:
             out = self._sorted(flat, weights, index)
