@@ -65,3 +65,32 @@ def test_soft_capped_logits_stay_inside_the_cap_and_train():
     loss = model.loss(x[:, :-1], x[:, 1:])
     want = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
     torch.testing.assert_close(loss, want)
+
+
+def test_gemma3_gguf_matches_transformers_gguf_loader(tmp_path):
+    """llama.cpp's layout: Gemma's norm gains stored as 1 + g, four norms per layer, a sliding window."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    import transformers
+    from test_interop_common import hf_logits, hf_model, padded_batch, write_gguf
+
+    from tinyformer.interop.gguf import import_gguf
+    from tinyformer.run_folder import load_model
+
+    # transformers' loader takes query_pre_attn_scalar and the layer pattern from Gemma3TextConfig's defaults
+    # (256; every 6th layer global): the model here has them too
+    model = hf_model("gemma3_text", vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                     num_attention_heads=1, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                     sliding_window=W)
+    write_gguf(model, tmp_path / "model.gguf", qtype="F32", arch="gemma3")
+    import_gguf(tmp_path / "model.gguf", tmp_path / "run")
+    cfg = load_config(tmp_path / "run")
+    assert (cfg.sliding_window, cfg.norm_placement, cfg.qk_norm) == (W, "sandwich", True)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf", local_files_only=True,
+                                                               dtype=torch.float32).eval()
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        logits = load_model(tmp_path / "run")(ids, attention_mask=mask)
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], hf_logits(theirs, ids, mask)[real], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[real], hf_logits(model, ids, mask)[real], atol=1e-4, rtol=1e-4)

@@ -159,6 +159,9 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "sel
               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
+GEMMA_GGUF_NAMES = {**GGUF_NAMES, "post_attention_layernorm": "post_attention_norm",
+                    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
 # byte offsets of the float16 scales inside one block, so random blocks get sane magnitudes
 _SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,),
                   "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,)}
@@ -211,7 +214,10 @@ def write_gguf(model, path: Path, qtype: str = "F32", arch: str = "llama", token
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: the global layers' RoPE
+    w.add_rope_freq_base(rope["rope_theta"])
+    if getattr(cfg, "sliding_window", None) and arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(head_dim)
     w.add_key_length(head_dim)
@@ -261,8 +267,10 @@ def write_gguf(model, path: Path, qtype: str = "F32", arch: str = "llama", token
         if gname is None:
             layer, rest = hf_name.removeprefix("model.layers.").split(".", 1)
             module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
+            gname = f"blk.{layer}.{(GEMMA_GGUF_NAMES if arch == 'gemma3' else GGUF_NAMES)[module]}.{kind}"
         a = tensor.float().numpy()
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):  # llama.cpp stores Gemma's gains as 1 + g
+            a = a + 1
         if arch == "llama" and ".attn_q." in gname:
             a = permute_for_gguf(a, cfg.num_attention_heads)
         if arch == "llama" and ".attn_k." in gname:
