@@ -96,6 +96,10 @@ def test_count_of_the_kv_cache_equals_the_rolling_cache_bytes():
     model = tiny(layer_types=["full", "sliding"])
     report = sizing_report(model.cfg, seq_len=40, batch=2, dtype="float32")
     assert report["kv_cache"]["bytes_total"] == model.new_cache(2, 40).nbytes()
+    # the attention term of the training FLOPs: the full layer attends to 40 keys, the sliding one to W
+    full = sizing_report(model.cfg.replace(sliding_window=None, layer_types=None), seq_len=40)
+    attention = 12 * model.cfg.n_head * model.cfg.head_dim
+    assert full["training_flops_per_token"] - report["training_flops_per_token"] == attention * (40 - W)
 
 
 def test_window_fields_are_validated():
