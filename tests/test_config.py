@@ -32,7 +32,7 @@ def test_llama_ffn_rule():
         (dict(rope_scaling={"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 1,
                             "original_max_position_embeddings": 8192}), "low_freq_factor"),
         (dict(pos="learned", rope_scaling={"rope_type": "linear", "factor": 2}), "rope_scaling"),
-        (dict(norm_placement="sandwich"), "norm_placement"),
+        (dict(norm_placement="middle"), "norm_placement"),
     ],
 )
 def test_bad_config_raises_value_error_naming_the_field(kwargs, field):

@@ -44,6 +44,8 @@ CONFIGS = {
     "rope-mqa-reference": dict(SMALL, vocab_size=40, n_kv_head=1, attn_impl="reference"),
     "learned-postnorm-mha": dict(SMALL, vocab_size=40, n_kv_head=4, pos="learned", norm="layernorm",
                                  norm_placement="post", ffn="gelu", attn_bias=True),
+    "qknorm-scale-softcap-sandwich": dict(SMALL, vocab_size=40, qk_norm=True, attn_scale=0.2, attn_logit_softcap=0.5,
+                                          norm_placement="sandwich", norm_gain_offset=1.0, sliding_window=16),
 }
 
 

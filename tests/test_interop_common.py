@@ -53,6 +53,12 @@ ARCH = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
 
 
@@ -64,11 +70,15 @@ def hf_model(kind: str = "llama", seed: int = 0, **overrides):
                   bos_token_id=0, eos_token_id=1, pad_token_id=2)
     fields.update(overrides)
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**fields)).eval()
+    config = config_cls(**fields)
+    config._attn_implementation = "eager"  # the formula written out (Gemma 2's soft-capping needs it)
+    model = model_cls(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("mlp.gate.weight"):  # MoE routers: clear margins between experts, so that float
+                p.normal_(0.0, 1.0)               # rounding cannot flip a top-k choice
     model.generation_config.eos_token_id = None  # generate exactly the requested number of tokens
     return model
 
@@ -147,7 +157,10 @@ def permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
 GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
+              "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+
+GEMMA_GGUF_NAMES = {**GGUF_NAMES, "post_attention_layernorm": "post_attention_norm",
+                    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 # byte offsets of the float16 scales inside one block, so random blocks get sane magnitudes
 _SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,),
@@ -201,8 +214,14 @@ def write_gguf(model, path: Path, qtype: str = "F32", arch: str = "llama", token
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: the global layers' RoPE
+    w.add_rope_freq_base(rope["rope_theta"])
+    if getattr(cfg, "sliding_window", None) and arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
     if rope_scaling:
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling["type"]))
@@ -248,8 +267,10 @@ def write_gguf(model, path: Path, qtype: str = "F32", arch: str = "llama", token
         if gname is None:
             layer, rest = hf_name.removeprefix("model.layers.").split(".", 1)
             module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
+            gname = f"blk.{layer}.{(GEMMA_GGUF_NAMES if arch == 'gemma3' else GGUF_NAMES)[module]}.{kind}"
         a = tensor.float().numpy()
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):  # llama.cpp stores Gemma's gains as 1 + g
+            a = a + 1
         if arch == "llama" and ".attn_q." in gname:
             a = permute_for_gguf(a, cfg.num_attention_heads)
         if arch == "llama" and ".attn_k." in gname:
@@ -355,3 +376,36 @@ def test_a_registered_adapter_handles_its_model_type(tmp_path):
     with torch.no_grad():
         ours = load_model(tmp_path / "run")(ids, attention_mask=mask)
     torch.testing.assert_close(ours[mask.bool()], hf_logits(model, ids, mask)[mask.bool()], atol=1e-4, rtol=1e-4)
+
+
+def assert_import_matches_transformers(kind: str, folder: Path, length: int = 20, new_tokens: int = 8,
+                                       **overrides):
+    """A random transformers model of ``kind`` imported into ``folder``/run must give transformers' logits on
+    a left-padded batch, the same logits when decoded one token at a time through the KV cache, the tokens
+    of transformers' ``generate`` (plain cache loop and the engine), and export back to identical tensors.
+    Returns (transformers model, tinyformer model)."""
+    from tinyformer.interop.hf_folder import export_hf, import_hf
+    from tinyformer.run_folder import load_model
+
+    hf = hf_model(kind, **overrides)
+    save_hf(hf, folder / "hf", tokenizer=False)
+    import_hf(folder / "hf", folder / "run")
+    ours = load_model(folder / "run")
+    ids, mask = padded_batch(length=length)
+    real = mask.bool()
+    with torch.no_grad():
+        logits = ours(ids, attention_mask=mask)
+        torch.testing.assert_close(logits[real], hf_logits(hf, ids, mask)[real], atol=1e-4, rtol=1e-4)
+        cache = ours.new_cache(2, length)
+        steps = [ours(ids[:, :3], attention_mask=mask[:, :3], cache=cache)]
+        steps += [ours(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache) for t in range(3, length)]
+        torch.testing.assert_close(torch.cat(steps, 1)[real], logits[real], atol=1e-5, rtol=1e-5)
+    want = hf_greedy(hf, ids, mask, new_tokens)
+    assert torch.equal(greedy(ours, ids, mask, new_tokens), want)
+    assert torch.equal(engine_greedy(ours, ids, mask, new_tokens), want)
+    export_hf(folder / "run", folder / "hf2")
+    before, after = safetensors_dict(folder / "hf"), safetensors_dict(folder / "hf2")
+    assert before.keys() == after.keys()
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    return hf, ours

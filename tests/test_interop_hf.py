@@ -216,20 +216,6 @@ def test_dtype_option_sets_stored_precision(tmp_path):
     assert json.loads((tmp_path / "hf16" / "config.json").read_text())["torch_dtype"] == "float16"
 
 
-def test_sliding_window_shorter_than_context_limits_max_seq_len(tmp_path):
-    model = hf_model("mistral", sliding_window=24, max_position_embeddings=64)
-    save_hf(model, tmp_path / "hf", tokenizer=False)
-    import_hf(tmp_path / "hf", tmp_path / "run")
-    assert load_config(tmp_path / "run").max_seq_len == 24
-    ids, mask = padded_batch(length=24)
-    with torch.no_grad():
-        ours = load_model(tmp_path / "run")(ids, attention_mask=mask)
-    torch.testing.assert_close(ours[mask.bool()], hf_logits(model, ids, mask)[mask.bool()], atol=1e-4, rtol=1e-4)
-    export_hf(tmp_path / "run", tmp_path / "hf2")  # the original window and context come back
-    config = json.loads((tmp_path / "hf2" / "config.json").read_text())
-    assert (config["sliding_window"], config["max_position_embeddings"]) == (24, 64)
-
-
 # ------------------------------------------------------------------------------------------------ errors
 
 

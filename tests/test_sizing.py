@@ -101,6 +101,8 @@ def test_attention_score_memory_is_the_size_of_the_tensors_the_kernels_build(dty
         dict(ffn="gelu", pos="sinusoidal", tie_embeddings=False),
         dict(n_kv_head=1, head_dim=24),
         dict(final_norm=False, norm_placement="post"),
+        dict(qk_norm=True, head_dim=16),
+        dict(norm_placement="sandwich", ffn="geglu_tanh", norm_gain_offset=1.0, qk_norm=True),
     ],
 )
 def test_option_counts_equal_meta_device_model(kw):

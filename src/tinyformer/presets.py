@@ -7,6 +7,7 @@ Shapes are the ones the papers and official configs give:
   gpt3-175b: Brown et al. 2020, table 2.1 (d 12288, 96 layers, 96 heads, context 2048)
   stories15m / llama-110m: the llama2.c `stories15M` shape and a ~110M LLaMA, used by the benchmarks
   tiny: the CPU default that `tinyformer train` starts from.
+  moe: a small mixture of experts (8 experts, 2 per token) that trains on a CPU.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         norm="rmsnorm", pos="rope", ffn="swiglu", vocab_size=4096, d_model=256, n_layer=4, n_head=8,
         n_kv_head=4, d_ff=704, max_seq_len=256, tie_embeddings=True,
+    ),
+    # A small mixture of experts that trains on a CPU: 8 SwiGLU experts of width 256, 2 per token (Mixtral's
+    # routing), so each token runs the FFN compute of a 512-wide dense model with 4x its FFN parameters.
+    "moe": dict(
+        norm="rmsnorm", pos="rope", ffn="moe", n_experts=8, experts_per_token=2, vocab_size=4096, d_model=256,
+        n_layer=4, n_head=8, n_kv_head=4, d_ff=256, max_seq_len=256, tie_embeddings=True,
     ),
     "stories15m": dict(_LLAMA, d_model=288, n_layer=6, n_head=6, d_ff=768, max_seq_len=256),
     "llama-110m": dict(_LLAMA, d_model=768, n_layer=12, n_head=12, d_ff=2048, max_seq_len=1024),

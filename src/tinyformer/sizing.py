@@ -4,14 +4,17 @@ Everything here is computed from the config by formula (no model is built), and 
 each parameter count against ``sum(p.numel())`` of the real model built on the ``meta`` device.
 
 Per decoder layer (d = d_model, H / H_kv = query / key-value heads, d_h = head_dim, f = d_ff):
-  attention: d (H d_h + 2 H_kv d_h)  [W_q, W_k, W_v]  +  H d_h d  [W_o]  (+ biases)
-  FFN:       SwiGLU 3 d f;  GELU/ReLU MLP 2 d f  (+ biases)
-  norms:     2 d (RMSNorm), 4 d (LayerNorm with bias)
+  attention: d (H d_h + 2 H_kv d_h)  [W_q, W_k, W_v]  +  H d_h d  [W_o]  (+ biases, + 2 d_h with qk_norm)
+  FFN:       SwiGLU / GeGLU 3 d f;  GELU/ReLU MLP 2 d f  (+ biases)
+             MoE: d E [router] + E 3 d f [experts] + 3 d f_s [shared expert]; active per token:
+             d E + k 3 d f + 3 d f_s (k = experts_per_token)
+  norms:     2 d (RMSNorm), 4 d (LayerNorm with bias); twice that with sandwich norms
 Training FLOPs per token (Kaplan et al. 2020; PaLM appendix B):
   6 N_matmul + 12 n_layer H d_h T
 where N_matmul counts the weights that take part in matrix multiplies (every matrix, the LM head
-included even when tied, but not the embedding lookups) and the second term is QK^T and AV for a
-context of T tokens, forward (x1) plus backward (x2).
+included even when tied, but not the embedding lookups; for MoE only the k experts a token runs) and the
+second term is QK^T and AV for a context of T tokens (min(T, W) in a sliding-window layer), forward (x1)
+plus backward (x2).
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def norm_params(cfg: ModelConfig) -> int:
+def norm_params(cfg: ModelConfig, dim: int | None = None) -> int:
+    """Parameters of one norm over ``dim`` (default d_model): the gain, plus the bias of a LayerNorm."""
+    d = cfg.d_model if dim is None else dim
     if cfg.norm == "rmsnorm":
-        return cfg.d_model
-    return cfg.d_model * (2 if cfg.norm_bias else 1)
+        return d
+    return d * (2 if cfg.norm_bias else 1)
 
 
 def attention_params(cfg: ModelConfig) -> int:
@@ -45,6 +50,8 @@ def attention_params(cfg: ModelConfig) -> int:
         n += q + 2 * kv
     if cfg.attn_out_bias:
         n += d
+    if cfg.qk_norm:  # one gain vector each for q and k, shared by the heads
+        n += 2 * norm_params(cfg, cfg.head_dim)
     return n
 
 
@@ -53,9 +60,14 @@ def cross_attention_params(cfg: ModelConfig) -> int:
     return attention_params(cfg)
 
 
-def ffn_params(cfg: ModelConfig) -> int:
+def ffn_params(cfg: ModelConfig, active: bool = False) -> int:
+    """FFN parameters of one layer; ``active``: only those one token uses (MoE: the router, k experts and the
+    shared expert)."""
     d, f = cfg.d_model, cfg.d_ff
-    if cfg.ffn == "swiglu":
+    if cfg.ffn == "moe":
+        experts = cfg.experts_per_token if active else cfg.n_experts
+        return d * cfg.n_experts + experts * 3 * d * f + 3 * d * cfg.shared_expert_d_ff
+    if cfg.ffn in ("swiglu", "geglu_tanh"):
         return 3 * d * f + ((2 * f + d) if cfg.mlp_bias else 0)
     return 2 * d * f + ((f + d) if cfg.mlp_bias else 0)
 
@@ -71,6 +83,7 @@ class ParamCount:
     final_norm: int
     head: int  # 0 when tied to the embedding
     extra: dict[str, int] = field(default_factory=dict)  # arch-specific parts (pooler, cross-attn, ...)
+    ffn_active_per_layer: int | None = None  # MoE: the FFN parameters one token uses (None: all of them)
 
     @property
     def per_layer(self) -> int:
@@ -85,6 +98,17 @@ class ParamCount:
     def non_embedding(self) -> int:
         return self.total - self.embedding - self.positions
 
+    @property
+    def inactive(self) -> int:
+        """Parameters a token does not use (MoE experts it is not routed to)."""
+        if self.ffn_active_per_layer is None:
+            return 0
+        return (self.ffn_per_layer - self.ffn_active_per_layer) * self.n_layer
+
+    @property
+    def active(self) -> int:
+        return self.total - self.inactive
+
 
 def count_params(cfg: ModelConfig) -> ParamCount:
     """Exact parameter count of the model ``cfg`` describes, component by component."""
@@ -98,22 +122,26 @@ def count_params(cfg: ModelConfig) -> ParamCount:
         positions=cfg.max_seq_len * d if cfg.pos == "learned" else 0,
         attention_per_layer=attention_params(cfg),
         ffn_per_layer=ffn_params(cfg),
-        norms_per_layer=2 * norm_params(cfg),
+        norms_per_layer=(4 if cfg.norm_placement == "sandwich" else 2) * norm_params(cfg),
         n_layer=cfg.n_layer,
         final_norm=norm_params(cfg) if cfg.final_norm else 0,
         head=0 if cfg.tie_embeddings else cfg.vocab_size * d,
+        ffn_active_per_layer=ffn_params(cfg, active=True) if cfg.ffn == "moe" else None,
     )
 
 
 def matmul_params(cfg: ModelConfig, counts: ParamCount) -> int:
-    """Weights that take part in a matmul per token: all layer matrices plus the LM head."""
-    return counts.non_embedding - counts.head + cfg.vocab_size * cfg.d_model
+    """Weights that take part in a matmul per token: all layer matrices a token uses plus the LM head."""
+    return counts.non_embedding - counts.inactive - counts.head + cfg.vocab_size * cfg.d_model
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     counts = count_params(cfg)
-    n_layers = cfg.n_layer + (cfg.n_encoder_layer or 0 if cfg.arch == "encoder_decoder" else 0)
-    return 6 * matmul_params(cfg, counts) + 12 * n_layers * cfg.n_head * cfg.head_dim * seq_len
+    if cfg.arch == "decoder":  # a sliding-window layer attends to at most W keys
+        spans = sum(min(seq_len, cfg.layer_window(i) or seq_len) for i in range(cfg.n_layer))
+    else:
+        spans = (cfg.n_layer + (cfg.n_encoder_layer or 0 if cfg.arch == "encoder_decoder" else 0)) * seq_len
+    return 6 * matmul_params(cfg, counts) + 12 * cfg.n_head * cfg.head_dim * spans
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, bytes_per_elem: int) -> int:
@@ -133,6 +161,7 @@ def sizing_report(cfg: ModelConfig, seq_len: int | None = None, batch: int = 1, 
     naive_layer = batch * cfg.n_head * T * T * b
     report: dict[str, Any] = {
         "total_params": c.total,
+        "active_params": c.active,  # per token: differs from the total for MoE
         "non_embedding_params": c.non_embedding,
         "params": {
             "embedding": c.embedding,
@@ -157,7 +186,9 @@ def sizing_report(cfg: ModelConfig, seq_len: int | None = None, batch: int = 1, 
         "kv_cache": {
             "bytes_per_token": kv_tok,
             "bytes_per_token_if_mha": kv_tok_mha,
-            "bytes_total": kv_tok * T * batch,
+            # a sliding-window layer keeps only its last W positions (a rolling cache)
+            "bytes_total": kv_tok // cfg.n_layer * batch * sum(
+                min(T, (cfg.layer_window(i) if cfg.arch == "decoder" else None) or T) for i in range(cfg.n_layer)),
         },
         "attention_memory": {
             # one layer's T x T score matrix for the batch, as a naive implementation builds it

@@ -89,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
     lines += [
         f"  total                {report['total_params']:>18,}  ({_fmt(report['total_params'])})",
         f"  without embeddings   {report['non_embedding_params']:>18,}",
+        *([f"  active per token     {report['active_params']:>18,}  ({_fmt(report['active_params'])}; "
+           f"{cfg.experts_per_token} of {cfg.n_experts} experts)"]
+          if report["active_params"] != report["total_params"] else []),
         f"  attention : ffn      1 : {1 / report['attention_to_ffn_ratio']:.2f}",
         "",
         f"compute (T={report['seq_len']})",

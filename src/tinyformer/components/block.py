@@ -2,6 +2,7 @@
 
 Pre-Norm (GPT-2 onward, LLaMA):  h = x + Attn(Norm(x));   y = h + FFN(Norm(h))
 Post-Norm (Vaswani et al. 2017, BERT):  h = Norm(x + Attn(x));   y = Norm(h + FFN(h))
+Sandwich (Gemma 2/3):  h = x + Norm'(Attn(Norm(x)));   y = h + Norm'(FFN(Norm(h)))   (each Norm' its own)
 
 Pre-Norm leaves an identity path from input to output through every layer: each sublayer's
 Jacobian is I + dF/dx, so a gradient passes to the block's input unchanged plus the branch's part
@@ -27,8 +28,11 @@ from tinyformer.config import ModelConfig
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, causal: bool = True) -> None:
         super().__init__()
-        self.pre_norm = cfg.norm_placement == "pre"
+        self.pre_norm = cfg.norm_placement in ("pre", "sandwich")
         self.attn_norm = build_norm(cfg)
+        # sandwich: a norm on each sub-block's output too, before it joins the residual stream
+        self.attn_post_norm = build_norm(cfg) if cfg.norm_placement == "sandwich" else nn.Identity()
+        self.ffn_post_norm = build_norm(cfg) if cfg.norm_placement == "sandwich" else nn.Identity()
         self.attn = SelfAttention(cfg, causal=causal)
         self.ffn_norm = build_norm(cfg)
         self.ffn = build_ffn(cfg)
@@ -42,10 +46,12 @@ class Block(nn.Module):
         cache: tuple[torch.Tensor, torch.Tensor] | None = None,
         start: int | torch.Tensor = 0,
         kv_len: int = 0,
+        rolling: bool = False,
     ) -> torch.Tensor:
         """x (B, T, d) -> (B, T, d)."""
         if self.pre_norm:
-            x = x + self.drop(self.attn(self.attn_norm(x), rope, mask, cache, start, kv_len))
-            return x + self.drop(self.ffn(self.ffn_norm(x)))
-        x = self.attn_norm(x + self.drop(self.attn(x, rope, mask, cache, start, kv_len)))
+            x = x + self.drop(self.attn_post_norm(self.attn(self.attn_norm(x), rope, mask, cache, start, kv_len,
+                                                            rolling)))
+            return x + self.drop(self.ffn_post_norm(self.ffn(self.ffn_norm(x))))
+        x = self.attn_norm(x + self.drop(self.attn(x, rope, mask, cache, start, kv_len, rolling)))
         return self.ffn_norm(x + self.drop(self.ffn(x)))

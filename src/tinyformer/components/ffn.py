@@ -1,8 +1,10 @@
 """Position-wise feed-forward networks, x: (B, T, d) -> (B, T, d).
 
 SwiGLU (Shazeer 2020; LLaMA):  FFN(x) = W_down (silu(W_gate x) * (W_up x)),   silu(z) = z * sigmoid(z)
+GeGLU-tanh (Gemma):             FFN(x) = W_down (gelu_tanh(W_gate x) * (W_up x))
 GELU MLP (GPT-2, BERT):         FFN(x) = W_2 gelu(W_1 x + b_1) + b_2   (exact erf GELU, or its tanh approximation)
 ReLU MLP (Vaswani et al. 2017): FFN(x) = W_2 max(0, W_1 x + b_1) + b_2
+Mixture of experts:             FFN(x) = sum_k g_k SwiGLU_k(x) over the router's top k experts (components/moe.py)
 
 The SwiGLU gate and up projections are stored as one (2 d_ff, d) matrix ``gate_up`` — rows
 [0, d_ff) are W_gate, rows [d_ff, 2 d_ff) are W_up — so that one matmul computes both.
@@ -18,15 +20,19 @@ from tinyformer.config import ModelConfig
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, d_model: int, d_ff: int, bias: bool = False) -> None:
+    """The gated FFN; ``activation`` 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU with GELU's tanh approximation)."""
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool = False, activation: str = "silu") -> None:
         super().__init__()
         self.d_ff = d_ff
+        self.activation = activation
         self.gate_up = nn.Linear(d_model, 2 * d_ff, bias=bias)
         self.down = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.d_ff, dim=-1)  # (B, T, d_ff) each
-        return self.down(F.silu(gate) * up)
+        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down(act * up)
 
 
 class MLP(nn.Module):
@@ -48,6 +54,11 @@ class MLP(nn.Module):
 
 
 def build_ffn(cfg: ModelConfig) -> nn.Module:
-    if cfg.ffn == "swiglu":
-        return SwiGLU(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
+    if cfg.ffn == "moe":  # routed experts (components/moe.py), which builds on SwiGLU
+        from tinyformer.components.moe import MoE
+
+        return MoE(cfg)
+    if cfg.ffn in ("swiglu", "geglu_tanh"):
+        activation = "silu" if cfg.ffn == "swiglu" else "gelu_tanh"
+        return SwiGLU(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias, activation=activation)
     return MLP(cfg.d_model, cfg.d_ff, cfg.ffn, bias=cfg.mlp_bias)

@@ -5,6 +5,12 @@ are computed once and kept here, so each new token costs one row of projections 
 whole forward pass over the prefix. Buffers are allocated once for ``max_len`` positions
 (no reallocation or concatenation per step): per layer k and v of shape (B, H_kv, max_len, d_head).
 Memory: 2 * n_layer * B * max_len * H_kv * d_head * bytes — GQA shrinks it by n_head / n_kv_head.
+
+Rolling buffers (sliding-window layers): a layer whose queries see only the last W keys
+(``ModelConfig.layer_window``) needs only W slots when ``max_len`` > W; position p is kept in slot
+p mod W, overwriting position p - W, which no later query can see. Such a layer costs O(W) memory
+whatever the length; ``rolling[l]`` marks it, and the model masks each slot by the position it holds.
+``rolling=False`` keeps full buffers for every layer (the window is then a mask only).
 """
 
 from __future__ import annotations
@@ -23,15 +29,18 @@ class KVCache:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         n_layer: int | None = None,
+        rolling: bool = True,
     ) -> None:
         self.max_len = max_len or cfg.max_seq_len
         self.batch_size = batch_size
-        shape = (batch_size, cfg.n_kv_head, self.max_len, cfg.head_dim)
         layers = cfg.n_layer if n_layer is None else n_layer
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-            for _ in range(layers)
-        ]
+        windows = [cfg.layer_window(i) if n_layer is None else None for i in range(layers)]
+        self.rolling = [rolling and w is not None and w < self.max_len for w in windows]
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for w, roll in zip(windows, self.rolling):
+            shape = (batch_size, cfg.n_kv_head, w if roll else self.max_len, cfg.head_dim)
+            self.layers.append((torch.zeros(shape, device=device, dtype=dtype),
+                                torch.zeros(shape, device=device, dtype=dtype)))
         self.length = 0  # positions filled so far (the same for every row; padding is masked instead)
 
     def reset(self) -> None:
@@ -49,6 +58,7 @@ class KVCache:
         stop = start + 1 if stop is None else stop
         view = KVCache.__new__(KVCache)
         view.max_len, view.batch_size, view.length = self.max_len, stop - start, 0
+        view.rolling = list(self.rolling)
         view.layers = [(k[start:stop], v[start:stop]) for k, v in self.layers]
         return view
 

@@ -1,6 +1,7 @@
 """Normalisation layers.
 
-RMSNorm (Zhang & Sennrich, 2019; LLaMA):   y = x / sqrt(mean(x^2) + eps) * g
+RMSNorm (Zhang & Sennrich, 2019; LLaMA):   y = x / sqrt(mean(x^2) + eps) * (o + g)
+                                          (o = ModelConfig.norm_gain_offset: 0, or 1 for Gemma's (1 + g))
 LayerNorm (Ba et al., 2016; GPT-2, BERT):  y = (x - mean(x)) / sqrt(var(x) + eps) * g + b
 
 Both normalise over the last dimension; x: (..., d) -> y: (..., d). Statistics are computed in
@@ -18,14 +19,18 @@ from tinyformer.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * g, with a learned gain g of shape (d,)."""
+    """y = x / sqrt(mean(x^2) + eps) * (offset + g), with a learned gain g of shape (d,) (initially 1 - offset)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.offset = offset
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:  # Gemma: (offset + g) applied in float32, then cast back
+            y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+            return (y * (self.offset + self.weight.float())).to(x.dtype)
         # F.rms_norm is the fused kernel of exactly this formula
         if x.dtype in (torch.float32, torch.float64):
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -51,5 +56,5 @@ def build_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
     """The norm the config asks for, over ``dim`` (default d_model)."""
     d = cfg.d_model if dim is None else dim
     if cfg.norm == "rmsnorm":
-        return RMSNorm(d, cfg.norm_eps)
+        return RMSNorm(d, cfg.norm_eps, cfg.norm_gain_offset)
     return LayerNorm(d, cfg.norm_eps, bias=cfg.norm_bias)

@@ -20,6 +20,9 @@ Scaling schemes (definitions identical to Hugging Face's ``rope_parameters``):
   yarn    (Peng et al. 2023): per-frequency blend of interpolation and extrapolation, with an
           attention factor 0.1 ln(factor) + 1 applied to cos and sin
   llama3  (Meta, Llama 3.1): low frequencies divided by factor, high ones kept, a smooth ramp between.
+  longrope (Ding et al. 2024; Phi-3's "su"): theta_i / s_i with per-frequency divisors s = short_factor while
+          the sequence (max position + 1) fits the original context L0, long_factor beyond it; cos and sin
+          scaled by sqrt(1 + ln(f) / ln(L0)), f = factor or max_seq_len / L0 (unless attention_factor is given)
 """
 
 from __future__ import annotations
@@ -40,13 +43,16 @@ def default_inv_freq(dim: int, base: float) -> torch.Tensor:
 def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (d/2,) and the attention factor that scales cos and sin.
 
-    ``seq_len`` matters only for dynamic NTK, whose base grows with the current length.
+    ``seq_len`` matters only for dynamic NTK, whose base grows with the current length, and LongRoPE, whose
+    factors switch beyond the original context.
     """
     dim, base = cfg.head_dim, float(cfg.rope_theta)
     rs = cfg.rope_scaling or {}
     kind = cfg.rope_type
     if kind == "default":
         return default_inv_freq(dim, base), 1.0
+    if kind == "longrope":
+        return _longrope_inv_freq(dim, base, rs, cfg.max_seq_len, seq_len)
     factor = float(rs["factor"])
     if kind == "linear":
         return default_inv_freq(dim, base) / factor, 1.0
@@ -60,6 +66,20 @@ def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None) -> tuple[torch.T
     if kind == "yarn":
         return _yarn_inv_freq(dim, base, rs, cfg.max_seq_len)
     raise ValueError(f"unknown rope type {kind!r}")  # unreachable: the config validates it
+
+
+def _longrope_inv_freq(dim: int, base: float, rs: dict, max_seq_len: int,
+                       seq_len: int | None) -> tuple[torch.Tensor, float]:
+    """LongRoPE: theta_i / s_i, s = long_factor once seq_len > L0, else short_factor; attention factor
+    sqrt(1 + ln(f) / ln(L0)) for f > 1 (f = factor, or max_seq_len / L0)."""
+    l0 = int(rs["original_max_position_embeddings"])
+    factor = float(rs.get("factor") or max_seq_len / l0)
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(l0))
+    divisors = torch.tensor(rs["long_factor"] if seq_len and seq_len > l0 else rs["short_factor"],
+                            dtype=torch.float32)
+    return default_inv_freq(dim, base) / divisors, float(attention_factor)
 
 
 def _llama3_inv_freq(dim: int, base: float, rs: dict) -> torch.Tensor:
@@ -130,6 +150,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cached", cos, persistent=False)
         self.register_buffer("sin_cached", sin, persistent=False)
 
+    def long_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """LongRoPE's cos/sin tables with the long factors (built on first use)."""
+        if not hasattr(self, "_long"):
+            l0 = int((self.cfg.rope_scaling or {})["original_max_position_embeddings"])
+            inv_freq, scale = rope_inv_freq(self.cfg, seq_len=l0 + 1)
+            self._long = self._tables(inv_freq.to(self.cos_cached.device), self.cfg.max_seq_len, scale)
+        return self._long
+
     @staticmethod
     def _tables(inv_freq: torch.Tensor, length: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         t = torch.arange(length, dtype=torch.float32, device=inv_freq.device)
@@ -142,11 +170,17 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions start .. start+length-1, or for explicit ``position_ids`` (B, T).
 
-        Only dynamic NTK looks at the length: beyond the original context its base grows with the
-        sequence seen so far (max position + 1), as Hugging Face recomputes it.
+        Only dynamic NTK and LongRoPE look at the length: beyond the original context the dynamic base grows
+        with the sequence seen so far (max position + 1), and LongRoPE switches to its long factors, as Hugging
+        Face recomputes them.
         """
         cos, sin = self.cos_cached, self.sin_cached
-        if self.cfg.rope_type == "dynamic":
+        if self.cfg.rope_type == "longrope":
+            l0 = int((self.cfg.rope_scaling or {})["original_max_position_embeddings"])
+            seen = start + length if position_ids is None else int(position_ids.max()) + 1
+            if seen > l0:  # the long factors, for every position of this call (as transformers switches)
+                cos, sin = self.long_tables()
+        elif self.cfg.rope_type == "dynamic":
             l0 = int((self.cfg.rope_scaling or {}).get("original_max_position_embeddings") or self.cfg.max_seq_len)
             seen = start + length if position_ids is None else int(position_ids.max()) + 1
             if seen > l0:

@@ -302,7 +302,7 @@ class Generator:
     symbolic size. The first request of each (batch, cache length) shape pays the compilation (tens of
     seconds on CPU); every later token is cheaper, since the many small
     kernels of a layer are fused and called without Python in between. Requests that would slide their
-    context, and dynamic-NTK RoPE, are decoded eagerly. On CPU it also stores the model's linear weights
+    context, and dynamic-NTK and LongRoPE models, are decoded eagerly. On CPU it also stores the model's linear weights
     input-major (:func:`~tinyformer.generation.weight_layout.store_input_major`), as ``from_run`` does
     for the model it loads: same values and shapes, faster batch-1 products for weights read from DRAM.
     """
@@ -533,7 +533,10 @@ class Generator:
             window_mask = mask[:, start:stop] if mask is not None and start < pad_end else None
             return self.model(fed, attention_mask=window_mask, cache=cache, last_only=True)[:, -1]
 
-        static = self.compile and width <= L and self.model.cfg.rope_type != "dynamic"
+        # dynamic NTK and LongRoPE pick their tables from the length seen, a host-side decision
+        rs = self.model.cfg.rope_scaling or {}
+        long_from = int(rs["original_max_position_embeddings"]) if self.model.cfg.rope_type == "longrope" else -1
+        static = self.compile and width <= L and self.model.cfg.rope_type not in ("dynamic", "longrope")
         with torch.inference_mode():
             if static:  # every row at its own positions; one compiled step per token
                 # one slot more than the request needs: the attended span then never covers the whole
@@ -588,6 +591,11 @@ class Generator:
                     continue
                 if c - start == cache.max_len:  # full: keep the last slide_keep tokens and prefill again
                     start = c + 1 - self.slide_keep
+                    cache.reset()
+                elif c - start == long_from:
+                    # LongRoPE: the sequence now outgrows the original context, so every position takes the
+                    # long factors; the cached keys were rotated with the short ones: prefill again, as
+                    # transformers' Phi-3 does
                     cache.reset()
                 logits = forward(start, c + 1)
         yield [row.close("length") for row in rows]

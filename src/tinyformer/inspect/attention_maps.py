@@ -32,7 +32,8 @@ MARGIN_INCHES = 0.8  # room for titles and the colour bar, added once to each si
 
 def attention_probs_of(attn: SelfAttention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                        mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d_head) + M) for ``attn`` on its input x (B, T, d) -> (B, H, T, T), float32.
+    """softmax(s q k^T + M) for ``attn`` on its input x (B, T, d) -> (B, H, T, T), float32 (s = 1/sqrt(d_head)
+    or the model's ``attn_scale``; with its q/k norms and score soft-cap when it has them).
 
     The prefix-free case (no KV cache): M is the causal mask when ``attn.causal`` and the boolean
     ``mask`` (True = may attend) when one is given, exactly as ``reference_attention`` applies them.
@@ -41,10 +42,15 @@ def attention_probs_of(attn: SelfAttention, x: torch.Tensor, rope: tuple[torch.T
     q, k, _v = attn.qkv(x).split((attn.q_size, attn.kv_size, attn.kv_size), dim=-1)
     q = q.view(B, T, attn.n_head, attn.head_dim).transpose(1, 2)  # (B, H, T, d_head)
     k = k.view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2)  # (B, H_kv, T, d_head)
+    if attn.q_norm is not None and attn.k_norm is not None:  # QK-norm, before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     k = k.repeat_interleave(attn.n_head // attn.n_kv_head, dim=1)  # GQA: one K head per group of Q heads
-    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(attn.head_dim)  # (B, H, T, T)
+    scale = attn.scale if attn.scale is not None else 1 / math.sqrt(attn.head_dim)
+    scores = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, H, T, T)
+    if attn.softcap is not None:
+        scores = torch.tanh(scores / attn.softcap) * attn.softcap
     if attn.causal and mask is None:
         future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(diagonal=1)
         scores = scores.masked_fill(future, float("-inf"))

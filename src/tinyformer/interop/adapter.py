@@ -67,7 +67,8 @@ class Adapter:
 # model_type -> Adapter (several model types may share one adapter)
 ADAPTERS: dict[str, Adapter] = {}
 # modules whose ADAPTER is registered on first use, in export-preference order
-BUILTIN_ADAPTER_MODULES = ("tinyformer.interop.llama", "tinyformer.interop.gpt2", "tinyformer.interop.bert")
+BUILTIN_ADAPTER_MODULES = ("tinyformer.interop.llama", "tinyformer.interop.gpt2", "tinyformer.interop.bert",
+                           "tinyformer.interop.gemma")
 _loaded = False
 
 

@@ -1,4 +1,4 @@
-"""Import GGUF files (llama.cpp's format) of the Llama family: weights, config and tokenizer.
+"""Import GGUF files (llama.cpp's format) of the Llama family, Qwen2/3 and Gemma 3: weights, config and tokenizer.
 
 A GGUF file is a header of typed key/value metadata followed by tensors, each stored as float
 (F32, F16, BF16) or in one of ggml's block quantizations. This module turns one into the pair a
@@ -16,10 +16,13 @@ permutes each head's rows of W_q and W_k (and their biases) from Hugging Face's 
     gguf = hf.reshape(n_head, 2, d_head / 2, d_in).swapaxes(1, 2).reshape(rows, d_in)
 
 Reading undoes it: ``hf = gguf.reshape(n_head, d_head / 2, 2, d_in).swapaxes(1, 2).reshape(rows, d_in)``
-(n_head = the key/value head count for W_k). ``qwen2`` files use llama.cpp's half-split ("neox") RoPE
-and are not permuted. Llama 3.1 RoPE scaling is stored as a ``rope_freqs`` tensor of per-frequency
-divisors; it is turned back into ``rope_scaling = {"rope_type": "llama3", ...}`` and checked to
-reproduce the tensor.
+(n_head = the key/value head count for W_k). ``qwen2`` and ``qwen3`` files use llama.cpp's half-split
+("neox") RoPE and are not permuted; ``qwen3`` adds the per-head q/k norms ``attn_q_norm``/``attn_k_norm``.
+``gemma3`` files store every norm gain as 1 + g (ggml's RMSNorm multiplies by the stored gain), which the
+import turns back into Gemma's g; llama.cpp fixes Gemma 3's layer pattern (every 6th layer global), the local
+layers' RoPE base (10000) and the score scale (head_dim^-1/2), so the import does too.
+Llama 3.1 RoPE scaling is stored as a ``rope_freqs`` tensor of per-frequency divisors; it is turned back
+into ``rope_scaling = {"rope_type": "llama3", ...}`` and checked to reproduce the tensor.
 
 Tokenizer. ``tokenizer.ggml.model = "gpt2"`` (byte-level BPE: tokens + merges) and ``"llama"``
 (SentencePiece BPE: tokens + scores, merges rebuilt from the scores, byte fallback) become a
@@ -39,6 +42,7 @@ import numpy as np
 import torch
 
 from tinyformer.errors import CheckpointError, ConfigError
+from tinyformer.interop import gemma, llama
 from tinyformer.interop.hf_folder import (
     DEFAULT_SHARD_BYTES,
     ConvertReport,
@@ -48,14 +52,24 @@ from tinyformer.interop.hf_folder import (
     parse_dtype,
 )
 
-ARCHS = {"llama": "llama", "qwen2": "qwen2"}  # GGUF general.architecture -> HF model_type
+ARCHITECTURES = {**llama.ARCHITECTURES, **gemma.ARCHITECTURES}  # HF model_type -> its *ForCausalLM class
+
+# GGUF general.architecture -> HF model_type
+ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 PERMUTED_ARCHS = ("llama",)  # llama.cpp's interleaved (GPT-J style) RoPE
 
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma's four norms per layer; llama.cpp stores every Gemma norm gain as 1 + g (ggml multiplies by the gain)
+_GEMMA_BLOCK = {**_BLOCK, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+BLOCK_NAMES = {"gemma3": _GEMMA_BLOCK}
+NORM_PLUS_ONE_ARCHS = ("gemma3",)
+GEMMA3_LOCAL_THETA = 10000.0  # llama.cpp's fixed RoPE base of Gemma 3's sliding-window layers
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 NOT_WEIGHTS = ("rope_freqs.weight",)  # turned into rope_scaling
 
@@ -77,13 +91,14 @@ def supported_types() -> dict[Any, torch.dtype]:
     return out
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """HF name of a GGUF tensor (unknown names are returned unchanged, to be reported as unknown)."""
     if gguf_name in _TOP:
         return _TOP[gguf_name]
+    block = BLOCK_NAMES.get(arch, _BLOCK)
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _BLOCK:
-        return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in block:
+        return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
     return gguf_name
 
 
@@ -221,7 +236,7 @@ def hf_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
     if key("rope.dimension_count", head_dim) != head_dim:
         raise ConfigError(f"{g.path}: rope.dimension_count={key('rope.dimension_count')} < head dim {head_dim} "
                           "(partial rotary embedding) is not supported")
-    if key("attention.sliding_window"):
+    if key("attention.sliding_window") and ARCHS[arch] != "gemma3_text":
         raise ConfigError(f"{g.path}: attention.sliding_window is not supported")
     tokens = g.reader.fields.get("tokenizer.ggml.tokens")
     vocab = key("vocab_size") or (len(tokens.data) if tokens is not None else None)
@@ -230,7 +245,7 @@ def hf_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
     ctx = key("context_length", required=True)
     theta = _f32(key("rope.freq_base", 10000.0))
     hf: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if ARCHS[arch] == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [ARCHITECTURES[ARCHS[arch]]],
         "model_type": ARCHS[arch],
         "vocab_size": int(vocab),
         "hidden_size": int(hidden),
@@ -245,9 +260,9 @@ def hf_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in g.tensors,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
     }
+    if ARCHS[arch] in ("llama", "qwen3"):
+        hf["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
     if ARCHS[arch] == "llama":
-        bias = "blk.0.attn_q.bias" in g.tensors
-        hf["attention_bias"] = bias
         hf["mlp_bias"] = "blk.0.ffn_down.bias" in g.tensors
     else:
         hf["use_sliding_window"] = False
@@ -282,6 +297,15 @@ def hf_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
     else:
         raise ConfigError(f"{g.path}: RoPE scaling type {kind!r} is not supported (supported: none, linear, yarn, "
                           "and llama3 as a rope_freqs tensor)")
+    if ARCHS[arch] == "gemma3_text":
+        # llama.cpp's Gemma 3: GELU-tanh, scores scaled by head_dim^-1/2, every 6th layer global, the global RoPE
+        # from the file and the local one at a fixed base
+        for unused in ("hidden_act", "use_sliding_window"):
+            hf.pop(unused, None)
+        hf.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(head_dim),
+                  sliding_window=key("attention.sliding_window"), sliding_window_pattern=6,
+                  rope_parameters={"full_attention": hf["rope_parameters"],
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_THETA}})
     return hf
 
 
@@ -291,7 +315,8 @@ class GGUFSource(TensorSource):
     def __init__(self, g: GGUFFile, hf_config: dict[str, Any], arch: str) -> None:
         self.g = g
         self.description = str(g.path)
-        self._gguf_name = {hf_name(n): n for n in g.tensors if n not in NOT_WEIGHTS}
+        self._gguf_name = {hf_name(n, arch): n for n in g.tensors if n not in NOT_WEIGHTS}
+        self._norm_shift = arch in NORM_PLUS_ONE_ARCHS
         self._permute: dict[str, int] = {}
         if arch in PERMUTED_ARCHS:
             n_head, n_kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
@@ -313,6 +338,8 @@ class GGUFSource(TensorSource):
     def read(self, name: str) -> torch.Tensor:
         t = self.g.tensors[self._gguf_name[name]]
         tensor = torch.from_numpy(self.g.read(self._gguf_name[name])).to(self._dtypes[t.tensor_type])
+        if self._norm_shift and name.endswith("norm.weight"):  # llama.cpp's 1 + g back to Gemma's g
+            tensor = tensor - 1
         if name in self._permute:
             n_head = self._permute[name]
             if tensor.shape[0] % (2 * n_head):

@@ -1,4 +1,5 @@
-"""Weight adapter: Hugging Face Llama (and Mistral / Qwen2, which share its layout) <-> tinyformer.
+"""Weight adapter: Hugging Face Llama and the models that share its layout <-> tinyformer: Mistral, Qwen2,
+Qwen3, and the mixtures of experts Mixtral and Qwen3-MoE.
 
 RoPE convention: both sides use the half-split pairing (dimension i rotates with i + d_head/2),
 so q/k rows are copied unpermuted. (Meta's original checkpoints and GGUF files pair adjacent
@@ -10,16 +11,29 @@ Name mapping, per layer i (HF  ->  tinyformer):
   model.layers.i.self_attn.{q,k,v}_proj.weight     blocks.i.attn.qkv.weight   (rows: q, then k, then v)
   model.layers.i.self_attn.{q,k,v}_proj.bias       blocks.i.attn.qkv.bias     (Qwen2; Llama attention_bias)
   model.layers.i.self_attn.o_proj.{weight,bias}    blocks.i.attn.out.{weight,bias}
+  model.layers.i.self_attn.{q,k}_norm.weight       blocks.i.attn.{q,k}_norm.weight (Qwen3: qk_norm)
   model.layers.i.post_attention_layernorm.weight   blocks.i.ffn_norm.weight
   model.layers.i.mlp.{gate,up}_proj.weight         blocks.i.ffn.gate_up.weight (rows: gate, then up)
   model.layers.i.mlp.down_proj.weight              blocks.i.ffn.down.weight
+MoE layers (ffn="moe"; E experts stacked along the first dimension):
+  Mixtral:   model.layers.i.block_sparse_moe.gate.weight                blocks.i.ffn.router.weight
+             model.layers.i.block_sparse_moe.experts.e.{w1,w3}.weight   blocks.i.ffn.gate_up[e] (rows: w1, then w3)
+             model.layers.i.block_sparse_moe.experts.e.w2.weight        blocks.i.ffn.down[e]
+  Qwen3-MoE: model.layers.i.mlp.gate.weight, mlp.experts.e.{gate,up,down}_proj.weight, likewise
+Phi-3 stores q/k/v and gate/up fused already, in tinyformer's row order:
+  model.layers.i.self_attn.qkv_proj.weight         blocks.i.attn.qkv.weight
+  model.layers.i.mlp.gate_up_proj.weight           blocks.i.ffn.gate_up.weight
   model.norm.weight                                norm.weight
   lm_head.weight                                   lm_head.weight (absent when tied)
 
-The three architectures differ only in their biases: Llama has ``attention_bias`` (q, k, v *and* o)
-and ``mlp_bias``; Qwen2 always has q/k/v biases and nothing else; Mistral has none. Mistral and Qwen2
-may declare a sliding attention window: within a context no longer than the window it is plain causal
-attention, so the import keeps the model exact by limiting ``max_seq_len`` to the window.
+The architectures differ in their biases: Llama and Qwen3 have ``attention_bias`` (q, k, v *and* o)
+and Llama ``mlp_bias``; Qwen2 always has q/k/v biases and nothing else; Mistral has none. Qwen3 adds a
+per-head RMSNorm of q and k (``qk_norm``) and states ``head_dim`` explicitly. Sliding-window attention maps
+to ``sliding_window`` and ``layer_types``: every Mistral layer slides when ``sliding_window`` is set; Qwen2/3
+slide only with ``use_sliding_window``, in the layers ``layer_types`` marks "sliding_attention" (by default
+the layers from ``max_window_layers`` on). The context stays ``max_position_embeddings``.
+Mixtral is Mistral with routed experts (softmax, top k, renormalised); Qwen3-MoE is Qwen3 with routed experts
+of width ``moe_intermediate_size`` (renormalised when ``norm_topk_prob``) in every layer.
 
 An imported config remembers the Hugging Face ``config.json`` it came from (``extra["hf_config"]``).
 Exporting a model whose shape still equals that config writes the original back unchanged, so an
@@ -37,8 +51,44 @@ from tinyformer.config import ROPE_SCALING_KEYS, ModelConfig
 from tinyformer.errors import ConfigError
 from tinyformer.interop.adapter import Adapter
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
+WINDOW_IN_EVERY_LAYER = ("mistral", "mixtral", "phi3")  # the others slide only with use_sliding_window
+PER_LAYER_WINDOW = ("qwen2", "qwen3")  # layer_types / max_window_layers choose the sliding layers
+QK_NORM = ("qwen3", "qwen3_moe")
+MOE_NAMES = {  # model_type -> (router, expert prefix, gate, up, down) under model.layers.i.
+    "mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2"),
+    "qwen3_moe": ("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
+}
+HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
+
+
+def window_from_hf(hf: Mapping[str, Any], model_type: str) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types) from a HF config, as transformers' config classes decide: Mistral and
+    Mixtral slide in every layer whenever ``sliding_window`` is set; Qwen2/3/3-MoE only with
+    ``use_sliding_window``, Qwen3-MoE then in every layer, Qwen2/3 in the layers ``layer_types`` names
+    "sliding_attention" (by default those from ``max_window_layers`` on)."""
+    window = hf.get("sliding_window")
+    if model_type == "llama" or window is None or (model_type not in WINDOW_IN_EVERY_LAYER
+                                                   and not hf.get("use_sliding_window")):
+        return None, None
+    n = int(hf["num_hidden_layers"])
+    hf_types = hf.get("layer_types")
+    if model_type not in PER_LAYER_WINDOW:
+        types = ["sliding"] * n
+    elif hf_types:
+        unknown = sorted(set(hf_types) - set(HF_LAYER_TYPES))
+        if unknown:
+            raise ConfigError(f"layer_types {', '.join(unknown)} are not supported")
+        types = [HF_LAYER_TYPES[t] for t in hf_types]
+    else:
+        first = int(hf.get("max_window_layers", n))
+        types = ["sliding" if i >= first else "full" for i in range(n)]
+    if "sliding" not in types:
+        return None, None
+    return int(window), None if set(types) == {"sliding"} else types
 
 
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -55,6 +105,7 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if partial != 1.0:
         raise ConfigError(f"partial_rotary_factor={partial} (RoPE on part of each head) is not supported")
     kind = params.pop("rope_type", params.pop("type", "default"))
+    kind = {"su": "longrope"}.get(kind, kind)  # Phi-3's first name for LongRoPE
     if kind == "default":
         return float(theta), None
     if kind not in ROPE_SCALING_KEYS:
@@ -63,7 +114,7 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
         # transformers' dynamic NTK always scales from max_position_embeddings (it ignores any
         # original_max_position_embeddings), and so does tinyformer when the key is absent
         params.pop("original_max_position_embeddings", None)
-    if kind in ("yarn", "llama3"):
+    if kind in ("yarn", "llama3", "longrope"):
         params.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings")
                           or hf["max_position_embeddings"])
     unknown = sorted(set(params) - set(ROPE_SCALING_KEYS[kind]))
@@ -89,30 +140,22 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if act != "silu":
         raise ConfigError(f"hidden_act {act!r} is not supported (Llama/Mistral/Qwen2 use 'silu')")
+    d_ff_key = "moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size", "max_position_embeddings") if k not in hf]
+                           d_ff_key, "max_position_embeddings") if k not in hf]
     if missing:
         raise ConfigError(f"config.json lacks {', '.join(missing)}")
     theta, rope_scaling = _rope_from_hf(hf)
     max_seq_len = int(hf["max_position_embeddings"])
-    window = hf.get("sliding_window")
-    uses_window = window is not None and {
-        "mistral": True,
-        "qwen2": bool(hf.get("use_sliding_window")) and "sliding_attention" in (hf.get("layer_types")
-                                                                                  or ["sliding_attention"]),
-    }.get(model_type, False)
-    if uses_window and window < max_seq_len:
-        if rope_scaling and rope_scaling["rope_type"] == "dynamic":
-            raise ConfigError(f"sliding_window={window} with dynamic RoPE scaling is not supported")
-        max_seq_len = int(window)  # full causal attention == sliding-window attention up to the window
+    window, layer_types = window_from_hf(hf, model_type)
     n_head = hf["num_attention_heads"]
     pad = hf.get("pad_token_id")
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
     if model_type == "qwen2":
         qkv_bias, out_bias, mlp_bias = True, False, False
-    elif model_type == "mistral":
+    elif model_type in ("mistral", "mixtral"):
         qkv_bias = out_bias = mlp_bias = False
-    else:
+    else:  # llama, qwen3, qwen3_moe
         qkv_bias = out_bias = bool(hf.get("attention_bias", False))
         mlp_bias = bool(hf.get("mlp_bias", False))
     return ModelConfig(
@@ -123,31 +166,73 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         n_head=n_head,
         n_kv_head=hf.get("num_key_value_heads") or n_head,
         head_dim=head_dim,
-        d_ff=hf["intermediate_size"],
+        d_ff=hf[d_ff_key],
         max_seq_len=max_seq_len,
         norm="rmsnorm",
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         pos="rope",
         rope_theta=theta,
         rope_scaling=rope_scaling,
-        ffn="swiglu",
         attn_bias=qkv_bias,
         attn_out_bias=out_bias,
         mlp_bias=mlp_bias,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attn_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
+        qk_norm=model_type in QK_NORM,
+        **_moe_from_hf(hf, model_type),
+        sliding_window=window,
+        layer_types=layer_types,
         pad_token_id=pad if isinstance(pad, int) and 0 <= pad < hf["vocab_size"] else None,
         extra={"source": model_type, "hf_config": dict(hf)},
     )
 
 
+def _moe_from_hf(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """The FFN fields: dense SwiGLU, or routed experts (Mixtral: softmax, top k, renormalised; Qwen3-MoE:
+    renormalised only with norm_topk_prob)."""
+    if model_type not in MOE_NAMES:
+        return {"ffn": "swiglu"}
+    if model_type == "qwen3_moe":
+        if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
+            raise ConfigError("Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step != 1) is not "
+                              "supported: every layer must be a MoE layer")
+        if hf.get("shared_expert_intermediate_size"):
+            raise ConfigError("shared_expert_intermediate_size (a gated shared expert) is not supported")
+    n_experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if not n_experts:
+        raise ConfigError("config.json lacks num_local_experts / num_experts")
+    return {"ffn": "moe", "n_experts": int(n_experts), "experts_per_token": int(hf.get("num_experts_per_tok", 2)),
+            "router_order": "softmax_topk",
+            "router_norm_topk": model_type == "mixtral" or bool(hf.get("norm_topk_prob", False)),
+            "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001))}
+
+
 def export_problem(cfg: ModelConfig) -> str | None:
     """Why ``cfg`` cannot be written as Llama/Mistral/Qwen2, or None when it can."""
-    wanted = {"arch": "decoder", "norm": "rmsnorm", "norm_placement": "pre", "pos": "rope", "ffn": "swiglu",
-              "final_norm": True, "embed_scale": False, "type_vocab_size": 0}
+    wanted = {"arch": "decoder", "norm": "rmsnorm", "norm_placement": "pre", "pos": "rope",
+              "final_norm": True, "embed_scale": False, "type_vocab_size": 0, "norm_gain_offset": 0.0,
+              "attn_scale": None, "attn_logit_softcap": None, "final_logit_softcap": None, "rope_local_theta": None}
     for key, value in wanted.items():
         if getattr(cfg, key) != value:
             return f"{key}={getattr(cfg, key)!r} cannot be exported as Llama/Qwen2 (needs {value!r})"
+    if cfg.ffn not in ("swiglu", "moe"):
+        return f"ffn={cfg.ffn!r} cannot be exported as Llama/Qwen2 (needs 'swiglu' or 'moe')"
+    if cfg.ffn == "moe":
+        if cfg.shared_expert_d_ff:
+            return "a shared expert (shared_expert_d_ff) has no Mixtral / Qwen3-MoE equivalent"
+        if cfg.layer_types is not None:
+            return "Mixtral and Qwen3-MoE slide in every layer or none, not per layer (layer_types)"
+        if not cfg.qk_norm and (cfg.attn_bias or cfg.attn_out_bias
+                                or (cfg.router_order == "softmax_topk" and not cfg.router_norm_topk)):
+            return ("a MoE without qk_norm is written as Mixtral, which has no attention biases and renormalises "
+                    "the top-k router weights")
+        return None
+    if cfg.mlp_bias and (cfg.qk_norm or cfg.sliding_window is not None):
+        return "mlp_bias with qk_norm or sliding_window: only Llama has MLP biases, and it has neither"
+    if cfg.sliding_window is not None and not cfg.qk_norm and (cfg.attn_out_bias or (
+            cfg.layer_types is not None and not cfg.attn_bias)):
+        return ("sliding_window needs Mistral (no biases, every layer sliding) or Qwen2 (q/k/v biases only); "
+                "this model has other biases or a per-layer pattern without q/k/v biases")
     return None
 
 
@@ -160,6 +245,15 @@ def export_model_type(cfg: ModelConfig) -> str:
     tokenizer.json pre-tokenizer of any model whose model_type is qwen2 and imposes Qwen2's."""
     original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
     wanted = original.get("model_type") if isinstance(original, dict) else None
+    if cfg.ffn == "moe":
+        return "qwen3_moe" if cfg.qk_norm else "mixtral"
+    if wanted == "phi3" and not (cfg.qk_norm or cfg.attn_bias or cfg.attn_out_bias or cfg.mlp_bias
+                                 or cfg.layer_types is not None):
+        return "phi3"
+    if cfg.qk_norm:
+        return "qwen3"
+    if cfg.sliding_window is not None:  # Llama has no window: Qwen2 for q/k/v biases, else Mistral
+        return "qwen2" if cfg.attn_bias else "mistral"
     if wanted == "qwen2" and cfg.attn_bias and not cfg.attn_out_bias and not cfg.mlp_bias:
         return "qwen2"
     if wanted == "mistral" and not (cfg.attn_bias or cfg.attn_out_bias or cfg.mlp_bias):
@@ -180,23 +274,26 @@ def _same_model(a: ModelConfig, b: ModelConfig) -> bool:
     return da == db
 
 
-def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
-    """A Hugging Face config dict: the imported original when the model is unchanged, else a fresh one for
-    the architecture ``export_model_type`` picks."""
-    check_llama_compatible(cfg)
+def original_if_unchanged(cfg: ModelConfig, from_hf: Any, torch_dtype: str) -> dict[str, Any] | None:
+    """The imported HF config (``extra["hf_config"]``) with the new dtype when ``from_hf`` of it still gives
+    ``cfg``'s fields, so that an import/export round trip writes the original back; None otherwise."""
     original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
-    if isinstance(original, dict):
-        try:
-            unchanged = _same_model(config_from_hf(original), cfg)
-        except ConfigError:
-            unchanged = False
-        if unchanged:
-            hf = dict(original)
-            if "torch_dtype" in hf or "dtype" not in hf:
-                hf["torch_dtype"] = torch_dtype
-            hf["dtype"] = torch_dtype
-            return hf
-    model_type = export_model_type(cfg)
+    if not isinstance(original, dict):
+        return None
+    try:
+        if not _same_model(from_hf(original), cfg):
+            return None
+    except ConfigError:
+        return None
+    hf = dict(original)
+    if "torch_dtype" in hf or "dtype" not in hf:
+        hf["torch_dtype"] = torch_dtype
+    hf["dtype"] = torch_dtype
+    return hf
+
+
+def rope_to_hf(cfg: ModelConfig) -> tuple[dict[str, Any], int]:
+    """(HF rope_parameters, max_position_embeddings) for ``cfg``'s rope_theta and rope_scaling."""
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     max_positions = cfg.max_seq_len
     if cfg.rope_scaling:
@@ -206,8 +303,15 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         if cfg.rope_type == "dynamic":
             # transformers scales dynamic NTK from max_position_embeddings: make that the original length
             max_positions = int(rope_parameters.pop("original_max_position_embeddings", None) or cfg.max_seq_len)
+    return rope_parameters, max_positions
+
+
+def shape_to_hf(cfg: ModelConfig, model_type: str, architecture: str, rope_parameters: dict[str, Any],
+                max_positions: int, torch_dtype: str) -> dict[str, Any]:
+    """The config.json keys every Llama-layout family spells alike: sizes, RoPE, norm epsilon, tying, dtype,
+    and the special-token ids (those of an imported model are kept)."""
     hf: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[model_type]],
+        "architectures": [architecture],
         "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
@@ -218,28 +322,55 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         "head_dim": cfg.head_dim,
         "max_position_embeddings": max_positions,
         "rms_norm_eps": cfg.norm_eps,
-        "hidden_act": "silu",
-        "rope_theta": cfg.rope_theta,
         "rope_parameters": rope_parameters,
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_dropout": cfg.attn_dropout,
         "torch_dtype": torch_dtype,
         "dtype": torch_dtype,
     }
-    if cfg.rope_scaling:
-        hf["rope_scaling"] = dict(rope_parameters)  # the transformers 4 spelling, for older readers
-    if model_type == "llama":
-        hf["attention_bias"] = cfg.attn_bias or cfg.attn_out_bias
-        hf["mlp_bias"] = cfg.mlp_bias
-    else:
-        hf["sliding_window"] = None
-        hf["use_sliding_window"] = False
-    if isinstance(original, dict):  # keep the special-token ids of an imported model
+    original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
+    if isinstance(original, dict):
         for key in ("bos_token_id", "eos_token_id"):
             if key in original:
                 hf[key] = original[key]
     if cfg.pad_token_id is not None:
         hf["pad_token_id"] = cfg.pad_token_id
+    return hf
+
+
+def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+    """A Hugging Face config dict: the imported original when the model is unchanged, else a fresh one for
+    the architecture ``export_model_type`` picks."""
+    check_llama_compatible(cfg)
+    kept = original_if_unchanged(cfg, config_from_hf, torch_dtype)
+    if kept is not None:
+        return kept
+    model_type = export_model_type(cfg)
+    rope_parameters, max_positions = rope_to_hf(cfg)
+    hf = shape_to_hf(cfg, model_type, ARCHITECTURES[model_type], rope_parameters, max_positions, torch_dtype)
+    hf.update({
+        "hidden_act": "silu",
+        "rope_theta": cfg.rope_theta,
+    })
+    if cfg.rope_scaling:
+        hf["rope_scaling"] = dict(rope_parameters)  # the transformers 4 spelling, for older readers
+    if model_type in ("llama", "qwen3", "qwen3_moe"):
+        hf["attention_bias"] = cfg.attn_bias or cfg.attn_out_bias
+    if model_type == "llama":
+        hf["mlp_bias"] = cfg.mlp_bias
+    else:
+        hf["sliding_window"] = cfg.sliding_window
+        hf["use_sliding_window"] = cfg.sliding_window is not None
+    if cfg.ffn == "moe":
+        hf.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
+                  router_aux_loss_coef=cfg.router_aux_loss_coef)
+    if model_type == "qwen3_moe":
+        hf.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff, decoder_sparse_step=1, mlp_only_layers=[],
+                  norm_topk_prob=cfg.router_norm_topk or cfg.router_order == "topk_softmax")
+    if model_type in PER_LAYER_WINDOW:
+        types = [("sliding_attention" if cfg.layer_window(i) else "full_attention") for i in range(cfg.n_layer)]
+        hf["layer_types"] = types
+        hf["max_window_layers"] = types.index("sliding_attention") if "sliding_attention" in types else cfg.n_layer
     return hf
 
 
@@ -254,18 +385,36 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Ite
             raise ConfigError(f"tensor {name!r} is missing from the checkpoint")
         return hf_sd[name]
 
+    fused = export_model_type(cfg) == "phi3"
     yield "tok_emb.weight", get("model.embed_tokens.weight")
     for i in range(cfg.n_layer):
         p, a = f"model.layers.{i}.", f"blocks.{i}."
         yield a + "attn_norm.weight", get(p + "input_layernorm.weight")
-        yield a + "attn.qkv.weight", torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        if fused:
+            yield a + "attn.qkv.weight", get(p + "self_attn.qkv_proj.weight")
+        else:
+            yield a + "attn.qkv.weight", torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
         if cfg.attn_bias:
             yield a + "attn.qkv.bias", torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
         yield a + "attn.out.weight", get(p + "self_attn.o_proj.weight")
         if cfg.attn_out_bias:
             yield a + "attn.out.bias", get(p + "self_attn.o_proj.bias")
+        if cfg.qk_norm:
+            yield a + "attn.q_norm.weight", get(p + "self_attn.q_norm.weight")
+            yield a + "attn.k_norm.weight", get(p + "self_attn.k_norm.weight")
         yield a + "ffn_norm.weight", get(p + "post_attention_layernorm.weight")
-        yield a + "ffn.gate_up.weight", torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+        if cfg.ffn == "moe":
+            router, experts, gate, up, down = MOE_NAMES[export_model_type(cfg)]
+            yield a + "ffn.router.weight", get(p + router + ".weight")
+            yield a + "ffn.gate_up", torch.stack([torch.cat([get(f"{p}{experts}.{e}.{gate}.weight"),
+                                                             get(f"{p}{experts}.{e}.{up}.weight")])
+                                                  for e in range(cfg.n_experts)])
+            yield a + "ffn.down", torch.stack([get(f"{p}{experts}.{e}.{down}.weight") for e in range(cfg.n_experts)])
+            continue
+        if fused:
+            yield a + "ffn.gate_up.weight", get(p + "mlp.gate_up_proj.weight")
+        else:
+            yield a + "ffn.gate_up.weight", torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         if cfg.mlp_bias:
             yield a + "ffn.gate_up.bias", torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
         yield a + "ffn.down.weight", get(p + "mlp.down_proj.weight")
@@ -282,12 +431,15 @@ def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterat
     Llama has either all four attention biases or none: a model with only some of them gets the others
     as zeros (adding zero changes nothing)."""
     q, kv, f = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.d_ff
-    llama_bias = export_model_type(cfg) == "llama" and (cfg.attn_bias or cfg.attn_out_bias)
+    llama_bias = export_model_type(cfg) in ("llama", "qwen3") and (cfg.attn_bias or cfg.attn_out_bias)
+    fused = export_model_type(cfg) == "phi3"
     yield "model.embed_tokens.weight", sd["tok_emb.weight"]
     for i in range(cfg.n_layer):
         p, a = f"model.layers.{i}.", f"blocks.{i}."
         yield p + "input_layernorm.weight", sd[a + "attn_norm.weight"]
-        for name, part in zip("qkv", sd[a + "attn.qkv.weight"].split((q, kv, kv))):
+        if fused:
+            yield p + "self_attn.qkv_proj.weight", sd[a + "attn.qkv.weight"]
+        for name, part in zip("qkv", () if fused else sd[a + "attn.qkv.weight"].split((q, kv, kv))):
             yield p + f"self_attn.{name}_proj.weight", part.contiguous()
         if cfg.attn_bias:
             for name, part in zip("qkv", sd[a + "attn.qkv.bias"].split((q, kv, kv))):
@@ -302,10 +454,25 @@ def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterat
             yield p + "self_attn.o_proj.bias", sd[a + "attn.out.bias"]
         elif llama_bias:
             yield p + "self_attn.o_proj.bias", torch.zeros(cfg.d_model, dtype=out_w.dtype, device=out_w.device)
+        if cfg.qk_norm:
+            yield p + "self_attn.q_norm.weight", sd[a + "attn.q_norm.weight"]
+            yield p + "self_attn.k_norm.weight", sd[a + "attn.k_norm.weight"]
         yield p + "post_attention_layernorm.weight", sd[a + "ffn_norm.weight"]
-        gate, up = sd[a + "ffn.gate_up.weight"].split((f, f))
-        yield p + "mlp.gate_proj.weight", gate.contiguous()
-        yield p + "mlp.up_proj.weight", up.contiguous()
+        if cfg.ffn == "moe":
+            router, experts, gate_name, up_name, down_name = MOE_NAMES[export_model_type(cfg)]
+            yield p + router + ".weight", sd[a + "ffn.router.weight"]
+            for e, (expert_gate_up, expert_down) in enumerate(zip(sd[a + "ffn.gate_up"], sd[a + "ffn.down"])):
+                expert_gate, expert_up = expert_gate_up.split((f, f))
+                yield f"{p}{experts}.{e}.{gate_name}.weight", expert_gate.contiguous()
+                yield f"{p}{experts}.{e}.{up_name}.weight", expert_up.contiguous()
+                yield f"{p}{experts}.{e}.{down_name}.weight", expert_down.contiguous()
+            continue
+        if fused:
+            yield p + "mlp.gate_up_proj.weight", sd[a + "ffn.gate_up.weight"]
+        else:
+            gate, up = sd[a + "ffn.gate_up.weight"].split((f, f))
+            yield p + "mlp.gate_proj.weight", gate.contiguous()
+            yield p + "mlp.up_proj.weight", up.contiguous()
         if cfg.mlp_bias:
             gate_b, up_b = sd[a + "ffn.gate_up.bias"].split((f, f))
             yield p + "mlp.gate_proj.bias", gate_b.contiguous()

@@ -3,6 +3,7 @@
     h_0 = E[x] (* sqrt(d) if embed_scale) (+ P[pos] for learned/sinusoidal positions)
     h_l = Block_l(h_{l-1})                       l = 1 .. n_layer   (see components/block.py)
     logits = W_head Norm(h_L)                    W_head = E when the embeddings are tied
+    (logits = c tanh(logits / c) with final_logit_softcap c)
 
 Shapes: input_ids (B, T) -> logits (B, T, vocab_size). With RoPE, positions enter inside
 attention (rotating q and k) instead of being added to h_0.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tinyformer.components.block import Block
@@ -29,9 +31,11 @@ from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError, GenerationError
 
 
-def build_attention_mask(attention_mask: torch.Tensor, T: int, start: int, causal: bool = True) -> torch.Tensor:
+def build_attention_mask(attention_mask: torch.Tensor, T: int, start: int, causal: bool = True,
+                         window: int | None = None) -> torch.Tensor:
     """Boolean (B, 1, T, S) mask, True = may attend, for T queries at positions start .. start+T-1
     over S = start + T keys. ``attention_mask`` (B, S) marks real tokens with 1 and padding with 0.
+    With a ``window`` W query i also needs i - W < j (sliding-window attention).
 
     A padding query would otherwise see no key at all; it is let see itself, which keeps every
     softmax row finite in every kernel (its output is never used).
@@ -41,7 +45,38 @@ def build_attention_mask(attention_mask: torch.Tensor, T: int, start: int, causa
     q_pos = torch.arange(start, S, device=attention_mask.device)[:, None]  # (T, 1)
     k_pos = torch.arange(S, device=attention_mask.device)[None, :]  # (1, S)
     allowed = key_ok & (k_pos <= q_pos) if causal else key_ok.expand(-1, -1, T, -1)
+    if window is not None:
+        allowed = allowed & (k_pos > q_pos - window)
     return allowed | (k_pos == q_pos)
+
+
+def window_mask(T: int, start: int, window: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, T, start + T) causal sliding-window mask without padding: key j visible to query i (at
+    position start + i) iff start + i - W < j <= start + i."""
+    q_pos = torch.arange(start, start + T, device=device)[:, None]
+    k_pos = torch.arange(start + T, device=device)[None, :]
+    return ((k_pos <= q_pos) & (k_pos > q_pos - window))[None, None]
+
+
+def ring_mask(attention_mask: torch.Tensor | None, T: int, start: int, window: int,
+              device: torch.device) -> torch.Tensor:
+    """(B|1, 1, T, K) mask over the keys a rolling-cache layer attends (``SelfAttention._write_ring``).
+
+    Slot s of the W-slot ring holds the latest position c = p - ((p - s) mod W) with c = s (mod W) up to
+    p = start (one new token, written before attending: K = W) or p = start - 1 (a block of T > 1, attending
+    the old slots and then its own T keys: K = W + T). A slot with c < 0 was never written. Query i sees key
+    column c iff 0 <= c, i - W < c <= i and attention_mask[c] (columns count from the cache's start)."""
+    slots = torch.arange(window, device=device)
+    last = start if T == 1 else start - 1
+    cols = last - torch.remainder(last - slots, window)
+    if T > 1:
+        cols = torch.cat([cols, torch.arange(start, start + T, device=device)])
+    q_pos = torch.arange(start, start + T, device=device)[:, None]
+    allowed = (cols >= 0) & (cols <= q_pos) & (cols > q_pos - window)  # (T, K)
+    if attention_mask is None:
+        return allowed[None, None]
+    key_ok = attention_mask[:, cols.clamp_min(0)].bool()[:, None, None, :]  # (B, 1, 1, K)
+    return (allowed & key_ok) | (cols == q_pos)
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -60,8 +95,10 @@ def init_weights(model: nn.Module, std: float, residual_branches: int) -> None:
     otherwise grow with the number of branches (GPT-2's scaled initialisation)."""
     residual_std = std / math.sqrt(max(1, residual_branches))
     for name, module in model.named_modules():
+        if hasattr(module, "init_experts"):  # expert matrices are stacked parameters, not nn.Linear
+            module.init_experts(std, residual_std)
         if isinstance(module, nn.Linear):
-            is_residual = name.endswith(("attn.out", "ffn.down"))
+            is_residual = name.endswith(("attn.out", "ffn.down", "ffn.shared.down"))
             nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
@@ -71,7 +108,7 @@ def init_weights(model: nn.Module, std: float, residual_branches: int) -> None:
             nn.init.normal_(module.weight, mean=0.0, std=std / 2)
     for module in model.modules():
         if module.__class__.__name__ in ("RMSNorm", "LayerNorm") and hasattr(module, "weight"):
-            nn.init.ones_(module.weight)
+            nn.init.constant_(module.weight, 1.0 - getattr(module, "offset", 0.0))  # an effective gain of 1
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
 
@@ -86,6 +123,9 @@ class DecoderLM(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.rope = RotaryEmbedding(cfg) if cfg.pos == "rope" else None
+        # the sliding-window layers' own RoPE base (Gemma 3), unscaled
+        self.local_rope = (RotaryEmbedding(cfg.replace(rope_theta=cfg.rope_local_theta, rope_scaling=None))
+                           if cfg.pos == "rope" and cfg.rope_local_theta is not None else None)
         self.pos_emb: nn.Module | None = None
         if cfg.pos == "learned":
             self.pos_emb = LearnedPositions(cfg.max_seq_len, cfg.d_model)
@@ -95,6 +135,7 @@ class DecoderLM(nn.Module):
         self.emb_drop = nn.Dropout(cfg.embd_dropout) if cfg.embd_dropout > 0 else nn.Identity()
         self.blocks = nn.ModuleList(Block(cfg, causal=True) for _ in range(cfg.n_layer))
         self.norm = build_norm(cfg) if cfg.final_norm else nn.Identity()
+        self.last_moe_losses: dict[str, torch.Tensor] = {}
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -155,16 +196,33 @@ class DecoderLM(nn.Module):
             x = x + self.pos_emb(positions)
         x = self.emb_drop(x)
         rope = self.rope(start, T, position_ids) if self.rope is not None else None
+        local_rope = self.local_rope(start, T, position_ids) if self.local_rope is not None else rope
 
-        mask = None
-        if attention_mask is not None:
-            mask = build_attention_mask(attention_mask, T, start)
+        masks: dict[tuple[int | None, bool], torch.Tensor | None] = {}  # one per (window, rolling) kind of layer
         for i, block in enumerate(self.blocks):
+            window = self.cfg.layer_window(i)
+            rolling = cache is not None and cache.rolling[i]
+            if (window, rolling) not in masks:
+                masks[window, rolling] = self._mask(attention_mask, T, start, window, rolling, input_ids.device)
             layer_cache = cache.layers[i] if cache is not None else None
-            x = block(x, rope, mask, layer_cache, start)
+            x = block(x, rope if window is None else local_rope, masks[window, rolling], layer_cache, start, 0,
+                      rolling)
         if cache is not None:
             cache.length = start + T
         return self.norm(x)
+
+    @staticmethod
+    def _mask(attention_mask: torch.Tensor | None, T: int, start: int, window: int | None, rolling: bool,
+              device: torch.device) -> torch.Tensor | None:
+        """The boolean mask of one kind of layer (None: plain causal, left to the attention kernel)."""
+        if rolling:
+            assert window is not None
+            return ring_mask(attention_mask, T, start, window, device)
+        if attention_mask is not None:
+            return build_attention_mask(attention_mask, T, start, window=window)
+        if window is not None and start + T > window:  # some query has keys beyond its window
+            return window_mask(T, start, window, device)
+        return None
 
     def _decode_rows(self, input_ids: torch.Tensor, cache: KVCache | None, pos: torch.Tensor,
                      kv_len: int | None = None) -> torch.Tensor:
@@ -185,10 +243,20 @@ class DecoderLM(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb(position_ids)
         rope = self.rope(0, 1, position_ids) if self.rope is not None else None
+        local_rope = self.local_rope(0, 1, position_ids) if self.local_rope is not None else rope
         keys = torch.arange(kv_len, device=input_ids.device)
         mask = (keys[None, :] <= pos[:, None])[:, None, None, :]  # (B, 1, 1, kv_len)
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, mask, cache.layers[i], pos, kv_len)
+            window, rolling = self.cfg.layer_window(i), cache.rolling[i]
+            layer_mask, layer_len = mask, kv_len
+            if rolling:  # slot s holds a position within the window once written: s <= pos, or every slot
+                assert window is not None
+                layer_len = window
+                layer_mask = (torch.arange(window, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]
+            elif window is not None:
+                layer_mask = mask & (keys[None, :] > pos[:, None] - window)[:, None, None, :]
+            x = block(x, rope if window is None else local_rope, layer_mask, cache.layers[i], pos, layer_len,
+                      rolling)
         return self.norm(x)
 
     def forward(
@@ -208,7 +276,12 @@ class DecoderLM(nn.Module):
                                cache_positions=cache_positions, kv_len=kv_len)
         if last_only:
             h = h[:, -1:]
-        return self.lm_head(h)
+        return self._softcap(self.lm_head(h))
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits -> c tanh(logits / c) with c = final_logit_softcap (Gemma 2), else unchanged."""
+        c = self.cfg.final_logit_softcap
+        return logits if c is None else torch.tanh(logits / c) * c
 
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -217,11 +290,44 @@ class DecoderLM(nn.Module):
         The head and the cross-entropy are fused (components/loss.py): same value, but the (B, T, vocab)
         logit matrix is never stored, which is most of a small model's activation memory."""
         h = self.hidden_states(input_ids, attention_mask=attention_mask)
-        return linear_cross_entropy(h, self.lm_head.weight, targets, ignore_index)
+        if self.cfg.final_logit_softcap is not None:  # the capped logits are needed: no fused head
+            logits = self._softcap(self.lm_head(h)).float()
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
+        else:
+            loss = linear_cross_entropy(h, self.lm_head.weight, targets, ignore_index)
+        if self.training and self.cfg.ffn == "moe":
+            loss = loss + self.router_loss(attention_mask)
+        return loss
 
-    def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+    def moe_losses(self, attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The MoE auxiliary losses of the last training forward (components/moe.py), over the router logits
+        of every layer pooled, padding rows left out: {"moe_balance": L_bal, "moe_z": L_z}."""
+        from tinyformer.components.moe import balance_loss, z_loss
+
+        logits = [b.ffn.router_logits for b in self.blocks if getattr(b.ffn, "router_logits", None) is not None]
+        if not logits:
+            return {}
+        rows = torch.cat(logits)
+        if attention_mask is not None:
+            rows = rows[attention_mask.reshape(-1).bool().repeat(len(logits))]
+        return {"moe_balance": balance_loss(rows, self.cfg.experts_per_token), "moe_z": z_loss(rows)}
+
+    def router_loss(self, attention_mask: torch.Tensor | None = None) -> torch.Tensor | float:
+        """router_aux_loss_coef * L_bal + router_z_loss_coef * L_z, added to the training loss of a MoE model;
+        the terms are kept (detached) in ``last_moe_losses`` for the training log."""
+        terms = self.moe_losses(attention_mask)
+        if not terms:
+            return 0.0
+        self.last_moe_losses = {k: v.detach() for k, v in terms.items()}
+        return self.cfg.router_aux_loss_coef * terms["moe_balance"] + self.cfg.router_z_loss_coef * terms["moe_z"]
+
+    def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
+                  rolling: bool = True) -> KVCache:
+        """A KV cache for ``max_len`` positions; sliding-window layers get W-slot rings unless ``rolling`` is
+        False (then every layer keeps every position and the window is a mask only)."""
         p = self.tok_emb.weight
-        return KVCache(self.cfg, batch_size, max_len or self.cfg.max_seq_len, p.device, dtype or p.dtype)
+        return KVCache(self.cfg, batch_size, max_len or self.cfg.max_seq_len, p.device, dtype or p.dtype,
+                       rolling=rolling)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (shared tensors once); ``non_embedding`` leaves out token and position tables

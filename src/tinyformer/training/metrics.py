@@ -5,6 +5,7 @@ written; on resume the file is cut back (atomically) to the records up to the ch
 which the resumed run then continues. Record kinds:
 
     {"kind": "train", "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "flops_per_s", "mfu", "time"}
+        (MoE models add "moe_balance" and "moe_z", the unweighted auxiliary losses)
     {"kind": "eval",  "step", "val_loss", "val_ppl", "train_loss"}
 """
 

@@ -173,7 +173,11 @@ def lm_loss(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) ->
     if isinstance(model, DecoderLM):  # the plain module: its fused head + cross-entropy never stores logits
         return model.loss(input_ids, targets)
     logits = model(input_ids)  # a wrapper (compiled, DDP) must be called through forward
-    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    inner = getattr(model, "_orig_mod", getattr(model, "module", model))
+    if isinstance(inner, DecoderLM) and inner.training and inner.cfg.ffn == "moe":
+        loss = loss + inner.router_loss()  # the MoE balancing / z-losses, as DecoderLM.loss adds them
+    return loss
 
 
 #: name -> objective class. Other modules add theirs with ``OBJECTIVES["name"] = TheirObjective``.

@@ -373,6 +373,9 @@ class Trainer:
                               "mfu": flops / (self.peak_flops * self.world_size) if flops and self.peak_flops
                               else None,
                               "time": self.train_seconds}
+                    # MoE auxiliary losses of the last micro-step (unweighted), when the model has any
+                    for name, value in getattr(self.model, "last_moe_losses", {}).items():
+                        record[name] = float(value)
                     self.metrics.log(record)
                     postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
                     if record["mfu"] is not None:

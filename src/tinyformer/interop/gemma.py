@@ -1,0 +1,226 @@
+"""Weight adapter: Hugging Face Gemma 2 and Gemma 3 (text) <-> tinyformer.
+
+Gemma is a Llama-layout decoder with these options (each a ModelConfig field):
+  RMSNorm gain (1 + g)                           norm_gain_offset = 1
+  FFN down(gelu_tanh(gate x) * up x)             ffn = "geglu_tanh"
+  embeddings times sqrt(d_model)                 embed_scale = True
+  a norm before and after each sub-block          norm_placement = "sandwich"
+  scores scaled by query_pre_attn_scalar^-1/2    attn_scale
+  alternating local (sliding) and global layers  sliding_window, layer_types
+  Gemma 3: q/k RMSNorm; the local layers' own RoPE base (rope_parameters["sliding_attention"])
+                                                 qk_norm, rope_local_theta
+  Gemma 2: scores c tanh(s/c), logits c tanh(l/c) attn_logit_softcap, final_logit_softcap
+
+Names are the Llama ones (see ``interop/llama.py``) except the norms of a layer i:
+  model.layers.i.input_layernorm            blocks.i.attn_norm        (before attention)
+  model.layers.i.post_attention_layernorm   blocks.i.attn_post_norm   (after attention: not Llama's meaning)
+  model.layers.i.pre_feedforward_layernorm  blocks.i.ffn_norm
+  model.layers.i.post_feedforward_layernorm blocks.i.ffn_post_norm
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from tinyformer.config import ModelConfig
+from tinyformer.errors import ConfigError
+from tinyformer.interop import llama
+from tinyformer.interop.adapter import Adapter
+
+MODEL_TYPES = ("gemma2", "gemma3_text")
+ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+# the default local/global pattern when layer_types is absent: every n-th layer is global
+DEFAULT_PATTERN = {"gemma2": 2, "gemma3_text": 6}
+
+
+def _layer_types(hf: Mapping[str, Any], model_type: str) -> list[str]:
+    n = int(hf["num_hidden_layers"])
+    hf_types = hf.get("layer_types")
+    if not hf_types:
+        every = int(hf.get("sliding_window_pattern") or DEFAULT_PATTERN[model_type])
+        hf_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    unknown = sorted(set(hf_types) - set(llama.HF_LAYER_TYPES))
+    if unknown:
+        raise ConfigError(f"layer_types {', '.join(unknown)} are not supported")
+    return [llama.HF_LAYER_TYPES[t] for t in hf_types]
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    """A ModelConfig from a Gemma 2 / Gemma 3 text ``config.json`` dict; ConfigError names what does not fit."""
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"model_type {model_type!r} is not supported by the Gemma adapter "
+                          f"(supported: {', '.join(MODEL_TYPES)}; for Gemma 3 use the text model, gemma3_text)")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"hidden_activation {act!r} is not supported (Gemma uses 'gelu_pytorch_tanh')")
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention (an encoder Gemma) is not supported")
+    if hf.get("quantization_config"):
+        raise ConfigError("pre-quantized checkpoints (quantization_config) are not supported")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size", "max_position_embeddings") if k not in hf]
+    if missing:
+        raise ConfigError(f"config.json lacks {', '.join(missing)}")
+    params = hf.get("rope_parameters") or {}
+    local_theta = None
+    if "full_attention" in params:  # Gemma 3: a RoPE per layer type
+        full, local = dict(params["full_attention"] or {}), dict(params.get("sliding_attention") or {})
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"RoPE scaling of the sliding layers ({local.get('rope_type')!r}) is not supported")
+        theta, rope_scaling = llama._rope_from_hf({"rope_parameters": full,
+                                                   "max_position_embeddings": hf["max_position_embeddings"]})
+        local_theta = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
+    else:
+        theta, rope_scaling = llama._rope_from_hf(hf)
+    types = _layer_types(hf, model_type)
+    window = hf.get("sliding_window") if "sliding" in types else None
+    if window is None:
+        types, local_theta = ["full"] * len(types), None
+    n_head = int(hf["num_attention_heads"])
+    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // n_head)
+    scalar = hf.get("query_pre_attn_scalar") or head_dim
+    bias = bool(hf.get("attention_bias", False))
+    pad = hf.get("pad_token_id")
+    return ModelConfig(
+        arch="decoder",
+        vocab_size=int(hf["vocab_size"]),
+        d_model=int(hf["hidden_size"]),
+        n_layer=int(hf["num_hidden_layers"]),
+        n_head=n_head,
+        n_kv_head=int(hf.get("num_key_value_heads") or n_head),
+        head_dim=head_dim,
+        d_ff=int(hf["intermediate_size"]),
+        max_seq_len=int(hf["max_position_embeddings"]),
+        norm="rmsnorm",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_gain_offset=1.0,
+        norm_placement="sandwich",
+        pos="rope",
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        rope_local_theta=local_theta,
+        ffn="geglu_tanh",
+        attn_bias=bias,
+        attn_out_bias=bias,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        embed_scale=True,
+        attn_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
+        qk_norm=model_type == "gemma3_text",
+        attn_scale=float(scalar) ** -0.5,
+        attn_logit_softcap=hf.get("attn_logit_softcapping"),
+        final_logit_softcap=hf.get("final_logit_softcapping"),
+        sliding_window=int(window) if window is not None else None,
+        layer_types=None if window is None or set(types) == {"sliding"} else types,
+        pad_token_id=pad if isinstance(pad, int) and 0 <= pad < hf["vocab_size"] else None,
+        extra={"source": model_type, "hf_config": dict(hf)},
+    )
+
+
+def export_model_type(cfg: ModelConfig) -> str:
+    """Gemma 3 when the model has q/k norms or a local RoPE base, Gemma 2 otherwise."""
+    return "gemma3_text" if cfg.qk_norm or cfg.rope_local_theta is not None else "gemma2"
+
+
+def export_problem(cfg: ModelConfig) -> str | None:
+    """Why ``cfg`` cannot be written as Gemma 2/3, or None when it can."""
+    wanted = {"arch": "decoder", "norm": "rmsnorm", "norm_gain_offset": 1.0, "norm_placement": "sandwich",
+              "pos": "rope", "ffn": "geglu_tanh", "final_norm": True, "embed_scale": True, "mlp_bias": False}
+    for key, value in wanted.items():
+        if getattr(cfg, key) != value:
+            return f"{key}={getattr(cfg, key)!r} cannot be exported as Gemma (needs {value!r})"
+    if cfg.attn_bias != cfg.attn_out_bias:
+        return "Gemma has all four attention biases or none"
+    if export_model_type(cfg) == "gemma2" and cfg.qk_norm:
+        return "qk_norm needs Gemma 3"
+    return None
+
+
+def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+    """The imported config when the model is unchanged, else a fresh Gemma 2 / Gemma 3 text config."""
+    problem = export_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
+    kept = llama.original_if_unchanged(cfg, config_from_hf, torch_dtype)
+    if kept is not None:
+        return kept
+    model_type = export_model_type(cfg)
+    rope_parameters, max_positions = llama.rope_to_hf(cfg)
+    if model_type == "gemma3_text":
+        local = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
+        rope_parameters = {"full_attention": rope_parameters,
+                           "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+    scalar = (cfg.attn_scale or cfg.head_dim**-0.5) ** -2
+    hf = llama.shape_to_hf(cfg, model_type, ARCHITECTURES[model_type], rope_parameters, max_positions, torch_dtype)
+    hf.update({
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attention_bias": cfg.attn_bias,
+        "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": ["sliding_attention" if cfg.layer_window(i) else "full_attention" for i in range(cfg.n_layer)],
+        "attn_logit_softcapping": cfg.attn_logit_softcap,
+        "final_logit_softcapping": cfg.final_logit_softcap,
+    })
+    return hf
+
+
+class _Renamed(Mapping[str, torch.Tensor]):
+    """A view of a state dict under other names: ``view[new] = sd[names.get(new, new)]``."""
+
+    def __init__(self, sd: Mapping[str, torch.Tensor], names: Mapping[str, str]) -> None:
+        self.sd, self.names = sd, names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.sd[self.names.get(name, name)]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.names.get(name, name) in self.sd
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sd)
+
+    def __len__(self) -> int:
+        return len(self.sd)
+
+
+def _llama_ffn_norm(i: int) -> str:
+    return f"model.layers.{i}.post_attention_layernorm.weight"
+
+
+def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The Llama mapping, with Gemma's pre-FFN norm where Llama has its post-attention one, then the two
+    post-sub-block norms."""
+    names = {_llama_ffn_norm(i): f"model.layers.{i}.pre_feedforward_layernorm.weight" for i in range(cfg.n_layer)}
+    yield from llama.hf_to_tinyformer(cfg, _Renamed(hf_sd, names))
+    for i in range(cfg.n_layer):
+        for ours, theirs in (("attn_post_norm", "post_attention_layernorm"),
+                             ("ffn_post_norm", "post_feedforward_layernorm")):
+            name = f"model.layers.{i}.{theirs}.weight"
+            if name not in hf_sd:
+                raise ConfigError(f"tensor {name!r} is missing from the checkpoint")
+            yield f"blocks.{i}.{ours}.weight", hf_sd[name]
+
+
+def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The inverse of ``hf_to_tinyformer``."""
+    renamed = {_llama_ffn_norm(i): f"model.layers.{i}.pre_feedforward_layernorm.weight" for i in range(cfg.n_layer)}
+    for name, tensor in llama.tinyformer_to_hf(cfg, sd):
+        yield renamed.get(name, name), tensor
+    for i in range(cfg.n_layer):
+        yield f"model.layers.{i}.post_attention_layernorm.weight", sd[f"blocks.{i}.attn_post_norm.weight"]
+        yield f"model.layers.{i}.post_feedforward_layernorm.weight", sd[f"blocks.{i}.ffn_post_norm.weight"]
+
+
+ADAPTER = Adapter(
+    name="gemma",
+    model_types=MODEL_TYPES,
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    hf_to_tinyformer=hf_to_tinyformer,
+    tinyformer_to_hf=tinyformer_to_hf,
+    export_problem=export_problem,
+    ignorable_hf_tensor=llama.ignorable_hf_tensor,
+)
