@@ -5,6 +5,7 @@
       model.safetensors        weights; large models: model-0000i-of-0000n.safetensors + model.safetensors.index.json
       tokenizer.json           Hugging Face `tokenizers` format (char tokenizers too)
       tokenizer_config.json    optional: chat template, special tokens
+      (a quantized run, from `tinyformer quantize`, stores int8/int4 weights and scales: see quantization.py)
       train.yaml, state/, metrics.jsonl, loss.png, samples.txt   (training runs only)
 
 Weights are read with safetensors only (never unpickled). Every file is written atomically
@@ -186,8 +187,10 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: t
                cfg: ModelConfig | None = None) -> nn.Module:
     """Build the model of ``run_dir`` without a random init (meta device) and load its weights."""
     from tinyformer.models import build_model
+    from tinyformer.quantization import load_quantized, quant_spec
 
     cfg = cfg or load_config(run_dir)
+    spec = quant_spec(cfg)
     with torch.device("meta"):
         model = build_model(cfg)
 
@@ -196,7 +199,13 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: t
             v = v.to(device)
             yield k, (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
 
-    load_state_into(model, tensors(), str(run_dir))
+    if spec is not None:  # quantized layers first (their scales stay float32 until the layer casts them)
+        stored = {k: v.to(device) for k, v in iter_tensors(run_dir)}
+        load_quantized(model, cfg, spec, stored, str(run_dir), dtype or torch.float32)
+        load_state_into(model, ((k, v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+                                for k, v in stored.items()), str(run_dir))
+    else:
+        load_state_into(model, tensors(), str(run_dir))
     rebuild_buffers(model, device)
     return model.eval()
 

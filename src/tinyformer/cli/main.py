@@ -23,6 +23,7 @@ COMMANDS = [
     "chat",
     "serve",
     "convert",
+    "quantize",
     "embed",
     "inspect",
 ]

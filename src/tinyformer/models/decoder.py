@@ -220,7 +220,7 @@ class DecoderLM(nn.Module):
         return linear_cross_entropy(h, self.lm_head.weight, targets, ignore_index)
 
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
-        p = self.tok_emb.weight
+        p = next(self.parameters())  # not tok_emb.weight: a quantized model's token table has none
         return KVCache(self.cfg, batch_size, max_len or self.cfg.max_seq_len, p.device, dtype or p.dtype)
 
     def num_params(self, non_embedding: bool = False) -> int:
