@@ -50,8 +50,9 @@ INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 class QuantSpec:
     """How a run's linear weights are quantized: ``type`` int8 | int4; ``group_size`` G (0 = one scale per
     output row, int8 only; int4 needs G >= 2, even); ``kernel`` the forward computation (see module doc;
-    ``auto`` picks ``fbgemm`` for int8 per channel, ``aten`` for int4 where its kernel applies, else
-    ``dequant``)."""
+    ``auto`` picks a weight-only one: ``aten`` for int8 per channel and for int4 where its kernel applies,
+    else ``dequant``; ``fbgemm``, much faster on the reference machine but rounding the activations too, is
+    only used when asked for)."""
 
     type: str
     group_size: int = 0
@@ -152,7 +153,7 @@ def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device:
         if device.type != "cpu":
             return "dequant"
         if spec.type == "int8":
-            return "fbgemm" if spec.group_size == 0 else "dequant"
+            return "aten" if spec.group_size == 0 else "dequant"
         return "aten" if int4_kernel_applies(out_features, g, device) else "dequant"
     if kernel == "aten":
         ok = (spec.type == "int8" and spec.group_size == 0) or (
@@ -191,7 +192,9 @@ class QuantizedLinear(nn.Module):
         if self.kernel == "fbgemm":
             with warnings.catch_warnings():  # torch 2.13 marks the quantized tensor type deprecated
                 warnings.simplefilter("ignore", UserWarning)
-                w = torch.quantize_per_channel(q.float(), scales.reshape(-1).double(),
+                s = scales.reshape(-1)
+                s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row: q = 0 with any scale
+                w = torch.quantize_per_channel(q.float() * s[:, None], s.double(),
                                                torch.zeros(self.out_features, dtype=torch.long), 0, torch.qint8)
                 self._fbgemm = torch.ops.quantized.linear_prepack(w, None)
         elif self.kernel == "aten" and spec.type == "int8":
