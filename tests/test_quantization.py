@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TRAINED_CORPUS as CORPUS
 
 from tinyformer.cli.main import main
 from tinyformer.components.quantized import (
@@ -110,8 +111,6 @@ def test_spec_validation_names_the_problem():
 
 # ------------------------------------------------------------------ run folders and the command line
 
-CORPUS = ("the quick brown fox jumps over the lazy dog. a cat sat on the mat and the dog ran to the park. "
-          "she sells sea shells by the sea shore, and the shells she sells are sea shells for sure. ")
 
 
 def tiny_run(folder, tie: bool = True):
@@ -178,35 +177,7 @@ def test_quantize_cli_reports_bytes_and_refuses_bad_input_without_writing(tmp_pa
 # ------------------------------------------------------------------ a trained model
 
 
-TRAIN_TEXT = CORPUS * 6
 HELD_OUT = "the dog sat on the mat and the cat ran to the sea shore. she sells the shells by the park. "
-
-
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
-    """A char model trained here (300 AdamW steps on the corpus; ~10 s on one thread): peaked, structured
-    next-token distributions, unlike random weights."""
-    folder = tmp_path_factory.mktemp("trained")
-    tok = build_tokenizer("char", CORPUS)
-    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128,
-                      max_seq_len=256)
-    torch.manual_seed(0)
-    model = DecoderLM(cfg)
-    data = torch.tensor(tok.encode(TRAIN_TEXT))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    for _ in range(300):
-        starts = torch.randint(0, len(data) - 65, (16,))
-        batch = torch.stack([data[s : s + 65] for s in starts])
-        loss = model.loss(batch[:, :-1], batch[:, 1:])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    torch.set_num_threads(n)
-    save_model(folder, model)
-    tok.save(folder / "tokenizer.json")
-    return folder, float(loss.detach())
 
 
 def perplexity(model, ids: torch.Tensor) -> float:
@@ -216,8 +187,8 @@ def perplexity(model, ids: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("spec,ppl_tolerance", [(QuantSpec("int8"), 0.01), (QuantSpec("int4", 32), 0.05)], ids=str)
-def test_trained_model_keeps_its_perplexity_and_greedy_text(spec, ppl_tolerance, trained_run, tmp_path):
-    run, train_loss = trained_run
+def test_trained_model_keeps_its_perplexity_and_greedy_text(spec, ppl_tolerance, trained_char_run, tmp_path):
+    run, train_loss = trained_char_run
     assert train_loss < 1.0  # it did learn the corpus (a uniform guess is ln 30 = 3.4)
     quantize_run(run, tmp_path / "q", spec)
     fp32, quant = load_model(run), load_model(tmp_path / "q")

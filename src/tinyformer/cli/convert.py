@@ -3,6 +3,8 @@
     tinyformer convert --from-hf DIR   --out RUN     HF folder (safetensors or pytorch_model.bin) -> run folder
     tinyformer convert --from-gguf FILE --out RUN    llama.cpp GGUF (float or quantized)          -> run folder
     tinyformer convert --model RUN --to-hf DIR       run folder -> HF folder for transformers
+    tinyformer convert --model RUN --to-gguf FILE [--type f32|f16|bf16|q8_0|q4_0]   run folder -> GGUF (llama.cpp)
+    tinyformer convert --from-gguf FILE --out RUN --keep-quant   Q8_0 / Q4_0 / Q4_1 kept as int8 / int4
 
 A run folder is what ``generate``, ``chat``, ``eval`` and ``train --init-from`` read.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 import time
+from pathlib import Path
 
 from tinyformer.errors import ConfigError
 
@@ -43,6 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--model", metavar="RUN", help="tinyformer run folder to export (with --to-hf)")
     p.add_argument("--out", metavar="RUN", help="run folder to write (imports)")
     p.add_argument("--to-hf", metavar="DIR", help="Hugging Face folder to write (exports)")
+    p.add_argument("--to-gguf", metavar="FILE", help="GGUF file to write (exports; llama.cpp / Ollama load it)")
+    p.add_argument("--type", choices=("f32", "f16", "bf16", "q8_0", "q4_0"), default="f32",
+                   help="--to-gguf: how the weight matrices are stored (default f32)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="stored precision (default: the source's; float32 for quantized GGUF)")
     p.add_argument("--max-shard-size", default="2GiB", help="split weights into files of at most this size "
@@ -55,9 +61,20 @@ def run(args: argparse.Namespace) -> int:
     shard = parse_size(args.max_shard_size)
     kwargs = dict(dtype=args.dtype, max_shard_bytes=shard, force=args.force)
     started = time.perf_counter()
+    if args.model and args.to_gguf:
+        if args.to_hf or args.out:
+            raise ConfigError("--to-gguf FILE is the only output of a GGUF export (not --to-hf / --out)")
+        from tinyformer.interop.gguf_export import export_gguf
+
+        notes = export_gguf(args.model, args.to_gguf, args.type, force=args.force)
+        size = Path(args.to_gguf).stat().st_size
+        print(f"wrote {args.to_gguf}  ({args.type}, {size / 2**20:.2f} MiB, {time.perf_counter() - started:.1f}s)")
+        for note in notes:
+            print(f"  note: {note}")
+        return 0
     if args.model:
         if not args.to_hf or args.out:
-            raise ConfigError("--model RUN exports and needs --to-hf DIR (not --out)")
+            raise ConfigError("--model RUN exports and needs --to-hf DIR or --to-gguf FILE (not --out)")
         from tinyformer.interop.hf_folder import export_hf
 
         report = export_hf(args.model, args.to_hf, **kwargs)
