@@ -53,12 +53,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="stored precision (default: the source's; float32 for quantized GGUF)")
     p.add_argument("--max-shard-size", default="2GiB", help="split weights into files of at most this size "
                    "(default 2GiB)")
+    p.add_argument("--keep-quant", action="store_true",
+                   help="--from-gguf: keep Q8_0 / Q4_0 / Q4_1 matrices as int8 / int4 (groups of 32) instead of "
+                        "dequantizing them; K-quants are rounded into the nearest of those (reported)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output folder")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     shard = parse_size(args.max_shard_size)
+    if args.keep_quant and not args.from_gguf:
+        raise ConfigError("--keep-quant applies to --from-gguf imports only")
     kwargs = dict(dtype=args.dtype, max_shard_bytes=shard, force=args.force)
     started = time.perf_counter()
     if args.model and args.to_gguf:
@@ -85,6 +90,12 @@ def run(args: argparse.Namespace) -> int:
             from tinyformer.interop.hf_folder import import_hf
 
             report = import_hf(args.from_hf, args.out, **kwargs)
+        elif args.keep_quant:
+            if args.dtype:
+                raise ConfigError("--keep-quant keeps the file's int8/int4 bits; --dtype does not apply")
+            from tinyformer.interop.gguf import import_gguf_keep_quant
+
+            report = import_gguf_keep_quant(args.from_gguf, args.out, max_shard_bytes=shard, force=args.force)
         else:
             from tinyformer.interop.gguf import import_gguf
 
