@@ -132,7 +132,7 @@ def prepare(args: argparse.Namespace) -> dict[str, dict[str, str]]:
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    runs = {"fp32": work / "tf-fp32", "int8": work / "tf-int8", "int4": work / "tf-int4"}
+    runs = {"fp32": work / "tf-fp32", "int8": work / f"tf-int8-{args.int8_kernel}", "int4": work / "tf-int4"}
     if not runs["fp32"].is_dir():
         import_gguf(args.gguf, runs["fp32"], dtype="float32")
     specs = {"int8": QuantSpec("int8", 0, args.int8_kernel), "int4": QuantSpec("int4", 32)}

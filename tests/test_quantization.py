@@ -29,6 +29,7 @@ from tinyformer.data.tokenizer import build_tokenizer
 from tinyformer.errors import ConfigError
 from tinyformer.generation.engine import Generator
 from tinyformer.generation.sampling import SamplingParams
+from tinyformer.models import build_model
 from tinyformer.models.decoder import DecoderLM
 from tinyformer.quantization import quantize_run
 from tinyformer.run_folder import iter_tensors, load_model, load_tokenizer, save_model
@@ -208,3 +209,20 @@ def test_trained_model_keeps_its_perplexity_and_greedy_text(spec, ppl_tolerance,
         assert torch.equal(ours, torch.tensor(text))  # the cached decode and the full forward agree
         agree = float((ours == theirs).float().mean())
         assert agree >= 0.95, agree
+
+
+def test_eval_inspect_and_embed_load_quantized_runs(tmp_path, capsys):
+    """The commands that load a run go through run_folder.load_model, which builds the quantized layers."""
+    run = tiny_run(tmp_path / "run")
+    quantize_run(run, tmp_path / "q4", QuantSpec("int4", 32))
+    (tmp_path / "text.txt").write_text(CORPUS * 4)
+    assert main(["eval", "--model", str(tmp_path / "q4"), "--data", str(tmp_path / "text.txt"), "--json"]) == 0
+    assert main(["inspect", "--model", str(tmp_path / "q4"), "--prompt", "the fox",
+                 "--out", str(tmp_path / "ins")]) == 0
+    enc = ModelConfig(arch="encoder", vocab_size=40, d_model=32, n_layer=1, n_head=2, pos="learned", norm="layernorm",
+                      ffn="gelu", pooler=True, mlm_head=True)
+    save_model(tmp_path / "enc", build_model(enc))
+    build_tokenizer("char", CORPUS).save(tmp_path / "enc" / "tokenizer.json")
+    quantize_run(tmp_path / "enc", tmp_path / "encq", QuantSpec("int8"))
+    assert main(["embed", "--model", str(tmp_path / "encq"), "--text", "the fox"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dim"] == 32
