@@ -166,6 +166,8 @@ def test_quantize_cli_reports_bytes_and_refuses_bad_input_without_writing(tmp_pa
         code, _, err = cli(capsys, "quantize", *args, "--out", str(tmp_path / "bad"))
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1
         assert not (tmp_path / "bad").exists()
+    code, _, err = cli(capsys, "convert", "--model", str(tmp_path / "q8"), "--to-hf", str(tmp_path / "bad"))
+    assert code == 2 and "quantized run" in err and not (tmp_path / "bad").exists()
     code, out, err = cli(capsys, "generate", "--model", str(tmp_path / "q8"), "--prompt", "the", "--max-new-tokens",
                          "7", "--temperature", "0", "--json", "--ignore-eos", "--verbose")
     assert code == 0, err

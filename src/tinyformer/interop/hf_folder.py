@@ -494,6 +494,9 @@ def export_hf(run: str | Path, out: str | Path, *, dtype: str | torch.dtype | No
         raise CheckpointError(f"{run} is a Hugging Face model folder, not a tinyformer run folder; "
                               "import it with --from-hf")
     cfg = run_folder.load_config(run)
+    if "quantization" in cfg.extra:
+        raise CheckpointError(f"{run} is a quantized run (int8/int4): export its float run to Hugging Face, or this "
+                              "one with --to-gguf")
     adapter = adapter_for_model(cfg)
     source: TensorSource = SafetensorsSource(run_folder.weight_files(run), str(run))
     expected = _MetaStateDict(cfg)
