@@ -170,8 +170,8 @@ def bandwidth_gbs() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gguf", required=True)
-    ap.add_argument("--work", required=True, help="folder for the converted models (kept between runs)")
+    ap.add_argument("--gguf", help="the GGUF file the models are made from (required)")
+    ap.add_argument("--work", help="folder for the converted models, kept between runs (required)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=200)
     ap.add_argument("--prompt-tokens", type=int, default=512)
@@ -185,6 +185,8 @@ def main() -> None:
         fn = tinyformer_worker if engine == "tinyformer" else llama_worker
         print(json.dumps(fn(path, args.threads, args.new_tokens, args.prompt_tokens)))
         return
+    if not (args.gguf and args.work):
+        ap.error("--gguf and --work are required")
     paths = prepare(args)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT / "src")}
     results: dict[str, dict[str, dict]] = {}

@@ -141,8 +141,8 @@ def quantize_run(model_dir: str | Path, out: str | Path, spec: QuantSpec, *, for
 # ------------------------------------------------------------------ load a quantized run
 
 
-def load_quantized(model: nn.Module, cfg: ModelConfig, spec: QuantSpec, tensors: dict[str, torch.Tensor],
-                   source: str, dtype: torch.dtype) -> None:
+def load_quantized(model: nn.Module, spec: QuantSpec, tensors: dict[str, torch.Tensor], source: str,
+                   dtype: torch.dtype) -> None:
     """Swap the (meta-device) ``nn.Linear`` s of ``model`` whose portable tensors are in ``tensors`` for
     ``QuantizedLinear`` s, in place, and take those tensors out of ``tensors``; the float rest stays for the
     strict state-dict load. A tied token table becomes a ``QuantizedEmbedding`` over the head's tensors."""

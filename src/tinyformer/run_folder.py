@@ -201,7 +201,7 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: t
 
     if spec is not None:  # quantized layers first (their scales stay float32 until the layer casts them)
         stored = {k: v.to(device) for k, v in iter_tensors(run_dir)}
-        load_quantized(model, cfg, spec, stored, str(run_dir), dtype or torch.float32)
+        load_quantized(model, spec, stored, str(run_dir), dtype or torch.float32)
         load_state_into(model, ((k, v.to(dtype) if dtype is not None and v.is_floating_point() else v)
                                 for k, v in stored.items()), str(run_dir))
     else:

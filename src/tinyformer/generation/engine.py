@@ -337,6 +337,9 @@ class Generator:
             raise GenerationError(
                 f"context policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}"
             )
+        if compile and any(getattr(m, "kernel", None) == "fbgemm" for m in model.modules()):
+            raise GenerationError("the quantized kernel 'fbgemm' cannot be compiled (torch.compile does not trace "
+                                  "it): drop --compile, or quantize with another --kernel")
         self.max_seq_len = cfg.max_seq_len
         keep = slide_keep if slide_keep is not None else max(1, self.max_seq_len - max(1, self.max_seq_len // 4))
         if not 1 <= keep < self.max_seq_len:
