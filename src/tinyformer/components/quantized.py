@@ -23,9 +23,10 @@ Forward: y = x dequant(W)^T + b, x (..., in) -> y (..., out), computed by one of
   * ``aten``: PyTorch's weight-only CPU kernels, ``aten._weight_int8pack_mm`` (int8 per output channel)
     and ``aten._weight_int4pack_mm_for_cpu`` (int4, G in {32, 64, 128, 256}, out % 16 == 0).
   * ``fbgemm`` (int8 per output channel only): torch.ao's dynamically quantized linear. It also rounds
-    each activation row to int8 (x ~ s_x q_x, s_x = max|x| / 127 per row) and multiplies integers, as
-    llama.cpp does for its Q8_0 dot products -- so it is not weight-only: y differs from
-    x dequant(W)^T by the activation rounding.
+    the activations to 8 bits, x ~ s_x (q_x - z_x) with one s_x = (max x - min(min x, 0)) / 255 per call
+    (one row when decoding), and multiplies integers, as llama.cpp does for its Q8_0 dot products (there
+    per 32 values) -- so it is not weight-only: y differs from x dequant(W)^T by the activation rounding,
+    at most sum_i |dequant(W)_oi| s_x / 2 per output. ``torch.compile`` cannot trace it.
 ``benchmarks/bench_quant_kernels.py`` measures them (docs/benchmarks/quantized.md has the figures).
 """
 
