@@ -130,3 +130,22 @@ def test_encoder_and_bad_requests_give_one_line_and_write_nothing(tmp_path, caps
         err = capsys.readouterr().err
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1
         assert not (tmp_path / "x.gguf").exists() and not list(tmp_path.glob(".x.gguf*"))
+
+
+@pytest.mark.parametrize("qtype", ["f16", "bf16", "q4_0"])
+def test_every_export_type_is_read_alike_by_transformers_and_by_the_importer(bpe_run, qtype, tmp_path):
+    """Both readers dequantize the file the same way: logits within 1e-4 of the logit scale; the file says its type."""
+    export_gguf(bpe_run, tmp_path / "model.gguf", qtype)
+    reader = gguf.GGUFReader(str(tmp_path / "model.gguf"))
+    want = {"f16": "F16", "bf16": "BF16", "q4_0": "Q4_0"}[qtype]
+    assert reader.fields["general.file_type"].contents() == int(getattr(gguf.LlamaFileType, "MOSTLY_" + want))
+    assert {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2} == {want}
+    import_gguf(tmp_path / "model.gguf", tmp_path / "back", dtype="float32")
+    ids, mask = padded_batch()
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        ours = load_model(tmp_path / "back")(ids, attention_mask=mask)[mask.bool()]
+        ref = transformers_gguf(tmp_path / "model.gguf")(input_ids=ids, attention_mask=mask,
+                                                           position_ids=pos).logits[mask.bool()]
+    scale = ref.abs().max()
+    torch.testing.assert_close(ours / scale, ref / scale, atol=1e-4, rtol=0)
