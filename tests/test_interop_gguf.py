@@ -205,3 +205,41 @@ def test_llama3_scaling_is_fitted_to_any_rope_freqs(low, high, old_context, tmp_
     torch.testing.assert_close(ours, default_inv_freq(128, 500000.0) / torch.from_numpy(freqs), rtol=1e-5, atol=0)
     with pytest.raises(ConfigError, match="rope_freqs"):
         llama3_scaling(freqs[::-1].copy(), 128, 500000.0, tmp_path / "x.gguf")
+
+
+@pytest.mark.parametrize("qtype,kind", [("Q8_0", "int8"), ("Q4_0", "int4"), ("Q4_1", "int4")])
+def test_keep_quant_holds_the_file_bits_and_matches_transformers(qtype, kind, tmp_path):
+    """--keep-quant: the int8 / int4 run computes what transformers' dequantizing loader computes, and stores
+    about the GGUF's bytes, not float32's."""
+    from tinyformer.interop.gguf import import_gguf_keep_quant
+    from tinyformer.quantization import quant_spec
+
+    write_gguf(hf_model("llama", **BIG), tmp_path / "model.gguf", qtype=qtype)
+    report = import_gguf_keep_quant(tmp_path / "model.gguf", tmp_path / "run")
+    spec = quant_spec(load_config(tmp_path / "run"))
+    assert (spec.type, spec.group_size) == (kind, 32)
+    assert not any("re-rounded into" in n for n in report.notes)
+    # an untied token table stays float (a lookup reads one row); the rest holds about the GGUF's bytes
+    stored = sum(t.numel() * t.element_size() for n, t in iter_tensors(tmp_path / "run") if n != "tok_emb.weight")
+    assert stored < 1.5 * (tmp_path / "model.gguf").stat().st_size
+    theirs = transformers_gguf(tmp_path)
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        logits = load_model(tmp_path / "run")(ids, attention_mask=mask)[mask.bool()]
+    ref = hf_logits(theirs, ids, mask)[mask.bool()]
+    torch.testing.assert_close(logits / ref.abs().max(), ref / ref.abs().max(), atol=1e-4, rtol=0)
+
+
+def test_keep_quant_rounds_k_quants_into_int4_and_says_so(tmp_path):
+    from tinyformer.interop.gguf import import_gguf_keep_quant
+
+    write_gguf(hf_model("llama", **BIG), tmp_path / "model.gguf", qtype="Q4_K")
+    report = import_gguf_keep_quant(tmp_path / "model.gguf", tmp_path / "run")
+    assert any("Q4_K as int4" in n and "re-rounded" in n for n in report.notes)
+    theirs = transformers_gguf(tmp_path)
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        logits = load_model(tmp_path / "run")(ids, attention_mask=mask)[mask.bool()]
+    ref = hf_logits(theirs, ids, mask)[mask.bool()]
+    rel = float((logits - ref).norm() / ref.norm())
+    assert rel < 0.2, rel  # the int4 rounding of values already on a 4-bit grid, not an exact copy

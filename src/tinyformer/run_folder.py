@@ -6,6 +6,7 @@
       tokenizer.json           Hugging Face `tokenizers` format (char tokenizers too)
       tokenizer_config.json    optional: chat template, special tokens
       manifest.json            size and CRC-32 of each weight file, checked on load (integrity.py)
+      (a quantized run, from `tinyformer quantize`, stores int8/int4 weights and scales: see quantization.py)
       train.yaml, state/, metrics.jsonl, loss.png, samples.txt   (training runs only)
 
 A LoRA run (``train --lora-rank``) stores its adapter instead of the weights, and names its base run:
@@ -217,6 +218,7 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: t
     against the run's manifest first unless ``verify`` is False); for a LoRA run, the base run's model with
     the adapter merged in (:func:`load_adapter_run`)."""
     from tinyformer.models import build_model
+    from tinyformer.quantization import load_quantized, quant_spec
     from tinyformer.sizing import check_buildable
 
     if is_adapter_run(run_dir):
@@ -224,6 +226,7 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: t
     cfg = cfg or load_config(run_dir)
     # the weights' own dtype is only known once read: bound with the smallest float a run folder stores
     check_buildable(cfg, torch.empty(0, dtype=dtype).element_size() if dtype is not None else 2)
+    spec = quant_spec(cfg)
     with torch.device("meta"):
         model = build_model(cfg)
 
@@ -232,7 +235,13 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: t
             v = v.to(device)
             yield k, (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
 
-    load_state_into(model, tensors(), str(run_dir))
+    if spec is not None:  # quantized layers first (their scales stay float32 until the layer casts them)
+        stored = {k: v.to(device) for k, v in iter_tensors(run_dir, verify=verify)}
+        load_quantized(model, spec, stored, str(run_dir), dtype or torch.float32)
+        load_state_into(model, ((k, v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+                                for k, v in stored.items()), str(run_dir))
+    else:
+        load_state_into(model, tensors(), str(run_dir))
     rebuild_buffers(model, device)
     return model.eval()
 

@@ -5,6 +5,8 @@
     tinyformer convert --model RUN --to-hf DIR       run folder -> HF folder for transformers
     tinyformer convert --model LORA_RUN --merge-lora --out RUN   LoRA run -> plain run (adapter merged)
     tinyformer convert --model LORA_RUN --to-peft DIR            LoRA run -> PEFT adapter folder
+    tinyformer convert --model RUN --to-gguf FILE [--type f32|f16|bf16|q8_0|q4_0]   run folder -> GGUF (llama.cpp)
+    tinyformer convert --from-gguf FILE --out RUN --keep-quant   Q8_0 / Q4_0 / Q4_1 kept as int8 / int4
 
 A run folder is what ``generate``, ``chat``, ``eval`` and ``train --init-from`` read.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import re
 import time
+from pathlib import Path
 
 from tinyformer.errors import ConfigError
 
@@ -57,6 +60,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "--to-hf export of its base run")
     p.add_argument("--merge-lora", action="store_true", help="with --model LORA_RUN --out RUN: write a plain run "
                    "with the adapter merged into the weights")
+    p.add_argument("--to-gguf", metavar="FILE", help="GGUF file to write (exports; llama.cpp / Ollama load it)")
+    p.add_argument("--type", choices=("f32", "f16", "bf16", "q8_0", "q4_0"), default="f32",
+                   help="--to-gguf: how the weight matrices are stored (default f32)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="stored precision (default: the source's; float32 for quantized GGUF)")
     p.add_argument("--max-shard-size", default="2GiB", help="split weights into files of at most this size "
@@ -65,13 +71,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(a folder holding other files is refused)")
     p.add_argument("--no-verify", action="store_true", help="export the run's weights without checking them "
                    "against its manifest.json checksums")
+    p.add_argument("--keep-quant", action="store_true",
+                   help="--from-gguf: keep Q8_0 / Q4_0 / Q4_1 matrices as int8 / int4 (groups of 32) instead of "
+                        "dequantizing them; K-quants are rounded into the nearest of those (reported)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     shard = parse_size(args.max_shard_size)
+    if args.keep_quant and not args.from_gguf:
+        raise ConfigError("--keep-quant applies to --from-gguf imports only")
     kwargs = dict(dtype=args.dtype, max_shard_bytes=shard, force=args.force)
     started = time.perf_counter()
+    if args.model and args.to_gguf:
+        if args.to_hf or args.out:
+            raise ConfigError("--to-gguf FILE is the only output of a GGUF export (not --to-hf / --out)")
+        from tinyformer.interop.gguf_export import export_gguf
+
+        notes = export_gguf(args.model, args.to_gguf, args.type, force=args.force)
+        size = Path(args.to_gguf).stat().st_size
+        print(f"wrote {args.to_gguf}  ({args.type}, {size / 2**20:.2f} MiB, {time.perf_counter() - started:.1f}s)")
+        for note in notes:
+            print(f"  note: {note}")
+        return 0
     if args.model and (args.merge_lora or args.to_peft):
         from tinyformer.interop.peft import export_peft, merge_run
 
@@ -83,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
                   else export_peft(args.model, args.to_peft, dtype=args.dtype, force=args.force))
     elif args.model:
         if not args.to_hf or args.out:
-            raise ConfigError("--model RUN exports and needs --to-hf DIR (not --out)")
+            raise ConfigError("--model RUN exports and needs --to-hf DIR or --to-gguf FILE (not --out)")
         from tinyformer.interop.hf_folder import export_hf
 
         report = export_hf(args.model, args.to_hf, verify=not args.no_verify, **kwargs)
@@ -96,6 +118,12 @@ def run(args: argparse.Namespace) -> int:
             from tinyformer.interop.hf_folder import import_hf
 
             report = import_hf(args.from_hf, args.out, **kwargs)
+        elif args.keep_quant:
+            if args.dtype:
+                raise ConfigError("--keep-quant keeps the file's int8/int4 bits; --dtype does not apply")
+            from tinyformer.interop.gguf import import_gguf_keep_quant
+
+            report = import_gguf_keep_quant(args.from_gguf, args.out, max_shard_bytes=shard, force=args.force)
         else:
             from tinyformer.interop.gguf import import_gguf
 

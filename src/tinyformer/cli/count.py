@@ -39,6 +39,21 @@ def meta_param_count(cfg: ModelConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def stored_weights(config: str) -> tuple[dict, int] | None:
+    """(quantization spec, bytes of the stored tensors) when ``config`` is a quantized run folder, else None."""
+    from pathlib import Path
+
+    if not Path(config).is_dir():
+        return None
+    from tinyformer.quantization import quant_spec
+    from tinyformer.run_folder import iter_tensors, load_config
+
+    spec = quant_spec(load_config(config))
+    if spec is None:
+        return None
+    return spec.to_dict(), sum(t.numel() * t.element_size() for _, t in iter_tensors(config))
+
+
 def _fmt(n: float) -> str:
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= size:
@@ -64,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
         if actual != report["total_params"]:  # a bug in the formulas, not a user error
             raise AssertionError(f"formula gives {report['total_params']} but the model has {actual} parameters")
     report["name"] = args.preset or str(args.config)
+    stored = stored_weights(args.config) if args.config else None
+    if stored is not None:  # a quantized run: what its files and memory really hold
+        report["quantization"], report["stored_weights_bytes"] = stored
     if args.json:
         print(json.dumps(report))
         return 0
@@ -107,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
         f"{_bytes(att['naive_scores_bytes_all_layers'])} kept for backward over all layers",
         f"  SDPA (flash) extra   {_bytes(att['sdpa_bytes_per_layer']):>18} per layer",
     ]
+    if stored is not None:
+        q = stored[0]
+        lines.append(f"  stored weights       {_bytes(stored[1]):>18}  ({q['type']}, group_size {q['group_size']}: "
+                     "the quantized run's tensors)")
     if "verified_on_meta_device" in report:
         lines.append("")
         lines.append("total checked against the model built on the meta device: "

@@ -165,7 +165,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the prompt is one user message: render it with the model's chat template (as `chat` "
                         "does) and stop at the end of the assistant's turn")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object per sample and line: text, token_ids (generated), logprobs")
+                   help="print one JSON object per sample and line: text, token_ids (generated), logprobs, "
+                        "timings (prompt_tokens, prefill_ms, completion_tokens, decode_tokens_per_s)")
+    p.add_argument("--verbose", action="store_true",
+                   help="print the timings (prefill, decode tokens/s) to stderr after each sample")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the end-of-sequence token: decode exactly --max-new-tokens")
     add_sampling_args(p)
     p.set_defaults(func=run)
 
@@ -198,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
     # Impossible sampler values are reported before the (slow) model load.
     sampling_params(args, 0 if args.max_new_tokens is None else args.max_new_tokens)
     gen = load_generator(args)
+    if args.ignore_eos:
+        gen.eos_token_id = None
     if args.chat:
         from tinyformer.generation.chat import ChatSession
 
@@ -219,10 +226,15 @@ def run(args: argparse.Namespace) -> int:
     if results is not None:
         for i, result in enumerate(results):
             if args.json:
-                print(json.dumps(result.to_dict(), ensure_ascii=False), flush=True)
+                line = result.to_dict()
+                if args.num_beams == 1:  # one batch: its timings on every line
+                    line["timings"] = gen.timings.to_dict()
+                print(json.dumps(line, ensure_ascii=False), flush=True)
             else:
                 header(args, i)
                 print((prompt if args.echo else "") + result.text, flush=True)
+        if args.verbose and args.num_beams == 1:
+            print_timings(gen)
         return 0
 
     for i in range(args.num_samples):
@@ -235,7 +247,16 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         sys.stdout.write("\n")
         sys.stdout.flush()
+        if args.verbose:
+            print_timings(gen)
     return 0
+
+
+def print_timings(gen: Generator) -> None:
+    t = gen.timings
+    prefill_rate = t.prompt_tokens / (t.prefill_ms / 1e3) if t.prefill_ms > 0 else 0.0
+    print(f"prefill: {t.prompt_tokens} tokens in {t.prefill_ms:.1f} ms ({prefill_rate:.1f} tokens/s); decode: "
+          f"{t.completion_tokens} tokens, {t.decode_tokens_per_s:.2f} tokens/s", file=sys.stderr, flush=True)
 
 
 def header(args: argparse.Namespace, i: int) -> None:

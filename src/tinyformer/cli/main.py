@@ -30,6 +30,7 @@ COMMANDS = [
     "chat",
     "serve",
     "convert",
+    "quantize",
     "embed",
     "inspect",
 ]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,7 @@ __all__ = [
     "CONTEXT_POLICIES",
     "Beam",
     "GenerationResult",
+    "GenerationTimings",
     "Generator",
     "TextStream",
     "beam_search",
@@ -83,6 +85,25 @@ class GenerationResult:
     def to_dict(self) -> dict[str, Any]:
         return {"text": self.text, "token_ids": self.token_ids, "logprobs": self.logprobs,
                 "finish_reason": self.finish_reason}
+
+
+@dataclass
+class GenerationTimings:
+    """Wall-clock cost of the last request, as llama.cpp reports it: ``prefill_ms`` for the forward pass over the
+    prompt (``prompt_tokens`` of the longest row), then ``decode_tokens_per_s`` = decode steps / their time,
+    where the steps are the forward passes after the prefill (``completion_tokens`` - 1: the first new token
+    comes from the prefill's logits) and their time runs from the end of the prefill to the last token
+    (sampling and any context slide included). ``completion_tokens`` counts the longest row's tokens."""
+
+    prompt_tokens: int = 0
+    prefill_ms: float = 0.0
+    completion_tokens: int = 0
+    decode_tokens_per_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "prefill_ms": round(self.prefill_ms, 3),
+                "completion_tokens": self.completion_tokens,
+                "decode_tokens_per_s": round(self.decode_tokens_per_s, 3)}
 
 
 class TextStream(Iterator[str]):
@@ -325,6 +346,9 @@ class Generator:
             raise GenerationError(
                 f"context policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}"
             )
+        if compile and any(getattr(m, "kernel", None) == "fbgemm" for m in model.modules()):
+            raise GenerationError("the quantized kernel 'fbgemm' cannot be compiled (torch.compile does not trace "
+                                  "it): drop --compile, or quantize with another --kernel")
         self.max_seq_len = cfg.max_seq_len
         keep = slide_keep if slide_keep is not None else max(1, self.max_seq_len - max(1, self.max_seq_len // 4))
         if not 1 <= keep < self.max_seq_len:
@@ -346,6 +370,7 @@ class Generator:
         self._bytes: dict[int, bytes] = {}
         self.compile = compile
         self._steps: dict[bool, Callable[[Tensor, Tensor, Any, Tensor], Tensor]] = {}
+        self.timings = GenerationTimings()  # of the last generate() / stream(), once it has finished
 
     @classmethod
     def from_run(cls, run_dir: Any, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
@@ -537,6 +562,8 @@ class Generator:
         rs = self.model.cfg.rope_scaling or {}
         long_from = int(rs["original_max_position_embeddings"]) if self.model.cfg.rope_type == "longrope" else -1
         static = self.compile and width <= L and self.model.cfg.rope_type not in ("dynamic", "longrope")
+        started = time.perf_counter()
+        self.timings = GenerationTimings(prompt_tokens=P)
         with torch.inference_mode():
             if static:  # every row at its own positions; one compiled step per token
                 # one slot more than the request needs: the attended span then never covers the whole
@@ -548,6 +575,8 @@ class Generator:
                 cache = self.model.new_cache(B, min(width, L))
                 start = 0
                 logits = forward(start, P)
+            prefilled = time.perf_counter()
+            self.timings.prefill_ms = (prefilled - started) * 1e3
             # greedy without log-probabilities needs only the argmax, which the compiled step then
             # computes itself (one fused reduction instead of a separate call over the logits)
             ids_only = params.greedy and not processors and not want_logprobs
@@ -567,6 +596,9 @@ class Generator:
                 hist[:, c] = tokens
                 lps = [None] * B if logprobs is None or not want_logprobs else logprobs.tolist()
                 deltas = [row.accept(tok, lp) for row, tok, lp in zip(rows, tokens.tolist(), lps)]
+                self.timings.completion_tokens = t + 1
+                if t:
+                    self.timings.decode_tokens_per_s = t / max(time.perf_counter() - prefilled, 1e-9)
                 yield deltas
                 if t == budget - 1 or all(row.finish_reason is not None for row in rows):
                     break

@@ -500,3 +500,126 @@ def import_gguf(path: str | Path, out: str | Path, *, dtype: str | torch.dtype |
     return import_checkpoint(hf_config, source, out, write_tokenizer=lambda dst: _write_tokenizer(g, hf_config, dst),
                              dtype=dt, max_shard_bytes=max_shard_bytes, force=force, inputs=(Path(path),),
                              extra={"source": "gguf"})
+
+
+# --------------------------------------------------------------------------------------------- --keep-quant
+
+
+def block_parts(raw: np.ndarray, qtype_name: str, rows: int, cols: int) -> dict[str, torch.Tensor]:
+    """ggml blocks of 32 values -> the portable int8 / int4 form (``components/quantized.py``), exactly:
+
+        Q8_0 (34 bytes: d f16, q int8[32]):           x = d q        -> int8, scale d
+        Q4_0 (18 bytes: d f16, 16 bytes of nibbles):  x = d (u - 8)  -> int4, scale d, zero 0
+        Q4_1 (20 bytes: d f16, m f16, nibbles):       x = d u + m    -> int4, scale d, zero m + 8 d
+
+    In a Q4 block byte j holds value j in its low nibble and value j + 16 in its high nibble."""
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(rows * (cols // 32), -1)
+    d = torch.from_numpy(blocks[:, :2].copy().view(np.float16).astype(np.float32)).reshape(rows, cols // 32)
+    if qtype_name == "Q8_0":
+        q = torch.from_numpy(blocks[:, 2:].copy().view(np.int8)).reshape(rows, cols)
+        return {"qweight": q, "scales": d}
+    offset = 4 if qtype_name == "Q4_1" else 2
+    nibbles = torch.from_numpy(blocks[:, offset:].copy())  # (blocks, 16)
+    u = torch.cat([nibbles & 15, nibbles >> 4], dim=1).reshape(rows, cols)
+    from tinyformer.components.quantized import pack_int4
+
+    zeros = torch.zeros_like(d)
+    if qtype_name == "Q4_1":
+        m = torch.from_numpy(blocks[:, 2:4].copy().view(np.float16).astype(np.float32)).reshape(rows, cols // 32)
+        zeros = m + 8 * d
+    return {"qweight": pack_int4(u), "scales": d, "zeros": zeros}
+
+
+EXACT_KEEP = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
+
+
+def import_gguf_keep_quant(path: str | Path, out: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                           force: bool = False) -> ConvertReport:
+    """GGUF file -> quantized run folder that keeps the file's bits: Q8_0 matrices become int8 with groups of 32,
+    Q4_0 / Q4_1 int4 with groups of 32, exactly (``block_parts``). The run's type is that of most block matrices;
+    matrices stored otherwise (K-quants, F16, the other width) are dequantized and rounded again into it, and
+    named in the notes. An untied token table stays float, as in any quantized run (``quantization.py``)."""
+    import tempfile
+    from collections import Counter
+
+    from tinyformer.components.quantized import QuantSpec, quantize_weight
+    from tinyformer.interop.adapter import adapter_for_hf
+    from tinyformer.interop.hf_folder import staged_output
+    from tinyformer.quantization import QUANT_KEY
+    from tinyformer.run_folder import iter_tensors, save_tensors
+
+    g = GGUFFile(path)
+    hf_config = hf_config_from_gguf(g)
+    arch = g.get("general.architecture")
+    kinds = Counter(t.tensor_type.name for n, t in g.tensors.items() if n.startswith("blk.") and len(t.shape) == 2)
+    main = kinds.most_common(1)[0][0] if kinds else "F32"
+    if main in EXACT_KEEP:
+        spec = QuantSpec(EXACT_KEEP[main], 32)
+    elif main in ("Q4_K", "Q5_K", "Q3_K", "Q2_K", "Q5_0", "Q5_1"):
+        spec = QuantSpec("int4", 32)
+    elif main == "Q6_K":
+        spec = QuantSpec("int8", 32)
+    else:
+        raise ConfigError(f"{g.path}: --keep-quant needs quantized matrices; this file's are {main} (import it "
+                          "without --keep-quant)")
+    source = GGUFSource(g, hf_config, arch)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.float.", dir=out.parent) as tmp:
+        report = import_gguf(path, Path(tmp) / "run", dtype=torch.float32, max_shard_bytes=max_shard_bytes)
+        cfg = report.cfg
+        # which source rows make up each tinyformer tensor: run the adapter over (source id, row) pairs
+        hf_names = source.names()
+        index = {}
+        for i, name in enumerate(hf_names):
+            shape = source.meta(name).shape
+            rows = torch.arange(shape[0])
+            index[name] = torch.stack([torch.full_like(rows, i), rows], dim=1) if len(shape) == 2 else rows
+        adapter = adapter_for_hf(hf_config)
+        layout = {k: v for k, v in adapter.hf_to_tinyformer(cfg, index) if v.dim() == 2}
+        exact: dict[str, dict[str, torch.Tensor]] = {}
+        for name in hf_names:
+            t = g.tensors[source._gguf_name[name]]
+            if len(t.shape) == 2 and EXACT_KEEP.get(t.tensor_type.name) == spec.type:
+                cols, rows = (int(x) for x in t.shape)
+                parts = block_parts(t.data, t.tensor_type.name, rows, cols)
+                if name in source._permute:
+                    parts = {k: unpermute_rows(v, source._permute[name]) for k, v in parts.items()}
+                exact[name] = parts
+        linears = {f"blocks.{i}.{m}" for i in range(cfg.n_layer) for m in ("attn.qkv", "attn.out", "ffn.gate_up",
+                                                                                 "ffn.down")} | {"lm_head"}
+        rounded: Counter[str] = Counter()
+
+        def tensors():
+            for key, tensor in iter_tensors(Path(tmp) / "run"):
+                layer = "lm_head" if key == "tok_emb.weight" and cfg.tie_embeddings else key.removesuffix(".weight")
+                if layer not in linears or not key.endswith(".weight"):
+                    yield key, tensor
+                    continue
+                pieces = layout[key]
+                sources = [hf_names[int(s)] for s in pieces[:, 0].unique_consecutive()]
+                if all(s in exact for s in sources):
+                    parts = {p: torch.cat([exact[s][p] for s in sources]) for p in exact[sources[0]]}
+                else:
+                    for s in sources:
+                        rounded[g.tensors[source._gguf_name[s]].tensor_type.name] += 1
+                    parts = quantize_weight(tensor, spec)
+                for p, value in parts.items():
+                    yield f"{layer}.{p}", value.contiguous()
+
+        with staged_output(out, force, (Path(path),)) as staging:
+            save_tensors(staging, tensors(), max_shard_bytes)
+            for item in (Path(tmp) / "run").iterdir():
+                if item.is_file() and item.suffix != ".safetensors" and item.name not in ("config.json",
+                                                                                         "model.safetensors.index.json"):
+                    item.replace(staging / item.name)
+            cfg = cfg.replace(extra={**cfg.extra, QUANT_KEY: spec.to_dict()})
+            cfg.save(staging / "config.json")
+            files = sorted(p.name for p in staging.iterdir())
+    notes = list(report.notes)
+    notes.append(f"kept {main} as {spec.type} with groups of 32" + (" exactly" if main in EXACT_KEEP else
+                                                                   " (re-rounded: not exactly representable)"))
+    if rounded:
+        notes.append("re-rounded into the run's layout (stored in another type): "
+                     + ", ".join(f"{n} tensor(s) of {k}" for k, n in sorted(rounded.items())))
+    return ConvertReport(out, cfg, torch.int8 if spec.type == "int8" else torch.uint8, report.n_params, files, notes)

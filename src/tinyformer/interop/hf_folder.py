@@ -521,6 +521,9 @@ def export_hf(run: str | Path, out: str | Path, *, dtype: str | torch.dtype | No
         raise CheckpointError(f"{run} is a LoRA run (an adapter on {run_folder.read_adapter_config(run)[1]}): "
                               "export it with --merge-lora --out RUN first, or as a PEFT adapter with --to-peft DIR")
     cfg = run_folder.load_config(run)
+    if "quantization" in cfg.extra:
+        raise CheckpointError(f"{run} is a quantized run (int8/int4): export its float run to Hugging Face, or this "
+                              "one with --to-gguf")
     adapter = adapter_for_model(cfg)
     source: TensorSource = SafetensorsSource(run_folder.checked_weight_files(run, verify), str(run))
     expected = _MetaStateDict(cfg)

@@ -325,7 +325,7 @@ class DecoderLM(nn.Module):
                   rolling: bool = True) -> KVCache:
         """A KV cache for ``max_len`` positions; sliding-window layers get W-slot rings unless ``rolling`` is
         False (then every layer keeps every position and the window is a mask only)."""
-        p = self.tok_emb.weight
+        p = next(self.parameters())  # not tok_emb.weight: a quantized model's token table has none
         return KVCache(self.cfg, batch_size, max_len or self.cfg.max_seq_len, p.device, dtype or p.dtype,
                        rolling=rolling)
 

@@ -308,6 +308,9 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
             from tinyformer.run_folder import load_config
 
             model_cfg = load_config(init_from)
+            if "quantization" in model_cfg.extra:
+                raise ConfigError(f"--init-from {init_from}: a quantized run cannot be trained; start from the "
+                                  "float run it was quantized from")
             changes = {k: v for k, v in model_fields.items() if k != "vocab_size"}
             model_cfg = model_cfg.replace(**changes) if changes else model_cfg
     if train.lora_rank is not None and not spec.resume and init_from is None:

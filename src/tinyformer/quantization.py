@@ -1,0 +1,171 @@
+"""Quantized run folders: write one from a float run (`tinyformer quantize`) and load one.
+
+A quantized run folder is a run folder whose config.json carries ``extra["quantization"]`` (a
+:class:`~tinyformer.components.quantized.QuantSpec`: type, group_size, kernel) and whose safetensors
+hold, for every quantized linear layer ``NAME``, the portable form of its weight instead of ``NAME.weight``:
+
+    NAME.qweight   int8 (out, in), or for int4 uint8 (out, in / 2), two 4-bit values per byte
+    NAME.scales    float32 (out, in / G)
+    NAME.zeros     float32 (out, in / G), int4 only
+    NAME.bias      float, as before (when the layer has one)
+
+Every ``nn.Linear`` of the model is quantized, the LM head included. A head tied to the token table is
+stored once, as ``lm_head.*``, and the token table reads its rows (``QuantizedEmbedding``); an untied token
+table stays float (a lookup reads one row per token, not the whole table). Norms and biases stay float.
+Quantizing is weight-only and needs no calibration data.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tinyformer.components.quantized import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantSpec,
+    dequantize_weight,
+    quantize_weight,
+)
+from tinyformer.config import ModelConfig
+from tinyformer.errors import CheckpointError, ConfigError
+
+QUANT_KEY = "quantization"
+PORTABLE_PARTS = ("qweight", "scales", "zeros")
+
+
+def quant_spec(cfg: ModelConfig) -> QuantSpec | None:
+    """The run's quantization, or None for a float run (ConfigError for a malformed entry)."""
+    data = cfg.extra.get(QUANT_KEY) if isinstance(cfg.extra, dict) else None
+    return None if data is None else QuantSpec.from_dict(data)
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """Names of the model's ``nn.Linear`` modules: the layers a quantized run stores quantized."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def _tied(model: nn.Module) -> bool:
+    head, emb = getattr(model, "lm_head", None), getattr(model, "tok_emb", None)
+    return isinstance(head, nn.Linear) and isinstance(emb, nn.Embedding) and head.weight is emb.weight
+
+
+# ------------------------------------------------------------------ quantize a float model
+
+
+@dataclass
+class LayerError:
+    """Quantization error of one weight: max |W - dequant(W)|, and ||W - dequant(W)||_F / ||W||_F."""
+
+    name: str
+    shape: tuple[int, int]
+    max_abs: float
+    relative: float
+
+
+@dataclass
+class QuantizeReport:
+    out: Path
+    spec: QuantSpec
+    float_bytes: int
+    quantized_bytes: int
+    files: list[str]
+    layers: list[LayerError] = field(default_factory=list)
+
+
+def quantized_tensors(model: nn.Module, spec: QuantSpec,
+                      errors: list[LayerError] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of the quantized run's safetensors, one layer at a time, from a float model."""
+    from tinyformer.run_folder import state_dict_for_saving
+
+    linears = set(linear_names(model))
+    sd = state_dict_for_saving(model)
+    if _tied(model):  # stored once, under the head's name
+        sd["lm_head.weight"] = sd.pop("tok_emb.weight")
+    for key, tensor in sd.items():
+        prefix, _, leaf = key.rpartition(".")
+        if prefix in linears and leaf == "weight":
+            parts = quantize_weight(tensor, spec)
+            if errors is not None:
+                diff = tensor.float() - dequantize_weight(parts, spec.type)
+                norm = float(tensor.float().norm())
+                errors.append(LayerError(prefix, tuple(tensor.shape), float(diff.abs().max()),
+                                         float(diff.norm()) / norm if norm > 0 else 0.0))
+            for part, value in parts.items():
+                yield f"{prefix}.{part}", value
+        else:
+            yield key, tensor
+
+
+def quantize_run(model_dir: str | Path, out: str | Path, spec: QuantSpec, *, force: bool = False,
+                 layer_errors: bool = False) -> QuantizeReport:
+    """Float run folder -> quantized run folder (config.json with the spec, quantized safetensors, and every
+    other top-level file of the run, such as the tokenizer, copied). Nothing is written on error."""
+    from tinyformer.interop.hf_folder import staged_output
+    from tinyformer.run_folder import INDEX, WEIGHTS, iter_tensors, load_config, load_model, save_tensors
+
+    src = Path(model_dir)
+    cfg = load_config(src)
+    if quant_spec(cfg) is not None:
+        raise ConfigError(f"{src} is already quantized ({quant_spec(cfg).type}); quantize the float run it came from")
+    model = load_model(src, dtype=torch.float32)
+    for name in linear_names(model):  # every layer must fit the group size before anything is written
+        try:
+            spec.groups(model.get_submodule(name).in_features)
+        except ConfigError as exc:
+            raise ConfigError(f"layer {name}: {exc}") from None
+    float_bytes = sum(t.numel() * t.element_size() for _, t in iter_tensors(src))
+    errors: list[LayerError] = []
+    with staged_output(out, force, (src,)) as staging:
+        save_tensors(staging, quantized_tensors(model, spec, errors if layer_errors else None))
+        for item in src.iterdir():
+            if item.is_file() and item.name not in (WEIGHTS, INDEX, "config.json") \
+                    and not item.name.endswith(".safetensors"):
+                shutil.copy2(item, staging / item.name)
+        cfg.replace(extra={**cfg.extra, QUANT_KEY: spec.to_dict()}).save(staging / "config.json")
+        quantized_bytes = sum(t.numel() * t.element_size() for _, t in iter_tensors(staging))
+        files = sorted(p.name for p in staging.iterdir())
+    return QuantizeReport(Path(out), spec, float_bytes, quantized_bytes, files, errors)
+
+
+# ------------------------------------------------------------------ load a quantized run
+
+
+def load_quantized(model: nn.Module, spec: QuantSpec, tensors: dict[str, torch.Tensor], source: str,
+                   dtype: torch.dtype) -> None:
+    """Swap the (meta-device) ``nn.Linear`` s of ``model`` whose portable tensors are in ``tensors`` for
+    ``QuantizedLinear`` s, in place, and take those tensors out of ``tensors``; the float rest stays for the
+    strict state-dict load. A tied token table becomes a ``QuantizedEmbedding`` over the head's tensors."""
+    tied = _tied(model)
+    names = linear_names(model)
+    if not any(f"{n}.qweight" in tensors for n in names):
+        raise CheckpointError(f"{source}: config.json says the run is quantized but no *.qweight tensor is stored")
+    for name in names:
+        if f"{name}.qweight" not in tensors:
+            continue
+        layer = model.get_submodule(name)
+        needed = PORTABLE_PARTS if spec.type == "int4" else PORTABLE_PARTS[:2]
+        missing = [p for p in needed if f"{name}.{p}" not in tensors]
+        if missing:
+            raise CheckpointError(f"{source}: quantized layer {name} lacks {', '.join(missing)}")
+        portable = {p: tensors.pop(f"{name}.{p}") for p in needed}
+        width = layer.in_features // (2 if spec.type == "int4" else 1)
+        if tuple(portable["qweight"].shape) != (layer.out_features, width):
+            raise CheckpointError(f"{source}: {name}.qweight has shape {tuple(portable['qweight'].shape)}, the "
+                                  f"config needs {(layer.out_features, width)}")
+        bias = tensors.get(f"{name}.bias") if layer.bias is not None else None  # left for the strict load
+        if layer.bias is not None and bias is None:
+            raise CheckpointError(f"{source}: missing tensor {name}.bias")
+        _set_module(model, name, QuantizedLinear(portable, spec, layer.in_features, bias, dtype))
+        if tied and name == "lm_head":
+            model.tok_emb = QuantizedEmbedding(portable, spec.type, dtype)
