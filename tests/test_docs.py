@@ -854,7 +854,9 @@ def test_corrections_totals_cover_every_preset_the_walkthrough_runs_and_are_asse
     text = (DOCS / "walkthrough.md").read_text(encoding="utf-8")
     totals = {TOTAL.match(line.strip().partition(": ")[0]).group(1)
               for line in fact_lines(corrections_section(text)) if TOTAL.match(line.strip().partition(": ")[0])}
-    assert set(re.findall(r"--preset ([\w.-]+)", text)) <= totals
+    # moe is tinyformer's own shape, with no published total: tests/test_sizing.py counts it against transformers'
+    # Mixtral built from the same values
+    assert set(re.findall(r"--preset ([\w.-]+)", text)) - {"moe"} <= totals
     assert totals <= set(PUBLISHED) | {"bert-base", "transformer-base"}  # those two: tests/test_classic_sizing.py
 
 

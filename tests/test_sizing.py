@@ -47,7 +47,14 @@ def _transformers_model(cfg: ModelConfig):
     """The same shape as a Hugging Face model (an independent implementation), built on the meta device."""
     import transformers
 
-    if cfg.ffn == "swiglu":
+    if cfg.ffn == "moe":
+        hf_cfg = transformers.MixtralConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+            num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+            head_dim=cfg.head_dim, num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
+            tie_word_embeddings=cfg.tie_embeddings)
+        cls = transformers.MixtralForCausalLM
+    elif cfg.ffn == "swiglu":
         hf_cfg = transformers.LlamaConfig(
             vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
             num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
