@@ -130,8 +130,10 @@ def test_loading_a_checkpoint_of_another_shape_is_a_clear_error(tmp_path: Path) 
 TRAIN_ARGS = [
     "--tokenizer", "char", "--model.d_model", "32", "--model.n_layer", "2", "--model.n_head", "2",
     "--model.d_ff", "64", "--model.max_seq_len", "32", "--model.dropout", "0.1", "--batch-size", "4",
-    "--block-size", "32", "--steps", "120", "--warmup-steps", "10", "--lr", "3e-3", "--eval-interval", "20",
+    "--block-size", "32", "--steps", "400", "--warmup-steps", "10", "--lr", "3e-3", "--eval-interval", "20",
     "--eval-iters", "2", "--sample-tokens", "8", "--threads", "1", "--no-progress", "--seed", "7",
+    # the first checkpoint early (step 20), so that on a fast idle machine the kill still lands mid-run
+    "--checkpoint-interval", "20",
 ]
 
 
@@ -156,7 +158,7 @@ def test_resume_after_sigkill_mid_run_gives_bit_identical_weights(tmp_path: Path
     subprocess.run(_train_cmd(corpus, full), env=env, check=True, capture_output=True, timeout=300)
 
     interrupted_at = sigkill_after_first_checkpoint(_train_cmd(corpus, killed), env, killed, 0.25, seed=1234)
-    assert 0 < interrupted_at < 120
+    assert 0 < interrupted_at < 400
 
     resumed = subprocess.run(_train_cmd(corpus, killed, "--resume"), env=env, capture_output=True, text=True,
                              timeout=300)
