@@ -8,10 +8,13 @@ chooses, before any work:
 
     threads = --threads / train.threads                        when given
             = $OMP_NUM_THREADS                                 when set (torch already obeys it)
-            = max(1, min(usable cores, usable cores - round(load)))   otherwise
+            = max(1, min(usable cores, usable cores - floor(load)))   otherwise
 
 where ``load`` is the 1-minute load average (runnable processes, ``os.getloadavg``) and the usable
 cores are those of the process' CPU affinity. With nothing else running that is every core, as before.
+The load is rounded down, not to the nearest: the average decays over a minute, so a command started
+right after another one finished (an install, say) still sees a load of 0.5-0.9 from it, and one core
+held back for a whole training run on that account made the README's main command 1.6x slower.
 The OpenMP wait policy becomes ``passive`` (idle threads sleep instead of spinning) unless
 ``$OMP_WAIT_POLICY`` is set: it must be in the environment before the OpenMP runtime loads (with
 torch), so :func:`set_wait_policy` runs when the command line is imported.
@@ -19,6 +22,7 @@ torch), so :func:`set_wait_policy` runs when the command line is imported.
 
 from __future__ import annotations
 
+import math
 import os
 
 #: Where the chosen count came from, for the message a command prints.
@@ -40,7 +44,7 @@ def usable_cores() -> int:
 
 
 def idle_cores(cores: int | None = None, load: float | None = None) -> int:
-    """``cores - round(load)``, clamped to [1, cores]; ``load`` defaults to the 1-minute load average
+    """``cores - floor(load)``, clamped to [1, cores]; ``load`` defaults to the 1-minute load average
     (all cores when the OS does not report one)."""
     cores = usable_cores() if cores is None else cores
     if load is None:
@@ -48,7 +52,7 @@ def idle_cores(cores: int | None = None, load: float | None = None) -> int:
             load = os.getloadavg()[0]
         except (AttributeError, OSError):
             return cores
-    return max(1, min(cores, cores - round(load)))
+    return max(1, min(cores, cores - math.floor(load)))
 
 
 def choose_threads(requested: int | None = None) -> tuple[int, str]:
