@@ -2,30 +2,61 @@
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tinyformer.utils import threads
 
 
-@pytest.mark.parametrize("cores, load, want", [(2, 0.0, 2), (2, 0.4, 2), (2, 0.9, 2), (2, 1.2, 1), (2, 11.7, 1),
-                                               (16, 3.6, 13), (16, 0.0, 16), (1, 0.0, 1)])
-def test_idle_cores_is_cores_minus_the_load_rounded_down_clamped(cores, load, want):
-    # rounded down: the decaying load of a command that just ended (0.5-0.9) does not cost a core
-    assert threads.idle_cores(cores, load) == want == max(1, min(cores, cores - math.floor(load)))
+@pytest.mark.parametrize("cores, busy, want", [(2, 0.0, 2), (2, 0.4, 2), (2, 0.9, 1), (2, 1.2, 1), (2, 11.7, 1),
+                                               (16, 3.6, 12), (16, 0.0, 16), (1, 0.0, 1)])
+def test_idle_cores_is_cores_minus_the_busy_cores_rounded_clamped(cores, busy, want):
+    assert threads.idle_cores(cores, busy) == want == max(1, min(cores, cores - round(busy)))
+
+
+def test_busy_cores_is_the_non_idle_share_of_cpu_time_between_two_readings(monkeypatch):
+    # /proc/stat columns: user nice system idle iowait irq softirq steal guest guest_nice
+    snapshots = iter([(1000 + 100, 1000 + 400, 3),   # (busy, total, n_cpu) as _cpu_times returns them
+                      (1000 + 250, 1000 + 700, 3)])
+    monkeypatch.setattr(threads, "_cpu_times", lambda: next(snapshots))
+    assert threads.busy_cores(0.0) == pytest.approx(3 * 150 / 300)
+
+
+def test_cpu_times_reads_busy_total_and_cpus_from_proc_stat(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  10 1 5 100 4 2 3 0 7 0\ncpu0 5 0 2 50 2 1 1 0 3 0\ncpu1 5 1 3 50 2 1 2 0 4 0\n"
+                    "intr 12345\n")
+    total = 10 + 1 + 5 + 100 + 4 + 2 + 3 + 0  # guest columns left out: user already counts them
+    assert threads._cpu_times(str(stat)) == (total - 100 - 4, total, 2)
+
+
+def test_busy_cores_sees_a_process_that_spins_now():
+    if threads.busy_cores(0.0) is None:
+        pytest.skip("no /proc/stat here")
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 3: pass"])
+    try:
+        time.sleep(0.3)  # let it start spinning
+        assert threads.busy_cores(0.3) >= 0.8  # one core at least: the spinner (the machine's other work adds)
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 def test_flag_then_environment_then_load(monkeypatch):
     monkeypatch.setattr(threads, "usable_cores", lambda: 4)
-    monkeypatch.setattr(os, "getloadavg", lambda: (2.2, 0.0, 0.0))
+    monkeypatch.setattr(threads, "busy_cores", lambda: 2.2)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert threads.choose_threads() == (2, "load")
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.0, 0.0))
+    assert "2.2 busy" in threads.describe_threads(2, "load")
+    monkeypatch.setattr(threads, "busy_cores", lambda: 0.1)
     assert threads.choose_threads() == (4, "cores")
+    monkeypatch.setattr(threads, "busy_cores", lambda: None)  # no /proc/stat: the load average
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.1, 0.0, 0.0))
+    assert threads.choose_threads() == (1, "load")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert threads.choose_threads() == (3, "OMP_NUM_THREADS")
     assert threads.choose_threads(1) == (1, "flag")

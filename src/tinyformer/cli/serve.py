@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="weights dtype; auto (default) = float32 on cpu, bfloat16 on cuda (float16 where the GPU "
                         "has no bfloat16), as generate and chat")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: the idle cores, by the load average; see utils/threads.py)")
+                   help="torch CPU threads (default: the cores not busy at start; see utils/threads.py)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_no_verify_flag(p)
     p.set_defaults(func=run)

@@ -47,7 +47,7 @@ TRAIN_FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--grad-clip",), "grad_clip", float, "max gradient norm (0 = off)"),
     (("--device",), "device", str, "auto, cpu, cuda, cuda:N or mps"),
     (("--dtype",), "dtype", str, "auto, float32, bfloat16 or float16 (autocast)"),
-    (("--threads",), "threads", int, "CPU threads (default: the idle cores, by the load average)"),
+    (("--threads",), "threads", int, "CPU threads (default: the cores not busy at start)"),
     (("--seed",), "seed", int, "random seed"),
     (("--eval-interval",), "eval_interval", int, "evaluate (val loss, sample) every N steps"),
     (("--eval-iters",), "eval_iters", int, "validation batches per evaluation (0 = the whole split)"),

@@ -8,13 +8,15 @@ chooses, before any work:
 
     threads = --threads / train.threads                        when given
             = $OMP_NUM_THREADS                                 when set (torch already obeys it)
-            = max(1, min(usable cores, usable cores - floor(load)))   otherwise
+            = max(1, min(usable cores, usable cores - round(busy)))   otherwise
 
-where ``load`` is the 1-minute load average (runnable processes, ``os.getloadavg``) and the usable
-cores are those of the process' CPU affinity. With nothing else running that is every core, as before.
-The load is rounded down, not to the nearest: the average decays over a minute, so a command started
-right after another one finished (an install, say) still sees a load of 0.5-0.9 from it, and one core
-held back for a whole training run on that account made the README's main command 1.6x slower.
+where ``busy`` is how many cores other processes keep busy *now*: the machine's non-idle share of CPU
+time over 0.1 s (Linux ``/proc/stat``), times its core count; where that cannot be read, the 1-minute
+load average. The usable cores are those of the process' CPU affinity. With nothing else running that
+is every core, as before. Not the load average first: it decays over a minute, so a command started
+right after another one ended (``train --objective sft`` after ``train``, or after ``pip install``)
+would see 0.6-1.3 "runnable processes" that are gone, and hold back a core for its whole run; the
+README's main command ran 1.6x slower that way.
 The OpenMP wait policy becomes ``passive`` (idle threads sleep instead of spinning) unless
 ``$OMP_WAIT_POLICY`` is set: it must be in the environment before the OpenMP runtime loads (with
 torch), so :func:`set_wait_policy` runs when the command line is imported.
@@ -22,7 +24,6 @@ torch), so :func:`set_wait_policy` runs when the command line is imported.
 
 from __future__ import annotations
 
-import math
 import os
 
 #: Where the chosen count came from, for the message a command prints.
@@ -43,16 +44,51 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def idle_cores(cores: int | None = None, load: float | None = None) -> int:
-    """``cores - floor(load)``, clamped to [1, cores]; ``load`` defaults to the 1-minute load average
-    (all cores when the OS does not report one)."""
+#: /proc/stat's aggregate "cpu" columns that are not busy time, and guest time (already counted in user)
+_IDLE_COLUMNS, _GUEST_COLUMNS = (3, 4), (8, 9)
+_last_busy: float | None = None
+
+
+def _cpu_times(path: str = "/proc/stat") -> tuple[int, int, int]:
+    """(busy jiffies, total jiffies, number of CPUs) of the whole machine, from ``path``."""
+    with open(path, encoding="ascii") as f:
+        lines = f.read().splitlines()
+    columns = [int(x) for x in lines[0].split()[1:]]
+    total = sum(v for i, v in enumerate(columns) if i not in _GUEST_COLUMNS)
+    idle = sum(columns[i] for i in _IDLE_COLUMNS if i < len(columns))
+    n_cpu = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+    return total - idle, total, max(1, n_cpu)
+
+
+def busy_cores(interval: float = 0.1) -> float | None:
+    """Cores kept busy over the next ``interval`` seconds by everything on the machine (this process
+    sleeps meanwhile): n_cpu * busy jiffies / all jiffies from /proc/stat, sampled twice; None where
+    /proc/stat cannot be read (not Linux)."""
+    import time
+
+    try:
+        busy0, total0, n_cpu = _cpu_times()
+        time.sleep(interval)
+        busy1, total1, _ = _cpu_times()
+    except (OSError, ValueError, IndexError):
+        return None
+    return n_cpu * (busy1 - busy0) / (total1 - total0) if total1 > total0 else 0.0
+
+
+def idle_cores(cores: int | None = None, busy: float | None = None) -> int:
+    """``cores - round(busy)``, clamped to [1, cores]; ``busy`` defaults to :func:`busy_cores`, else the
+    1-minute load average (all cores when neither can be read)."""
+    global _last_busy
     cores = usable_cores() if cores is None else cores
-    if load is None:
+    if busy is None:
+        busy = busy_cores()
+    if busy is None:
         try:
-            load = os.getloadavg()[0]
+            busy = os.getloadavg()[0]
         except (AttributeError, OSError):
             return cores
-    return max(1, min(cores, cores - math.floor(load)))
+    _last_busy = busy
+    return max(1, min(cores, cores - round(busy)))
 
 
 def choose_threads(requested: int | None = None) -> tuple[int, str]:
@@ -96,14 +132,11 @@ def configured_threads() -> str:
 
 
 def describe_threads(n: int, source: str) -> str:
-    """A short phrase for the console: '1 thread (2 cores, load 1.3)'."""
+    """A short phrase for the console: '1 thread (2 cores, 1.0 busy; --threads to change)'."""
     plural = "thread" if n == 1 else "threads"
     if source == "load":
-        try:
-            load = f", load {os.getloadavg()[0]:.1f}"
-        except (AttributeError, OSError):
-            load = ""
-        return f"{n} {plural} ({usable_cores()} cores{load}; --threads to change)"
+        busy = f", {_last_busy:.1f} busy" if _last_busy is not None else ""
+        return f"{n} {plural} ({usable_cores()} cores{busy}; --threads to change)"
     if source == "OMP_NUM_THREADS":
         return f"{n} {plural} ($OMP_NUM_THREADS)"
     return f"{n} {plural}"
