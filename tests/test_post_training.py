@@ -496,6 +496,13 @@ def test_lora_sft_and_dpo_train_adapters_on_a_chatml_run_and_resume_exactly(
     first = [json.loads(line) for line in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()
              if json.loads(line).get("kind") == "train"][0]
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    # full DPO from the LoRA run: its reference is that run's merged weights, equal to the policy at the first step
+    assert main(["train", "--init-from", str(tmp_path / "full"), "--objective", "dpo", "--data", str(prefs),
+                 "--out", str(tmp_path / "dpo-full"), "--steps", "1", "--batch-size", "4", "--eval-iters", "1",
+                 "--threads", "1", "--no-progress"]) == 0
+    first = [json.loads(line) for line in (tmp_path / "dpo-full" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line).get("kind") == "train"][0]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
     capsys.readouterr()
     assert main(["eval", "--model", str(tmp_path / "dpo"), "--data", str(prefs), "--json"]) == 0
     assert 0.0 <= json.loads(capsys.readouterr().out)["preference_accuracy"] <= 1.0

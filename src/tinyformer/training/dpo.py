@@ -121,7 +121,7 @@ class DPOObjective(ChatObjective):
     def _load_reference(self, model: nn.Module, device: torch.device) -> nn.Module:
         """The ``--init-from`` weights in a model shaped like ``model`` (embeddings grown as for training)."""
         from tinyformer.models import build_model
-        from tinyformer.run_folder import iter_tensors, rebuild_buffers
+        from tinyformer.run_folder import model_tensors, rebuild_buffers
         from tinyformer.training.checkpoint import load_weights
 
         assert self.cfg.init_from is not None, "a chat objective always starts from --init-from"
@@ -129,7 +129,8 @@ class DPOObjective(ChatObjective):
             reference = build_model(model.cfg)
         reference.to_empty(device=device)
         rebuild_buffers(reference, device)
-        tensors = self.adapt_pretrained(dict(iter_tensors(Path(self.cfg.init_from))))
+        # as Trainer.load_pretrained reads them: a LoRA run's are its base with the adapter merged
+        tensors = self.adapt_pretrained(dict(model_tensors(Path(self.cfg.init_from))))
         if model.cfg.tie_embeddings:
             reference.lm_head.weight = reference.tok_emb.weight
         load_weights(reference, tensors, f"the DPO reference {self.cfg.init_from}")
