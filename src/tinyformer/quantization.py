@@ -111,9 +111,8 @@ def quantize_run(model_dir: str | Path, out: str | Path, spec: QuantSpec, *, for
                  layer_errors: bool = False) -> QuantizeReport:
     """Float run folder -> quantized run folder (config.json with the spec, quantized safetensors, and every
     other top-level file of the run, such as the tokenizer, copied). Nothing is written on error."""
-    from tinyformer.integrity import MANIFEST  # save_tensors wrote the quantized files' own
     from tinyformer.interop.hf_folder import staged_output
-    from tinyformer.run_folder import INDEX, WEIGHTS, iter_tensors, load_config, load_model, save_tensors
+    from tinyformer.run_folder import iter_tensors, load_config, load_model, save_tensors, side_files
 
     src = Path(model_dir)
     cfg = load_config(src)
@@ -129,10 +128,8 @@ def quantize_run(model_dir: str | Path, out: str | Path, spec: QuantSpec, *, for
     errors: list[LayerError] = []
     with staged_output(out, force, (src,)) as staging:
         save_tensors(staging, quantized_tensors(model, spec, errors if layer_errors else None))
-        for item in src.iterdir():
-            if item.is_file() and item.name not in (WEIGHTS, INDEX, MANIFEST, "config.json") \
-                    and not item.name.endswith(".safetensors"):
-                shutil.copy2(item, staging / item.name)
+        for item in side_files(src):
+            shutil.copy2(item, staging / item.name)
         cfg.replace(extra={**cfg.extra, QUANT_KEY: spec.to_dict()}).save(staging / "config.json")
         quantized_bytes = sum(t.numel() * t.element_size() for _, t in iter_tensors(staging))
         files = sorted(p.name for p in staging.iterdir())

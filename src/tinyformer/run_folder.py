@@ -36,7 +36,7 @@ from torch import nn
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import CheckpointError
-from tinyformer.integrity import checked_shard_names, verify_files, write_manifest
+from tinyformer.integrity import MANIFEST, checked_shard_names, verify_files, write_manifest
 from tinyformer.utils.io import atomic_write_text, atomic_write_with
 
 WEIGHTS = "model.safetensors"
@@ -53,6 +53,14 @@ def state_dict_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
     if cfg is not None and cfg.tie_embeddings and "lm_head.weight" in sd and "tok_emb.weight" in sd:
         sd.pop("lm_head.weight")
     return {k: v.detach().contiguous() for k, v in sd.items()}
+
+
+def side_files(run_dir: str | Path) -> list[Path]:
+    """The top-level files of a run folder other than its weights (shards, index, manifest) and config.json:
+    the tokenizer and training files that a rewrite of the weights (quantize, ``--keep-quant``) carries over.
+    The manifest stays behind because it describes the old weights; the new ones get their own."""
+    return [p for p in sorted(Path(run_dir).iterdir()) if p.is_file() and p.suffix != ".safetensors"
+            and p.name not in (INDEX, MANIFEST, "config.json")]
 
 
 def save_tensors(run_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]],

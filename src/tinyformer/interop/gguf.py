@@ -543,11 +543,10 @@ def import_gguf_keep_quant(path: str | Path, out: str | Path, *, max_shard_bytes
     from collections import Counter
 
     from tinyformer.components.quantized import QuantSpec, quantize_weight
-    from tinyformer.integrity import MANIFEST
     from tinyformer.interop.adapter import adapter_for_hf
     from tinyformer.interop.hf_folder import staged_output
     from tinyformer.quantization import QUANT_KEY
-    from tinyformer.run_folder import iter_tensors, save_tensors
+    from tinyformer.run_folder import iter_tensors, save_tensors, side_files
 
     g = GGUFFile(path)
     hf_config = hf_config_from_gguf(g)
@@ -610,11 +609,8 @@ def import_gguf_keep_quant(path: str | Path, out: str | Path, *, max_shard_bytes
 
         with staged_output(out, force, (Path(path),)) as staging:
             save_tensors(staging, tensors(), max_shard_bytes)
-            for item in (Path(tmp) / "run").iterdir():
-                # save_tensors wrote the manifest of the quantized files: the float import's would not match them
-                if item.is_file() and item.suffix != ".safetensors" and item.name not in (
-                        "config.json", "model.safetensors.index.json", MANIFEST):
-                    item.replace(staging / item.name)
+            for item in side_files(Path(tmp) / "run"):
+                item.replace(staging / item.name)
             cfg = cfg.replace(extra={**cfg.extra, QUANT_KEY: spec.to_dict()})
             cfg.save(staging / "config.json")
             files = sorted(p.name for p in staging.iterdir())
