@@ -129,7 +129,7 @@ class Server:
 
     def __init__(self, model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 16, max_queue: int = 64,
                  request_timeout: float | None = 600.0, api_key: str | None = None,
-                 max_len: int | None = None) -> None:
+                 max_len: int | None = None, compile: bool = False, prefill_chunk: int | None = 256) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.created = P.now()
@@ -137,7 +137,7 @@ class Server:
         self.request_timeout = request_timeout if request_timeout and request_timeout > 0 else None
         self.vocab_size = int(model.cfg.vocab_size)
         self.scheduler = Scheduler(model, self.token_bytes, max_batch=max_batch, max_queue=max_queue,
-                                   max_len=max_len)
+                                   max_len=max_len, compile=compile, prefill_chunk=prefill_chunk)
         self.context = self.scheduler.max_len
         self.template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token,
                                      tokenizer.pad_token)
@@ -321,17 +321,20 @@ def _total_usage(choices: list[_Choice], prompt_lengths: list[int]) -> dict[str,
 def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 16, max_queue: int = 64,
                request_timeout: float | None = 600.0, api_key: str | None = None,
                max_len: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               bind_host: str = "127.0.0.1", allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+               bind_host: str = "127.0.0.1", allowed_origins: tuple[str, ...] = (), compile: bool = False,
+               prefill_chunk: int | None = 256) -> FastAPI:
     """The FastAPI app serving ``model`` (a decoder LM, eval mode) with ``tokenizer``.
 
     The scheduler thread starts with the app (lifespan) and stops with it. ``app.state.server`` is the
     :class:`Server` (its ``scheduler`` has the slot counters). Every request passes
     :class:`~tinyformer.serve.guard.RequestGuard` first: bodies over ``max_body_bytes`` get 413 and, without
     an ``api_key``, cross-site browser requests (and, bound to loopback ``bind_host``, foreign Host names)
-    get 403.
+    get 403. ``compile`` decodes with the compiled step; ``prefill_chunk`` is the most prompt tokens a request
+    feeds per step (see :class:`~tinyformer.serve.scheduler.Scheduler`).
     """
     server = Server(model, tokenizer, model_name=model_name, max_batch=max_batch, max_queue=max_queue,
-                    request_timeout=request_timeout, api_key=api_key, max_len=max_len)
+                    request_timeout=request_timeout, api_key=api_key, max_len=max_len, compile=compile,
+                    prefill_chunk=prefill_chunk)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
