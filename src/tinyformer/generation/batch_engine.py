@@ -133,6 +133,8 @@ class EngineRow:
         self.pos = 0
         self.pending: list[int] = []
         self.prefilling = True
+        self.prefix_hit: Any = None  # the prefix-cache hit it was loaded from, pinned until it is removed
+        self.slid = False  # its cache positions no longer hold prompt + tokens from position 0
         self.processors: list[LogitsProcessor] = build_processors(params)
         self.generator: torch.Generator | None = None
         self.penalised = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
@@ -206,7 +208,7 @@ class BatchEngine:
 
     def __init__(self, model: nn.Module, *, max_batch: int, max_len: int | None = None,
                  compiled: CompiledStep | None = None, prefill_chunk: int | None = None,
-                 context_policy: str = "error", slide_keep: int | None = None) -> None:
+                 context_policy: str = "error", slide_keep: int | None = None, prefix_cache: Any = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -230,6 +232,10 @@ class BatchEngine:
         self.compiled = None if self.per_row else compiled
         # right-padded batched prefill would write padding into ring slots still inside a row's window
         self.pad_prefill = not any(self.cache.rolling) and not self.per_row
+        # a PrefixCache (generation/prefix_cache.py) shared by the requests of this engine, when its rows
+        # hold position p at index p (no rolling ring) and keys do not depend on the sequence's length
+        self.prefix_cache = prefix_cache if prefix_cache is not None and not self.per_row \
+            and prefix_cache.enabled_for(self.cache) else None
         self.rows: list[EngineRow] = []
         self._free = list(range(max_batch))
         self._views: dict[int, KVCache] = {max_batch: self.cache}
@@ -243,7 +249,8 @@ class BatchEngine:
 
     def add(self, row: EngineRow, *, prefilled: int = 0) -> None:
         """Give ``row`` the lowest free slot; its cache row is taken to hold its first ``prefilled``
-        prompt positions already (a prefix cache hit), so prefilling starts there."""
+        prompt positions already, so prefilling starts there. With a prefix cache, the longest cached
+        prefix of the prompt is loaded into the row and prefilling starts after it."""
         if not self._free:
             raise RuntimeError("no free slot in the batch")
         ids = row.prompt_ids
@@ -255,12 +262,28 @@ class BatchEngine:
         if not 0 <= prefilled < len(ids):
             raise ValueError(f"prefilled must be in [0, {len(ids)}), got {prefilled}")
         row.slot = self._free.pop(0)
+        if self.prefix_cache is not None and prefilled == 0 and ids is row.prompt_ids:
+            hit = self.prefix_cache.lookup(ids)
+            if hit.length:
+                self.prefix_cache.load(hit, self.cache, row.slot)
+                prefilled = hit.length
+            row.prefix_hit = hit
+        row.slid = ids is not row.prompt_ids
         row.pos, row.pending, row.prefilling = prefilled, list(ids[prefilled:]), True
         if row.params.seed is not None and not row.params.greedy:
             row.generator = make_generator(row.params, self.device)
         self.rows.append(row)
 
     def remove(self, row: EngineRow) -> None:
+        """Free the row's slot (finished or cancelled). With a prefix cache, the whole blocks of the tokens
+        whose keys and values the row holds (prompt and generated tokens) are stored first, so a later
+        request that continues this one (the next turn of a chat) finds them, and its hit is released."""
+        if self.prefix_cache is not None:
+            if not row.slid and row.pos > 0:
+                self.prefix_cache.store(row.prompt_ids + row.token_ids, self.cache, row.slot, row.pos)
+            if row.prefix_hit is not None:
+                self.prefix_cache.release(row.prefix_hit)
+                row.prefix_hit = None
         self.rows.remove(row)
         self._free.append(row.slot)
         self._free.sort()
@@ -476,6 +499,7 @@ class BatchEngine:
                 if self.context_policy == "slide":
                     # keep the last slide_keep tokens and prefill them again at positions 0 ..
                     row.pos, row.pending, row.prefilling = 0, (row.prompt_ids + row.token_ids)[-self.slide_keep:], True
+                    row.slid = True
                 else:
                     finish = "length"
             elif row.pos == self.long_from:

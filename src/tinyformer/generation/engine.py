@@ -283,6 +283,10 @@ class Generator:
     context, and dynamic-NTK and LongRoPE models, are decoded eagerly. On CPU it also stores the model's linear weights
     input-major (:func:`~tinyformer.generation.weight_layout.store_input_major`), as ``from_run`` does
     for the model it loads: same values and shapes, faster batch-1 products for weights read from DRAM.
+
+    ``prefix_cache`` (a :class:`~tinyformer.generation.prefix_cache.PrefixCache`) is kept across requests:
+    each prompt starts from the longest cached prefix of whole blocks, and each finished sequence stores
+    its blocks, so the next turn of a chat prefills only what is new.
     """
 
     def __init__(
@@ -294,6 +298,7 @@ class Generator:
         context_policy: str = "error",
         slide_keep: int | None = None,
         compile: bool = False,
+        prefix_cache: Any = None,
     ) -> None:
         cfg = getattr(model, "cfg", None)
         if cfg is None or cfg.arch != "decoder" or not hasattr(model, "new_cache"):
@@ -326,6 +331,9 @@ class Generator:
         self._bytes: dict[int, bytes] = {}
         self.compile = compile
         self._compiled: CompiledStep | None = None
+        # a PrefixCache kept across requests: a prompt that continues an earlier one (a chat's next turn)
+        # loads the earlier one's keys and values instead of prefilling them again
+        self.prefix_cache = prefix_cache
         self.timings = GenerationTimings()  # of the last generate() / stream(), once it has finished
 
     @classmethod
@@ -498,7 +506,7 @@ class Generator:
         max_len = -(-(width + 1) // STATIC_CACHE_BLOCK) * STATIC_CACHE_BLOCK if static else min(width, L)
         engine = BatchEngine(self.model, max_batch=len(rows), max_len=max_len,
                              compiled=self._compiled if static else None, context_policy=self.context_policy,
-                             slide_keep=self.slide_keep)
+                             slide_keep=self.slide_keep, prefix_cache=self.prefix_cache)
         for row in rows:
             engine.add(row)
         index = {id(r): b for b, r in enumerate(rows)}
