@@ -9,6 +9,7 @@ import torch
 
 from tinyformer.components.kv_cache import KVCache
 from tinyformer.config import ModelConfig
+from tinyformer.errors import ConfigError
 from tinyformer.generation.prefix_cache import PrefixCache
 from tinyformer.models.decoder import DecoderLM
 
@@ -54,6 +55,22 @@ def pool(model: DecoderLM, blocks: int = 64) -> PrefixCache:
     return PrefixCache(model.cfg, block_size=BS, budget_bytes=blocks * probe.block_bytes)
 
 
+def same_block_after_two_prefixes() -> tuple[list[int], list[int]]:
+    """Two prompts whose second blocks hold the same tokens after different first blocks."""
+    shared_block = tokens(BS, seed=7)
+    return tokens(BS, seed=8) + shared_block + [1], tokens(BS, seed=9) + shared_block + [1]
+
+
+def assert_exact_hit(model: DecoderLM, prefix: PrefixCache, prompt: list[int], length: int) -> None:
+    """The prompt hits ``length`` tokens, and loading them into a fresh row gives a full prefill's logits."""
+    hit = prefix.lookup(prompt)
+    assert hit.length == length
+    cache = model.new_cache(1)
+    prefix.load(hit, cache, 0)
+    assert_same_logits(prefill(model, cache, 0, prompt, hit.length), full_logits(model, prompt))
+    prefix.release(hit)
+
+
 # ------------------------------------------------------------------ a hit equals a miss
 
 
@@ -84,14 +101,10 @@ def test_an_exact_full_match_leaves_at_least_one_token_to_prefill(one_thread):
     prefix = pool(model)
     for n in (12, 13):  # 12: whole blocks, the last is not reused; 13: all three blocks reused
         a = tokens(n, seed=n)
-        cache = model.new_cache(2)
+        cache = model.new_cache(1)
         prefill(model, cache, 0, a)
         prefix.store(a, cache, 0, n)
-        hit = prefix.lookup(a)
-        assert hit.length == (n - 1) // BS * BS
-        prefix.load(hit, cache, 1)
-        assert_same_logits(prefill(model, cache, 1, a, hit.length), full_logits(model, a))
-        prefix.release(hit)
+        assert_exact_hit(model, prefix, a, (n - 1) // BS * BS)
 
 
 def test_prompts_shorter_than_a_block_neither_store_nor_hit(one_thread):
@@ -121,34 +134,22 @@ def test_a_growing_conversation_reuses_its_earlier_turns(one_thread):
         model(torch.tensor([reply]), cache=view)  # the decode steps of the reply, in one go
     prefix.store(turn1 + reply, cache, 0, len(turn1) + len(reply))
     turn2 = turn1 + reply + tokens(7, seed=6)
-    cache = model.new_cache(1)
-    hit = prefix.lookup(turn2)
-    assert hit.length == 16
-    prefix.load(hit, cache, 0)
-    assert_same_logits(prefill(model, cache, 0, turn2, hit.length), full_logits(model, turn2))
+    assert_exact_hit(model, prefix, turn2, 16)
     assert prefix.stats.tokens_reused == 16
 
 
 def test_same_block_tokens_after_a_different_prefix_do_not_hit(one_thread):
     model = random_lm()
     prefix = pool(model)
-    shared_block = tokens(BS, seed=7)
-    a = tokens(BS, seed=8) + shared_block + [1]
-    c = tokens(BS, seed=9) + shared_block + [1]
+    a, c = same_block_after_two_prefixes()
     cache = model.new_cache(1)
     prefill(model, cache, 0, a)
     prefix.store(a, cache, 0, len(a))
     prefill(model, cache, 0, c)
     prefix.store(c, cache, 0, BS)  # only c's first block
-    hit = prefix.lookup(c)  # c's second block has a's tokens, but after another first block
-    assert hit.length == BS
-    prefix.release(hit)
+    assert_exact_hit(model, prefix, c, BS)  # c's second block has a's tokens, but after another first block
     assert prefix.store(c, cache, 0, len(c)) == 1  # a block of its own, with c's K/V
-    hit = prefix.lookup(c)
-    assert hit.length == 2 * BS
-    cache = model.new_cache(1)
-    prefix.load(hit, cache, 0)
-    assert_same_logits(prefill(model, cache, 0, c, hit.length), full_logits(model, c))
+    assert_exact_hit(model, prefix, c, 2 * BS)
 
 
 def test_a_hash_collision_is_a_miss_not_another_prefix_kv(one_thread, monkeypatch):
@@ -159,18 +160,12 @@ def test_a_hash_collision_is_a_miss_not_another_prefix_kv(one_thread, monkeypatc
     monkeypatch.setattr(prefix_cache, "_chain_key", lambda parent, toks: hash(toks))
     model = random_lm()
     prefix = pool(model)
-    shared_block = tokens(BS, seed=7)
-    a = tokens(BS, seed=8) + shared_block + [1]
-    c = tokens(BS, seed=9) + shared_block + [1]
+    a, c = same_block_after_two_prefixes()
     cache = model.new_cache(1)
     for p in (a, c):
         prefill(model, cache, 0, p)
         prefix.store(p, cache, 0, len(p))
-    hit = prefix.lookup(c)
-    assert hit.length == BS
-    cache = model.new_cache(1)
-    prefix.load(hit, cache, 0)
-    assert_same_logits(prefill(model, cache, 0, c, hit.length), full_logits(model, c))
+    assert_exact_hit(model, prefix, c, BS)
 
 
 # ------------------------------------------------------------------ budget, pins, eviction
@@ -274,6 +269,23 @@ def test_a_budget_below_one_block_stores_nothing(one_thread):
     a = tokens(9, seed=50)
     prefill(model, cache, 0, a)
     assert prefix.store(a, cache, 0, len(a)) == 0 and prefix.stats.bytes_used == 0
+
+
+def test_a_released_hit_cannot_be_loaded_and_bad_sizes_are_refused(one_thread):
+    model = random_lm()
+    prefix = pool(model)
+    cache = model.new_cache(1)
+    a = tokens(9, seed=55)
+    prefill(model, cache, 0, a)
+    prefix.store(a, cache, 0, len(a))
+    hit = prefix.lookup(a)
+    prefix.release(hit)
+    with pytest.raises(ValueError, match="released"):
+        prefix.load(hit, cache, 0)
+    with pytest.raises(ConfigError, match="block_size"):
+        PrefixCache(model.cfg, block_size=0, budget_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="budget_bytes"):
+        PrefixCache(model.cfg, budget_bytes=-1)
 
 
 def test_stats_and_clear(one_thread):
