@@ -36,7 +36,8 @@ that cannot fit because every block is pinned is not stored (nor are the blocks 
 
 Releasing a hit twice is a no-op: the hit remembers that it was released (a request may be cancelled
 and finish at the same time). Sliding-window caches whose layers are rings (``cache.rolling``) hold
-positions by slot p mod W, not by index: :meth:`PrefixCache.enabled_for` is False for them.
+positions by slot p mod W, not by index: :meth:`PrefixCache.enabled_for` is False for them. Not
+thread-safe: the one engine loop that owns it calls it between forward passes.
 """
 
 from __future__ import annotations
