@@ -173,7 +173,7 @@ gen = Generator.from_run(run, compile=compile_)
 gen.eos_token_id = None
 rates = []
 for i, p in enumerate(prompts):
-    gen.generate([p], SamplingParams(temperature=0.8, max_new_tokens=n, seed=i), logprobs=False)
+    gen.generate([p], SamplingParams(temperature=0.8, max_new_tokens=n), logprobs=False)
     if i:  # the first request compiles
         rates.append(gen.timings.decode_tokens_per_s)
 rates.sort()

@@ -250,3 +250,69 @@ def test_training_sample_equals_transformers(char_run):
         want = want[: want.index(tok.eos_id)]
     text = sample_text(model, tok, "the fox", N, "cpu", temperature=0)
     assert text == tok.decode(ids + want, skip_special_tokens=True)
+
+
+# ------------------------------------------------------------------ prefix cache hits and misses
+
+
+SYSTEM = [(7 * i + 3) % 50 for i in range(40)]  # a shared 40-token "system prompt"
+
+
+def test_generator_prefix_hit_gives_the_logprobs_and_tokens_of_a_miss(model64):
+    from tinyformer.generation.batch_engine import new_prefix_cache
+
+    cold = Generator(model64)
+    warm = Generator(model64, prefix_cache=new_prefix_cache(model64, 1))
+    for g in (cold, warm):
+        g.eos_token_id = None
+    first = warm.generate([SYSTEM + [1, 2]], greedy())[0]
+    assert warm.prefix_cache.stats.hits == 0
+    prompt = SYSTEM + [1, 2] + first.token_ids[:6] + [9]  # continues the first request: a chat's next turn
+    hit = warm.generate([prompt], greedy())[0]
+    # the first request stored prompt + completion; whole 16-token blocks of the 48 shared tokens are reused
+    assert warm.prefix_cache.stats.hits == 1 and warm.prefix_cache.stats.tokens_reused == 48
+    miss = cold.generate([prompt], greedy())[0]
+    assert hit.token_ids == miss.token_ids == hf_greedy(hf_twin(model64), prompt)
+    torch.testing.assert_close(torch.tensor(hit.logprobs), torch.tensor(miss.logprobs), rtol=0, atol=1e-10)
+
+
+def test_scheduler_prefix_hits_small_budget_eviction_and_cancel_keep_tokens_and_free_blocks(model64):
+    hf = hf_twin(model64)
+    prompts = [SYSTEM + [i, i + 1, i + 2] for i in range(6)]
+    want = [hf_greedy(hf, p) for p in prompts]
+    # 3 blocks of 16 positions fit: requests evict each other's blocks while others still run
+    block = 2 * model64.cfg.n_layer * model64.cfg.n_kv_head * 16 * model64.cfg.head_dim * 8
+    sched = Scheduler(model64, lambda t: b"", max_batch=2, max_len=64, prefill_chunk=16,
+                      prefix_cache_mb=3 * block / 2**20)
+    assert run_scheduler(sched, prompts[:1]) == want[:1]
+    assert run_scheduler(sched, prompts[1:]) == want[1:]
+    pc = sched.engine.prefix_cache
+    assert pc.stats.hits >= 1 and pc.stats.evictions >= 1
+    assert all(b.refs == 0 for b in pc._blocks.values())  # every finished request released its hit
+    # a request cancelled while it runs releases its blocks too
+    started = threading.Event()
+    sched.start()
+    try:
+        req = GenerationRequest(prompts[0], greedy(40), lambda e: started.set())
+        sched.submit([req])
+        assert started.wait(60)
+        sched.cancel([req.id])
+        while sched.active_count:
+            threading.Event().wait(0.01)
+    finally:
+        sched.stop()
+    assert all(b.refs == 0 for b in pc._blocks.values())
+
+
+def test_chat_turns_reuse_the_history_and_answer_as_without_the_prefix_cache(char_run):
+    from tinyformer.generation.batch_engine import new_prefix_cache
+
+    folder, _ = char_run
+    replies = {}
+    for mb in (0, 4):
+        gen = Generator.from_run(folder)
+        gen.prefix_cache = new_prefix_cache(gen.model, mb)
+        session = ChatSession(gen)
+        replies[mb] = ["".join(session.send(text, greedy(16))) for text in ("the fox", "a lazy dog", "the dog")]
+    assert replies[4] == replies[0]
+    assert gen.prefix_cache.stats.hits >= 2  # the second and third turns started from the history's blocks

@@ -45,11 +45,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="weights dtype; auto (default) = float32 on cpu, bfloat16 on cuda (float16 where the GPU "
                         "has no bfloat16), as generate and chat")
     p.add_argument("--compile", action="store_true",
-                   help="decode with a torch.compile-d step (each batch-size bucket 1, 2, 4, .. compiles once, "
-                        "tens of seconds on CPU, on first use); faster per token afterwards")
+                   help="decode with a torch.compile-d step: two graphs (one request; all --max-batch rows), each "
+                        "compiled when first needed, which stalls generation for tens of seconds on CPU; "
+                        "faster per token afterwards")
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens a request feeds per step at most, so long prompts interleave with the "
                         "decoding of running requests (default 256)")
+    p.add_argument("--prefix-cache-mb", type=float, default=0, metavar="MB",
+                   help="keep the keys/values of finished requests in a prefix cache of this size, so requests "
+                        "sharing a prefix (a system prompt, a growing chat) prefill only the rest (default 0: off)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the cores not busy at start; see utils/threads.py)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -98,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from tinyformer.serve.guard import is_loopback_host
 
     for flag, value, low in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
-                             ("--prefill-chunk", args.prefill_chunk, 1),
+                             ("--prefill-chunk", args.prefill_chunk, 1), ("--prefix-cache-mb", args.prefix_cache_mb, 0),
                              ("--port", args.port, 0), ("--max-body-bytes", args.max_body_bytes, 1)):
         if value < low:
             raise ConfigError(f"{flag} must be >= {low}, got {value}")
@@ -135,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                          request_timeout=args.request_timeout or None, api_key=args.api_key,
                          max_len=args.max_context, max_body_bytes=args.max_body_bytes, bind_host=args.host,
                          allowed_origins=tuple(args.allow_origin), compile=args.compile,
-                         prefill_chunk=args.prefill_chunk)
+                         prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb)
         logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host

@@ -22,9 +22,9 @@ prompt is fully fed samples its first token from the prefill's last logits and d
 step on. A row may start prefilling at ``pos > 0`` with the cache row already holding positions
 ``[0, pos)`` (a prefix cache hit).
 
-With ``compile=True`` the decode step is a ``torch.compile``-d function of fixed shapes: the number of
-rows is rounded up to a power of two (free rows decode a dummy token at a position their next writer
-overwrites), the cache has a fixed length, and the attended span ``[0, kv_len)`` is a symbolic size,
+With ``compile=True`` the decode step is a ``torch.compile``-d function of fixed shapes: one row, or all
+``max_batch`` rows (free rows decode a dummy token at a position their next writer overwrites), the
+cache has a fixed length, and the attended span ``[0, kv_len)`` is a symbolic size,
 so one graph serves every step of a batch size. On CPU the model's linear weights are then stored
 input-major (:func:`~tinyformer.generation.weight_layout.store_input_major`).
 
@@ -46,7 +46,8 @@ import torch
 from torch import Tensor, nn
 
 from tinyformer.components.kv_cache import KVCache
-from tinyformer.errors import GenerationError, non_finite_message
+from tinyformer.errors import ConfigError, GenerationError, non_finite_message
+from tinyformer.generation.prefix_cache import PrefixCache, PrefixHit
 from tinyformer.generation.sampling import (
     LogitsProcessor,
     SamplingParams,
@@ -57,7 +58,7 @@ from tinyformer.generation.sampling import (
 from tinyformer.generation.streaming import TextState
 from tinyformer.generation.weight_layout import store_input_major
 
-__all__ = ["BatchEngine", "CompiledStep", "EngineRow", "RowOutput", "TokenInfo", "sample_shared"]
+__all__ = ["BatchEngine", "CompiledStep", "EngineRow", "RowOutput", "TokenInfo", "new_prefix_cache", "sample_shared"]
 
 CONTEXT_POLICIES = ("error", "slide")
 
@@ -133,7 +134,7 @@ class EngineRow:
         self.pos = 0
         self.pending: list[int] = []
         self.prefilling = True
-        self.prefix_hit: Any = None  # the prefix-cache hit it was loaded from, pinned until it is removed
+        self.prefix_hit: PrefixHit | None = None  # the prefix-cache hit it was loaded from, pinned until it is removed
         self.slid = False  # its cache positions no longer hold prompt + tokens from position 0
         self.processors: list[LogitsProcessor] = build_processors(params)
         self.generator: torch.Generator | None = None
@@ -190,6 +191,16 @@ class CompiledStep:
         return self._fns[ids_only]
 
 
+def new_prefix_cache(model: nn.Module, megabytes: float) -> PrefixCache | None:
+    """A prefix cache of ``megabytes`` for ``model``'s KV caches (their dtype and device); None for 0."""
+    if megabytes < 0:
+        raise ConfigError(f"the prefix cache size must be >= 0 MB, got {megabytes}")
+    if megabytes == 0:
+        return None
+    k = model.new_cache(1, 1).layers[0][0]
+    return PrefixCache(model.cfg, budget_bytes=int(megabytes * 2**20), device=k.device, dtype=k.dtype)
+
+
 def check_compilable(model: nn.Module) -> None:
     """GenerationError when the model holds a kernel ``torch.compile`` cannot trace."""
     if any(getattr(m, "kernel", None) == "fbgemm" for m in model.modules()):
@@ -208,7 +219,8 @@ class BatchEngine:
 
     def __init__(self, model: nn.Module, *, max_batch: int, max_len: int | None = None,
                  compiled: CompiledStep | None = None, prefill_chunk: int | None = None,
-                 context_policy: str = "error", slide_keep: int | None = None, prefix_cache: Any = None) -> None:
+                 context_policy: str = "error", slide_keep: int | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -330,8 +342,11 @@ class BatchEngine:
             logits = torch.cat([self._forward_row(r, r.pending) for r in rows])
             return self._sample(logits, rows)
         n = max(r.slot for r in rows) + 1
-        if self.compiled is not None:
-            n = min(1 << (n - 1).bit_length(), self.max_batch)  # a few batch sizes, one graph each
+        if self.compiled is not None and n > 1:
+            # Two shapes, one graph each: one row, or every row. A decode step of a small model is bound by
+            # reading the weights, so a few idle rows cost little, while each further shape would cost a
+            # compilation (tens of seconds on CPU) that stalls every running stream when it first occurs.
+            n = self.max_batch
         tokens = [0] * n
         # A slot in [0, n) without a decoding row decodes a dummy token at the position its next writer
         # (a prefilling row, or a row admitted later) overwrites before anything reads it.

@@ -47,6 +47,7 @@ from tinyformer.generation.batch_engine import (
     EngineRow,
     check_compilable,
 )
+from tinyformer.generation.prefix_cache import PrefixCache
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.generation.streaming import TextState
 from tinyformer.generation.weight_layout import store_input_major
@@ -298,7 +299,7 @@ class Generator:
         context_policy: str = "error",
         slide_keep: int | None = None,
         compile: bool = False,
-        prefix_cache: Any = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         cfg = getattr(model, "cfg", None)
         if cfg is None or cfg.arch != "decoder" or not hasattr(model, "new_cache"):

@@ -69,7 +69,7 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
                request_timeout: float | None = 600.0, api_key: str | None = None,
                max_len: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                bind_host: str = "127.0.0.1", allowed_origins: tuple[str, ...] = (), compile: bool = False,
-               prefill_chunk: int | None = 256) -> FastAPI:
+               prefill_chunk: int | None = 256, prefix_cache_mb: float = 0) -> FastAPI:
     """The FastAPI app serving ``model`` (a decoder LM, eval mode) with ``tokenizer``.
 
     The scheduler thread starts with the app (lifespan) and stops with it. ``app.state.server`` is the
@@ -77,11 +77,12 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
     :class:`~tinyformer.serve.guard.RequestGuard` first: bodies over ``max_body_bytes`` get 413 and, without
     an ``api_key``, cross-site browser requests (and, bound to loopback ``bind_host``, foreign Host names)
     get 403. ``compile`` decodes with the compiled step; ``prefill_chunk`` is the most prompt tokens a request
-    feeds per step (see :class:`~tinyformer.serve.scheduler.Scheduler`).
+    feeds per step, ``prefix_cache_mb`` the prefix cache's size (0: none); see
+    :class:`~tinyformer.serve.scheduler.Scheduler`.
     """
     server = Server(model, tokenizer, model_name=model_name, max_batch=max_batch, max_queue=max_queue,
                     request_timeout=request_timeout, api_key=api_key, max_len=max_len, compile=compile,
-                    prefill_chunk=prefill_chunk)
+                    prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

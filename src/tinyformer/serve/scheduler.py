@@ -35,6 +35,7 @@ from tinyformer.generation.batch_engine import (
     RowOutput,
     TokenInfo,
     check_compilable,
+    new_prefix_cache,
     sample_shared,
 )
 from tinyformer.generation.sampling import SamplingParams
@@ -102,6 +103,9 @@ class Scheduler:
     never splits a UTF-8 character). ``max_len`` caps each slot's positions (default: the model's
     ``max_seq_len``). ``compile`` decodes with the compiled step (see ``BatchEngine``); ``prefill_chunk``
     is the most prompt tokens a request feeds per step (None: its whole prompt at once).
+    ``prefix_cache_mb`` > 0 keeps the K/V blocks of finished requests (prompt and completion) in a prefix
+    cache of that size, so a request that shares a prefix with an earlier one (a system prompt, a chat
+    history) prefills only the rest.
     """
 
     def __init__(
@@ -114,6 +118,7 @@ class Scheduler:
         max_len: int | None = None,
         compile: bool = False,
         prefill_chunk: int | None = 256,
+        prefix_cache_mb: float = 0,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -126,7 +131,8 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.engine = BatchEngine(model, max_batch=max_batch, max_len=max_len,
-                                  compiled=CompiledStep(model) if compile else None, prefill_chunk=prefill_chunk)
+                                  compiled=CompiledStep(model) if compile else None, prefill_chunk=prefill_chunk,
+                                  prefix_cache=new_prefix_cache(model, prefix_cache_mb))
         self.cache = self.engine.cache
         self.max_len = self.engine.max_len
         self._cond = threading.Condition()
@@ -182,6 +188,8 @@ class Scheduler:
                 "finished": self.finished,
                 "cancelled": self.cancelled,
                 "moves": self.moves,
+                **({"prefix_hits": pc.stats.hits, "prefix_tokens_reused": pc.stats.tokens_reused}
+                   if (pc := self.engine.prefix_cache) is not None else {}),
             }
 
     def submit(self, requests: Sequence[GenerationRequest]) -> None:

@@ -75,7 +75,8 @@ class Server:
 
     def __init__(self, model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 16, max_queue: int = 64,
                  request_timeout: float | None = 600.0, api_key: str | None = None,
-                 max_len: int | None = None, compile: bool = False, prefill_chunk: int | None = 256) -> None:
+                 max_len: int | None = None, compile: bool = False, prefill_chunk: int | None = 256,
+                 prefix_cache_mb: float = 0) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.created = P.now()
@@ -83,7 +84,8 @@ class Server:
         self.request_timeout = request_timeout if request_timeout and request_timeout > 0 else None
         self.vocab_size = int(model.cfg.vocab_size)
         self.scheduler = Scheduler(model, self.token_bytes, max_batch=max_batch, max_queue=max_queue,
-                                   max_len=max_len, compile=compile, prefill_chunk=prefill_chunk)
+                                   max_len=max_len, compile=compile, prefill_chunk=prefill_chunk,
+                                   prefix_cache_mb=prefix_cache_mb)
         self.context = self.scheduler.max_len
         self.template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token,
                                      tokenizer.pad_token)
