@@ -45,9 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="weights dtype; auto (default) = float32 on cpu, bfloat16 on cuda (float16 where the GPU "
                         "has no bfloat16), as generate and chat")
     p.add_argument("--compile", action="store_true",
-                   help="decode with a torch.compile-d step: two graphs (one request; all --max-batch rows), each "
-                        "compiled when first needed, which stalls generation for tens of seconds on CPU; "
-                        "faster per token afterwards")
+                   help="decode a lone request with a torch.compile-d step (compiled on first use: tens of "
+                        "seconds on CPU), as generate --compile; several requests decode eagerly")
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens a request feeds per step at most, so long prompts interleave with the "
                         "decoding of running requests (default 256)")

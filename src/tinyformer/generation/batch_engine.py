@@ -23,10 +23,10 @@ step on. A row may start prefilling at ``pos > 0`` with the cache row already ho
 ``[0, pos)`` (a prefix cache hit).
 
 With ``compile=True`` the decode step is a ``torch.compile``-d function of fixed shapes: one row, or all
-``max_batch`` rows (free rows decode a dummy token at a position their next writer overwrites), the
-cache has a fixed length, and the attended span ``[0, kv_len)`` is a symbolic size,
-so one graph serves every step of a batch size. On CPU the model's linear weights are then stored
-input-major (:func:`~tinyformer.generation.weight_layout.store_input_major`).
+``max_batch`` rows (free rows decode a dummy token at a position their next writer overwrites; with
+``compile_batches=False`` steps of several rows run eagerly instead). The cache has a fixed length and
+the attended span ``[0, kv_len)`` is a symbolic size, so one graph serves every step of a shape. On CPU
+the model's linear weights are then stored input-major (:func:`~tinyformer.generation.weight_layout.store_input_major`).
 
 A row ends on an end token or stop string (:class:`~tinyformer.generation.streaming.TextState`),
 after ``max_new_tokens``, or when its cache row is full: ``context_policy="slide"`` then keeps its
@@ -214,13 +214,14 @@ class BatchEngine:
     ``add(row)`` gives a row a free slot (lowest first), ``remove(row)`` frees it, ``step()`` advances
     every row by one step and returns what each row that produced a token (or failed) produced.
     Finished rows stay in their slot until removed. ``compiled`` is a shared :class:`CompiledStep`, or
-    None to decode eagerly.
+    None to decode eagerly; ``compile_batches`` False uses it for steps of one row only (the others eager,
+    over exactly the rows in use).
     """
 
     def __init__(self, model: nn.Module, *, max_batch: int, max_len: int | None = None,
                  compiled: CompiledStep | None = None, prefill_chunk: int | None = None,
                  context_policy: str = "error", slide_keep: int | None = None,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, compile_batches: bool = True) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -242,6 +243,7 @@ class BatchEngine:
         rs = cfg.rope_scaling or {}
         self.long_from = int(rs["original_max_position_embeddings"]) if cfg.rope_type == "longrope" else -1
         self.compiled = None if self.per_row else compiled
+        self.compile_batches = compile_batches
         # right-padded batched prefill would write padding into ring slots still inside a row's window
         self.pad_prefill = not any(self.cache.rolling) and not self.per_row
         # a PrefixCache (generation/prefix_cache.py) shared by the requests of this engine, when its rows
@@ -342,10 +344,10 @@ class BatchEngine:
             logits = torch.cat([self._forward_row(r, r.pending) for r in rows])
             return self._sample(logits, rows)
         n = max(r.slot for r in rows) + 1
-        if self.compiled is not None and n > 1:
-            # Two shapes, one graph each: one row, or every row. A decode step of a small model is bound by
-            # reading the weights, so a few idle rows cost little, while each further shape would cost a
-            # compilation (tens of seconds on CPU) that stalls every running stream when it first occurs.
+        compiled = self.compiled if n == 1 or self.compile_batches else None
+        if compiled is not None and n > 1:
+            # one shape for every batch: all rows (each further shape would cost a compilation, tens of
+            # seconds on CPU, that stalls every running stream when it first occurs)
             n = self.max_batch
         tokens = [0] * n
         # A slot in [0, n) without a decoding row decodes a dummy token at the position its next writer
@@ -361,11 +363,11 @@ class BatchEngine:
         p = torch.tensor(positions, device=dev)
         cache = self._view(n)
         picked: Tensor | None = None
-        if self.compiled is None:
+        if compiled is None:
             logits = self.model(t, cache=cache, cache_positions=p, kv_len=kv)[:, -1]
         else:
             ids_only = all(r.ids_only for r in rows)
-            step = self.compiled.get(ids_only)
+            step = compiled.get(ids_only)
             # the span to attend over, as the length of a tensor whose size the compiled step treats as symbolic
             span = torch.empty(kv, device=dev)
             torch._dynamo.maybe_mark_dynamic(span, 0)

@@ -101,7 +101,10 @@ class Scheduler:
 
     ``model`` is a decoder LM; ``token_bytes(id)`` gives a token's raw bytes (for streaming text that
     never splits a UTF-8 character). ``max_len`` caps each slot's positions (default: the model's
-    ``max_seq_len``). ``compile`` decodes with the compiled step (see ``BatchEngine``); ``prefill_chunk``
+    ``max_seq_len``). ``compile`` decodes steps of one request with the compiled step (see ``BatchEngine``;
+    steps of several run eagerly over exactly the running rows: a fixed-shape graph would pad them to
+    ``max_batch`` rows, slower than eager below 16 requests (docs/benchmarks/serve.md), and a graph per
+    batch size would stall the streams for a compilation whenever a new size first occurs); ``prefill_chunk``
     is the most prompt tokens a request feeds per step (None: its whole prompt at once).
     ``prefix_cache_mb`` > 0 keeps the K/V blocks of finished requests (prompt and completion) in a prefix
     cache of that size, so a request that shares a prefix with an earlier one (a system prompt, a chat
@@ -132,7 +135,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.engine = BatchEngine(model, max_batch=max_batch, max_len=max_len,
                                   compiled=CompiledStep(model) if compile else None, prefill_chunk=prefill_chunk,
-                                  prefix_cache=new_prefix_cache(model, prefix_cache_mb))
+                                  prefix_cache=new_prefix_cache(model, prefix_cache_mb), compile_batches=False)
         self.cache = self.engine.cache
         self.max_len = self.engine.max_len
         self._cond = threading.Condition()
@@ -255,9 +258,9 @@ class Scheduler:
         self.engine.remove(row)
 
     def _finish(self, row: EngineRow, event: StepEvent) -> None:
-        self._release(row)
         self.finished += 1
-        self._emit(row.tag, event)
+        self._emit(row.tag, event)  # first: releasing may store prefix blocks, which the client need not wait for
+        self._release(row)
 
     def _drop(self, ids: set[int]) -> None:
         if not ids:
