@@ -149,6 +149,22 @@ def test_chunked_prefill_interleaves_with_decoding_and_keeps_tokens(model64, wan
     assert [long.token_ids, late.token_ids] == [want64[0], want64[2]]
 
 
+def test_the_prefill_budget_is_shared_first_come_first_served(model64):
+    prompts = [[20, 21, 22, 23, 24], [24, 23, 22, 21, 20], [1, 2, 3, 4, 5]]
+    engine = BatchEngine(model64, max_batch=3, max_len=64, prefill_chunk=8)
+    rows = [engine_row(p) for p in prompts]
+    for r in rows:
+        engine.add(r)
+    # 8 tokens per step: the first prompt whole and 3 of the second, then the second's rest and the third
+    assert [o.row for o in engine.step()] == rows[:1]
+    assert [r.pos for r in rows] == [5, 3, 0]
+    assert sorted(o.row.slot for o in engine.step()) == [0, 1, 2]  # the first row's decode step, two prefills
+    while any(not r.finished for r in rows):
+        engine.step()
+    hf = hf_twin(model64)
+    assert [r.token_ids for r in rows] == [hf_greedy(hf, p) for p in prompts]
+
+
 def test_a_row_can_start_prefilling_after_positions_already_in_its_cache(model64, want64):
     """A prefix-cache hit: the first k positions are copied into the row, prefill starts at k."""
     prompt = PROMPTS[0]

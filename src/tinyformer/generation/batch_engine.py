@@ -12,15 +12,15 @@ Each :meth:`BatchEngine.step` runs **one decode step** for every decoding row to
     logits = model(tokens (R, 1), cache rows 0 .. R-1, cache_positions (R,))     # (R, V)
 
 (row r attends to its own cache row up to its own position, so rows of different lengths share the
-step), and then **one prefill round**: every row still prefilling feeds its next chunk of at most
-``prefill_chunk`` tokens (all of it when None). Rows whose chunks start at the same position and sit in
-neighbouring slots are prefilled in one forward call, right padded to the longest chunk: causal
-attention keeps padding after a row's tokens invisible to them, and the padding's keys and values are
-overwritten before any later token can see them. A long prompt therefore advances chunk by chunk
-between the decode steps of the running rows, which never stall for more than one chunk. A row whose
-prompt is fully fed samples its first token from the prefill's last logits and decodes from the next
-step on. A row may start prefilling at ``pos > 0`` with the cache row already holding positions
-``[0, pos)`` (a prefix cache hit).
+step), and then **one prefill round**: the rows still prefilling feed their next prompt tokens, at most
+``prefill_chunk`` in all (all of them when None), first come first served. Rows whose chunks start at the
+same position and sit in neighbouring slots are prefilled in one forward call, right padded to the
+longest chunk: causal attention keeps padding after a row's tokens invisible to them, and the padding's
+keys and values are overwritten before any later token can see them. Long prompts, and many new prompts
+at once, therefore advance chunk by chunk between the decode steps of the running rows, which never
+stall for more than one chunk. A row whose prompt is fully fed samples its first token from the
+prefill's last logits and decodes from the next step on. A row may start prefilling at ``pos > 0``
+with the cache row already holding positions ``[0, pos)`` (a prefix cache hit).
 
 With ``compile=True`` the decode step is a ``torch.compile``-d function of fixed shapes: one row, or all
 ``max_batch`` rows (free rows decode a dummy token at a position their next writer overwrites; with
@@ -404,9 +404,19 @@ class BatchEngine:
         return logits
 
     def _prefill(self, rows: list[EngineRow]) -> list[RowOutput]:
-        chunk = self.prefill_chunk or max(len(r.pending) for r in rows)
+        """Feed at most ``prefill_chunk`` prompt tokens in all (None: every pending one), to the rows in the
+        order they were added; rows at the same position in neighbouring slots share a forward call."""
+        budget = self.prefill_chunk
+        take: dict[int, int] = {}
+        for r in rows:
+            n = len(r.pending) if budget is None else min(len(r.pending), budget)
+            if n == 0:
+                break
+            take[id(r)] = n
+            if budget is not None:
+                budget -= n
         groups: list[list[EngineRow]] = []
-        for r in sorted(rows, key=lambda r: (r.pos, r.slot)):
+        for r in sorted((r for r in rows if id(r) in take), key=lambda r: (r.pos, r.slot)):
             last = groups[-1][-1] if groups else None
             if self.pad_prefill and last is not None and last.pos == r.pos and last.slot + 1 == r.slot:
                 groups[-1].append(r)
@@ -415,7 +425,7 @@ class BatchEngine:
         done: list[EngineRow] = []
         logits: list[Tensor] = []
         for group in groups:
-            feeds = [r.pending[:chunk] for r in group]
+            feeds = [r.pending[: take[id(r)]] for r in group]
             for r, f in zip(group, feeds):
                 r.pending = r.pending[len(f):]
             if len(group) == 1:
