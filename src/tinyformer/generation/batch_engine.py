@@ -293,7 +293,8 @@ class BatchEngine:
         whose keys and values the row holds (prompt and generated tokens) are stored first, so a later
         request that continues this one (the next turn of a chat) finds them, and its hit is released."""
         if self.prefix_cache is not None:
-            if not row.slid and row.pos > 0:
+            # a row that failed on non-finite logits may hold non-finite keys and values: never shared
+            if not row.slid and row.pos > 0 and row.finish_reason != "model_error":
                 self.prefix_cache.store(row.prompt_ids + row.token_ids, self.cache, row.slot, row.pos)
             if row.prefix_hit is not None:
                 self.prefix_cache.release(row.prefix_hit)

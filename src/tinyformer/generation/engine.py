@@ -29,6 +29,7 @@ and a cache with ``reorder(index)``, so an encoder-decoder model can use it too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -514,7 +515,10 @@ class Generator:
         started = time.perf_counter()
         self.timings = GenerationTimings(prompt_tokens=P)
         prefilled = started
-        with torch.inference_mode():
+        with torch.inference_mode(), contextlib.ExitStack() as stack:
+            # rows still held when decoding stops early (an error, a stream left unfinished) release their
+            # prefix-cache blocks
+            stack.callback(lambda: [engine.remove(r) for r in list(engine.rows)])
             while engine.rows:
                 outs = engine.step()
                 deltas = [""] * len(rows)
