@@ -8,7 +8,7 @@ chunk) until each has finished its share of requests. Reported per C:
   * throughput: generated tokens / wall time, all clients together
   * latency: p50 / p99 of whole-request time (send to [DONE])
   * time to first chunk: p50
-  * ratio: throughput / throughput at C=1 (target: >= 4x at C=16)
+  * ratio: throughput / throughput at C=1 (target: >= 8x at C=16)
 
 Levels run in alternation for --rounds rounds and each level reports its median-throughput round.
 
