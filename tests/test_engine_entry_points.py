@@ -332,3 +332,25 @@ def test_chat_turns_reuse_the_history_and_answer_as_without_the_prefix_cache(cha
         replies[mb] = ["".join(session.send(text, greedy(16))) for text in ("the fox", "a lazy dog", "the dog")]
     assert replies[4] == replies[0]
     assert gen.prefix_cache.stats.hits >= 2  # the second and third turns started from the history's blocks
+
+
+def test_served_completion_equals_transformers(char_run):
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from serve_helpers import BackgroundServer
+
+    from tinyformer.run_folder import load_model, load_tokenizer
+    from tinyformer.serve.app import create_app
+
+    folder, model = char_run
+    tok = load_tokenizer(folder)
+    ids = tok.encode("the fox")
+    want = tok.decode(hf_greedy(hf_twin(model), ids), skip_special_tokens=True)  # special tokens show no text
+    for compile_ in (False, True):
+        app = create_app(load_model(folder), tok, model_name="m", max_batch=2, compile=compile_, prefix_cache_mb=1)
+        with BackgroundServer(app) as srv:
+            for _ in range(2):  # the second request hits the prefix cache
+                r = httpx.post(srv.url + "/v1/completions", timeout=300, json={
+                    "model": "m", "prompt": "the fox", "max_tokens": N, "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == want
