@@ -24,6 +24,7 @@ import torch
 
 from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import GenerationError
+from tinyformer.generation.beam import DEFAULT_EARLY_STOPPING, DEFAULT_LENGTH_PENALTY
 from tinyformer.generation.engine import CONTEXT_POLICIES, Generator
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.training.device import parse_device
@@ -158,8 +159,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-samples", type=int, default=1, metavar="N", help="independent samples (seeds seed+i)")
     p.add_argument("--num-beams", type=int, default=1, metavar="K",
                    help="beam search with K beams instead of sampling (prints the best --num-samples beams)")
-    p.add_argument("--length-penalty", type=float, default=1.0,
-                   help="beam search ranks log p / length**penalty (default 1.0)")
+    p.add_argument("--length-penalty", type=float, default=DEFAULT_LENGTH_PENALTY,
+                   help=f"beam search ranks log p / length**penalty (default {DEFAULT_LENGTH_PENALTY})")
+    p.add_argument("--early-stopping", choices=["false", "true", "never"], default=str(DEFAULT_EARLY_STOPPING).lower(),
+                   help="beam search: stop at K finished beams (true), when the best open beam scored at its "
+                        "length cannot win (false, the default), or when no longer beam can win (never)")
     p.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
     p.add_argument("--chat", action="store_true",
                    help="the prompt is one user message: render it with the model's chat template (as `chat` "
@@ -216,8 +220,10 @@ def run(args: argparse.Namespace) -> int:
         params = session.stop_params(params).validate()
 
     if args.num_beams > 1:
-        results = gen.beam_search(ids, args.num_beams, params.max_new_tokens, args.length_penalty)
-        results = results[: args.num_samples]
+        early_stopping = {"false": False, "true": True}.get(args.early_stopping, args.early_stopping)
+        results = gen.beam_search(ids, args.num_beams, params.max_new_tokens, args.length_penalty,
+                                  params.stop_token_ids, early_stopping=early_stopping,
+                                  num_return_sequences=args.num_samples)
     elif args.json:
         results = gen.generate([ids] * args.num_samples, params)
     else:
