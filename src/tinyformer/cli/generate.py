@@ -26,7 +26,7 @@ from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import GenerationError
 from tinyformer.generation.beam import DEFAULT_EARLY_STOPPING, DEFAULT_LENGTH_PENALTY
 from tinyformer.generation.engine import CONTEXT_POLICIES, Generator
-from tinyformer.generation.sampling import SamplingParams
+from tinyformer.generation.sampling import HUMAN_TEMPERATURE, HUMAN_TOP_K, SamplingParams
 from tinyformer.training.device import parse_device
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -51,23 +51,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(worth it for long outputs; on CPU it needs a C++ compiler)")
 
 
-# The command line samples like nanoGPT's sample.py and llama.cpp do by default (a little below
-# temperature 1, the long tail cut off): small models read far better so. The library's
-# SamplingParams() stays the plain distribution (temperature 1, nothing cut).
-CLI_TEMPERATURE = 0.8
-CLI_TOP_K = 50
-
-
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     d = SamplingParams()
     g = p.add_argument_group("sampling")
     g.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                    help=f"tokens to generate at most (default: {DEFAULT_MAX_NEW_TOKENS}, or what fits in the "
                         "context under --context-policy error)")
-    g.add_argument("--temperature", type=float, default=CLI_TEMPERATURE,
-                   help=f"softmax temperature; 0 = greedy, 1 = the model's distribution (default: {CLI_TEMPERATURE})")
-    g.add_argument("--top-k", type=int, default=CLI_TOP_K,
-                   help=f"keep the k most probable tokens; 0 = off (default: {CLI_TOP_K})")
+    # the human default (generation/sampling.py): small models read far better a little below temperature 1
+    # with the long tail cut off; the library's SamplingParams() stays the plain distribution
+    g.add_argument("--temperature", type=float, default=HUMAN_TEMPERATURE,
+                   help=f"softmax temperature; 0 = greedy, 1 = the model's distribution (default: {HUMAN_TEMPERATURE})")
+    g.add_argument("--top-k", type=int, default=HUMAN_TOP_K,
+                   help=f"keep the k most probable tokens; 0 = off (default: {HUMAN_TOP_K})")
     g.add_argument("--top-p", type=float, default=d.top_p, help="nucleus: smallest set with mass >= p, in (0, 1]")
     g.add_argument("--min-p", type=float, default=d.min_p, help="drop tokens below min_p * max probability")
     g.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty,

@@ -48,9 +48,11 @@ from tinyformer.generation.beam import (
 )
 from tinyformer.generation.sampling import (
     LogitsProcessor,
+    PenaltyHistory,
     SamplingParams,
     build_processors,
     make_generator,
+    penalty_history,
     sample_next,
 )
 from tinyformer.generation.streaming import StopStringMatcher, Utf8StreamDecoder
@@ -430,11 +432,6 @@ class Generator:
             mask[:, :P] = hist[:, :P] >= 0
 
         processors = build_processors(params)
-        penalised = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-                     or params.presence_penalty != 0.0)
-        # the CTRL repetition penalty looks at the prompt too (as in HF generate); the OpenAI
-        # frequency / presence penalties at the generated tokens only
-        hist_from = 0 if params.repetition_penalty != 1.0 else P
         generators: list[torch.Generator | None] | None = None
         if params.seed is not None and not params.greedy:
             generators = [make_generator(dataclasses.replace(params, seed=(params.seed + b) % 2**64), dev)
@@ -471,7 +468,7 @@ class Generator:
             picked: Tensor | None = None
             for t in range(budget):
                 c = P + t  # the column being sampled
-                history = hist[:, hist_from:c] if penalised else None
+                history = penalty_history(params, hist[:, :P], hist[:, P:c])
                 if picked is None:  # the compiled greedy step returns ids only: its prefill logits were checked
                     check_finite(logits, t)
                 if picked is not None:
@@ -552,7 +549,7 @@ class Generator:
         return self._steps[ids_only]
 
     @staticmethod
-    def _sample(logits: Tensor, params: SamplingParams, history: Tensor | None,
+    def _sample(logits: Tensor, params: SamplingParams, history: PenaltyHistory | None,
                 generators: list[torch.Generator | None] | None,
                 processors: list[LogitsProcessor]) -> tuple[Tensor, Tensor]:
         if generators is None:
