@@ -194,6 +194,23 @@ def test_decoder_beam_search_equals_transformers_generate(llama_pair, num_beams,
         assert got == pytest.approx(out.sequences_scores.tolist(), rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.parametrize("early_stopping", [False, "never"])
+def test_two_end_tokens_keep_three_k_candidates_as_transformers_does(llama_pair, early_stopping):
+    gen, hf = llama_pair
+    prompt, n, K, second = [5, 6, 7, 8], 12, 3, 14  # both end tokens end hypotheses here
+    ours = gen.beam_search(prompt, K, n, 1.0, stop_token_ids=[second], early_stopping=early_stopping,
+                           num_return_sequences=K)
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=n, num_beams=K, do_sample=False, early_stopping=early_stopping,
+                      num_return_sequences=K, eos_token_id=[EOS_LM, second], pad_token_id=EOS_LM)
+    theirs = []
+    for row in out[:, len(prompt):].tolist():
+        ends = [i for i, t in enumerate(row) if t in (EOS_LM, second)]
+        theirs.append(row[: ends[0] + 1] if ends else row)
+    assert [r.token_ids for r in ours] == theirs
+    assert {r.token_ids[-1] for r in ours} == {EOS_LM, second}
+
+
 def test_the_transformers_comparison_sees_eos_and_every_early_stopping_rule(llama_pair):
     """The model above is one where the comparison can fail: hypotheses end on EOS, and the three
     early_stopping rules give three different results."""
