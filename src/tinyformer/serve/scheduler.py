@@ -34,9 +34,11 @@ from tinyformer.components.kv_cache import KVCache
 from tinyformer.errors import non_finite_message
 from tinyformer.generation.sampling import (
     LogitsProcessor,
+    PenaltyHistory,
     SamplingParams,
     build_processors,
     make_generator,
+    penalty_history,
     sample_next,
 )
 from tinyformer.generation.streaming import StopStringMatcher, Utf8StreamDecoder
@@ -152,16 +154,9 @@ class _Running:
         p = self.req.params
         return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
-    def history(self) -> torch.Tensor | None:
-        """Ids the penalties count: the generated tokens (OpenAI's frequency/presence penalties), plus the
-        prompt for the CTRL repetition penalty (as in Hugging Face ``generate``)."""
-        if not self.processors_need_history():
-            return None
-        p = self.req.params
-        ids = self.generated
-        if p.repetition_penalty != 1.0:
-            ids = list(self.req.prompt_ids) + ids
-        return torch.tensor(ids, dtype=torch.long, device=self.device)[None]
+    def history(self) -> PenaltyHistory | None:
+        """What the penalties see (``penalty_history`` decides, as for ``Generator``)."""
+        return penalty_history(self.req.params, self.req.prompt_ids, self.generated, self.device)
 
     def accept(self, info: TokenInfo) -> StepEvent:
         """Record one sampled token and turn it into an event (with finish_reason when it ends here)."""

@@ -12,7 +12,14 @@ import torch
 from torch import nn
 
 from tinyformer.data.tokenizer import Tokenizer
-from tinyformer.generation.sampling import SamplingParams, build_processors, make_generator, sample_next
+from tinyformer.generation.sampling import (
+    HUMAN_TEMPERATURE,
+    HUMAN_TOP_K,
+    SamplingParams,
+    build_processors,
+    make_generator,
+    sample_next,
+)
 
 
 @torch.no_grad()
@@ -24,8 +31,8 @@ def sample_text(
     device: torch.device | str,
     *,
     seed: int = 0,
-    temperature: float = 0.8,
-    top_k: int = 50,
+    temperature: float = HUMAN_TEMPERATURE,
+    top_k: int = HUMAN_TOP_K,
 ) -> str:
     """``prompt`` plus up to ``max_new_tokens`` sampled tokens (fewer at EOS or the context limit), as text."""
     was_training = model.training
