@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from tinyformer.config import ModelConfig
+from tinyformer.devices import parse_dtype
 from tinyformer.errors import CheckpointError, ConfigError
 from tinyformer.interop.adapter import Adapter
 
@@ -354,7 +355,7 @@ def import_sentence_transformers(src: str | Path, out: str | Path, *, dtype: str
                           "sentence-transformers folder (supported: bert)")
     source = hf_folder.open_hf_weights(transformer_dir)
     hf_config = align_config(hf_config, source.names())
-    dt = hf_folder.parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     return hf_folder.import_checkpoint(
         hf_config, source, out,
         write_tokenizer=lambda dst: hf_folder._copy_hf_tokenizer(transformer_dir, dst),

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tinyformer.devices import parse_dtype
 from tinyformer.errors import CheckpointError, ConfigError
 from tinyformer.interop import gemma, llama
 from tinyformer.interop.hf_folder import (
@@ -49,7 +50,6 @@ from tinyformer.interop.hf_folder import (
     TensorSource,
     _write_json,
     import_checkpoint,
-    parse_dtype,
 )
 
 ARCHITECTURES = {**llama.ARCHITECTURES, **gemma.ARCHITECTURES}  # HF model_type -> its *ForCausalLM class

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from tinyformer.config import ModelConfig
+from tinyformer.devices import DTYPE_NAMES, parse_dtype
 from tinyformer.errors import CheckpointError, ConfigError, DataError
 from tinyformer.integrity import checked_shard_names, write_manifest
 from tinyformer.interop.adapter import (  # noqa: F401 - re-exported: the registry's public home
@@ -58,8 +59,6 @@ from tinyformer.interop.safetensors_io import SafetensorsFile, TensorSpec, write
 from tinyformer.utils.io import atomic_write_bytes, atomic_write_text
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 # --------------------------------------------------------------------------------------------- sources
@@ -478,14 +477,6 @@ def _export_tokenizer(run: Path, dst: Path, cfg: ModelConfig, hf: dict[str, Any]
 
 
 # --------------------------------------------------------------------------------------------- entry points
-
-
-def parse_dtype(name: str | None) -> torch.dtype | None:
-    if name is None:
-        return None
-    if name not in DTYPES:
-        raise ConfigError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 def import_hf(src: str | Path, out: str | Path, *, dtype: str | torch.dtype | None = None,
