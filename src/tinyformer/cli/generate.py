@@ -20,14 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tinyformer.cli.common import add_no_verify_flag
+from tinyformer.devices import resolve_device, resolve_dtype
 from tinyformer.errors import GenerationError
 from tinyformer.generation.beam import DEFAULT_EARLY_STOPPING, DEFAULT_LENGTH_PENALTY
 from tinyformer.generation.engine import CONTEXT_POLICIES, Generator
 from tinyformer.generation.sampling import HUMAN_TEMPERATURE, HUMAN_TOP_K, SamplingParams
-from tinyformer.training.device import parse_device
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -102,24 +100,10 @@ def sampling_params(args: argparse.Namespace, max_new_tokens: int, **changes: An
     return params.validate()
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return parse_device(name, GenerationError)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 def load_generator(args: argparse.Namespace) -> Generator:
     """Check the flags that need no model first (cheap, clear errors), then load the run folder."""
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    device = resolve_device(args.device, GenerationError)
+    dtype = resolve_dtype(args.dtype, device, GenerationError)
     return Generator.from_run(args.model, device=device, dtype=dtype, context_policy=args.context_policy,
                               slide_keep=args.slide_keep, compile=args.compile, verify=not args.no_verify)
 

@@ -59,9 +59,8 @@ class TinyformerLM(TemplateLM):
                  max_length: int | str | None = None, max_gen_toks: int | str = 256, device: str | None = "auto",
                  dtype: str | None = None, model: Any = None, tokenizer: Any = None, **kwargs: Any) -> None:
         super().__init__()
+        from tinyformer.devices import parse_dtype, resolve_device
         from tinyformer.generation.engine import Generator
-        from tinyformer.interop.hf_folder import parse_dtype
-        from tinyformer.training.trainer import resolve_device
 
         unknown = sorted(set(kwargs) - set(_IGNORED_ARGS))
         if unknown:
