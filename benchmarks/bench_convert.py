@@ -108,7 +108,7 @@ save_file(sd, sys.argv[2])
 def same_bytes(a: Path, b: Path) -> bool:
     import torch
 
-    from tinyformer.interop.hf_folder import open_hf_weights
+    from tinyformer.interop.tensor_sources import open_hf_weights
 
     sa, sb = open_hf_weights(a), open_hf_weights(b)
     if set(sa.names()) != set(sb.names()):

@@ -69,7 +69,7 @@ def train_task(name: str, args: argparse.Namespace, budget: float, clock: Callab
     if wrong:
         print(f"  {name}: {len(wrong)} held-out errors by source length: {dict(sorted(by_length.items()))}; "
               f"e.g. {', '.join(wrong[:5])}", flush=True)
-    beam = exact_match(model, tok, data.heldout[: args.beam_examples], beam_size=4, batch_size=100)
+    beam = exact_match(model, tok, data.heldout[: args.beam_examples], num_beams=4, batch_size=100)
     return {"task": name, "description": task.description, "steps": step, "examples": step * args.batch,
             "seconds": seconds, "greedy": score, "beam4": beam, "reached": score >= args.target,
             "params": sum(p.numel() for p in model.parameters()), "history": history}

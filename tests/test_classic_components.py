@@ -348,3 +348,14 @@ def test_encoder_config_round_trips_through_json():
     cfg = get_preset("bert-base")
     assert ModelConfig.from_json(cfg.to_json()) == cfg
     assert cfg.embed_norm and cfg.pooler and not cfg.mlm_head
+
+
+def test_sinusoidal_reset_buffers_after_a_meta_build_recomputes_the_table():
+    from tinyformer.components.positions import SinusoidalPositions
+
+    with torch.device("meta"):
+        pe = SinusoidalPositions(50, 16)
+    pe.reset_buffers("cpu")
+    assert pe.table.device.type == "cpu"
+    assert float(pe.table[7, 2]) == pytest.approx(math.sin(7 / 10000 ** (2 / 16)), abs=1e-6)
+    assert float(pe.table[7, 3]) == pytest.approx(math.cos(7 / 10000 ** (2 / 16)), abs=1e-6)

@@ -49,23 +49,23 @@ def test_beam_search_wide_enough_finds_the_brute_force_optimum(length_penalty):
     src = torch.randint(2, 5, (3, 6))
     mask = torch.ones(3, 6, dtype=torch.long)
     mask[1, 4:] = 0
-    # 4 non-EOS tokens: at most 4^2 = 16 live prefixes before the last step, so 16 beams drop nothing
-    hyps = beam_search(model, src, mask, bos_id=BOS, eos_id=EOS, max_new_tokens=3, beam_size=16,
+    # 5^3 beams: every candidate of every step ranks among the first K, so nothing is dropped
+    hyps = beam_search(model, src, mask, bos_id=BOS, eos_id=EOS, max_new_tokens=3, num_beams=125,
                        length_penalty=length_penalty)
     for b in range(3):
         tokens, score = _brute_force_best(model, src[b : b + 1], mask[b : b + 1], 3, length_penalty)
-        assert hyps[b].tokens == tokens
-        assert hyps[b].score == pytest.approx(score, abs=1e-9)
+        assert hyps[b][0].output_ids == tokens
+        assert hyps[b][0].score == pytest.approx(score, abs=1e-9)
 
 
 def test_narrow_beam_never_beats_the_optimum_and_greedy_equals_stepwise_argmax():
     torch.manual_seed(4)
     model = _peaked_model(vocab=7, placement="pre")
     src = torch.randint(2, 7, (4, 5))
-    # 6 non-EOS tokens, 3 steps: 36 beams keep every live prefix, so `wide` is the exact optimum
-    wide = beam_search(model, src, bos_id=BOS, eos_id=EOS, max_new_tokens=3, beam_size=36)
-    narrow = beam_search(model, src, bos_id=BOS, eos_id=EOS, max_new_tokens=3, beam_size=2)
-    assert all(n.score <= w.score + 1e-9 for n, w in zip(narrow, wide))
+    # 7^2 beams keep every candidate of two steps, so `wide` is the exact optimum
+    wide = beam_search(model, src, bos_id=BOS, eos_id=EOS, max_new_tokens=2, num_beams=49)
+    narrow = beam_search(model, src, bos_id=BOS, eos_id=EOS, max_new_tokens=2, num_beams=2)
+    assert all(n[0].score <= w[0].score + 1e-9 for n, w in zip(narrow, wide))
     greedy = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, max_new_tokens=6)
     for b in range(4):  # recompute every step from scratch, without the KV cache
         out: list[int] = []

@@ -12,7 +12,8 @@ import torch
 from tinyformer.config import ModelConfig
 from tinyformer.data.tokenizer import build_tokenizer
 from tinyformer.errors import GenerationError
-from tinyformer.generation.engine import Generator, beam_search
+from tinyformer.generation.beam import beam_search
+from tinyformer.generation.engine import Generator
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.generation.weight_layout import store_input_major
 from tinyformer.models.decoder import DecoderLM
@@ -386,7 +387,7 @@ def test_beam_search_finds_the_exhaustive_optimum_on_a_tiny_vocabulary():
 
     gen = Generator(model)
     gen.eos_token_id = eos
-    top = gen.beam_search(prompt, num_beams=V**L, max_new_tokens=L, length_penalty=0.0)
+    top = gen.beam_search(prompt, num_beams=V**L, max_new_tokens=L, length_penalty=0.0, num_return_sequences=10)
     assert tuple(top[0].token_ids) == want_ids
     assert sum(top[0].logprobs) == pytest.approx(want_lp, abs=1e-9)
     # the ranking below the top is exhaustive too
@@ -400,7 +401,7 @@ def test_more_beams_score_at_least_greedy():
     gen = id_generator(random_lm(seed=4))
     for prompt in PROMPTS:
         greedy = gen.generate([prompt], SamplingParams(temperature=0, max_new_tokens=12))[0]
-        beams = gen.beam_search(prompt, num_beams=4, max_new_tokens=12, length_penalty=0.0)
+        beams = gen.beam_search(prompt, num_beams=4, max_new_tokens=12, length_penalty=0.0, num_return_sequences=4)
         assert len(beams) == 4
         assert sum(beams[0].logprobs) >= sum(greedy.logprobs) - 1e-12
         assert [sum(b.logprobs) for b in beams] == sorted((sum(b.logprobs) for b in beams), reverse=True)
@@ -411,7 +412,7 @@ def test_beam_logprobs_are_the_model_logprobs_of_the_sequence():
     model = random_lm(seed=5)
     gen = id_generator(model)
     prompt = PROMPTS[0]
-    for beam in gen.beam_search(prompt, num_beams=3, max_new_tokens=8):
+    for beam in gen.beam_search(prompt, num_beams=3, max_new_tokens=8, num_return_sequences=3):
         x = torch.tensor([prompt + beam.token_ids])
         lp = torch.log_softmax(model(x)[0, len(prompt) - 1 : -1], -1)
         want = lp.gather(-1, torch.tensor(beam.token_ids)[:, None])[:, 0]
@@ -435,7 +436,8 @@ def test_generic_beam_search_works_with_any_step_function():
         return table[tokens]
 
     # 9 = 3**2 beams keep every prefix, so the search is exhaustive over the 3**3 sequences
-    beams = beam_search(step, table[:1], RowCache(), num_beams=9, max_new_tokens=3, length_penalty=0.0)
+    beams = beam_search(step, table[:1], RowCache(), num_beams=9, max_new_tokens=3, length_penalty=0.0,
+                        num_return_sequences=9)[0]
     scores = {s: sum(table[a, b] for a, b in zip((0, *s), s)).item()
               for s in itertools.product(range(3), repeat=3)}
     want = max(scores, key=scores.get)

@@ -37,7 +37,7 @@ def test_inspect_labels_the_cumulative_column_as_within_top_k():
 def test_serve_accepts_dtype_auto_like_generate():
     args = build_parser().parse_args(["serve", "--model", "RUN", "--dtype", "auto"])
     assert args.dtype == "auto"
-    from tinyformer.cli.generate import resolve_dtype
+    from tinyformer.devices import resolve_dtype
 
     assert resolve_dtype(args.dtype, torch.device("cpu")) == torch.float32
 

@@ -121,3 +121,15 @@ def test_from_run_stores_linear_weights_input_major_with_unchanged_output(run_di
     assert plain.model.blocks[0].attn.qkv.weight.is_contiguous()
     params = SamplingParams(temperature=0, max_new_tokens=24)
     assert gen.generate(["the fox"], params)[0].token_ids == plain.generate(["the fox"], params)[0].token_ids
+
+
+def test_num_beams_prints_the_best_num_samples_hypotheses_of_the_library_search(run_dir, cli_env):
+    out = cli("generate", "--model", str(run_dir), "--prompt", "the fox", "--max-new-tokens", "10", "--num-beams",
+              "4", "--num-samples", "3", "--length-penalty", "0.5", "--early-stopping", "never", "--json",
+              env=cli_env)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    gen = Generator.from_run(run_dir)
+    want = gen.beam_search("the fox", 4, 10, 0.5, early_stopping="never", num_return_sequences=3)
+    assert [line["token_ids"] for line in lines] == [r.token_ids for r in want]
+    assert [line["text"] for line in lines] == [r.text for r in want]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tinyformer.cli.common import toml_loads
+from tinyformer.config_files import toml_loads
 
 ROOT = Path(__file__).resolve().parents[1]
 # the real parser under either name: tomllib (3.11+) is tomli adopted into the standard library
@@ -25,7 +25,7 @@ def test_every_package_data_pattern_matches_a_file():
 
 def test_python_310_reads_toml_configs_with_tomli(tmp_path, monkeypatch):
     """On 3.10 there is no tomllib; the config reader falls back to tomli (a dependency there)."""
-    from tinyformer.cli.common import read_structured_file
+    from tinyformer.config_files import read_structured_file
 
     (tmp_path / "run.toml").write_text('[train]\nlr = 3e-4\n[model]\npreset = "tiny"\n')
     monkeypatch.setitem(sys.modules, "tomllib", None)  # import tomllib -> ModuleNotFoundError, as on 3.10
@@ -34,7 +34,7 @@ def test_python_310_reads_toml_configs_with_tomli(tmp_path, monkeypatch):
 
 
 def test_python_310_without_tomli_says_what_to_install(tmp_path, monkeypatch):
-    from tinyformer.cli.common import read_structured_file
+    from tinyformer.config_files import read_structured_file
     from tinyformer.errors import ConfigError
 
     (tmp_path / "run.toml").write_text("[train]\n")

@@ -21,7 +21,7 @@ from tinyformer.config import ModelConfig
 from tinyformer.data.tokenizer import build_tokenizer
 from tinyformer.errors import CheckpointError
 from tinyformer.integrity import MANIFEST
-from tinyformer.interop.hf_folder import open_hf_weights
+from tinyformer.interop.tensor_sources import open_hf_weights
 from tinyformer.models.decoder import DecoderLM
 from tinyformer.run_folder import load_model, save_model, state_dict_for_saving
 

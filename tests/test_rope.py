@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -79,3 +81,21 @@ def test_yarn_attention_factor_scales_cos_and_sin():
     expected = 0.1 * torch.log(torch.tensor(16.0)) + 1.0
     want = torch.full_like(cos, float(expected) ** 2)
     torch.testing.assert_close(cos**2 + sin**2, want, rtol=1e-5, atol=1e-5)
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+
+
+@pytest.mark.parametrize("scaling", [None, YARN])
+def test_reset_buffers_after_a_meta_build_gives_the_tables_of_a_cpu_build(scaling):
+    cfg = _cfg(rope_scaling=scaling)
+    with torch.device("meta"):
+        rope = RotaryEmbedding(cfg)
+    assert rope.cos_cached.is_meta
+    rope.reset_buffers("cpu")
+    built = RotaryEmbedding(cfg)
+    for name in ("inv_freq", "cos_cached", "sin_cached"):
+        torch.testing.assert_close(getattr(rope, name), getattr(built, name), rtol=0, atol=0)
+    assert rope.attention_factor == built.attention_factor
+    m = 1000  # the rotation angle m * theta_0 with theta_0 = 1: cos(m) scaled by the attention factor
+    assert float(rope.cos_cached[m, 0]) == pytest.approx(math.cos(m) * built.attention_factor, abs=1e-4)

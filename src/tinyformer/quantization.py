@@ -111,7 +111,7 @@ def quantize_run(model_dir: str | Path, out: str | Path, spec: QuantSpec, *, for
                  layer_errors: bool = False) -> QuantizeReport:
     """Float run folder -> quantized run folder (config.json with the spec, quantized safetensors, and every
     other top-level file of the run, such as the tokenizer, copied). Nothing is written on error."""
-    from tinyformer.interop.hf_folder import staged_output
+    from tinyformer.interop.convert_pipeline import staged_output
     from tinyformer.run_folder import iter_tensors, load_config, load_model, save_tensors, side_files
 
     src = Path(model_dir)

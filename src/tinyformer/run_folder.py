@@ -181,17 +181,12 @@ def load_config(run_dir: str | Path) -> ModelConfig:
 
 def rebuild_buffers(model: nn.Module, device: torch.device | str) -> None:
     """Recompute non-persistent buffers (RoPE and sinusoidal tables) after a meta-device build."""
-    from tinyformer.components.positions import SinusoidalPositions, sinusoidal_table
-    from tinyformer.components.rope import RotaryEmbedding, rope_inv_freq
+    from tinyformer.components.positions import SinusoidalPositions
+    from tinyformer.components.rope import RotaryEmbedding
 
     for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
-            inv_freq, module.attention_factor = rope_inv_freq(module.cfg)
-            inv_freq = inv_freq.to(device)
-            cos, sin = module._tables(inv_freq, module.cfg.max_seq_len, module.attention_factor)
-            module.inv_freq, module.cos_cached, module.sin_cached = inv_freq, cos, sin
-        elif isinstance(module, SinusoidalPositions):
-            module.table = sinusoidal_table(module.table.shape[0], module.table.shape[1]).to(device)
+        if isinstance(module, (RotaryEmbedding, SinusoidalPositions)):
+            module.reset_buffers(device)
 
 
 def load_state_into(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:

@@ -80,9 +80,9 @@ def evaluate_run(run: Path, data: str, *, text_field: str = "text", block_size: 
     from tqdm.auto import tqdm
 
     from tinyformer.data.dataset import TokenDataset, encode_to_memmap
+    from tinyformer.devices import autocast_dtype, resolve_device
     from tinyformer.run_folder import load_config, load_model, load_tokenizer
     from tinyformer.training.prepare import default_cache_dir
-    from tinyformer.training.trainer import autocast_dtype, resolve_device
 
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be positive, got {batch_size}")

@@ -20,13 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tinyformer.cli.common import add_no_verify_flag
+from tinyformer.devices import resolve_device, resolve_dtype
 from tinyformer.errors import GenerationError
+from tinyformer.generation.beam import DEFAULT_EARLY_STOPPING, DEFAULT_LENGTH_PENALTY
 from tinyformer.generation.engine import CONTEXT_POLICIES, Generator
-from tinyformer.generation.sampling import SamplingParams
-from tinyformer.training.device import parse_device
+from tinyformer.generation.sampling import HUMAN_TEMPERATURE, HUMAN_TOP_K, SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -50,23 +49,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(worth it for long outputs; on CPU it needs a C++ compiler)")
 
 
-# The command line samples like nanoGPT's sample.py and llama.cpp do by default (a little below
-# temperature 1, the long tail cut off): small models read far better so. The library's
-# SamplingParams() stays the plain distribution (temperature 1, nothing cut).
-CLI_TEMPERATURE = 0.8
-CLI_TOP_K = 50
-
-
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     d = SamplingParams()
     g = p.add_argument_group("sampling")
     g.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                    help=f"tokens to generate at most (default: {DEFAULT_MAX_NEW_TOKENS}, or what fits in the "
                         "context under --context-policy error)")
-    g.add_argument("--temperature", type=float, default=CLI_TEMPERATURE,
-                   help=f"softmax temperature; 0 = greedy, 1 = the model's distribution (default: {CLI_TEMPERATURE})")
-    g.add_argument("--top-k", type=int, default=CLI_TOP_K,
-                   help=f"keep the k most probable tokens; 0 = off (default: {CLI_TOP_K})")
+    # the human default (generation/sampling.py): small models read far better a little below temperature 1
+    # with the long tail cut off; the library's SamplingParams() stays the plain distribution
+    g.add_argument("--temperature", type=float, default=HUMAN_TEMPERATURE,
+                   help=f"softmax temperature; 0 = greedy, 1 = the model's distribution (default: {HUMAN_TEMPERATURE})")
+    g.add_argument("--top-k", type=int, default=HUMAN_TOP_K,
+                   help=f"keep the k most probable tokens; 0 = off (default: {HUMAN_TOP_K})")
     g.add_argument("--top-p", type=float, default=d.top_p, help="nucleus: smallest set with mass >= p, in (0, 1]")
     g.add_argument("--min-p", type=float, default=d.min_p, help="drop tokens below min_p * max probability")
     g.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty,
@@ -106,24 +100,10 @@ def sampling_params(args: argparse.Namespace, max_new_tokens: int, **changes: An
     return params.validate()
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return parse_device(name, GenerationError)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 def load_generator(args: argparse.Namespace) -> Generator:
     """Check the flags that need no model first (cheap, clear errors), then load the run folder."""
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    device = resolve_device(args.device, GenerationError)
+    dtype = resolve_dtype(args.dtype, device, GenerationError)
     return Generator.from_run(args.model, device=device, dtype=dtype, context_policy=args.context_policy,
                               slide_keep=args.slide_keep, compile=args.compile, verify=not args.no_verify)
 
@@ -158,8 +138,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-samples", type=int, default=1, metavar="N", help="independent samples (seeds seed+i)")
     p.add_argument("--num-beams", type=int, default=1, metavar="K",
                    help="beam search with K beams instead of sampling (prints the best --num-samples beams)")
-    p.add_argument("--length-penalty", type=float, default=1.0,
-                   help="beam search ranks log p / length**penalty (default 1.0)")
+    p.add_argument("--length-penalty", type=float, default=DEFAULT_LENGTH_PENALTY,
+                   help=f"beam search ranks log p / length**penalty (default {DEFAULT_LENGTH_PENALTY})")
+    p.add_argument("--early-stopping", choices=["false", "true", "never"], default=str(DEFAULT_EARLY_STOPPING).lower(),
+                   help="beam search: stop at K finished beams (true), when the best open beam scored at its "
+                        "length cannot win (false, the default), or when no longer beam can win (never)")
     p.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
     p.add_argument("--chat", action="store_true",
                    help="the prompt is one user message: render it with the model's chat template (as `chat` "
@@ -216,8 +199,10 @@ def run(args: argparse.Namespace) -> int:
         params = session.stop_params(params).validate()
 
     if args.num_beams > 1:
-        results = gen.beam_search(ids, args.num_beams, params.max_new_tokens, args.length_penalty)
-        results = results[: args.num_samples]
+        early_stopping = {"false": False, "true": True}.get(args.early_stopping, args.early_stopping)
+        results = gen.beam_search(ids, args.num_beams, params.max_new_tokens, args.length_penalty,
+                                  params.stop_token_ids, early_stopping=early_stopping,
+                                  num_return_sequences=args.num_samples)
     elif args.json:
         results = gen.generate([ids] * args.num_samples, params)
     else:

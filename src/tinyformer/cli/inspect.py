@@ -22,6 +22,7 @@ import torch
 
 from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import ConfigError, GenerationError
+from tinyformer.generation.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P
 
 OUTPUTS = ("attention.png", "next_token.png", "token_loss.png", "rope.png")
 
@@ -36,9 +37,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt", help="the text to look at")
     src.add_argument("--prompt-file", metavar="PATH", help="read the text from a UTF-8 file")
     p.add_argument("--out", metavar="DIR", default=None, help="folder for the pictures (default: RUN/inspect)")
-    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (default 1; 0 = greedy)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most probable tokens; 0 = off (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: smallest set with mass >= p; 1 = off (default)")
+    # the plain distribution (generation/sampling.py's DEFAULT_*): inspect shows the model as it is
+    p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
+                   help=f"softmax temperature (default {DEFAULT_TEMPERATURE:g}; 0 = greedy)")
+    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
+                   help="keep the k most probable tokens; 0 = off (default)")
+    p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P,
+                   help="nucleus: smallest set with mass >= p; 1 = off (default)")
     p.add_argument("--rows", type=int, default=10, metavar="N", help="next tokens in the table (default 10)")
     p.add_argument("--max-tokens", type=int, default=32, metavar="N",
                    help="last N tokens shown in the attention maps (default 32)")

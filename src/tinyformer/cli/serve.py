@@ -90,10 +90,9 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def run(args: argparse.Namespace) -> int:
     _require_serve_extra()
-    import torch
     import uvicorn
 
-    from tinyformer.cli.generate import resolve_dtype
+    from tinyformer.devices import resolve_device, resolve_dtype
     from tinyformer.generation.batch_engine import check_compilable
     from tinyformer.generation.weight_layout import store_input_major
     from tinyformer.run_folder import load_config, load_model, load_tokenizer
@@ -109,8 +108,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be <= 65535, got {args.port}")
     if args.request_timeout < 0:
         raise ConfigError(f"--request-timeout must be >= 0, got {args.request_timeout}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = resolve_dtype(args.dtype or "auto", torch.device(device))
+    device = resolve_device(args.device or "auto")
+    dtype = resolve_dtype(args.dtype or "auto", device)
     dtype_name = str(dtype).removeprefix("torch.")
 
     run_dir = Path(args.model)

@@ -29,6 +29,10 @@ class SinusoidalPositions(nn.Module):
         super().__init__()
         self.register_buffer("table", sinusoidal_table(max_seq_len, dim), persistent=False)
 
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """Recompute the table on ``device`` (after a meta-device build: it is not in the checkpoint)."""
+        self.table = sinusoidal_table(self.table.shape[0], self.table.shape[1]).to(device)
+
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         return self.table[positions]
 

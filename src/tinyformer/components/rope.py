@@ -150,6 +150,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cached", cos, persistent=False)
         self.register_buffer("sin_cached", sin, persistent=False)
 
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """Recompute the tables on ``device``: a model built on the meta device has buffers without values,
+        and these are not in the checkpoint (``persistent=False``), so loading weights does not fill them."""
+        inv_freq, self.attention_factor = rope_inv_freq(self.cfg)
+        self.inv_freq = inv_freq.to(device)
+        self.cos_cached, self.sin_cached = self._tables(self.inv_freq, self.cfg.max_seq_len, self.attention_factor)
+        self.__dict__.pop("_long", None)  # LongRoPE's long tables: rebuilt on the new device on first use
+
     def long_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """LongRoPE's cos/sin tables with the long factors (built on first use)."""
         if not hasattr(self, "_long"):

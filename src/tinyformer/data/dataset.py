@@ -111,7 +111,7 @@ def encode_to_memmap(
     a temporary name, fsynced and renamed, so a crash never leaves a partial cache file.
     """
     text = source if isinstance(source, str) else None
-    files = [] if text is not None else _source_files(source)  # type: ignore[arg-type]
+    files = [] if text is not None else _source_files(source)
     dtype = token_dtype(tokenizer.vocab_size)
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)

@@ -65,10 +65,10 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _task(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[str, str, float, int | None]]]:
+    from tinyformer.devices import resolve_device
     from tinyformer.evaluation.report import task_rows
     from tinyformer.evaluation.tasks import BUILTIN, builtin_task, evaluate_items, read_task_file
     from tinyformer.run_folder import load_model, load_tokenizer
-    from tinyformer.training.trainer import resolve_device
 
     items = builtin_task(args.builtin_questions) if args.task == BUILTIN else read_task_file(args.task)
     if args.limit is not None:

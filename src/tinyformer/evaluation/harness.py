@@ -59,9 +59,8 @@ class TinyformerLM(TemplateLM):
                  max_length: int | str | None = None, max_gen_toks: int | str = 256, device: str | None = "auto",
                  dtype: str | None = None, model: Any = None, tokenizer: Any = None, **kwargs: Any) -> None:
         super().__init__()
+        from tinyformer.devices import parse_dtype, resolve_device
         from tinyformer.generation.engine import Generator
-        from tinyformer.interop.hf_folder import parse_dtype
-        from tinyformer.training.trainer import resolve_device
 
         unknown = sorted(set(kwargs) - set(_IGNORED_ARGS))
         if unknown:
@@ -147,7 +146,7 @@ class TinyformerLM(TemplateLM):
         return totals
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        from tinyformer.generation.sampling import SamplingParams
+        from tinyformer.generation.sampling import GREEDY_TEMPERATURE, SamplingParams
 
         eos = self.tokenizer.decode([self.eot_token_id]) if self.tokenizer.eos_id is not None else None
         groups: dict[str, list[int]] = {}
@@ -164,7 +163,7 @@ class TinyformerLM(TemplateLM):
                 raise ConfigError(f"max_gen_toks {max_gen} leaves no room for a context in max_length "
                                   f"{self.max_length}")
             sample = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature", 0.0)) > 0
-            params = SamplingParams(temperature=float(kwargs["temperature"]) if sample else 0.0,
+            params = SamplingParams(temperature=float(kwargs["temperature"]) if sample else GREEDY_TEMPERATURE,
                                     top_p=float(kwargs.get("top_p") or 1.0) if sample else 1.0,
                                     top_k=int(kwargs.get("top_k") or 0) if sample else 0,
                                     max_new_tokens=max_gen, stop_strings=[s for s in until if s and s != eos])

@@ -248,7 +248,7 @@ def _exact_match(model: Any, tokenizer: Any, items: Sequence[ExactAnswer], batch
     """Greedy answers, batched by stop strings; the prompt keeps its last max_seq_len - max_new_tokens
     tokens (as lm-eval's ``generate_until`` cuts it)."""
     from tinyformer.generation.engine import Generator
-    from tinyformer.generation.sampling import SamplingParams
+    from tinyformer.generation.sampling import GREEDY_TEMPERATURE, SamplingParams
 
     gen = Generator(model, tokenizer)
     room = gen.max_seq_len - max_new_tokens
@@ -260,7 +260,7 @@ def _exact_match(model: Any, tokenizer: Any, items: Sequence[ExactAnswer], batch
     for i, it in enumerate(items):
         by_stop.setdefault(it.stop, []).append(i)
     for stop, members in by_stop.items():
-        params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_strings=stop)
+        params = SamplingParams(temperature=GREEDY_TEMPERATURE, max_new_tokens=max_new_tokens, stop_strings=stop)
         for j in range(0, len(members), batch_size):
             part = members[j : j + batch_size]
             prompts = [gen.encode(items[i].prompt)[-room:] for i in part]

@@ -50,9 +50,11 @@ from tinyformer.errors import ConfigError, GenerationError, non_finite_message
 from tinyformer.generation.prefix_cache import PrefixCache, PrefixHit
 from tinyformer.generation.sampling import (
     LogitsProcessor,
+    PenaltyHistory,
     SamplingParams,
     build_processors,
     make_generator,
+    penalty_history,
     sample_next,
 )
 from tinyformer.generation.streaming import TextState
@@ -151,13 +153,10 @@ class EngineRow:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def history(self, device: torch.device) -> Tensor | None:
-        """Ids the penalties count: the generated tokens (OpenAI's frequency/presence penalties), plus the
-        prompt for the CTRL repetition penalty (as in Hugging Face ``generate``)."""
-        if not self.penalised:
-            return None
-        ids = self.prompt_ids + self.token_ids if self.params.repetition_penalty != 1.0 else self.token_ids
-        return torch.tensor(ids, dtype=torch.long, device=device).view(1, -1)
+    def history(self, device: torch.device) -> PenaltyHistory | None:
+        """What the penalties see (``penalty_history`` decides: the CTRL repetition penalty the prompt and
+        the generated tokens, the OpenAI frequency / presence penalties the generated tokens only)."""
+        return penalty_history(self.params, self.prompt_ids, self.token_ids, device)
 
 
 class CompiledStep:

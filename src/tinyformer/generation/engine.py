@@ -23,17 +23,16 @@ plus ``max_new_tokens`` does not fit ``max_seq_len``; ``"slide"`` keeps going: w
 is full it keeps the row's last ``slide_keep`` tokens and prefills them again (positions restart at 0,
 so they stay inside the trained range).
 
-:func:`beam_search` is independent of the model type: it needs only ``step(tokens, cache) -> logits``
-and a cache with ``reorder(index)``, so an encoder-decoder model can use it too.
+Beam search (``Generator.beam_search``) is :func:`tinyformer.generation.beam.beam_search`, the one
+search shared with encoder-decoder models, stepping the KV cache.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +47,14 @@ from tinyformer.generation.batch_engine import (
     EngineRow,
     check_compilable,
 )
+from tinyformer.generation.beam import (
+    DEFAULT_EARLY_STOPPING,
+    DEFAULT_LENGTH_PENALTY,
+    DEFAULT_NUM_RETURN_SEQUENCES,
+    EarlyStopping,
+    beam_search,
+    validate_beam_args,
+)
 from tinyformer.generation.prefix_cache import PrefixCache
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.generation.streaming import TextState
@@ -55,12 +62,10 @@ from tinyformer.generation.weight_layout import store_input_major
 
 __all__ = [
     "CONTEXT_POLICIES",
-    "Beam",
     "GenerationResult",
     "GenerationTimings",
     "Generator",
     "TextStream",
-    "beam_search",
 ]
 
 # With ``compile=True`` the cache length is rounded up to a multiple of this, so that requests of
@@ -134,23 +139,6 @@ def _result(row: EngineRow) -> GenerationResult:
     return GenerationResult(row.text.text, row.token_ids, row.logprobs, row.finish_reason or "length", row.prompt_ids)
 
 
-# ------------------------------------------------------------------------------------------------
-# beam search
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Beam:
-    """A finished beam hypothesis: generated ids (with the end token, if it ended on one), their
-    per-token log-probabilities, the total ``logprob`` = sum of those, and the ranking ``score`` =
-    logprob / len(token_ids) ** length_penalty."""
-
-    token_ids: list[int]
-    token_logprobs: list[float]
-    logprob: float
-    score: float
-
-
 def check_finite(logits: Tensor, index: int) -> Tensor:
     """``logits`` unchanged when every value is finite; else NonFiniteOutputError. NaN logits would
     otherwise sample token 0 or nothing at all, and inf ones an arbitrary token, silently. One reduction
@@ -158,108 +146,6 @@ def check_finite(logits: Tensor, index: int) -> Tensor:
     if not bool(torch.isfinite(logits).all()):
         raise NonFiniteOutputError(non_finite_message(f"for generated token {index + 1}"))
     return logits
-
-
-def beam_search(
-    step: Callable[[Tensor, Any], Tensor],
-    logits: Tensor,
-    cache: Any,
-    *,
-    num_beams: int,
-    max_new_tokens: int,
-    eos_token_ids: Sequence[int] = (),
-    length_penalty: float = 1.0,
-) -> list[Beam]:
-    r"""Beam search over sequences y = y_1 .. y_n, ranked by
-
-        score(y) = sum_i log p(y_i | x, y_<i) / n ** length_penalty
-
-    (``length_penalty`` 0 ranks by total log-probability; > 0 favours longer sequences).
-
-    Args:
-        step: ``step(tokens (K,), cache) -> logits (K, V)``: append one token to each of the K rows of
-            ``cache`` and return the next-token logits. Any model that keeps per-row state works.
-        logits: ``(1, V)`` next-token logits after the prompt; ``cache`` holds that one row.
-        cache: per-row state with ``reorder(index)`` (keep rows ``index``, in that order; it may repeat
-            rows and change the row count), e.g. :class:`~tinyformer.components.kv_cache.KVCache`.
-        num_beams: K, the number of hypotheses kept per step.
-        max_new_tokens: the longest sequence considered.
-        eos_token_ids: tokens that end a hypothesis.
-
-    Returns the finished hypotheses, best score first (at most ``num_beams``).
-
-    Each step expands every kept hypothesis by every token, ranks the K*V candidates and keeps the best
-    2K: those ending in an end token (among the first K) become finished hypotheses, the best K others
-    stay open. The search ends when no open hypothesis can still beat the worst of K finished ones:
-    log-probabilities only decrease, which bounds every continuation (this bound is exact, so the
-    result does not depend on stopping early), or at ``max_new_tokens``, when the open ones finish.
-    """
-    if num_beams < 1:
-        raise GenerationError(f"num_beams must be >= 1, got {num_beams}")
-    if max_new_tokens < 1:
-        return []
-    K = num_beams
-    ends = {int(t) for t in eos_token_ids}
-    device = logits.device
-    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # (1, V)
-    V = logp.shape[-1]
-    scores = logp.new_zeros(1)  # total log-prob of each open hypothesis; one (empty) to start
-    seqs = torch.zeros(1, 0, dtype=torch.long, device=device)
-    seq_logps = logp.new_zeros(1, 0)
-    finished: list[Beam] = []
-
-    def normalised(total: float, n: int) -> float:
-        return total / (n**length_penalty)
-
-    def best_possible(total: float, n: int) -> float:
-        # The best score any continuation of an open hypothesis (total log-prob `total` after n tokens)
-        # can reach: its total can only fall, so with length_penalty > 0 the best case is the longest
-        # allowed sequence keeping `total`, otherwise the current length.
-        if length_penalty > 0:
-            return total / (max_new_tokens**length_penalty)
-        return normalised(total, n)
-
-    for t in range(max_new_tokens):
-        n = t + 1  # length of the candidates
-        candidates = (scores[:, None] + logp).view(-1)  # (K' V,)
-        top_scores, top_index = candidates.topk(min(2 * K, candidates.numel()))
-        keep_rows: list[int] = []
-        keep_tokens: list[int] = []
-        for rank, (s, flat) in enumerate(zip(top_scores.tolist(), top_index.tolist())):
-            if s == -math.inf:
-                break
-            row, token = divmod(flat, V)
-            if token in ends:
-                if rank < K:  # an end token ranked below the K best is not competitive
-                    ids = seqs[row].tolist() + [token]
-                    lps = seq_logps[row].tolist() + [float(logp[row, token])]
-                    finished.append(Beam(ids, lps, s, normalised(s, n)))
-                continue
-            keep_rows.append(row)
-            keep_tokens.append(token)
-            if len(keep_rows) == K:
-                break
-        finished.sort(key=lambda b: b.score, reverse=True)
-        del finished[K:]
-        if not keep_rows:  # every candidate ended
-            break
-        index = torch.tensor(keep_rows, device=device)
-        tokens = torch.tensor(keep_tokens, device=device)
-        new_lps = logp[index, tokens]
-        scores = scores[index] + new_lps
-        seqs = torch.cat([seqs[index], tokens[:, None]], dim=1)
-        seq_logps = torch.cat([seq_logps[index], new_lps[:, None]], dim=1)
-        if n == max_new_tokens:  # the open hypotheses end here, at the length limit
-            for ids, lps, total in zip(seqs.tolist(), seq_logps.tolist(), scores.tolist()):
-                finished.append(Beam(ids, lps, total, normalised(total, n)))
-            break
-        if len(finished) == K and best_possible(float(scores.max()), n) <= finished[-1].score:
-            break
-        cache.reorder(index)
-        logits = step(tokens, cache)
-        logp = torch.log_softmax(logits.to(scores.dtype), dim=-1)
-    finished.sort(key=lambda b: b.score, reverse=True)
-    return finished[:K]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -421,11 +307,15 @@ class Generator:
         return TextStream(pieces(), rows[0])
 
     def beam_search(self, prompt: str | Sequence[int], num_beams: int, max_new_tokens: int,
-                    length_penalty: float = 1.0, stop_token_ids: Sequence[int] = ()) -> list[GenerationResult]:
-        """The best ``num_beams`` hypotheses for ``prompt`` (see :func:`beam_search`), best first.
-        ``finish_reason`` is "stop" for a hypothesis that ended on EOS or a stop token."""
+                    length_penalty: float = DEFAULT_LENGTH_PENALTY, stop_token_ids: Sequence[int] = (), *,
+                    early_stopping: EarlyStopping = DEFAULT_EARLY_STOPPING,
+                    num_return_sequences: int = DEFAULT_NUM_RETURN_SEQUENCES) -> list[GenerationResult]:
+        """The best ``num_return_sequences`` of ``num_beams`` hypotheses for ``prompt``, best first: HF
+        ``generate(num_beams=..., do_sample=False)`` (see :mod:`tinyformer.generation.beam` for the score).
+        EOS and ``stop_token_ids`` end a hypothesis; ``finish_reason`` is "stop" for one that ended so."""
         ids = self.encode(prompt)
         SamplingParams(max_new_tokens=max_new_tokens).validate()
+        validate_beam_args(num_beams, length_penalty, early_stopping, num_return_sequences)
         self._check_fits(len(ids), max_new_tokens)
         ends = set(int(t) for t in stop_token_ids)
         if self.eos_token_id is not None:
@@ -438,15 +328,13 @@ class Generator:
             def step(tokens: Tensor, cache: Any) -> Tensor:
                 return self.model(tokens[:, None], cache=cache)[:, -1]
 
-            beams = beam_search(step, logits, cache, num_beams=num_beams, max_new_tokens=max_new_tokens,
-                                eos_token_ids=sorted(ends), length_penalty=length_penalty)
+            hyps = beam_search(step, logits, cache, num_beams=num_beams, max_new_tokens=max_new_tokens,
+                               eos_token_ids=sorted(ends), length_penalty=length_penalty,
+                               early_stopping=early_stopping, num_return_sequences=num_return_sequences)[0]
         results = []
-        for beam in beams:
-            ended = bool(beam.token_ids) and beam.token_ids[-1] in ends
-            shown = beam.token_ids[:-1] if ended else beam.token_ids
-            text = b"".join(self.token_bytes(i) for i in shown).decode("utf-8", errors="replace")
-            results.append(GenerationResult(text, beam.token_ids, beam.token_logprobs,
-                                            "stop" if ended else "length", ids))
+        for hyp in hyps:
+            text = b"".join(self.token_bytes(i) for i in hyp.output_ids).decode("utf-8", errors="replace")
+            results.append(GenerationResult(text, hyp.token_ids, hyp.token_logprobs, hyp.finish_reason, ids))
         return results
 
     # ---------------------------------------------------------------- decoding

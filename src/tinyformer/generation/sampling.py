@@ -1,14 +1,47 @@
 """Logits processors and the per-token sampler.
 
 Every processor is a small callable ``proc(logits, generated) -> logits`` where ``logits`` is a
-``[B, V]`` float tensor of next-token scores and ``generated`` is a ``[B, t]`` integer tensor of the
-token ids the penalties should look at (or ``None``). Processors are batched, never loop over the
+``[B, V]`` float tensor of next-token scores and ``generated`` holds the token ids the penalties look
+at: a :class:`PenaltyHistory` (what decoding passes, built by :func:`penalty_history`), a ``[B, t]``
+integer tensor that every penalty sees alike, or ``None``. Processors are batched, never loop over the
 vocabulary in Python, never modify their input in place, and return a tensor of the input's dtype.
 Filtering processors set removed tokens to ``-inf`` so that ``softmax`` gives them probability 0.
 
 :func:`build_processors` turns a :class:`SamplingParams` into the canonical processor chain and
 :func:`sample_next` draws one token per row from it. Both skip every processor that would be a
 no-op, so the default parameters cost one ``softmax`` and one ``multinomial`` per decoded token.
+
+Which tokens the penalties see (:func:`penalty_history`, used by every decoder: ``Generator`` and the
+server's scheduler):
+
+======================  =========================  ===============================================
+penalty                 sees                       as in
+======================  =========================  ===============================================
+``repetition_penalty``  prompt + generated tokens  HF ``generate`` (its ``RepetitionPenaltyLogits-
+                                                   Processor`` gets all of ``input_ids``), vLLM
+``frequency_penalty``,  generated tokens only      OpenAI's formula (c[j] counts how often token j
+``presence_penalty``                               was sampled before the current position), vLLM
+======================  =========================  ===============================================
+
+Default sampling parameters by entry point (the constants below; every entry point reads them here):
+
+=========================================  ===========================  ========================================
+entry point                                default                      why
+=========================================  ===========================  ========================================
+library: ``SamplingParams()``              ``DEFAULT_*``: temperature   the model's own distribution, nothing
+                                           1, top-k 0, top-p 1, min-p   changed: what a library call means
+                                           0, no penalties
+``tinyformer generate`` and ``chat``,      ``HUMAN_TEMPERATURE`` 0.8,   text for a person: a little below
+the trainer's samples (``samples.txt``)    ``HUMAN_TOP_K`` 50, the      temperature 1 with the long tail cut
+                                           rest ``DEFAULT_*``           off, as nanoGPT and llama.cpp sample
+``tinyformer serve`` (OpenAI API)          ``OPENAI_TEMPERATURE`` 1,    the API specification fixes them; its
+                                           ``OPENAI_TOP_P`` 1, the      non-standard (vLLM) fields default to
+                                           rest ``DEFAULT_*``           the plain distribution
+``tinyformer inspect``                     ``DEFAULT_*``                it shows the model's distribution
+``tinyformer eval`` (lm-eval and built-in  ``GREEDY_TEMPERATURE`` 0     scores are repeatable and comparable
+tasks), SFT's held-out answers             unless a task asks to        (lm-eval's ``do_sample`` is False
+                                           sample                       unless a task sets it)
+=========================================  ===========================  ========================================
 """
 
 from __future__ import annotations
@@ -25,9 +58,19 @@ from torch import Tensor
 from tinyformer.errors import GenerationError
 
 __all__ = [
+    "DEFAULT_MIN_P",
+    "DEFAULT_TEMPERATURE",
+    "DEFAULT_TOP_K",
+    "DEFAULT_TOP_P",
+    "GREEDY_TEMPERATURE",
+    "HUMAN_TEMPERATURE",
+    "HUMAN_TOP_K",
+    "OPENAI_TEMPERATURE",
+    "OPENAI_TOP_P",
     "FrequencyPenalty",
     "LogitsProcessor",
     "MinP",
+    "PenaltyHistory",
     "PresencePenalty",
     "RepetitionPenalty",
     "SamplingParams",
@@ -36,16 +79,29 @@ __all__ = [
     "TopP",
     "build_processors",
     "make_generator",
+    "penalty_history",
     "sample_next",
 ]
 
 _NEG_INF = float("-inf")
 
+# The defaults of every entry point (see the table in the module docstring).
+DEFAULT_TEMPERATURE = 1.0  # the library: the model's distribution as it is
+DEFAULT_TOP_K = 0
+DEFAULT_TOP_P = 1.0
+DEFAULT_MIN_P = 0.0
+HUMAN_TEMPERATURE = 0.8  # the command line and the trainer's samples: text for a person to read
+HUMAN_TOP_K = 50
+OPENAI_TEMPERATURE = 1.0  # the server: the OpenAI API's own defaults
+OPENAI_TOP_P = 1.0
+GREEDY_TEMPERATURE = 0.0  # evaluation: deterministic, comparable scores
+
 
 class LogitsProcessor(Protocol):
-    """Anything with ``__call__(logits: Tensor[B, V], generated: Tensor[B, t] | None) -> Tensor[B, V]``."""
+    """Anything with ``__call__(logits: Tensor[B, V], generated) -> Tensor[B, V]``, ``generated`` a
+    :class:`PenaltyHistory`, a ``Tensor[B, t]`` or ``None``."""
 
-    def __call__(self, logits: Tensor, generated: Tensor | None) -> Tensor: ...
+    def __call__(self, logits: Tensor, generated: Tensor | PenaltyHistory | None) -> Tensor: ...
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,6 +185,57 @@ def _token_counts(logits: Tensor, generated: Tensor) -> Tensor:
     counts = torch.zeros(b, v + 1, dtype=dtype, device=logits.device)
     counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=dtype, device=logits.device))
     return counts[:, :v]
+
+
+# ----------------------------------------------------------------------------------------------
+# the tokens the penalties see
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PenaltyHistory:
+    """The ids the penalties of B rows look at: ``prompt`` ``[B, P]`` (``None`` when no penalty that
+    sees the prompt is on) and ``generated`` ``[B, t]``; ids outside ``[0, V)`` (padding, e.g. -1) are
+    ignored. ``repetition_ids()`` is prompt + generated (the CTRL repetition penalty, as in HF);
+    ``generated`` alone is what the OpenAI frequency and presence penalties count."""
+
+    prompt: Tensor | None
+    generated: Tensor
+
+    def repetition_ids(self) -> Tensor:
+        if self.prompt is None:
+            return self.generated
+        return torch.cat([self.prompt.to(self.generated.device), self.generated], dim=1)
+
+    def __getitem__(self, rows: slice) -> PenaltyHistory:
+        """The history of ``rows`` (a slice of the batch)."""
+        return PenaltyHistory(None if self.prompt is None else self.prompt[rows], self.generated[rows])
+
+
+def _rows(ids: Tensor | Sequence[int], device: torch.device | str | None) -> Tensor:
+    if isinstance(ids, Tensor):
+        return (ids if ids.dim() == 2 else ids[None]).to(device=device, dtype=torch.long)
+    return torch.tensor(list(ids), dtype=torch.long, device=device).view(1, -1)
+
+
+def penalty_history(params: SamplingParams, prompt: Tensor | Sequence[int], generated: Tensor | Sequence[int],
+                    device: torch.device | str | None = None) -> PenaltyHistory | None:
+    """What the penalties of ``params`` see, given the ``prompt`` and ``generated`` ids of each row
+    (``[B, P]`` and ``[B, t]`` tensors, padding as -1, or one row as lists); ``None`` when no penalty is
+    on, so that nothing is built. The one place that decides it (see the module docstring):
+    ``repetition_penalty`` sees prompt + generated, ``frequency_penalty`` / ``presence_penalty`` the
+    generated tokens only, whichever other penalties are on."""
+    sees_prompt = params.repetition_penalty != 1.0
+    if not sees_prompt and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0:
+        return None
+    return PenaltyHistory(_rows(prompt, device) if sees_prompt else None, _rows(generated, device))
+
+
+def _seen(generated: Tensor | PenaltyHistory | None, *, with_prompt: bool) -> Tensor | None:
+    """The ids one penalty sees in ``generated`` (all of a plain tensor)."""
+    if isinstance(generated, PenaltyHistory):
+        return generated.repetition_ids() if with_prompt else generated.generated
+    return generated
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,7 +394,8 @@ class RepetitionPenalty:
     def __init__(self, penalty: float) -> None:
         self.penalty = _check_repetition_penalty(penalty)
 
-    def __call__(self, logits: Tensor, generated: Tensor | None) -> Tensor:
+    def __call__(self, logits: Tensor, generated: Tensor | PenaltyHistory | None) -> Tensor:
+        generated = _seen(generated, with_prompt=True)
         if self.penalty == 1.0 or generated is None or generated.numel() == 0:
             return logits
         b, v = logits.shape
@@ -311,7 +419,8 @@ class FrequencyPenalty:
     def __init__(self, penalty: float) -> None:
         self.penalty = _real("frequency_penalty", penalty)
 
-    def __call__(self, logits: Tensor, generated: Tensor | None) -> Tensor:
+    def __call__(self, logits: Tensor, generated: Tensor | PenaltyHistory | None) -> Tensor:
+        generated = _seen(generated, with_prompt=False)
         if self.penalty == 0.0 or generated is None or generated.numel() == 0:
             return logits
         counts = _token_counts(logits, generated)
@@ -332,7 +441,8 @@ class PresencePenalty:
     def __init__(self, penalty: float) -> None:
         self.penalty = _real("presence_penalty", penalty)
 
-    def __call__(self, logits: Tensor, generated: Tensor | None) -> Tensor:
+    def __call__(self, logits: Tensor, generated: Tensor | PenaltyHistory | None) -> Tensor:
+        generated = _seen(generated, with_prompt=False)
         if self.penalty == 0.0 or generated is None or generated.numel() == 0:
             return logits
         b, v = logits.shape
@@ -369,10 +479,10 @@ class SamplingParams:
       would match before the first character).
     """
 
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
+    temperature: float = DEFAULT_TEMPERATURE
+    top_k: int = DEFAULT_TOP_K
+    top_p: float = DEFAULT_TOP_P
+    min_p: float = DEFAULT_MIN_P
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -462,7 +572,7 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
 def sample_next(
     logits: Tensor,
     params: SamplingParams,
-    generated: Tensor | None = None,
+    generated: Tensor | PenaltyHistory | None = None,
     generator: torch.Generator | None = None,
     *,
     processors: Sequence[LogitsProcessor] | None = None,
@@ -472,8 +582,9 @@ def sample_next(
     Args:
         logits: ``[B, V]`` raw next-token logits from the model (any float dtype, any device).
         params: sampling parameters (validated here unless ``processors`` is given).
-        generated: ``[B, t]`` (or ``[t]``, shared by all rows) ids the penalties count. Which ids that
-            is, is the caller's choice: HF's repetition penalty sees prompt + generated tokens.
+        generated: what the penalties see: a :class:`PenaltyHistory` (from :func:`penalty_history`, which
+            decides which ids each penalty sees), or ``[B, t]`` (or ``[t]``, shared by all rows) ids that
+            every penalty sees alike.
         generator: RNG for ``torch.multinomial``, on the logits' device (see :func:`make_generator`).
         processors: a chain prebuilt with ``build_processors(params)``, to skip rebuilding it every step.
 

@@ -1,37 +1,30 @@
 """Decoding an encoder-decoder model: greedy search and beam search.
 
 Both run the encoder once, project each decoder layer's cross-attention K/V once (``cross_kv``),
-and feed the decoder one token per step through its self-attention KV cache.
+and feed the decoder one token per step through its self-attention KV cache, starting from BOS:
+
+    step(y_t) = lm_head(decoder(y_t | self-attention cache, cross K/V of the source))   (N, V)
 
 Greedy:  y_t = argmax_v log p(v | y_<t, x), until EOS or ``max_new_tokens``.
 
-Beam search keeps K live prefixes per source. A prefix's score is its log-probability
-s(y) = sum_t log p(y_t | y_<t, x). At each step every live prefix closed by EOS becomes a
-candidate finished hypothesis, and the K best non-EOS extensions stay live. A finished
-hypothesis (ended by EOS, or cut at ``max_new_tokens``) is ranked by s(y) / |y|^alpha,
-|y| counting generated tokens (EOS included)
-and alpha the ``length_penalty`` (0 = raw log-probability; > 0 favours longer outputs, as in
-Wu et al. 2016 and Hugging Face). Search stops for a source once it has K finished hypotheses and
-no live prefix can still beat the worst of them: log-probabilities only decrease, so a prefix
-with score s at length L can reach at most s / L_max^alpha (alpha > 0) or s / (L+1)^alpha
-(alpha <= 0). With this exact bound, beam search with K at least the number of live prefixes
-returns the true best sequence (tested against brute force).
+Beam search is :func:`tinyformer.generation.beam.beam_search` (the one search shared with decoder-only
+models: HF ``generate(num_beams=...)``'s rules, names and defaults) over this step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from torch import Tensor
 
 from tinyformer.errors import GenerationError
-
-
-@dataclass
-class Hypothesis:
-    tokens: list[int]  # generated tokens, EOS excluded
-    score: float  # s(y) / |y|^alpha
-    logprob: float  # s(y)
+from tinyformer.generation import beam
+from tinyformer.generation.beam import (
+    DEFAULT_EARLY_STOPPING,
+    DEFAULT_LENGTH_PENALTY,
+    DEFAULT_NUM_RETURN_SEQUENCES,
+    BeamHypothesis,
+    EarlyStopping,
+)
 
 
 def _check(model, max_new_tokens: int) -> None:
@@ -42,99 +35,69 @@ def _check(model, max_new_tokens: int) -> None:
                               f"(max_seq_len={model.cfg.max_seq_len})")
 
 
+class DecoderState:
+    """What the decoder needs per row besides the token: its self-attention cache, the cross-attention
+    K/V of the row's source and the source's padding mask.
+
+    ``reorder(index)`` keeps rows ``index``. The beam search only ever reorders rows within a source's
+    block (after the first reorder, from B sources to B*K beams), so the cross K/V and the mask, which
+    depend on the source alone, are gathered only when the row count changes.
+    """
+
+    def __init__(self, model, src_ids: Tensor, src_mask: Tensor | None, max_new_tokens: int) -> None:
+        self.model = model
+        self.cross = model.cross_kv(model.encode(src_ids, src_mask))
+        self.mask = src_mask
+        self.cache = model.new_cache(src_ids.shape[0], max_new_tokens)
+
+    def reorder(self, index: Tensor) -> None:
+        if index.numel() != self.cache.batch_size:
+            self.cross = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross]
+            self.mask = self.mask.index_select(0, index) if self.mask is not None else None
+        self.cache.reorder(index)
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """Feed one token per row (N,): next-token logits (N, V)."""
+        return self.model.lm_head(self.model.decode(tokens[:, None], self.cross, self.mask, self.cache))[:, -1]
+
+
+def _step(tokens: Tensor, state: DecoderState) -> Tensor:
+    return state.step(tokens)
+
+
 @torch.no_grad()
-def greedy_decode(model, src_ids: torch.Tensor, src_mask: torch.Tensor | None = None, *, bos_id: int,
+def greedy_decode(model, src_ids: Tensor, src_mask: Tensor | None = None, *, bos_id: int,
                   eos_id: int, max_new_tokens: int) -> list[list[int]]:
     """The greedy output of each source row (B lists of token ids, EOS excluded)."""
     _check(model, max_new_tokens)
     B = src_ids.shape[0]
-    cross = model.cross_kv(model.encode(src_ids, src_mask))
-    cache = model.new_cache(B, max_new_tokens)
-    tok = torch.full((B, 1), bos_id, dtype=torch.long, device=src_ids.device)
+    state = DecoderState(model, src_ids, src_mask, max_new_tokens)
+    tok = torch.full((B,), bos_id, dtype=torch.long, device=src_ids.device)
     done = torch.zeros(B, dtype=torch.bool, device=src_ids.device)
     steps = []
     for _ in range(max_new_tokens):
-        logits = model.lm_head(model.decode(tok, cross, src_mask, cache))[:, -1]
-        nxt = logits.argmax(dim=-1).masked_fill(done, eos_id)
+        nxt = state.step(tok).argmax(dim=-1).masked_fill(done, eos_id)
         steps.append(nxt)
         done |= nxt == eos_id
         if bool(done.all()):
             break
-        tok = nxt[:, None]
+        tok = nxt
     out = torch.stack(steps, dim=1).tolist()
     return [row[: row.index(eos_id)] if eos_id in row else row for row in out]
 
 
 @torch.no_grad()
-def beam_search(model, src_ids: torch.Tensor, src_mask: torch.Tensor | None = None, *, bos_id: int, eos_id: int,
-                max_new_tokens: int, beam_size: int = 4, length_penalty: float = 0.0) -> list[Hypothesis]:
-    """The best hypothesis of each source row under beam search (see the module docstring)."""
+def beam_search(model, src_ids: Tensor, src_mask: Tensor | None = None, *, bos_id: int, eos_id: int,
+                max_new_tokens: int, num_beams: int, length_penalty: float = DEFAULT_LENGTH_PENALTY,
+                early_stopping: EarlyStopping = DEFAULT_EARLY_STOPPING,
+                num_return_sequences: int = DEFAULT_NUM_RETURN_SEQUENCES) -> list[list[BeamHypothesis]]:
+    """The best ``num_return_sequences`` hypotheses of each source row, best first (see
+    :mod:`tinyformer.generation.beam` for the rules and the score). ``BeamHypothesis.output_ids`` is a
+    hypothesis without its EOS."""
     _check(model, max_new_tokens)
-    if beam_size < 1:
-        raise GenerationError(f"beam_size must be at least 1, got {beam_size}")
-    B, K, device = src_ids.shape[0], beam_size, src_ids.device
-    memory = model.encode(src_ids, src_mask)
-    # every beam of a source shares its memory: repeat rows once; beams never move across sources
-    cross = [(k.repeat_interleave(K, 0), v.repeat_interleave(K, 0)) for k, v in model.cross_kv(memory)]
-    mask = src_mask.repeat_interleave(K, 0) if src_mask is not None else None
-    cache = model.new_cache(B * K, max_new_tokens)
-    # only beam 0 is live at the start (the others would duplicate it)
-    scores = torch.full((B, K), float("-inf"), device=device, dtype=torch.float64)
-    scores[:, 0] = 0.0
-    prefixes: list[list[list[int]]] = [[[] for _ in range(K)] for _ in range(B)]
-    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    closed = [False] * B
-    tok = torch.full((B * K, 1), bos_id, dtype=torch.long, device=device)
-
-    def normalised(logprob: float, length: int) -> float:
-        return logprob / (length ** length_penalty)
-
-    def add_finished(b: int, hyp: Hypothesis) -> None:
-        finished[b].append(hyp)
-        finished[b].sort(key=lambda h: h.score, reverse=True)
-        del finished[b][K:]
-
-    for step in range(max_new_tokens):
-        length = step + 1  # tokens generated once this step's token is appended
-        logits = model.lm_head(model.decode(tok, cross, mask, cache))[:, -1]
-        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-        logp = torch.log_softmax(logits, dim=-1).view(B, K, -1)
-        V = logp.shape[-1]
-        ended = (scores + logp[:, :, eos_id]).tolist()  # each live prefix closed by EOS now
-        logp[:, :, eos_id] = float("-inf")
-        top_scores, top_index = (scores[:, :, None] + logp).view(B, K * V).topk(K, dim=-1)
-        new_scores = torch.full((B, K), float("-inf"), device=device, dtype=torch.float64)
-        origin = torch.arange(B * K, device=device).view(B, K).clone()  # the rows the next step continues
-        new_prefixes: list[list[list[int]]] = [[[] for _ in range(K)] for _ in range(B)]
-        for b in range(B):
-            if closed[b]:
-                continue
-            for beam in range(K):
-                if ended[b][beam] != float("-inf"):
-                    add_finished(b, Hypothesis(list(prefixes[b][beam]), normalised(ended[b][beam], length),
-                                               ended[b][beam]))
-            for rank, (s, idx) in enumerate(zip(top_scores[b].tolist(), top_index[b].tolist())):
-                if s == float("-inf"):
-                    break
-                beam, token = divmod(idx, V)
-                if length == max_new_tokens:  # out of room: the prefix is cut here
-                    add_finished(b, Hypothesis(prefixes[b][beam] + [token], normalised(s, length), s))
-                    continue
-                new_scores[b, rank] = s
-                origin[b, rank] = b * K + beam
-                new_prefixes[b][rank] = prefixes[b][beam] + [token]
-            best_live = float(new_scores[b].max())
-            if best_live == float("-inf"):
-                closed[b] = True
-            elif len(finished[b]) >= K:
-                reach = length + 1 if length_penalty <= 0 else max_new_tokens
-                closed[b] = normalised(best_live, reach) <= finished[b][-1].score
-        if all(closed) or length == max_new_tokens:
-            break
-        for b in range(B):
-            if closed[b]:
-                new_scores[b] = float("-inf")
-        scores, prefixes = new_scores, new_prefixes
-        cache.reorder(origin.view(-1))
-        tok = (top_index % V).view(B * K, 1)
-    return [finished[b][0] for b in range(B)]
+    beam.validate_beam_args(num_beams, length_penalty, early_stopping, num_return_sequences)
+    state = DecoderState(model, src_ids, src_mask, max_new_tokens)
+    bos = torch.full((src_ids.shape[0],), bos_id, dtype=torch.long, device=src_ids.device)
+    return beam.beam_search(_step, state.step(bos), state, num_beams=num_beams, max_new_tokens=max_new_tokens,
+                            eos_token_ids=[eos_id], length_penalty=length_penalty, early_stopping=early_stopping,
+                            num_return_sequences=num_return_sequences)

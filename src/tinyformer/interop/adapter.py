@@ -21,8 +21,7 @@ Registering a new architecture (e.g. in ``interop/gpt2.py``)::
 
     ADAPTER = Adapter(name="gpt2", model_types=("gpt2",), config_from_hf=..., ...)
 
-and list the module in ``BUILTIN_ADAPTER_MODULES`` below (modules that do not exist yet are skipped),
-or call ``register_adapter(ADAPTER)`` from your own code.
+and list the module in ``BUILTIN_ADAPTER_MODULES`` below, or call ``register_adapter(ADAPTER)`` from your own code.
 """
 
 from __future__ import annotations
@@ -84,12 +83,7 @@ def _load_builtins() -> None:
         return
     _loaded = True
     for module_name in BUILTIN_ADAPTER_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_name:  # not written yet: skip; a missing dependency inside it is a bug
-                continue
-            raise
+        module = importlib.import_module(module_name)
         adapter = getattr(module, "ADAPTER", None)
         if isinstance(adapter, Adapter):
             for model_type in adapter.model_types:

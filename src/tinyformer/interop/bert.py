@@ -38,8 +38,11 @@ from typing import Any
 import torch
 
 from tinyformer.config import ModelConfig
+from tinyformer.devices import parse_dtype
 from tinyformer.errors import CheckpointError, ConfigError
 from tinyformer.interop.adapter import Adapter
+from tinyformer.interop.convert_pipeline import DEFAULT_SHARD_BYTES, copy_hf_tokenizer, import_checkpoint
+from tinyformer.interop.tensor_sources import open_hf_weights, read_json
 
 PREFIX = "bert."
 # architecture -> (tensor-name prefix, pooler, masked-LM head)
@@ -278,8 +281,6 @@ UNSUPPORTED_POOLING = ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weight
 def read_sentence_transformers(folder: str | Path) -> tuple[Path, dict[str, Any]]:
     """(the folder of the Transformer module, {"pooling", "normalize", "max_seq_length"}) of a
     sentence-transformers folder; ConfigError naming any module or pooling mode that is not supported."""
-    from tinyformer.interop.hf_folder import read_json
-
     folder = Path(folder)
     modules = read_json_list(folder / "modules.json")
     transformer_dir: Path | None = None
@@ -312,8 +313,6 @@ def read_sentence_transformers(folder: str | Path) -> tuple[Path, dict[str, Any]
 
 def read_json_list(path: Path) -> list[dict[str, Any]]:
     """The modules of a sentence-transformers ``modules.json``, in their ``idx`` order."""
-    from tinyformer.interop.hf_folder import read_json
-
     data = read_json(path, "the module list of a sentence-transformers folder", kind=list)
     if not all(isinstance(m, dict) for m in data):
         raise CheckpointError(f"{path} must hold a list of modules")
@@ -343,21 +342,19 @@ def _pooling_mode(config: Mapping[str, Any]) -> str:
 
 def import_sentence_transformers(src: str | Path, out: str | Path, *, dtype: str | torch.dtype | None = None,
                                  max_shard_bytes: int | None = None, force: bool = False):
-    """A sentence-transformers folder -> a tinyformer run folder (-> ``hf_folder.ConvertReport``)."""
-    from tinyformer.interop import hf_folder
-
+    """A sentence-transformers folder -> a tinyformer run folder (-> ``convert_pipeline.ConvertReport``)."""
     src = Path(src)
     transformer_dir, info = read_sentence_transformers(src)
-    hf_config = hf_folder.read_json(transformer_dir / "config.json", "model config")
+    hf_config = read_json(transformer_dir / "config.json", "model config")
     if hf_config.get("model_type") != "bert":
         raise ConfigError(f"{transformer_dir}: model_type {hf_config.get('model_type')!r} is not supported in a "
                           "sentence-transformers folder (supported: bert)")
-    source = hf_folder.open_hf_weights(transformer_dir)
+    source = open_hf_weights(transformer_dir)
     hf_config = align_config(hf_config, source.names())
-    dt = hf_folder.parse_dtype(dtype) if isinstance(dtype, str) else dtype
-    return hf_folder.import_checkpoint(
+    dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    return import_checkpoint(
         hf_config, source, out,
-        write_tokenizer=lambda dst: hf_folder._copy_hf_tokenizer(transformer_dir, dst),
-        dtype=dt, max_shard_bytes=max_shard_bytes or hf_folder.DEFAULT_SHARD_BYTES, force=force, inputs=(src,),
+        write_tokenizer=lambda dst: copy_hf_tokenizer(transformer_dir, dst),
+        dtype=dt, max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES, force=force, inputs=(src,),
         extra={"sentence_transformers": info},
     )

@@ -3,7 +3,7 @@
 A GGUF file is a header of typed key/value metadata followed by tensors, each stored as float
 (F32, F16, BF16) or in one of ggml's block quantizations. This module turns one into the pair a
 Hugging Face folder would give -- a ``config.json`` dict and HF-named tensors -- and hands both to the
-same pipeline as ``hf_folder.import_hf``, so the Llama adapter does the rest.
+same pipeline as ``hf_folder.import_hf`` (``convert_pipeline.import_checkpoint``), so the Llama adapter does the rest.
 
 Weights. Quantized tensors are dequantized to float32 with ``gguf.quants.dequantize`` (the reference
 Python implementation of ggml's formats, e.g. Q8_0: x = d * q, with one float16 scale d per block of 32
@@ -41,16 +41,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from tinyformer.devices import parse_dtype
 from tinyformer.errors import CheckpointError, ConfigError
 from tinyformer.interop import gemma, llama
-from tinyformer.interop.hf_folder import (
-    DEFAULT_SHARD_BYTES,
-    ConvertReport,
-    TensorSource,
-    _write_json,
-    import_checkpoint,
-    parse_dtype,
-)
+from tinyformer.interop.convert_pipeline import DEFAULT_SHARD_BYTES, ConvertReport, import_checkpoint, write_json
+from tinyformer.interop.tensor_sources import TensorSource
 
 ARCHITECTURES = {**llama.ARCHITECTURES, **gemma.ARCHITECTURES}  # HF model_type -> its *ForCausalLM class
 
@@ -476,10 +471,10 @@ def _write_tokenizer(g: GGUFFile, hf_config: dict[str, Any], dst: Path) -> list[
     text, config = built
     config.setdefault("model_max_length", hf_config["max_position_embeddings"])
     atomic_write_text(dst / "tokenizer.json", text)
-    _write_json(dst / "tokenizer_config.json", config)
+    write_json(dst / "tokenizer_config.json", config)
     gen = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf_config}
     if gen:
-        _write_json(dst / "generation_config.json", gen)
+        write_json(dst / "generation_config.json", gen)
     return []
 
 
@@ -544,7 +539,7 @@ def import_gguf_keep_quant(path: str | Path, out: str | Path, *, max_shard_bytes
 
     from tinyformer.components.quantized import QuantSpec, quantize_weight
     from tinyformer.interop.adapter import adapter_for_hf
-    from tinyformer.interop.hf_folder import staged_output
+    from tinyformer.interop.convert_pipeline import staged_output
     from tinyformer.quantization import QUANT_KEY
     from tinyformer.run_folder import iter_tensors, save_tensors, side_files
 

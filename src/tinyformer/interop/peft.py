@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
+from tinyformer.devices import DTYPES
 from tinyformer.errors import CheckpointError, ConfigError
-from tinyformer.interop.hf_folder import DTYPES, ConvertReport, staged_output
+from tinyformer.interop.convert_pipeline import ConvertReport, staged_output
 from tinyformer.utils.io import atomic_write_text
 
 #: tinyformer (module, target) -> Hugging Face Llama module, under model.layers.i

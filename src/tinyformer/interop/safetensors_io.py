@@ -184,7 +184,7 @@ def write_planned(folder: str | Path, specs: list[TensorSpec], tensors: Iterable
     shards into ``folder``, plus ``{stem}.safetensors.index.json`` when there is more than one shard.
 
     Each tensor is written as it arrives; nothing is buffered. ``folder`` should be a staging folder that
-    the caller renames into place once everything succeeded (see ``hf_folder.staged_output``).
+    the caller renames into place once everything succeeded (see ``convert_pipeline.staged_output``).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -21,9 +21,9 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 
         return DecoderLM(cfg)
     if cfg.arch == "encoder":
-        from tinyformer.models.encoder import EncoderModel  # type: ignore[attr-defined]
+        from tinyformer.models.encoder import EncoderModel
 
         return EncoderModel(cfg)
-    from tinyformer.models.seq2seq import Seq2SeqModel  # type: ignore[attr-defined]
+    from tinyformer.models.seq2seq import Seq2SeqModel
 
     return Seq2SeqModel(cfg)

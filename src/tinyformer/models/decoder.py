@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyformer.components.block import Block
+from tinyformer.components.initialization import init_weights
 from tinyformer.components.kv_cache import KVCache
 from tinyformer.components.loss import linear_cross_entropy
 from tinyformer.components.norm import build_norm
@@ -84,33 +85,6 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     With left padding this gives every row positions 0, 1, 2, ... from its first real token."""
     pos = attention_mask.long().cumsum(-1) - 1
     return pos.clamp_min(0)
-
-
-def init_weights(model: nn.Module, std: float, residual_branches: int) -> None:
-    """N(0, std) for matrices and embeddings, zero biases, unit norm gains: the initialisation of every
-    model here (DecoderLM, the encoder and the encoder-decoder, each with its count of branches).
-
-    The output projections of the residual branches (``attn.out``, ``cross_attn.out``, ``ffn.down``)
-    get std / sqrt(``residual_branches``): each adds to the residual stream, whose variance would
-    otherwise grow with the number of branches (GPT-2's scaled initialisation)."""
-    residual_std = std / math.sqrt(max(1, residual_branches))
-    for name, module in model.named_modules():
-        if hasattr(module, "init_experts"):  # expert matrices are stacked parameters, not nn.Linear
-            module.init_experts(std, residual_std)
-        if isinstance(module, nn.Linear):
-            is_residual = name.endswith(("attn.out", "ffn.down", "ffn.shared.down"))
-            nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, LearnedPositions):
-            nn.init.normal_(module.weight, mean=0.0, std=std / 2)
-    for module in model.modules():
-        if module.__class__.__name__ in ("RMSNorm", "LayerNorm") and hasattr(module, "weight"):
-            nn.init.constant_(module.weight, 1.0 - getattr(module, "offset", 0.0))  # an effective gain of 1
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
 
 
 class DecoderLM(nn.Module):

@@ -27,12 +27,12 @@ from torch import nn
 
 from tinyformer.components.block import Block
 from tinyformer.components.cross_attention import source_padding_mask
+from tinyformer.components.initialization import init_weights
 from tinyformer.components.norm import build_norm
 from tinyformer.components.positions import LearnedPositions, SinusoidalPositions
 from tinyformer.components.rope import RotaryEmbedding
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError, GenerationError
-from tinyformer.models.decoder import init_weights
 
 POOLING_MODES = ("mean", "cls", "max")
 

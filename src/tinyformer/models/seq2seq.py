@@ -30,13 +30,13 @@ from tinyformer.components.attention import SelfAttention
 from tinyformer.components.block import Block
 from tinyformer.components.cross_attention import CrossAttention, source_padding_mask
 from tinyformer.components.ffn import build_ffn
+from tinyformer.components.initialization import init_weights
 from tinyformer.components.kv_cache import KVCache
 from tinyformer.components.norm import build_norm
 from tinyformer.components.positions import LearnedPositions, SinusoidalPositions
 from tinyformer.components.rope import RotaryEmbedding
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError, GenerationError
-from tinyformer.models.decoder import init_weights
 
 CrossKV = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -17,6 +17,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tinyformer.generation.sampling import DEFAULT_MIN_P, DEFAULT_TOP_K, OPENAI_TEMPERATURE, OPENAI_TOP_P
+
 MAX_LOGPROBS = 20
 
 
@@ -50,8 +52,9 @@ class StreamOptions(_Strict):
 class _SamplingRequest(_Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # the OpenAI API's defaults (generation/sampling.py)
+    temperature: float = Field(OPENAI_TEMPERATURE, ge=0.0)
+    top_p: float = Field(OPENAI_TOP_P, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16)
     stop: Union[str, list[str], None] = None
     seed: int | None = Field(None, ge=0, lt=2**64)
@@ -61,8 +64,8 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # non-standard (vLLM-compatible) sampler fields
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    top_k: int = Field(DEFAULT_TOP_K, ge=0)
+    min_p: float = Field(DEFAULT_MIN_P, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
 

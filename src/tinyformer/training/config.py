@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tinyformer.config import ModelConfig
+from tinyformer.config_files import read_structured_file
 from tinyformer.errors import ConfigError
 
 #: The model a run gets when its config names none.
@@ -288,8 +289,6 @@ SECTIONS = ("model", "train")
 
 def read_run_file(path: str | Path) -> dict[str, dict[str, Any]]:
     """The ``model`` and ``train`` sections of a YAML/TOML/JSON run config (missing ones are empty)."""
-    from tinyformer.cli.common import read_structured_file
-
     data = read_structured_file(path)
     unknown = sorted(set(data) - set(SECTIONS))
     if unknown:

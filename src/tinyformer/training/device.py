@@ -38,8 +38,6 @@ from collections.abc import Iterator
 
 import torch
 
-from tinyformer.errors import TinyformerError
-
 #: (substring of ``torch.cuda.get_device_name()``, dense bf16/fp16 peak FLOP/s); the first match wins,
 #: so the more specific names come first ("H100 PCIe" before "H100", "A100" before "A10").
 PEAK_FLOPS_TABLE: tuple[tuple[str, float], ...] = (
@@ -61,29 +59,6 @@ PEAK_FLOPS_TABLE: tuple[tuple[str, float], ...] = (
 )
 
 SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
-
-#: Device types a model can run on (``torch.device`` also parses meta, xla, ..., which cannot run one here).
-RUNNABLE_DEVICES = ("cpu", "cuda", "mps")
-
-
-def mps_available() -> bool:
-    return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-
-
-def parse_device(name: str, error: type[TinyformerError]) -> torch.device:
-    """The device an explicit ``--device`` value names (cpu, cuda, cuda:N, mps); a name torch cannot parse,
-    a device that cannot run a model (meta) or an accelerator this machine lacks raises ``error``."""
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise error(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
-    if device.type not in RUNNABLE_DEVICES:  # e.g. meta: tensors without data, nothing to compute on
-        raise error(f"device {name!r} cannot run a model; use auto, cpu, cuda, cuda:N or mps")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise error(f"device {name!r} was asked for but CUDA is not available on this machine; use cpu or auto")
-    if device.type == "mps" and not mps_available():
-        raise error(f"device {name!r} was asked for but MPS is not available on this machine; use cpu or auto")
-    return device
 
 
 def peak_flops_for(device_name: str) -> float | None:

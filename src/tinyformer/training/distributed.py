@@ -207,7 +207,7 @@ class DistributedTrainer(Trainer):
         import torch.distributed as dist
 
         cfg = args[1] if len(args) > 1 else kwargs["cfg"]
-        self.parallel = getattr(cfg, "parallel", "ddp")
+        self.parallel = cfg.parallel
         if self.parallel not in PARALLEL_MODES:
             raise ConfigError(f"train.parallel={self.parallel!r} is not one of {', '.join(PARALLEL_MODES)}")
         self.distributed = dist.is_available() and dist.is_initialized()

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tinyformer.components.lora import has_lora, lora_disabled
 from tinyformer.errors import DataError
 from tinyformer.training.objectives import OBJECTIVES, Batch
 from tinyformer.training.preference import Row, dpo_loss, pair_batch, score_pairs, sequence_logps
@@ -43,15 +44,6 @@ if TYPE_CHECKING:
     from tinyformer.training.config import TrainConfig
 
 SPLITS = ("train", "val")
-
-
-def _lora_hooks() -> tuple[object, object] | None:
-    """(has_lora, lora_disabled) from the LoRA module, or None where it does not exist."""
-    try:
-        from tinyformer.components.lora import has_lora, lora_disabled
-    except ImportError:
-        return None
-    return has_lora, lora_disabled
 
 
 def plain_module(model: nn.Module) -> nn.Module:
@@ -110,9 +102,8 @@ class DPOObjective(ChatObjective):
             return self.reference
         model = plain_module(model)
         device = next(model.parameters()).device
-        hooks = _lora_hooks()
-        if hooks is not None and hooks[0](model):
-            with hooks[1](model):
+        if has_lora(model):
+            with lora_disabled(model):
                 self.reference = self._score_all(model, device)
         else:
             self.reference = self._score_all(self._load_reference(model, device), device)

@@ -13,7 +13,6 @@ registered by name in :data:`OBJECTIVES`; ``tinyformer train --objective NAME`` 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar
 
@@ -183,25 +182,20 @@ def lm_loss(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) ->
 #: name -> objective class. Other modules add theirs with ``OBJECTIVES["name"] = TheirObjective``.
 OBJECTIVES: dict[str, type[Objective]] = {"clm": CausalLM}
 
-# ---- other objectives register here: one import line per module, each adding to OBJECTIVES ----
-# (an import placed here, after OBJECTIVES exists, needs ruff's F401 and E402 silenced on its line)
-import tinyformer.training.mlm  # noqa: F401, E402
-
-# ---- end of registrations ----
-
-#: Modules imported on first lookup when they exist, so that they can register objectives/tasks.
-PLUGIN_MODULES = ("tinyformer.training.tasks", "tinyformer.training.sft", "tinyformer.training.dpo")
+#: Modules that register objectives, imported on first lookup (they import this module, so it cannot
+#: import them at its top: the registry is lazy, as the weight adapters' is in interop/adapter.py).
+OBJECTIVE_MODULES = ("tinyformer.training.mlm", "tinyformer.training.tasks", "tinyformer.training.sft",
+                     "tinyformer.training.dpo")
 
 
-def _load_plugins() -> None:
-    for module in PLUGIN_MODULES:
-        if importlib.util.find_spec(module) is not None:
-            importlib.import_module(module)  # an error inside a plugin is a bug: let it surface
+def _load_objective_modules() -> None:
+    for module in OBJECTIVE_MODULES:
+        importlib.import_module(module)  # an error inside one is a bug: let it surface
 
 
 def get_objective(name: str) -> type[Objective]:
     """The objective class registered as ``name``; a ConfigError lists the known ones otherwise."""
-    _load_plugins()
+    _load_objective_modules()
     if name not in OBJECTIVES:
         raise ConfigError(f"unknown objective {name!r}; known objectives: {', '.join(sorted(OBJECTIVES))}")
     return OBJECTIVES[name]

@@ -113,8 +113,8 @@ def score_pairs(model: nn.Module, pairs: Sequence[tuple[Row, Row]], pad_id: int,
 
 
 def _load(run: Path, device: str) -> tuple[nn.Module, Tokenizer, torch.device]:
+    from tinyformer.devices import resolve_device
     from tinyformer.run_folder import load_model, load_tokenizer
-    from tinyformer.training.trainer import resolve_device
 
     dev = resolve_device(device)
     return load_model(run, device=dev), load_tokenizer(run), dev

@@ -38,6 +38,7 @@ from typing import Any
 
 from tinyformer.config import ModelConfig
 from tinyformer.data.tokenizer import Tokenizer
+from tinyformer.devices import autocast_dtype, resolve_device
 from tinyformer.errors import CheckpointError, ConfigError
 from tinyformer.sizing import check_buildable
 from tinyformer.training.checkpoint import STATE_DIR, latest_checkpoint, remove_partial, run_file
@@ -50,7 +51,7 @@ from tinyformer.training.config import (
     to_yaml,
 )
 from tinyformer.training.objectives import Objective, get_objective
-from tinyformer.training.trainer import Trainer, autocast_dtype, resolve_device
+from tinyformer.training.trainer import Trainer
 from tinyformer.utils.io import atomic_write_bytes, fsync_dir
 
 TRAIN_FILE = "train.yaml"

@@ -13,7 +13,7 @@ from torch import nn
 
 from tinyformer.data.tokenizer import Tokenizer
 from tinyformer.generation.engine import Generator
-from tinyformer.generation.sampling import SamplingParams
+from tinyformer.generation.sampling import HUMAN_TEMPERATURE, HUMAN_TOP_K, SamplingParams
 
 
 @torch.no_grad()
@@ -25,8 +25,8 @@ def sample_text(
     device: torch.device | str,
     *,
     seed: int = 0,
-    temperature: float = 0.8,
-    top_k: int = 50,
+    temperature: float = HUMAN_TEMPERATURE,
+    top_k: int = HUMAN_TOP_K,
 ) -> str:
     """``prompt`` plus up to ``max_new_tokens`` sampled tokens (fewer at EOS or the context limit), as text,
     decoded by the same engine as ``tinyformer generate`` (``device`` is where the model already is)."""

@@ -137,7 +137,7 @@ def answer_prompts(model: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Seq
     """Greedy replies (stopping at an end-of-turn token or EOS) to each prompt, rendered with the template."""
     from tinyformer.data.chat_template import encode_prompt, stop_token_ids
     from tinyformer.generation.engine import Generator
-    from tinyformer.generation.sampling import SamplingParams
+    from tinyformer.generation.sampling import GREEDY_TEMPERATURE, SamplingParams
 
     model = getattr(model, "_orig_mod", model)  # a compiled wrapper's module
     was_training = model.training
@@ -151,7 +151,7 @@ def answer_prompts(model: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Seq
             if room <= 0:
                 replies.append("(the prompt is longer than the context)")
                 continue
-            params = SamplingParams(temperature=0.0, max_new_tokens=min(max_new_tokens, room),
+            params = SamplingParams(temperature=GREEDY_TEMPERATURE, max_new_tokens=min(max_new_tokens, room),
                                     stop_token_ids=stops).validate()
             replies.append(gen.generate([ids], params)[0].text.strip())
     finally:

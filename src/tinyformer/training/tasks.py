@@ -178,8 +178,9 @@ def _digits(source: str) -> int:
 
 @torch.no_grad()
 def decode_examples(model: nn.Module, tokenizer: Tokenizer, examples: Sequence[Example], batch_size: int = 250,
-                    beam_size: int = 1, device: torch.device | str = "cpu") -> list[str]:
-    """The model's output string for the source of each example: greedy, or beam search with ``beam_size``."""
+                    num_beams: int = 1, device: torch.device | str = "cpu") -> list[str]:
+    """The model's output string for the source of each example: greedy, or beam search with ``num_beams``
+    (the best hypothesis, with beam search's default length penalty and early stopping)."""
     from tinyformer.generation.seq2seq import beam_search, greedy_decode
 
     was_training = model.training
@@ -192,8 +193,8 @@ def decode_examples(model: nn.Module, tokenizer: Tokenizer, examples: Sequence[E
             # room to overshoot the longest target, which then counts as wrong
             max_new = min(batch["tgt_out"].shape[1] + 2, model.cfg.max_seq_len)
             kwargs = dict(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, max_new_tokens=max_new)
-            if beam_size > 1:
-                ids = [h.tokens for h in beam_search(model, src, mask, beam_size=beam_size, **kwargs)]
+            if num_beams > 1:
+                ids = [h[0].output_ids for h in beam_search(model, src, mask, num_beams=num_beams, **kwargs)]
             else:
                 ids = greedy_decode(model, src, mask, **kwargs)
             outputs += [tokenizer.decode(row) for row in ids]
@@ -203,9 +204,9 @@ def decode_examples(model: nn.Module, tokenizer: Tokenizer, examples: Sequence[E
 
 
 def exact_match(model: nn.Module, tokenizer: Tokenizer, examples: Sequence[Example], batch_size: int = 250,
-                beam_size: int = 1, device: torch.device | str = "cpu") -> float:
+                num_beams: int = 1, device: torch.device | str = "cpu") -> float:
     """Fraction of ``examples`` whose greedy (or beam) output equals the target exactly."""
-    outputs = decode_examples(model, tokenizer, examples, batch_size, beam_size, device)
+    outputs = decode_examples(model, tokenizer, examples, batch_size, num_beams, device)
     return sum(out == tgt for out, (_, tgt) in zip(outputs, examples)) / max(1, len(examples))
 
 

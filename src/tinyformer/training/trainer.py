@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from tinyformer.config import ModelConfig
-from tinyformer.errors import CheckpointError, ConfigError, TinyformerError
+from tinyformer.devices import autocast_dtype, resolve_device
+from tinyformer.errors import CheckpointError, TinyformerError
 from tinyformer.run_folder import ADAPTER_WEIGHTS
 from tinyformer.training.checkpoint import (
     MODEL_FILE,
@@ -46,7 +47,7 @@ from tinyformer.training.checkpoint import (
     save_checkpoint,
 )
 from tinyformer.training.config import TrainConfig
-from tinyformer.training.device import device_peak_flops, mps_available, parse_device, synchronize
+from tinyformer.training.device import device_peak_flops, synchronize
 from tinyformer.training.metrics import MetricsLogger, RunningWindow
 from tinyformer.training.objectives import Objective
 from tinyformer.training.optim import build_optimizer, lr_at
@@ -57,31 +58,6 @@ SAMPLES_FILE = "samples.txt"
 
 class TrainingError(TinyformerError):
     """Training cannot go on (e.g. the loss became NaN); the message says what was kept."""
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` = CUDA, else Apple MPS, else CPU; asking for a missing accelerator is a ConfigError."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if mps_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    return parse_device(name, ConfigError)
-
-
-def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None for plain float32: bf16 where supported on GPU, else fp16 (with a
-    GradScaler, since fp16 gradients underflow); float32 on CPU unless bfloat16 is asked for."""
-    if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return None
-    if dtype == "float32":
-        return None
-    if dtype == "float16" and device.type == "cpu":
-        raise ConfigError("train.dtype='float16' needs a GPU; on CPU use float32 or bfloat16")
-    return torch.bfloat16 if dtype == "bfloat16" else torch.float16
 
 
 def guess_peak_flops(device: torch.device, amp: torch.dtype | None) -> float | None:

@@ -1,0 +1,255 @@
+"""Beam search: the most probable continuations under a model that decodes one token per step.
+
+One search for every model type. The model-specific part is a callable and a state:
+
+    step(tokens (N,), state) -> logits (N, V)     append one token to each of the N rows of ``state``
+    state.reorder(index (N',))                    keep rows ``index``, in that order (rows may repeat,
+                                                  and N' may differ from N)
+
+A decoder-only model steps its KV cache (:meth:`Generator.beam_search
+<tinyformer.generation.engine.Generator.beam_search>`); an encoder-decoder model steps its decoder
+against the encoder's memory (:func:`tinyformer.generation.seq2seq.beam_search`).
+
+Names, defaults and results are Hugging Face ``generate(num_beams=K, do_sample=False)``'s
+(transformers' vectorised beam search), so that the same arguments give the same hypotheses:
+
+    score(y) = sum_i log p(y_i | x, y_<i) / |y| ** length_penalty
+
+where |y| counts the generated tokens, the end token included. ``length_penalty`` 1.0 (the default)
+ranks by mean log-probability per token; 0 by total log-probability; > 0 favours longer sequences.
+
+Each step, with K = ``num_beams`` and E end tokens, and for each source row:
+
+1. every open hypothesis (total log-prob s) is extended by every token v: candidates s + log p(v);
+   the best max(2, 1 + E) * K of them are kept, best first;
+2. a candidate ending in an end token, or any candidate once ``max_new_tokens`` are generated,
+   finishes, but only if it ranks among the first K candidates (HF's rule: the others are only
+   there to refill the open beams); the K best finished hypotheses by score are kept;
+3. the K best candidates that did not finish are the open hypotheses of the next step.
+
+The search of a row stops (it takes no more finished hypotheses) when K hypotheses have finished and
+
+* ``early_stopping=True``: at once;
+* ``early_stopping=False`` (default): the best open hypothesis, scored at its current length, does
+  not beat the worst finished one (HF's heuristic: with ``length_penalty`` > 0 a longer continuation
+  could still win, so this can stop too soon);
+* ``early_stopping="never"``: the best open hypothesis cannot beat the worst finished one at any length:
+  log-probabilities only fall, so with ``length_penalty`` > 0 its best case is s / max_new_tokens **
+  length_penalty, else its current score. This bound is exact: with K at least every open prefix the
+  search then returns the best sequences (with ``length_penalty`` <= 0 the default is exact too).
+
+and at ``max_new_tokens`` in any case. ``num_beams=1`` is greedy decoding, as in HF: the search stops
+when its one hypothesis ends, whatever ``early_stopping`` says. The result of a row is its finished
+hypotheses, best score first, ``num_return_sequences`` of them.
+
+One difference from HF, on degenerate inputs only: HF starts with K copies of the prompt, all but
+one scored -1e9, and takes candidates from those copies when the first beam has fewer than
+max(2, 1 + E) * K tokens to offer (a vocabulary smaller than 2K); here they score -inf and are
+never taken, so no hypothesis is ever a copy of another.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from tinyformer.errors import GenerationError
+
+__all__ = [
+    "DEFAULT_EARLY_STOPPING",
+    "DEFAULT_LENGTH_PENALTY",
+    "DEFAULT_NUM_RETURN_SEQUENCES",
+    "BeamHypothesis",
+    "EarlyStopping",
+    "beam_search",
+    "validate_beam_args",
+]
+
+EarlyStopping = bool | Literal["never"]
+
+# HF generate's defaults (GenerationConfig): every beam search entry point takes these.
+DEFAULT_LENGTH_PENALTY = 1.0
+DEFAULT_EARLY_STOPPING: EarlyStopping = False
+DEFAULT_NUM_RETURN_SEQUENCES = 1
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class BeamHypothesis:
+    """One finished hypothesis.
+
+    ``token_ids``: the generated ids, with the end token when it ended on one; ``token_logprobs[i]`` =
+    log p(token_ids[i] | x, token_ids[:i]); ``logprob`` = their sum; ``score`` = logprob /
+    len(token_ids) ** length_penalty (the ranking); ``finish_reason`` "stop" (an end token) or
+    "length" (``max_new_tokens``).
+    """
+
+    token_ids: list[int]
+    token_logprobs: list[float]
+    logprob: float
+    score: float
+    finish_reason: str
+
+    @property
+    def output_ids(self) -> list[int]:
+        """``token_ids`` without the end token."""
+        return self.token_ids[:-1] if self.finish_reason == "stop" else self.token_ids
+
+
+def validate_beam_args(num_beams: object, length_penalty: object, early_stopping: object,
+                       num_return_sequences: object) -> None:
+    """Raise :class:`GenerationError` naming the first invalid beam search argument."""
+    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
+        raise GenerationError(f"num_beams must be an integer >= 1, got {num_beams!r}")
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)) \
+            or not math.isfinite(length_penalty):
+        raise GenerationError(f"length_penalty must be a finite number, got {length_penalty!r}")
+    if early_stopping not in (True, False, "never") or not isinstance(early_stopping, (bool, str)):
+        raise GenerationError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+    if isinstance(num_return_sequences, bool) or not isinstance(num_return_sequences, int) \
+            or not 1 <= num_return_sequences <= num_beams:
+        raise GenerationError(f"num_return_sequences must be an integer in [1, num_beams={num_beams}], "
+                              f"got {num_return_sequences!r}")
+
+
+@torch.no_grad()
+def beam_search(
+    step: Callable[[Tensor, Any], Tensor],
+    logits: Tensor,
+    state: Any,
+    *,
+    num_beams: int,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    length_penalty: float = DEFAULT_LENGTH_PENALTY,
+    early_stopping: EarlyStopping = DEFAULT_EARLY_STOPPING,
+    num_return_sequences: int = DEFAULT_NUM_RETURN_SEQUENCES,
+) -> list[list[BeamHypothesis]]:
+    """Beam search for B source rows at once (see the module docstring for the rules).
+
+    Args:
+        step: ``step(tokens (B*K,), state) -> logits (B*K, V)``, rows grouped by source (row b*K + j is
+            beam j of source b).
+        logits: ``(B, V)`` next-token logits after each source's prompt; ``state`` holds those B rows.
+        state: per-row model state with ``reorder(index)``; the first reorder takes it from B rows to
+            B*K, every later one keeps B*K rows (a beam never moves to another source).
+        num_beams: K, the hypotheses kept per source and step.
+        max_new_tokens: the most tokens a hypothesis has (0 gives no hypotheses).
+        eos_token_ids: tokens that end a hypothesis.
+        length_penalty, early_stopping, num_return_sequences: as in HF ``generate``.
+
+    Returns, per source row, its best ``num_return_sequences`` hypotheses, best score first. The
+    log-probabilities are computed in float32 (float64 when ``logits`` are float64).
+    """
+    validate_beam_args(num_beams, length_penalty, early_stopping, num_return_sequences)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise GenerationError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
+    B, V = logits.shape
+    if max_new_tokens == 0:
+        return [[] for _ in range(B)]
+    K, T, device = num_beams, max_new_tokens, logits.device
+    if K == 1:  # greedy, as HF generate decodes num_beams=1
+        early_stopping = True
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    ends = torch.tensor(sorted({int(t) for t in eos_token_ids}), dtype=torch.long, device=device)
+    width = max(2, 1 + len(ends)) * K  # candidates kept per step, as in HF
+    rows = torch.arange(B, device=device)[:, None]
+
+    # open hypotheses: R per source (1 before the first step, K after)
+    scores = torch.zeros(B, 1, dtype=dtype, device=device)  # total log-prob
+    seqs = torch.zeros(B, 1, 0, dtype=torch.long, device=device)
+    seq_lps = torch.zeros(B, 1, 0, dtype=dtype, device=device)
+    # finished hypotheses: K slots per source, best first; score -inf marks an empty slot
+    fin_scores = torch.full((B, K), _NEG_INF, dtype=dtype, device=device)
+    fin_totals = torch.full((B, K), _NEG_INF, dtype=dtype, device=device)
+    fin_seqs = torch.zeros(B, K, T, dtype=torch.long, device=device)
+    fin_lps = torch.zeros(B, K, T, dtype=dtype, device=device)
+    fin_lens = torch.zeros(B, K, dtype=torch.long, device=device)
+    fin_ended = torch.zeros(B, K, dtype=torch.bool, device=device)
+    improvable = torch.ones(B, dtype=torch.bool, device=device)  # may a row still take finished ones
+
+    for t in range(T):
+        n = t + 1  # the candidates' length
+        R = scores.shape[1]
+        logp = torch.log_softmax(logits.to(dtype), dim=-1).view(B, R, V)
+        cand = (scores[:, :, None] + logp).view(B, R * V)
+        C = min(width, R * V)
+        top_scores, top_index = cand.topk(C, dim=-1)  # (B, C), best first
+        beam, token = top_index // V, top_index % V
+        token_lp = logp[rows, beam, token]
+        valid = top_scores > _NEG_INF
+        ended = torch.isin(token, ends) if len(ends) else torch.zeros_like(valid)
+        finishes = ended | (n == T)  # at the length limit every candidate finishes
+
+        # 2. the finished candidates among the first K join the finished slots (if the row takes them)
+        full = (fin_scores > _NEG_INF).all(dim=-1)
+        takes = improvable & ~(full & (early_stopping is True))
+        ranked = torch.arange(C, device=device)[None, :] < K
+        new_fin = finishes & valid & ranked & takes[:, None]
+        new_scores = torch.where(new_fin, top_scores / (n**length_penalty), _NEG_INF)
+        cand_seqs = torch.cat([seqs[rows, beam], token[..., None]], dim=-1)  # (B, C, n)
+        cand_lps = torch.cat([seq_lps[rows, beam], token_lp[..., None]], dim=-1)
+        pad = T - n
+        merged_scores = torch.cat([fin_scores, new_scores], dim=1)
+        keep = merged_scores.topk(K, dim=-1).indices  # (B, K)
+        fin_scores = merged_scores.gather(1, keep)
+        fin_totals = torch.cat([fin_totals, top_scores], dim=1).gather(1, keep)
+        fin_seqs = _gather(torch.cat([fin_seqs, torch.nn.functional.pad(cand_seqs, (0, pad))], dim=1), keep)
+        fin_lps = _gather(torch.cat([fin_lps, torch.nn.functional.pad(cand_lps, (0, pad))], dim=1), keep)
+        fin_lens = torch.cat([fin_lens, torch.full_like(token, n)], dim=1).gather(1, keep)
+        fin_ended = torch.cat([fin_ended, ended], dim=1).gather(1, keep)
+        if n == T:
+            break
+
+        # 3. the best K candidates that did not finish stay open
+        open_scores = top_scores.masked_fill(finishes, _NEG_INF)
+        if C < K:  # a vocabulary smaller than the beam: the missing beams are dead (-inf)
+            open_scores = torch.nn.functional.pad(open_scores, (0, K - C), value=_NEG_INF)
+            beam = torch.nn.functional.pad(beam, (0, K - C))
+            token = torch.nn.functional.pad(token, (0, K - C))
+            cand_seqs = torch.nn.functional.pad(cand_seqs, (0, 0, 0, K - C))
+            cand_lps = torch.nn.functional.pad(cand_lps, (0, 0, 0, K - C))
+        scores, chosen = open_scores.topk(K, dim=-1)  # best first
+        beam, token = beam.gather(1, chosen), token.gather(1, chosen)
+        seqs, seq_lps = _gather(cand_seqs, chosen), _gather(cand_lps, chosen)
+
+        # can a row still improve its finished set? (HF's _check_early_stop_heuristic)
+        full = (fin_scores > _NEG_INF).all(dim=-1)
+        if early_stopping == "never" and length_penalty > 0:
+            best_possible = scores[:, 0] / (T**length_penalty)
+        else:
+            best_possible = scores[:, 0] / (n**length_penalty)
+        worst = fin_scores[:, -1]
+        improvable &= ~full | (best_possible > worst)
+        improvable &= scores[:, 0] > _NEG_INF  # no open hypothesis left
+        if not bool((improvable & ~(full & (early_stopping is True))).any()):
+            break
+
+        state.reorder((rows * R + beam).view(-1))
+        logits = step(token.view(-1), state)
+
+    out: list[list[BeamHypothesis]] = []
+    for b in range(B):
+        hyps = []
+        for j in range(min(K, num_return_sequences)):
+            if fin_scores[b, j] == _NEG_INF:
+                break
+            n = int(fin_lens[b, j])
+            hyps.append(BeamHypothesis(fin_seqs[b, j, :n].tolist(), fin_lps[b, j, :n].tolist(),
+                                       float(fin_totals[b, j]), float(fin_scores[b, j]),
+                                       "stop" if bool(fin_ended[b, j]) else "length"))
+        out.append(hyps)
+    return out
+
+
+def _gather(x: Tensor, index: Tensor) -> Tensor:
+    """``x[b, index[b, j], ...]`` for x (B, M, ...) and index (B, J): (B, J, ...)."""
+    return x[torch.arange(x.shape[0], device=x.device)[:, None], index]
