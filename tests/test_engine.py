@@ -280,9 +280,11 @@ class ScriptedLM(DecoderLM):
         super().__init__(cfg)
         self.script, self.prompt_len = script, prompt_len
 
-    def forward(self, input_ids, *, cache=None, **kwargs):
-        logits = super().forward(input_ids, cache=cache, **kwargs)
-        i = cache.length - self.prompt_len  # index of the token to predict next
+    def forward(self, input_ids, *, cache=None, cache_positions=None, **kwargs):
+        logits = super().forward(input_ids, cache=cache, cache_positions=cache_positions, **kwargs)
+        # positions filled after this call: per-row decoding gives them, a prefill advances cache.length
+        filled = cache.length if cache_positions is None else int(cache_positions.max()) + 1
+        i = filled - self.prompt_len  # index of the token to predict next
         forced = torch.full_like(logits[:, -1:], -30.0)
         forced[..., self.script[min(i, len(self.script) - 1)]] = 30.0
         return torch.cat([logits[:, :-1], forced], dim=1)

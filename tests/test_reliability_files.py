@@ -138,8 +138,10 @@ def test_nan_weights_are_a_clear_error_in_generate_chat_and_eval(tmp_path: Path,
 def test_nan_weights_give_an_error_response_not_a_500_or_garbage(tmp_path: Path) -> None:
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
+    from serve_helpers import BackgroundServer
+
     from tinyformer.run_folder import load_tokenizer
-    from tinyformer.serve.app import BackgroundServer, create_app
+    from tinyformer.serve.app import create_app
 
     run = make_run(tmp_path / "run", nan=True)
     app = create_app(load_model(run), load_tokenizer(run), model_name="m", max_batch=2)

@@ -24,11 +24,13 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from serve_helpers import BackgroundServer  # noqa: E402
+
 from tinyformer.config import ModelConfig  # noqa: E402
 from tinyformer.data.tokenizer import build_tokenizer  # noqa: E402
 from tinyformer.models.decoder import DecoderLM  # noqa: E402
 from tinyformer.run_folder import load_model, load_tokenizer, save_model  # noqa: E402
-from tinyformer.serve.app import BackgroundServer, create_app  # noqa: E402
+from tinyformer.serve.app import create_app  # noqa: E402
 
 NAME = "tiny-test"
 KEY = "sekrit"

@@ -14,10 +14,12 @@ import torch
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
+from serve_helpers import BackgroundServer  # noqa: E402
+
 from tinyformer.config import ModelConfig  # noqa: E402
 from tinyformer.data.tokenizer import build_tokenizer  # noqa: E402
 from tinyformer.models.decoder import DecoderLM  # noqa: E402
-from tinyformer.serve.app import BackgroundServer, create_app  # noqa: E402
+from tinyformer.serve.app import create_app  # noqa: E402
 from tinyformer.serve.guard import RequestGuard, is_loopback_host  # noqa: E402
 
 NAME = "guarded"

@@ -22,7 +22,8 @@ from tinyformer.cli.generate import (
     sampling_params,
     use_replacement_on_output,
 )
-from tinyformer.errors import TinyformerError
+from tinyformer.errors import ConfigError, TinyformerError
+from tinyformer.generation.batch_engine import new_prefix_cache
 from tinyformer.generation.chat import ChatSession
 
 HELP = "/reset starts a new conversation, /quit or Ctrl-D leaves"
@@ -37,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--separator", default=PIPED_SEPARATOR, metavar="TEXT",
                    help=f"with piped input, a line printed after each reply, so that replies of several lines "
                         f"stay apart (default {PIPED_SEPARATOR!r}; '' for none)")
+    p.add_argument("--prefix-cache-mb", type=float, default=64, metavar="MB",
+                   help="keep the conversation's keys/values between turns in a prefix cache of this size, so each "
+                        "turn prefills only what is new (default 64; 0: off)")
     add_sampling_args(p)
     p.set_defaults(func=run)
 
@@ -56,7 +60,11 @@ def read_line(interactive: bool) -> str | None:
 def run(args: argparse.Namespace) -> int:
     use_replacement_on_output()
     sampling_params(args, 0 if args.max_new_tokens is None else args.max_new_tokens)  # bad values: exit 2 now
-    session = ChatSession(load_generator(args), system=args.system)
+    if args.prefix_cache_mb < 0:
+        raise ConfigError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    gen = load_generator(args)
+    gen.prefix_cache = new_prefix_cache(gen.model, args.prefix_cache_mb)  # each turn reuses the history's K/V
+    session = ChatSession(gen, system=args.system)
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"chatting with {args.model} ({HELP})", file=sys.stderr)

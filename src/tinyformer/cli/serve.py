@@ -44,6 +44,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights dtype; auto (default) = float32 on cpu, bfloat16 on cuda (float16 where the GPU "
                         "has no bfloat16), as generate and chat")
+    p.add_argument("--compile", action="store_true",
+                   help="decode a lone request with a torch.compile-d step (compiled on first use: tens of "
+                        "seconds on CPU), as generate --compile; several requests decode eagerly")
+    p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
+                   help="prompt tokens a request feeds per step at most, so long prompts interleave with the "
+                        "decoding of running requests (default 256)")
+    p.add_argument("--prefix-cache-mb", type=float, default=0, metavar="MB",
+                   help="keep the keys/values of finished requests in a prefix cache of this size, so requests "
+                        "sharing a prefix (a system prompt, a growing chat) prefill only the rest (default 0: off)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the cores not busy at start; see utils/threads.py)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -84,11 +93,14 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tinyformer.devices import resolve_device, resolve_dtype
+    from tinyformer.generation.batch_engine import check_compilable
+    from tinyformer.generation.weight_layout import store_input_major
     from tinyformer.run_folder import load_config, load_model, load_tokenizer
     from tinyformer.serve.app import create_app
     from tinyformer.serve.guard import is_loopback_host
 
     for flag, value, low in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
+                             ("--prefill-chunk", args.prefill_chunk, 1), ("--prefix-cache-mb", args.prefix_cache_mb, 0),
                              ("--port", args.port, 0), ("--max-body-bytes", args.max_body_bytes, 1)):
         if value < low:
             raise ConfigError(f"{flag} must be >= {low}, got {value}")
@@ -116,11 +128,16 @@ def run(args: argparse.Namespace) -> int:
               "the model (and its compute); see README 'Serving safely'", file=sys.stderr, flush=True)
     try:
         model = load_model(run_dir, device=device, dtype=dtype, cfg=cfg, verify=not args.no_verify)
+        if args.compile:
+            check_compilable(model)
+        if next(model.parameters()).device.type == "cpu":  # as generate: faster batch-1 products
+            store_input_major(model)
         name = args.model_name or run_dir.resolve().name
         app = create_app(model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
                          request_timeout=args.request_timeout or None, api_key=args.api_key,
                          max_len=args.max_context, max_body_bytes=args.max_body_bytes, bind_host=args.host,
-                         allowed_origins=tuple(args.allow_origin))
+                         allowed_origins=tuple(args.allow_origin), compile=args.compile,
+                         prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb)
         logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host

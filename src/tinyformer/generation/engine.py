@@ -1,15 +1,17 @@
-"""The decoding engine: prompts in, tokens and text out, one token per step against the KV cache.
+"""Text generation for a decoder LM: prompts in, tokens and text out.
 
-    prefill:  logits_P = model(prompt_{0..P-1}, cache)             one forward pass over the prompt
-    decode:   y_t ~ q(. | logits_t)                                  sampling.sample_next
-              logits_{t+1} = model(y_t, cache)                       one token per step, O(1) new K/V rows
+:class:`Generator` turns prompts (text or ids) into rows of a
+:class:`~tinyformer.generation.batch_engine.BatchEngine`, the one decoding loop every entry point shares
+(``tinyformer generate``, ``chat``, ``eval``'s generation, the trainer's samples; the server drives the
+same engine through its scheduler)::
 
-Batches of prompts of different lengths are **left padded** to the longest, with an attention mask
-(1 = token, 0 = padding). The model derives each row's positions from the mask (cumsum - 1), so a
-row sees exactly the keys and positions it would see alone, and every row's generated tokens start
-at the same column. Greedy decoding of a batch therefore gives the same tokens as decoding each
-prompt alone; for sampling, row ``b`` draws from its own generator seeded with ``seed + b``, so
-row ``b`` of a batch equals the prompt decoded alone with seed ``seed + b``.
+    prefill:  logits_P = model(prompt_{0..P-1}, cache row)          all prompts in one forward call
+    decode:   y_t ~ q(. | logits_t)                                  per-row sampling parameters
+              logits_{t+1} = model(y_t, cache row, position)         one token per row per step
+
+Each row sits at its own cache positions (no padding), so greedy decoding of a batch gives the same
+tokens as decoding each prompt alone; for sampling, row ``b`` draws from its own generator seeded with
+``seed + b``, so row ``b`` of a batch equals the prompt decoded alone with seed ``seed + b``.
 
 Stopping, per row: the end-of-sequence token, any of ``params.stop_token_ids``, a stop string (even
 one spread over several tokens; it is never shown), or ``max_new_tokens``. Text is produced
@@ -17,10 +19,9 @@ incrementally from each token's raw bytes (``Tokenizer.token_bytes``), so a stre
 a UTF-8 character.
 
 Context overflow never passes silently. ``context_policy="error"`` refuses a request whose prompt
-plus ``max_new_tokens`` does not fit ``max_seq_len``; ``"slide"`` keeps going: whenever the cache is
-full it keeps the last ``slide_keep`` tokens, clears the cache and prefills them again (positions
-restart at 0, so they stay inside the trained range). A batch slides when its longest row fills the
-context.
+plus ``max_new_tokens`` does not fit ``max_seq_len``; ``"slide"`` keeps going: whenever a row's cache
+is full it keeps the row's last ``slide_keep`` tokens and prefills them again (positions restart at 0,
+so they stay inside the trained range).
 
 Beam search (``Generator.beam_search``) is :func:`tinyformer.generation.beam.beam_search`, the one
 search shared with encoder-decoder models, stepping the KV cache.
@@ -28,9 +29,10 @@ search shared with encoder-decoder models, stepping the KV cache.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +40,13 @@ import torch
 from torch import Tensor, nn
 
 from tinyformer.errors import GenerationError, NonFiniteOutputError, TinyformerError, non_finite_message
+from tinyformer.generation.batch_engine import (
+    CONTEXT_POLICIES,
+    BatchEngine,
+    CompiledStep,
+    EngineRow,
+    check_compilable,
+)
 from tinyformer.generation.beam import (
     DEFAULT_EARLY_STOPPING,
     DEFAULT_LENGTH_PENALTY,
@@ -46,16 +55,9 @@ from tinyformer.generation.beam import (
     beam_search,
     validate_beam_args,
 )
-from tinyformer.generation.sampling import (
-    LogitsProcessor,
-    PenaltyHistory,
-    SamplingParams,
-    build_processors,
-    make_generator,
-    penalty_history,
-    sample_next,
-)
-from tinyformer.generation.streaming import StopStringMatcher, Utf8StreamDecoder
+from tinyformer.generation.prefix_cache import PrefixCache
+from tinyformer.generation.sampling import SamplingParams
+from tinyformer.generation.streaming import TextState
 from tinyformer.generation.weight_layout import store_input_major
 
 __all__ = [
@@ -66,7 +68,6 @@ __all__ = [
     "TextStream",
 ]
 
-CONTEXT_POLICIES = ("error", "slide")
 # With ``compile=True`` the cache length is rounded up to a multiple of this, so that requests of
 # similar lengths share one compiled step (each new shape compiles again).
 STATIC_CACHE_BLOCK = 128
@@ -117,7 +118,7 @@ class TextStream(Iterator[str]):
     """Iterator over the text pieces of one generation; ``result`` holds the full
     :class:`GenerationResult` once the iterator is exhausted."""
 
-    def __init__(self, pieces: Iterator[str], row: _Row) -> None:
+    def __init__(self, pieces: Iterator[str], row: EngineRow) -> None:
         self._pieces = pieces
         self._row = row
 
@@ -131,55 +132,11 @@ class TextStream(Iterator[str]):
     def result(self) -> GenerationResult:
         if self._row.finish_reason is None:
             raise RuntimeError("the stream has not finished yet")
-        return self._row.result()
+        return _result(self._row)
 
 
-class _Row:
-    """Text state of one sequence: ids, logprobs, incremental UTF-8 decoding and stop-string matching."""
-
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, token_bytes: Callable[[int], bytes],
-                 end_ids: frozenset[int]) -> None:
-        self.prompt_ids = prompt_ids
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.pieces: list[str] = []
-        self.finish_reason: str | None = None
-        self._token_bytes = token_bytes
-        self._end_ids = end_ids
-        self._decoder = Utf8StreamDecoder()
-        self._stopper = StopStringMatcher(params.stop_strings)
-
-    def accept(self, token: int, logprob: float | None) -> str:
-        """Record one token; return the text it completes ("" while a character or a possible stop
-        string is incomplete, and always "" once the row has finished)."""
-        if self.finish_reason is not None:
-            return ""
-        self.token_ids.append(token)
-        if logprob is not None:
-            self.logprobs.append(logprob)
-        if token in self._end_ids:
-            return self.close("stop")
-        text, stopped = self._stopper.push(self._decoder.push(self._token_bytes(token)))
-        self.pieces.append(text)
-        if stopped:
-            self.finish_reason = "stop"
-        return text
-
-    def close(self, reason: str) -> str:
-        """End the row: release held-back text (half a character becomes U+FFFD; a held possible
-        start of a stop string is shown unless it completes one)."""
-        if self.finish_reason is not None:
-            return ""
-        tail, stopped = self._stopper.push(self._decoder.flush())
-        if not stopped:
-            tail += self._stopper.flush()
-        self.finish_reason = "stop" if stopped else reason
-        self.pieces.append(tail)
-        return tail
-
-    def result(self) -> GenerationResult:
-        return GenerationResult("".join(self.pieces), self.token_ids, self.logprobs, self.finish_reason or "length",
-                                self.prompt_ids)
+def _result(row: EngineRow) -> GenerationResult:
+    return GenerationResult(row.text.text, row.token_ids, row.logprobs, row.finish_reason or "length", row.prompt_ids)
 
 
 def check_finite(logits: Tensor, index: int) -> Tensor:
@@ -214,6 +171,10 @@ class Generator:
     context, and dynamic-NTK and LongRoPE models, are decoded eagerly. On CPU it also stores the model's linear weights
     input-major (:func:`~tinyformer.generation.weight_layout.store_input_major`), as ``from_run`` does
     for the model it loads: same values and shapes, faster batch-1 products for weights read from DRAM.
+
+    ``prefix_cache`` (a :class:`~tinyformer.generation.prefix_cache.PrefixCache`) is kept across requests:
+    each prompt starts from the longest cached prefix of whole blocks, and each finished sequence stores
+    its blocks, so the next turn of a chat prefills only what is new.
     """
 
     def __init__(
@@ -225,6 +186,7 @@ class Generator:
         context_policy: str = "error",
         slide_keep: int | None = None,
         compile: bool = False,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         cfg = getattr(model, "cfg", None)
         if cfg is None or cfg.arch != "decoder" or not hasattr(model, "new_cache"):
@@ -234,9 +196,8 @@ class Generator:
             raise GenerationError(
                 f"context policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}"
             )
-        if compile and any(getattr(m, "kernel", None) == "fbgemm" for m in model.modules()):
-            raise GenerationError("the quantized kernel 'fbgemm' cannot be compiled (torch.compile does not trace "
-                                  "it): drop --compile, or quantize with another --kernel")
+        if compile:
+            check_compilable(model)
         self.max_seq_len = cfg.max_seq_len
         keep = slide_keep if slide_keep is not None else max(1, self.max_seq_len - max(1, self.max_seq_len // 4))
         if not 1 <= keep < self.max_seq_len:
@@ -257,7 +218,10 @@ class Generator:
         )
         self._bytes: dict[int, bytes] = {}
         self.compile = compile
-        self._steps: dict[bool, Callable[[Tensor, Tensor, Any, Tensor], Tensor]] = {}
+        self._compiled: CompiledStep | None = None
+        # a PrefixCache kept across requests: a prompt that continues an earlier one (a chat's next turn)
+        # loads the earlier one's keys and values instead of prefilling them again
+        self.prefix_cache = prefix_cache
         self.timings = GenerationTimings()  # of the last generate() / stream(), once it has finished
 
     @classmethod
@@ -323,20 +287,20 @@ class Generator:
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
             raise TypeError("generate() takes a list of prompts; wrap a single prompt in a list")
         params = (params or SamplingParams()).validate()
-        rows = self._rows([self.encode(p) for p in prompts], params)
-        for _ in self._decode(rows, params, logprobs):
+        rows = self._rows([self.encode(p) for p in prompts], params, logprobs)
+        for _ in self._decode(rows):
             pass
-        return [row.result() for row in rows]
+        return [_result(row) for row in rows]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                logprobs: bool = True) -> TextStream:
         """Decode one prompt, yielding text as soon as it is complete UTF-8 and cannot be part of a
         stop string. After the iterator is exhausted, ``.result`` holds the GenerationResult."""
         params = (params or SamplingParams()).validate()
-        rows = self._rows([self.encode(prompt)], params)
+        rows = self._rows([self.encode(prompt)], params, logprobs)
 
         def pieces() -> Iterator[str]:
-            for deltas in self._decode(rows, params, logprobs):
+            for deltas in self._decode(rows):
                 if deltas[0]:
                     yield deltas[0]
 
@@ -375,7 +339,9 @@ class Generator:
 
     # ---------------------------------------------------------------- decoding
 
-    def _rows(self, prompts: list[list[int]], params: SamplingParams) -> list[_Row]:
+    def _rows(self, prompts: list[list[int]], params: SamplingParams, want_logprobs: bool = True) -> list[EngineRow]:
+        """One engine row per prompt; with a seed, row b samples with seed + b (so it equals that prompt
+        decoded alone with seed + b)."""
         if not prompts:
             return []
         if params.stop_strings and self.tokenizer is None:
@@ -385,7 +351,14 @@ class Generator:
         )
         if self.context_policy == "error":
             self._check_fits(max(len(p) for p in prompts), params.max_new_tokens)
-        return [_Row(p, params, self.token_bytes, ends) for p in prompts]
+        rows = []
+        for b, p in enumerate(prompts):
+            row_params = params
+            if params.seed is not None and b:
+                row_params = dataclasses.replace(params, seed=(params.seed + b) % 2**64)
+            rows.append(EngineRow(p, row_params, TextState(self.token_bytes, ends, params.stop_strings),
+                                  want_logprobs=want_logprobs))
+        return rows
 
     def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         L = self.max_seq_len
@@ -401,161 +374,53 @@ class Generator:
                 "policy 'slide'"
             )
 
-    def _decode(self, rows: list[_Row], params: SamplingParams, want_logprobs: bool = True) -> Iterator[list[str]]:
-        """Run the batch to the end, yielding after every step the new text of each row."""
+    def _decode(self, rows: list[EngineRow]) -> Iterator[list[str]]:
+        """Run the rows to the end on one :class:`BatchEngine`, yielding after every step the new text of
+        each row. With ``compile`` the cache length is rounded up to a multiple of ``STATIC_CACHE_BLOCK``
+        (one slot more than the request needs: the attended span then never covers the whole cache, a case
+        the compiled step would specialise for), so requests of similar lengths share one compiled step."""
         if not rows:
             return
-        budget = params.max_new_tokens
+        budget = rows[0].params.max_new_tokens
         if budget == 0:
             for row in rows:
-                row.close("length")
+                row.text.close()
+                row.finish_reason = "length"
             return
         L = self.max_seq_len
-        B = len(rows)
-        # under "slide" a prompt longer than the context keeps its last L tokens
-        prompts = [r.prompt_ids[-L:] for r in rows]
-        P = max(len(p) for p in prompts)
+        P = min(L, max(len(r.prompt_ids) for r in rows))
         width = P + budget
-        dev = self.device
-        # hist: the token columns, left padded with -1 (ignored by the penalties); seq: the same with
-        # padding as token 0 (masked out, never seen)
-        hist = torch.full((B, width), -1, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            hist[b, P - len(p) : P] = torch.tensor(p)
-        hist = hist.to(dev)
-        seq = hist.clamp_min(0)
-        # columns [0, pad_end) hold padding in some row; a window starting at or after it needs no mask
-        pad_end = P - min(len(p) for p in prompts)
-        mask = None
-        if pad_end > 0:
-            mask = torch.ones(B, width, dtype=torch.long, device=dev)
-            mask[:, :P] = hist[:, :P] >= 0
-
-        processors = build_processors(params)
-        generators: list[torch.Generator | None] | None = None
-        if params.seed is not None and not params.greedy:
-            generators = [make_generator(dataclasses.replace(params, seed=(params.seed + b) % 2**64), dev)
-                          for b in range(B)]
-
-        def forward(start: int, stop: int) -> Tensor:
-            """Feed columns [cache.length + start, stop) (the cache holds [start, ...)): next-token logits (B, V)."""
-            fed = seq[:, start + cache.length : stop]
-            window_mask = mask[:, start:stop] if mask is not None and start < pad_end else None
-            return self.model(fed, attention_mask=window_mask, cache=cache, last_only=True)[:, -1]
-
-        # dynamic NTK and LongRoPE pick their tables from the length seen, a host-side decision
-        rs = self.model.cfg.rope_scaling or {}
-        long_from = int(rs["original_max_position_embeddings"]) if self.model.cfg.rope_type == "longrope" else -1
-        static = self.compile and width <= L and self.model.cfg.rope_type not in ("dynamic", "longrope")
+        static = self.compile and width <= L
+        if static and self._compiled is None:
+            self._compiled = CompiledStep(self.model)
+        max_len = -(-(width + 1) // STATIC_CACHE_BLOCK) * STATIC_CACHE_BLOCK if static else min(width, L)
+        engine = BatchEngine(self.model, max_batch=len(rows), max_len=max_len,
+                             compiled=self._compiled if static else None, context_policy=self.context_policy,
+                             slide_keep=self.slide_keep, prefix_cache=self.prefix_cache)
+        for row in rows:
+            engine.add(row)
+        index = {id(r): b for b, r in enumerate(rows)}
         started = time.perf_counter()
         self.timings = GenerationTimings(prompt_tokens=P)
-        with torch.inference_mode():
-            if static:  # every row at its own positions; one compiled step per token
-                # one slot more than the request needs: the attended span then never covers the whole
-                # cache, a case the compiled step would specialise (compile again) for
-                cache = self.model.new_cache(B, -(-(width + 1) // STATIC_CACHE_BLOCK) * STATIC_CACHE_BLOCK)
-                logits = self._prefill_rows(prompts, cache)
-                positions = torch.tensor([len(p) for p in prompts], device=dev)
-            else:  # left-padded columns, the cache holding columns [start, ...)
-                cache = self.model.new_cache(B, min(width, L))
-                start = 0
-                logits = forward(start, P)
-            prefilled = time.perf_counter()
-            self.timings.prefill_ms = (prefilled - started) * 1e3
-            # greedy without log-probabilities needs only the argmax, which the compiled step then
-            # computes itself (one fused reduction instead of a separate call over the logits)
-            ids_only = params.greedy and not processors and not want_logprobs
-            picked: Tensor | None = None
-            for t in range(budget):
-                c = P + t  # the column being sampled
-                history = penalty_history(params, hist[:, :P], hist[:, P:c])
-                if picked is None:  # the compiled greedy step returns ids only: its prefill logits were checked
-                    check_finite(logits, t)
-                if picked is not None:
-                    tokens, logprobs = picked, None
-                elif ids_only:
-                    tokens, logprobs = logits.argmax(dim=-1), None
-                else:
-                    tokens, logprobs = self._sample(logits, params, history, generators, processors)
-                seq[:, c] = tokens
-                hist[:, c] = tokens
-                lps = [None] * B if logprobs is None or not want_logprobs else logprobs.tolist()
-                deltas = [row.accept(tok, lp) for row, tok, lp in zip(rows, tokens.tolist(), lps)]
-                self.timings.completion_tokens = t + 1
-                if t:
-                    self.timings.decode_tokens_per_s = t / max(time.perf_counter() - prefilled, 1e-9)
+        prefilled = started
+        with torch.inference_mode(), contextlib.ExitStack() as stack:
+            # rows still held when decoding stops early (an error, a stream left unfinished) release their
+            # prefix-cache blocks
+            stack.callback(lambda: [engine.remove(r) for r in list(engine.rows)])
+            while engine.rows:
+                outs = engine.step()
+                deltas = [""] * len(rows)
+                for o in outs:
+                    if o.error is not None:
+                        raise NonFiniteOutputError(o.error)
+                    deltas[index[id(o.row)]] = o.text
+                    if o.finish_reason is not None:
+                        engine.remove(o.row)
+                n = max(len(r.token_ids) for r in rows)
+                if self.timings.completion_tokens == 0:
+                    prefilled = time.perf_counter()
+                    self.timings.prefill_ms = (prefilled - started) * 1e3
+                elif n > 1:
+                    self.timings.decode_tokens_per_s = (n - 1) / max(time.perf_counter() - prefilled, 1e-9)
+                self.timings.completion_tokens = n
                 yield deltas
-                if t == budget - 1 or all(row.finish_reason is not None for row in rows):
-                    break
-                if static:
-                    step = self._compiled_step(ids_only)
-                    # the slots [0, c + 1) hold every row's tokens so far: the span to attend over, passed
-                    # as the length of a tensor whose size the compiled step treats as symbolic
-                    span = torch.empty(c + 1, device=dev)
-                    torch._dynamo.maybe_mark_dynamic(span, 0)
-                    if t < 2:  # Dynamo checks its guards (and compiles a new shape) as usual
-                        out = step(tokens[:, None], positions, cache, span)
-                    else:
-                        # From the second step on, every step's inputs come from the same place (the
-                        # previous step) with the same shapes, strides and dtypes; only values change, so
-                        # the guards would pass: skipping their check saves 2-3% of a step (hundreds of
-                        # tensor checks, one per parameter). The stance is process-wide, like Dynamo's
-                        # other settings: it holds for this one call only.
-                        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                            out = step(tokens[:, None], positions, cache, span)
-                    picked, logits = (out, logits) if ids_only else (None, out)
-                    positions += 1
-                    continue
-                if c - start == cache.max_len:  # full: keep the last slide_keep tokens and prefill again
-                    start = c + 1 - self.slide_keep
-                    cache.reset()
-                elif c - start == long_from:
-                    # LongRoPE: the sequence now outgrows the original context, so every position takes the
-                    # long factors; the cached keys were rotated with the short ones: prefill again, as
-                    # transformers' Phi-3 does
-                    cache.reset()
-                logits = forward(start, c + 1)
-        yield [row.close("length") for row in rows]
-
-    def _prefill_rows(self, prompts: list[list[int]], cache: Any) -> Tensor:
-        """Prefill row b of ``cache`` with prompt b at positions 0 .. len-1 (no padding): logits (B, V)."""
-        if len({len(p) for p in prompts}) == 1:
-            x = torch.tensor(prompts, device=self.device)
-            return self.model(x, cache=cache, last_only=True)[:, -1]
-        return torch.cat([self.model(torch.tensor([p], device=self.device), cache=cache.row_view(b),
-                                     last_only=True)[:, -1] for b, p in enumerate(prompts)])
-
-    def _static_step(self, tokens: Tensor, positions: Tensor, cache: Any, span: Tensor) -> Tensor:
-        """One token per row at ``positions`` (B,), attending over cache slots [0, len(span)) (masked per
-        row): logits (B, V). Every shape but that span's depends on the batch size and cache length only,
-        and the span's is symbolic, so one compiled graph serves every step of a request."""
-        return self.model(tokens, cache=cache, cache_positions=positions, kv_len=span.shape[0])[:, -1]
-
-    def _static_greedy_step(self, tokens: Tensor, positions: Tensor, cache: Any, span: Tensor) -> Tensor:
-        """``_static_step`` followed by the argmax: the next token ids (B,)."""
-        return self._static_step(tokens, positions, cache, span).argmax(dim=-1)
-
-    def _compiled_step(self, ids_only: bool) -> Callable[[Tensor, Tensor, Any, Tensor], Tensor]:
-        """The compiled static step: next-token ids if ``ids_only`` (greedy), else logits."""
-        if ids_only not in self._steps:
-            options = {}
-            if self.device.type == "cpu":
-                # The C++ wrapper removes the Python call overhead of the generated kernels, which is
-                # most of what a small model's decode step costs.
-                options["cpp_wrapper"] = True
-                store_input_major(self.model)
-            step = self._static_greedy_step if ids_only else self._static_step
-            self._steps[ids_only] = torch.compile(step, fullgraph=True, dynamic=False, options=options)
-        return self._steps[ids_only]
-
-    @staticmethod
-    def _sample(logits: Tensor, params: SamplingParams, history: PenaltyHistory | None,
-                generators: list[torch.Generator | None] | None,
-                processors: list[LogitsProcessor]) -> tuple[Tensor, Tensor]:
-        if generators is None:
-            return sample_next(logits, params, history, None, processors=processors)
-        # seeded sampling: each row draws from its own generator, so a row's random numbers do not
-        # depend on which other rows share the batch
-        picks = [sample_next(logits[b : b + 1], params, None if history is None else history[b : b + 1], g,
-                             processors=processors) for b, g in enumerate(generators)]
-        return torch.cat([p[0] for p in picks]), torch.cat([p[1] for p in picks])

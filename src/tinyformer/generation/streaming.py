@@ -12,11 +12,11 @@ and at the end ``stop.push(dec.flush())`` then ``stop.flush()``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from tinyformer.errors import GenerationError
 
-__all__ = ["StopStringMatcher", "Utf8StreamDecoder"]
+__all__ = ["StopStringMatcher", "TextState", "Utf8StreamDecoder"]
 
 
 def _seq_len(lead: int) -> int:
@@ -161,3 +161,56 @@ class StopStringMatcher:
     def held(self) -> str:
         """Text held back because it may be the start of a stop string."""
         return self._held
+
+
+class TextState:
+    """The text of one generated sequence, token by token: UTF-8 decoding, stop strings, end tokens.
+
+    ``accept(token)`` returns ``(text, finished)``: the text the token completes ("" while a character
+    or a possible stop string is incomplete) and whether the sequence ended here (an end token, which is
+    never shown, or a completed stop string, which is never shown either). ``close()`` ends the sequence
+    for another reason (length, timeout) and returns the text held back until then: half a character
+    becomes U+FFFD, a held possible start of a stop string is shown unless it completes one.
+    ``stopped`` tells whether the sequence ended on a stop (end token or stop string). ``pieces`` joins
+    to the whole text shown.
+    """
+
+    def __init__(self, token_bytes: Callable[[int], bytes], end_ids: Iterable[int] = (),
+                 stop_strings: Iterable[str] = ()) -> None:
+        self._token_bytes = token_bytes
+        self._end_ids = frozenset(int(t) for t in end_ids)
+        self._decoder = Utf8StreamDecoder()
+        self._stopper = StopStringMatcher(stop_strings)
+        self.pieces: list[str] = []
+        self.done = False
+        self.stopped = False
+
+    def accept(self, token: int) -> tuple[str, bool]:
+        if self.done:
+            return "", True
+        if token in self._end_ids:
+            self.stopped = True
+            return self._end(), True
+        text, stopped = self._stopper.push(self._decoder.push(self._token_bytes(token)))
+        self.pieces.append(text)
+        if stopped:
+            self.stopped = self.done = True
+        return text, stopped
+
+    def close(self) -> str:
+        """End the sequence (any reason): the held-back text, "" if it had already ended."""
+        return "" if self.done else self._end()
+
+    def _end(self) -> str:
+        tail, stopped = self._stopper.push(self._decoder.flush())
+        if stopped:
+            self.stopped = True
+        else:
+            tail += self._stopper.flush()
+        self.done = True
+        self.pieces.append(tail)
+        return tail
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)

@@ -1,7 +1,8 @@
 """Serving: an OpenAI-compatible HTTP API with continuous batching, and a web playground.
 
-``scheduler`` (continuous batching over the KV cache) needs only torch; ``app`` needs the optional
-``serve`` extra (fastapi, uvicorn), so import it only when serving.
+``scheduler`` (continuous batching over the generation engine) needs only torch; ``server`` (the state
+behind the handlers), ``sse`` (the streaming loop) and ``app`` (the routes) need the optional ``serve``
+extra (fastapi, uvicorn), so import them only when serving.
 """
 
 #: Largest request body the server reads (``serve --max-body-bytes``): a long prompt is ~100 KB of JSON.

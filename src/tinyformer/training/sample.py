@@ -12,14 +12,8 @@ import torch
 from torch import nn
 
 from tinyformer.data.tokenizer import Tokenizer
-from tinyformer.generation.sampling import (
-    HUMAN_TEMPERATURE,
-    HUMAN_TOP_K,
-    SamplingParams,
-    build_processors,
-    make_generator,
-    sample_next,
-)
+from tinyformer.generation.engine import Generator
+from tinyformer.generation.sampling import HUMAN_TEMPERATURE, HUMAN_TOP_K, SamplingParams
 
 
 @torch.no_grad()
@@ -34,9 +28,9 @@ def sample_text(
     temperature: float = HUMAN_TEMPERATURE,
     top_k: int = HUMAN_TOP_K,
 ) -> str:
-    """``prompt`` plus up to ``max_new_tokens`` sampled tokens (fewer at EOS or the context limit), as text."""
+    """``prompt`` plus up to ``max_new_tokens`` sampled tokens (fewer at EOS or the context limit), as text,
+    decoded by the same engine as ``tinyformer generate`` (``device`` is where the model already is)."""
     was_training = model.training
-    model.eval()
     try:
         ids = tokenizer.encode(prompt) if prompt else []
         if not ids:
@@ -44,22 +38,12 @@ def sample_text(
         context = model.cfg.max_seq_len
         ids = ids[-context:]
         budget = max(0, min(max_new_tokens, context - len(ids)))
-        params = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=budget, seed=seed).validate()
-        processors = build_processors(params)
-        generator = make_generator(params, device)
-        cache = model.new_cache(1, len(ids) + budget) if hasattr(model, "new_cache") else None
-        x = torch.tensor([ids], device=device)
-        logits = model(x, cache=cache, last_only=True)[:, -1] if cache is not None else model(x)[:, -1]
-        out: list[int] = []
-        for _ in range(budget):
-            token, _ = sample_next(logits, params, None, generator, processors=processors)
-            if tokenizer.eos_id is not None and int(token) == tokenizer.eos_id:
-                break
-            out.append(int(token))
-            if cache is not None:
-                logits = model(token[:, None], cache=cache)[:, -1]
-            else:
-                logits = model(torch.tensor([ids + out], device=device))[:, -1]
+        params = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=budget, seed=seed)
+        gen = Generator(model, tokenizer)  # puts the model in eval mode
+        gen.eos_token_id = tokenizer.eos_id
+        out = gen.generate([ids], params, logprobs=False)[0].token_ids
+        if out and tokenizer.eos_id is not None and out[-1] == tokenizer.eos_id:
+            out = out[:-1]
         return tokenizer.decode([i for i in ids if i != tokenizer.eos_id] + out, skip_special_tokens=True)
     finally:
         model.train(was_training)

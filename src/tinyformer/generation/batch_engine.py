@@ -1,0 +1,544 @@
+"""The one decoding engine: sequences in the rows of a KV cache, each at its own position.
+
+Every entry point that generates text (``Generator`` for ``tinyformer generate`` / ``chat`` / ``eval`` /
+the trainer's samples, and the server's ``Scheduler``) drives a :class:`BatchEngine`. A sequence
+(:class:`EngineRow`) takes a free row ("slot") of the cache and goes through two phases::
+
+    prefill:  logits = model(prompt[pos : pos + n], cache row, positions pos .. pos + n - 1)
+    decode:   y ~ q(. | logits);  logits = model(y, cache row, position pos)      one token per step
+
+Each :meth:`BatchEngine.step` runs **one decode step** for every decoding row together::
+
+    logits = model(tokens (R, 1), cache rows 0 .. R-1, cache_positions (R,))     # (R, V)
+
+(row r attends to its own cache row up to its own position, so rows of different lengths share the
+step), and then **one prefill round**: the rows still prefilling feed their next prompt tokens, at most
+``prefill_chunk`` in all (all of them when None), first come first served. Rows whose chunks start at the
+same position and sit in neighbouring slots are prefilled in one forward call, right padded to the
+longest chunk: causal attention keeps padding after a row's tokens invisible to them, and the padding's
+keys and values are overwritten before any later token can see them. Long prompts, and many new prompts
+at once, therefore advance chunk by chunk between the decode steps of the running rows, which never
+stall for more than one chunk. A row whose prompt is fully fed samples its first token from the
+prefill's last logits and decodes from the next step on. A row may start prefilling at ``pos > 0``
+with the cache row already holding positions ``[0, pos)`` (a prefix cache hit).
+
+With ``compile=True`` the decode step is a ``torch.compile``-d function of fixed shapes: one row, or all
+``max_batch`` rows (free rows decode a dummy token at a position their next writer overwrites; with
+``compile_batches=False`` steps of several rows run eagerly instead). The cache has a fixed length and
+the attended span ``[0, kv_len)`` is a symbolic size, so one graph serves every step of a shape. On CPU
+the model's linear weights are then stored input-major (:func:`~tinyformer.generation.weight_layout.store_input_major`).
+
+A row ends on an end token or stop string (:class:`~tinyformer.generation.streaming.TextState`),
+after ``max_new_tokens``, or when its cache row is full: ``context_policy="slide"`` then keeps its
+last ``slide_keep`` tokens and prefills them again at positions 0 .. (positions stay inside the
+trained range), ``"error"`` ends it with "length". LongRoPE rows are prefilled again when they outgrow
+the original context (their cached keys were rotated with the short factors), and dynamic-NTK and
+LongRoPE models decode row by row, since their rotary tables depend on each row's length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tinyformer.components.kv_cache import KVCache
+from tinyformer.errors import ConfigError, GenerationError, non_finite_message
+from tinyformer.generation.prefix_cache import PrefixCache, PrefixHit
+from tinyformer.generation.sampling import (
+    LogitsProcessor,
+    PenaltyHistory,
+    SamplingParams,
+    build_processors,
+    make_generator,
+    penalty_history,
+    sample_next,
+)
+from tinyformer.generation.streaming import TextState
+from tinyformer.generation.weight_layout import store_input_major
+
+__all__ = ["BatchEngine", "CompiledStep", "EngineRow", "RowOutput", "TokenInfo", "new_prefix_cache", "sample_shared"]
+
+CONTEXT_POLICIES = ("error", "slide")
+
+
+def sample_shared(logits: Tensor, processors: Sequence[LogitsProcessor]) -> tuple[Tensor, Tensor]:
+    """``sample_next`` for rows that share non-greedy parameters, no history and no seed: the same
+    distribution, drawn by inverse transform sampling instead of ``torch.multinomial``.
+
+    With q = softmax(processed logits) and its running sum c_v = sum_{u <= v} q_u, the token is the
+    first v with c_v > U * c_V for one U ~ Uniform[0, 1) per row, so P(v) = q_v (tokens filtered to
+    q_v = 0 cannot be hit). ``torch.multinomial`` draws one exponential per vocabulary entry instead
+    (an exponential race), which for 16 rows x 32k tokens on a CPU costs about as much as the forward
+    pass of a 15M model. Returns ``(token_ids (A,), logprobs (A,))`` with the logprob of the raw logits,
+    exactly as ``sample_next`` does.
+    """
+    raw = logits if logits.dtype == torch.float64 else logits.float()
+    x = raw
+    for proc in processors:
+        x = proc(x, None)
+    # float32 is enough: each token's share c_v - c_{v-1} is off by ~1e-7 of the total at most, and a token
+    # with q_v = 0 adds exactly 0, so it still cannot be drawn. (softmax/cumsum with dtype=float64 run an
+    # unvectorised conversion path on CPU, ~30x slower than the whole float32 draw.)
+    cdf = torch.softmax(x, dim=-1).cumsum(-1)
+    u = torch.rand(cdf.size(0), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, u, right=True).clamp_max_(cdf.size(-1) - 1).squeeze(-1)
+    logprobs = (raw.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(raw, dim=-1)).float()
+    return tokens, logprobs
+
+
+@dataclass
+class TokenInfo:
+    """One generated token: its id, log p under the model's raw distribution (None when not asked for),
+    and the ``top`` most probable alternatives as (id, log p), best first (empty unless asked for)."""
+
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RowOutput:
+    """What one step produced for one row: the token (None on an error), the text it completes, and,
+    when the row ended here, why ("stop", "length", or "model_error" with ``error`` saying why)."""
+
+    row: EngineRow
+    token: TokenInfo | None
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class EngineRow:
+    """One sequence: its prompt, sampling parameters, text state, and where it stands in the cache.
+
+    ``pos`` is the number of cache positions of its row filled so far; ``pending`` the tokens still to
+    feed from ``pos`` on (the prompt while prefilling, else the last sampled token). ``want_logprobs``
+    False skips the per-step log-normaliser (greedy rows then take a bare argmax); ``top_logprobs`` > 0
+    asks for that many alternatives per token. ``tag`` is the caller's (e.g. the server's request).
+    """
+
+    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, text: TextState, *,
+                 want_logprobs: bool = True, top_logprobs: int = 0, tag: Any = None) -> None:
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.text = text
+        self.want_logprobs = want_logprobs
+        self.top_logprobs = top_logprobs
+        self.tag = tag
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.slot = -1
+        self.pos = 0
+        self.pending: list[int] = []
+        self.prefilling = True
+        self.prefix_hit: PrefixHit | None = None  # the prefix-cache hit it was loaded from, pinned until it is removed
+        self.slid = False  # its cache positions no longer hold prompt + tokens from position 0
+        self.processors: list[LogitsProcessor] = build_processors(params)
+        self.generator: torch.Generator | None = None
+        self.penalised = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+                          or params.presence_penalty != 0.0)
+        self.ids_only = params.greedy and not self.processors and not want_logprobs and top_logprobs == 0
+        # Rows with the same key are sampled in one call: no penalty looks at their history and no seeded
+        # generator must advance on its own. Every other row is sampled alone.
+        shareable = (params.seed is None or params.greedy) and not self.penalised
+        self.group_key: object = (params.temperature, params.top_k, params.top_p, params.min_p,
+                                  self.ids_only) if shareable else ("own", id(self))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def history(self, device: torch.device) -> PenaltyHistory | None:
+        """What the penalties see (``penalty_history`` decides: the CTRL repetition penalty the prompt and
+        the generated tokens, the OpenAI frequency / presence penalties the generated tokens only)."""
+        return penalty_history(self.params, self.prompt_ids, self.token_ids, device)
+
+
+class CompiledStep:
+    """The compiled decode step of one model, shared by every engine over it (each new shape compiles once).
+
+    ``step(tokens (R, 1), positions (R,), cache, span)``: one token per row at ``positions``, attending
+    over cache slots [0, len(span)) masked per row: logits (R, V), or the argmax ids (R,) for the greedy
+    variant. Only the span's length is symbolic, so a (rows, cache length) shape compiles once.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._fns: dict[bool, Callable[..., Tensor]] = {}
+
+    def logits(self, tokens: Tensor, positions: Tensor, cache: Any, span: Tensor) -> Tensor:
+        return self.model(tokens, cache=cache, cache_positions=positions, kv_len=span.shape[0])[:, -1]
+
+    def greedy(self, tokens: Tensor, positions: Tensor, cache: Any, span: Tensor) -> Tensor:
+        return self.logits(tokens, positions, cache, span).argmax(dim=-1)
+
+    def get(self, ids_only: bool) -> Callable[..., Tensor]:
+        if ids_only not in self._fns:
+            options = {}
+            if next(self.model.parameters()).device.type == "cpu":
+                # The C++ wrapper removes the Python call overhead of the generated kernels, which is
+                # most of what a small model's decode step costs.
+                options["cpp_wrapper"] = True
+                store_input_major(self.model)
+            fn = self.greedy if ids_only else self.logits
+            self._fns[ids_only] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+        return self._fns[ids_only]
+
+
+def new_prefix_cache(model: nn.Module, megabytes: float) -> PrefixCache | None:
+    """A prefix cache of ``megabytes`` for ``model``'s KV caches (their dtype and device); None for 0."""
+    if megabytes < 0:
+        raise ConfigError(f"the prefix cache size must be >= 0 MB, got {megabytes}")
+    if megabytes == 0:
+        return None
+    k = model.new_cache(1, 1).layers[0][0]
+    return PrefixCache(model.cfg, budget_bytes=int(megabytes * 2**20), device=k.device, dtype=k.dtype)
+
+
+def check_compilable(model: nn.Module) -> None:
+    """GenerationError when the model holds a kernel ``torch.compile`` cannot trace."""
+    if any(getattr(m, "kernel", None) == "fbgemm" for m in model.modules()):
+        raise GenerationError("the quantized kernel 'fbgemm' cannot be compiled (torch.compile does not trace "
+                              "it): drop --compile, or quantize with another --kernel")
+
+
+class BatchEngine:
+    """Rows of one KV cache (``max_batch`` x ``max_len``) decoded together; see the module docstring.
+
+    ``add(row)`` gives a row a free slot (lowest first), ``remove(row)`` frees it, ``step()`` advances
+    every row by one step and returns what each row that produced a token (or failed) produced.
+    Finished rows stay in their slot until removed. ``compiled`` is a shared :class:`CompiledStep`, or
+    None to decode eagerly; ``compile_batches`` False uses it for steps of one row only (the others eager,
+    over exactly the rows in use).
+    """
+
+    def __init__(self, model: nn.Module, *, max_batch: int, max_len: int | None = None,
+                 compiled: CompiledStep | None = None, prefill_chunk: int | None = None,
+                 context_policy: str = "error", slide_keep: int | None = None,
+                 prefix_cache: PrefixCache | None = None, compile_batches: bool = True) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if context_policy not in CONTEXT_POLICIES:
+            raise GenerationError(
+                f"context policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}")
+        self.model = model
+        cfg = model.cfg
+        self.cache: KVCache = model.new_cache(max_batch, max_len)
+        self.max_len = self.cache.max_len
+        self.max_batch = max_batch
+        self.device = next(model.parameters()).device
+        self.prefill_chunk = prefill_chunk
+        self.context_policy = context_policy
+        self.slide_keep = slide_keep if slide_keep is not None else max(1, self.max_len - max(1, self.max_len // 4))
+        # dynamic NTK and LongRoPE pick their rotary tables from the length seen: a per-row, host-side decision
+        self.per_row = cfg.rope_type in ("dynamic", "longrope")
+        rs = cfg.rope_scaling or {}
+        self.long_from = int(rs["original_max_position_embeddings"]) if cfg.rope_type == "longrope" else -1
+        self.compiled = None if self.per_row else compiled
+        self.compile_batches = compile_batches
+        # right-padded batched prefill would write padding into ring slots still inside a row's window
+        self.pad_prefill = not any(self.cache.rolling) and not self.per_row
+        # a PrefixCache (generation/prefix_cache.py) shared by the requests of this engine, when its rows
+        # hold position p at index p (no rolling ring) and keys do not depend on the sequence's length
+        self.prefix_cache = prefix_cache if prefix_cache is not None and not self.per_row \
+            and prefix_cache.enabled_for(self.cache) else None
+        self.rows: list[EngineRow] = []
+        self._free = list(range(max_batch))
+        self._views: dict[int, KVCache] = {max_batch: self.cache}
+        self._last_shapes: list[tuple[int, bool]] = []
+        self.moves = 0
+
+    # ------------------------------------------------------------------ rows
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def add(self, row: EngineRow, *, prefilled: int = 0) -> None:
+        """Give ``row`` the lowest free slot; its cache row is taken to hold its first ``prefilled``
+        prompt positions already, so prefilling starts there. With a prefix cache, the longest cached
+        prefix of the prompt is loaded into the row and prefilling starts after it."""
+        if not self._free:
+            raise RuntimeError("no free slot in the batch")
+        ids = row.prompt_ids
+        if len(ids) > self.max_len:
+            if self.context_policy != "slide":
+                raise GenerationError(f"the prompt has {len(ids)} tokens but the cache holds {self.max_len}")
+            ids = ids[-self.max_len:]
+            prefilled = 0
+        if not 0 <= prefilled < len(ids):
+            raise ValueError(f"prefilled must be in [0, {len(ids)}), got {prefilled}")
+        row.slot = self._free.pop(0)
+        if self.prefix_cache is not None and prefilled == 0 and ids is row.prompt_ids:
+            hit = self.prefix_cache.lookup(ids)
+            if hit.length:
+                self.prefix_cache.load(hit, self.cache, row.slot)
+                prefilled = hit.length
+            row.prefix_hit = hit
+        row.slid = ids is not row.prompt_ids
+        row.pos, row.pending, row.prefilling = prefilled, list(ids[prefilled:]), True
+        if row.params.seed is not None and not row.params.greedy:
+            row.generator = make_generator(row.params, self.device)
+        self.rows.append(row)
+
+    def remove(self, row: EngineRow) -> None:
+        """Free the row's slot (finished or cancelled). With a prefix cache, the whole blocks of the tokens
+        whose keys and values the row holds (prompt and generated tokens) are stored first, so a later
+        request that continues this one (the next turn of a chat) finds them, and its hit is released."""
+        if self.prefix_cache is not None:
+            # a row that failed on non-finite logits may hold non-finite keys and values: never shared
+            if not row.slid and row.pos > 0 and row.finish_reason != "model_error":
+                self.prefix_cache.store(row.prompt_ids + row.token_ids, self.cache, row.slot, row.pos)
+            if row.prefix_hit is not None:
+                self.prefix_cache.release(row.prefix_hit)
+                row.prefix_hit = None
+        self.rows.remove(row)
+        self._free.append(row.slot)
+        self._free.sort()
+
+    def compact(self) -> None:
+        """Move rows from the highest used slots into free lower ones, so that a decode step covers rows
+        0 .. n-1 and no free row in between. Moving copies the row's filled cache positions (a few MB at
+        most); it happens once per row that finishes below another."""
+        while self.rows and self._free:
+            row = max(self.rows, key=lambda r: r.slot)
+            dst = self._free[0]
+            if dst > row.slot:
+                return
+            self._free.pop(0)
+            for k, v in self.cache.layers:
+                k[dst, :, : row.pos].copy_(k[row.slot, :, : row.pos])
+                v[dst, :, : row.pos].copy_(v[row.slot, :, : row.pos])
+            self._free.append(row.slot)
+            self._free.sort()
+            row.slot = dst
+            self.moves += 1
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RowOutput]:
+        """One decode step for the decoding rows, then one prefill round for the prefilling ones."""
+        out: list[RowOutput] = []
+        decoding = [r for r in self.rows if not r.prefilling and not r.finished]
+        if decoding:
+            out += self._decode(decoding)
+        prefilling = [r for r in self.rows if r.prefilling and not r.finished]
+        if prefilling:
+            out += self._prefill(prefilling)
+        return out
+
+    def _view(self, n: int) -> KVCache:
+        """Rows [0, n) of the cache (one view per size, so a compiled step sees the same object)."""
+        if n not in self._views:
+            self._views[n] = self.cache.row_view(0, n)
+        return self._views[n]
+
+    def _decode(self, rows: list[EngineRow]) -> list[RowOutput]:
+        dev = self.device
+        if self.per_row:
+            logits = torch.cat([self._forward_row(r, r.pending) for r in rows])
+            return self._sample(logits, rows)
+        n = max(r.slot for r in rows) + 1
+        compiled = self.compiled if n == 1 or self.compile_batches else None
+        if compiled is not None and n > 1:
+            # one shape for every batch: all rows (each further shape would cost a compilation, tens of
+            # seconds on CPU, that stalls every running stream when it first occurs)
+            n = self.max_batch
+        tokens = [0] * n
+        # A slot in [0, n) without a decoding row decodes a dummy token at the position its next writer
+        # (a prefilling row, or a row admitted later) overwrites before anything reads it.
+        positions = [0] * n
+        for r in self.rows:
+            if r.slot < n:
+                positions[r.slot] = r.pos
+        for r in rows:
+            tokens[r.slot] = r.pending[0]
+        kv = max(positions) + 1
+        t = torch.tensor(tokens, device=dev)[:, None]
+        p = torch.tensor(positions, device=dev)
+        cache = self._view(n)
+        picked: Tensor | None = None
+        if compiled is None:
+            logits = self.model(t, cache=cache, cache_positions=p, kv_len=kv)[:, -1]
+        else:
+            ids_only = all(r.ids_only for r in rows)
+            step = compiled.get(ids_only)
+            # the span to attend over, as the length of a tensor whose size the compiled step treats as symbolic
+            span = torch.empty(kv, device=dev)
+            torch._dynamo.maybe_mark_dynamic(span, 0)
+            shape = (n, ids_only)
+            if self._last_shapes == [shape, shape]:
+                # The last two steps had these shapes: the inputs come from the same places with the same
+                # shapes, strides and dtypes, only values change, so the guards would pass; skipping their
+                # check saves 2-3% of a step (one check per parameter). The stance holds for this call only.
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    res = step(t, p, cache, span)
+            else:
+                res = step(t, p, cache, span)
+            self._last_shapes = (self._last_shapes + [shape])[-2:]
+            if ids_only:
+                picked, logits = res, None
+            else:
+                logits = res
+        for r in rows:
+            r.pos += 1
+        index = torch.tensor([r.slot for r in rows], device=dev)
+        if picked is not None:  # greedy ids from the compiled step (the prefill's logits were checked)
+            return [self._accept(r, TokenInfo(tok, None)) for r, tok in zip(rows, picked[index].tolist())]
+        assert logits is not None
+        if len(rows) != n or any(r.slot != i for i, r in enumerate(rows)):
+            logits = logits[index]
+        return self._sample(logits, rows)
+
+    def _forward_row(self, row: EngineRow, ids: list[int]) -> Tensor:
+        """Feed ``ids`` to one row at positions pos ..: the last position's logits (1, V)."""
+        view = self.cache.row_view(row.slot)
+        view.length = row.pos
+        logits = self.model(torch.tensor([ids], device=self.device), cache=view, last_only=True)[:, -1]
+        row.pos += len(ids)
+        return logits
+
+    def _prefill(self, rows: list[EngineRow]) -> list[RowOutput]:
+        """Feed at most ``prefill_chunk`` prompt tokens in all (None: every pending one), to the rows in the
+        order they were added; rows at the same position in neighbouring slots share a forward call."""
+        budget = self.prefill_chunk
+        take: dict[int, int] = {}
+        for r in rows:
+            n = len(r.pending) if budget is None else min(len(r.pending), budget)
+            if n == 0:
+                break
+            take[id(r)] = n
+            if budget is not None:
+                budget -= n
+        groups: list[list[EngineRow]] = []
+        for r in sorted((r for r in rows if id(r) in take), key=lambda r: (r.pos, r.slot)):
+            last = groups[-1][-1] if groups else None
+            if self.pad_prefill and last is not None and last.pos == r.pos and last.slot + 1 == r.slot:
+                groups[-1].append(r)
+            else:
+                groups.append([r])
+        done: list[EngineRow] = []
+        logits: list[Tensor] = []
+        for group in groups:
+            feeds = [r.pending[: take[id(r)]] for r in group]
+            for r, f in zip(group, feeds):
+                r.pending = r.pending[len(f):]
+            if len(group) == 1:
+                out = self._forward_row(group[0], feeds[0])
+            else:
+                out = self._forward_rows(group, feeds)
+            for i, r in enumerate(group):
+                if not r.pending:
+                    r.prefilling = False
+                    done.append(r)
+                    logits.append(out[i : i + 1])
+        return self._sample(torch.cat(logits), done) if done else []
+
+    def _forward_rows(self, group: list[EngineRow], feeds: list[list[int]]) -> Tensor:
+        """Feed ``feeds[i]`` to the rows of ``group`` (neighbouring slots, same position), right padded:
+        the logits at each row's last fed token (len(group), V)."""
+        start, lo = group[0].pos, group[0].slot
+        T = max(len(f) for f in feeds)
+        x = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=self.device)
+        view = self.cache.row_view(lo, lo + len(group))
+        view.length = start
+        if all(len(f) == T for f in feeds):
+            logits = self.model(x, cache=view, last_only=True)[:, -1]
+        else:
+            h = self.model.hidden_states(x, cache=view)
+            last = torch.tensor([len(f) - 1 for f in feeds], device=self.device)
+            h = h[torch.arange(len(group), device=self.device), last]
+            logits = self.model._softcap(self.model.lm_head(h))
+        for r, f in zip(group, feeds):
+            r.pos += len(f)
+        return logits
+
+    # ------------------------------------------------------------------ sampling
+    def _sample(self, logits: Tensor, rows: list[EngineRow]) -> list[RowOutput]:
+        """One token per row of ``logits`` (A, V), with each row's own parameters.
+
+        Rows that share parameters and need neither a history nor their own seeded generator are sampled in
+        one call (:func:`sample_shared`, or an argmax); the others one by one with ``sample_next``, so a
+        seeded row draws the same random numbers whether or not it shares the batch.
+        """
+        n = len(rows)
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        if not all(finite):  # those rows end with an error; the others are sampled as usual
+            good = [i for i in range(n) if finite[i]]
+            outs = dict(zip(good, self._sample(logits[torch.tensor(good, dtype=torch.long, device=logits.device)],
+                                               [rows[i] for i in good]) if good else []))
+            result = []
+            for i, r in enumerate(rows):
+                if i in outs:
+                    result.append(outs[i])
+                else:
+                    r.finish_reason = "model_error"
+                    message = non_finite_message(f"for generated token {len(r.token_ids) + 1}")
+                    result.append(RowOutput(r, None, r.text.close(), "model_error", message))
+            return result
+        tokens: list[int] = [0] * n
+        logps: list[float | None] = [None] * n
+        groups: dict[object, list[int]] = {}
+        for i, r in enumerate(rows):
+            groups.setdefault(r.group_key, []).append(i)
+        for idx in groups.values():
+            first = rows[idx[0]]
+            part = logits[idx[0] : idx[0] + 1] if len(idx) == 1 else logits[torch.tensor(idx, device=logits.device)]
+            lp: Tensor | None
+            if first.ids_only:
+                tok, lp = part.argmax(dim=-1), None
+            elif first.params.greedy or first.group_key == ("own", id(first)):
+                tok, lp = sample_next(part, first.params, first.history(logits.device), first.generator,
+                                      processors=first.processors)
+            else:
+                tok, lp = sample_shared(part, first.processors)
+            lps = lp.tolist() if lp is not None else [None] * len(idx)
+            for i, t, p in zip(idx, tok.tolist(), lps):
+                tokens[i], logps[i] = t, p
+        tops: dict[int, list[tuple[int, float]]] = {}
+        want = [i for i, r in enumerate(rows) if r.top_logprobs > 0]
+        if want:
+            k = max(rows[i].top_logprobs for i in want)
+            lsm = torch.log_softmax(logits[torch.tensor(want, device=logits.device)].float(), dim=-1)
+            values, ids = lsm.topk(min(k, lsm.size(-1)), dim=-1)
+            for j, i in enumerate(want):
+                kk = rows[i].top_logprobs
+                tops[i] = list(zip(ids[j, :kk].tolist(), values[j, :kk].tolist()))
+        return [self._accept(r, TokenInfo(tokens[i], logps[i], tops.get(i, []))) for i, r in enumerate(rows)]
+
+    def _accept(self, row: EngineRow, info: TokenInfo) -> RowOutput:
+        """Record one token of ``row``: its text, whether the row ends, and what it feeds next."""
+        tok = info.token_id
+        row.token_ids.append(tok)
+        if row.want_logprobs and info.logprob is not None:
+            row.logprobs.append(info.logprob)
+        text, ended = row.text.accept(tok)
+        finish = "stop" if ended else None
+        if finish is None and len(row.token_ids) >= row.params.max_new_tokens:
+            finish = "length"
+        if finish is None:
+            if row.pos >= self.max_len:  # the row is full: no position is left to feed the token
+                if self.context_policy == "slide":
+                    # keep the last slide_keep tokens and prefill them again at positions 0 ..
+                    row.pos, row.pending, row.prefilling = 0, (row.prompt_ids + row.token_ids)[-self.slide_keep:], True
+                    row.slid = True
+                else:
+                    finish = "length"
+            elif row.pos == self.long_from:
+                # LongRoPE: the sequence now outgrows the original context, so every position takes the long
+                # factors; the cached keys were rotated with the short ones: prefill again, as transformers'
+                # Phi-3 does
+                keep = row.pos + 1
+                row.pos, row.pending, row.prefilling = 0, (row.prompt_ids + row.token_ids)[-keep:], True
+            else:
+                row.pending = [tok]
+        if finish is not None:
+            text += row.text.close()
+            finish = "stop" if row.text.stopped else finish
+            row.finish_reason = finish
+        return RowOutput(row, info, text, finish)

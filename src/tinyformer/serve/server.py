@@ -1,0 +1,245 @@
+"""The server's state behind the HTTP handlers: the model's scheduler, the tokenizer, the chat template,
+limits and authentication, and how a handler's API request becomes scheduler requests and their events
+come back to the event loop.
+
+Each API request becomes one :class:`GenerationRequest` per choice (``n`` per prompt). The handler
+submits them to the scheduler thread and awaits their :class:`StepEvent`s on an ``asyncio.Queue`` that
+the scheduler feeds through ``loop.call_soon_threadsafe`` (one wake-up per step, see ``_Mailbox``); the
+event loop never runs torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from tinyformer.errors import TinyformerError
+from tinyformer.generation.sampling import SamplingParams
+from tinyformer.serve import protocol as P
+from tinyformer.serve.chat import ChatTemplate
+from tinyformer.serve.protocol import APIError
+from tinyformer.serve.scheduler import GenerationRequest, QueueFull, Scheduler, StepEvent, TokenInfo
+
+__all__ = ["Choice", "Server", "add_event", "collect", "event_error"]
+
+
+@dataclass
+class Choice:
+    """What one choice has produced so far (non-streaming responses are assembled from these)."""
+
+    text: list[str] = field(default_factory=list)
+    tokens: list[TokenInfo] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    length: int = 0  # characters emitted so far (for text_offset)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+
+class _Mailbox:
+    """Hands events from the scheduler thread to the event loop's queues with one wake-up per batch.
+
+    ``loop.call_soon_threadsafe`` per event would wake the loop (a write to its self-pipe) once per
+    request per step; here the first event of a step schedules one drain and the rest just queue up.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._pending: list[tuple[asyncio.Queue, StepEvent]] = []
+        self._lock = threading.Lock()
+
+    def post(self, queue: asyncio.Queue, event: StepEvent) -> None:  # scheduler thread
+        with self._lock:
+            self._pending.append((queue, event))
+            if len(self._pending) > 1:
+                return  # a drain is already scheduled
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:  # event loop
+        with self._lock:
+            items, self._pending = self._pending, []
+        for queue, event in items:
+            queue.put_nowait(event)
+
+
+
+class Server:
+    """Everything a request handler needs: the model's scheduler, tokenizer, chat template, limits."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 16, max_queue: int = 64,
+                 request_timeout: float | None = 600.0, api_key: str | None = None,
+                 max_len: int | None = None, compile: bool = False, prefill_chunk: int | None = 256,
+                 prefix_cache_mb: float = 0) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.created = P.now()
+        self.api_key = api_key or None
+        self.request_timeout = request_timeout if request_timeout and request_timeout > 0 else None
+        self.vocab_size = int(model.cfg.vocab_size)
+        self.scheduler = Scheduler(model, self.token_bytes, max_batch=max_batch, max_queue=max_queue,
+                                   max_len=max_len, compile=compile, prefill_chunk=prefill_chunk,
+                                   prefix_cache_mb=prefix_cache_mb)
+        self.context = self.scheduler.max_len
+        self.template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token,
+                                     tokenizer.pad_token)
+        added = tokenizer.backend.get_added_tokens_decoder()
+        self.hidden_ids = frozenset(i for i, tok in added.items() if tok.special)
+        self._token_text: dict[int, str] = {}
+        self._box: _Mailbox | None = None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's bytes; ids the model has but the tokenizer lacks (padded vocabularies) are empty."""
+        try:
+            return self.tokenizer.token_bytes(token_id)
+        except TinyformerError:
+            return b""
+
+    # ------------------------------------------------------------------ checks
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key")
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'.",
+                           param="model", code="model_not_found")
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except Exception as exc:  # DataError for an unknown character; `tokenizers` raises bare Exceptions
+            raise APIError(400, f"Invalid value for '{param}': {exc}", param=param) from None
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            raw = self.token_bytes(token_id)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:  # part of a character: shown as its bytes, like OpenAI does
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            self._token_text[token_id] = text
+        return text
+
+    # ------------------------------------------------------------------ building scheduler requests
+    def build(self, req: P._SamplingRequest, prompts: list[list[int]], max_tokens: int | None, default_max: int | None,
+              top_logprobs: int, extra_stop: tuple[str, ...] = (),
+              extra_stop_ids: tuple[int, ...] = ()) -> tuple[list[GenerationRequest], asyncio.Queue]:
+        """One GenerationRequest per (prompt, choice), all feeding one asyncio.Queue."""
+        stops = req.stop_strings()
+        stops += [s for s in extra_stop if s not in stops]
+        stop_ids = [] if req.ignore_eos or self.tokenizer.eos_id is None else [self.tokenizer.eos_id]
+        stop_ids += [i for i in extra_stop_ids if i not in stop_ids]
+        n_total = len(prompts) * req.n
+        if n_total > self.scheduler.max_batch + self.scheduler.max_queue:
+            raise APIError(400, f"this request asks for {n_total} sequences; the server takes at most "
+                                f"{self.scheduler.max_batch + self.scheduler.max_queue} at once", param="n")
+        inbox: asyncio.Queue[StepEvent] = asyncio.Queue()
+        mailbox = self._mailbox()
+
+        def sink(event: StepEvent) -> None:
+            mailbox.post(inbox, event)
+
+        deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
+        out = []
+        for p, ids in enumerate(prompts):
+            if not ids:
+                if self.tokenizer.bos_id is None:
+                    raise APIError(400, "The prompt is empty and the tokenizer has no BOS token to start from.",
+                                   param="prompt")
+                ids = [self.tokenizer.bos_id]
+            room = self.context - len(ids)
+            wanted = max_tokens if max_tokens is not None else min(default_max or room, room)
+            if room < 1 or len(ids) + wanted > self.context:
+                raise APIError(
+                    400, f"This model's maximum context length is {self.context} tokens. However, you requested "
+                         f"{len(ids) + wanted} tokens ({len(ids)} in the prompt, {wanted} for the completion). "
+                         "Please reduce the prompt or max_tokens.",
+                    param="messages" if isinstance(req, P.ChatCompletionRequest) else "prompt",
+                    code="context_length_exceeded")
+            for j in range(req.n):
+                index = p * req.n + j
+                params = SamplingParams(
+                    temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
+                    repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
+                    presence_penalty=req.presence_penalty, max_new_tokens=wanted,
+                    seed=None if req.seed is None else (req.seed + index) % 2**64,
+                    stop_token_ids=stop_ids, stop_strings=stops)
+                try:
+                    params.validate()
+                except TinyformerError as exc:
+                    raise APIError(400, str(exc)) from None
+                out.append(GenerationRequest(list(ids), params, sink, index=index, top_logprobs=top_logprobs,
+                                             deadline=deadline, hidden_token_ids=self.hidden_ids))
+        return out, inbox
+
+    def _mailbox(self) -> _Mailbox:
+        loop = asyncio.get_running_loop()
+        if self._box is None or self._box.loop is not loop:
+            self._box = _Mailbox(loop)
+        return self._box
+
+    def submit(self, reqs: list[GenerationRequest]) -> None:
+        try:
+            self.scheduler.submit(reqs)
+        except QueueFull as exc:
+            raise APIError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"}) from None
+
+    def cancel(self, reqs: list[GenerationRequest]) -> None:
+        self.scheduler.cancel([r.id for r in reqs])
+
+
+
+def event_error(event: StepEvent) -> APIError:
+    if event.finish_reason == "timeout":
+        return APIError(504, event.error or "the request timed out", type="timeout", code="timeout")
+    if event.finish_reason == "model_error":  # the model, not the server, failed: no 500 and no garbage text
+        return APIError(503, event.error or "the model's output is not usable", type="server_error",
+                        code="model_error")
+    return APIError(500, event.error or "generation failed", type="server_error", code="internal_error")
+
+
+async def collect(request: Request, server: Server, reqs: list[GenerationRequest],
+                   inbox: asyncio.Queue) -> list[Choice] | None:
+    """Wait for every choice to finish; None if the client disconnected first."""
+    choices = {r.index: Choice() for r in reqs}
+    remaining = len(reqs)
+    try:
+        while remaining:
+            try:
+                event = await asyncio.wait_for(inbox.get(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    return None
+                continue
+            if event.error is not None:
+                raise event_error(event)
+            add_event(choices[event.index], event)
+            if event.finish_reason is not None:
+                remaining -= 1
+    finally:
+        server.cancel(reqs)  # no-op for finished requests; frees the slots otherwise
+    return [choices[i] for i in sorted(choices)]
+
+
+def add_event(choice: Choice, event: StepEvent) -> None:
+    for tok in event.tokens:
+        choice.tokens.append(tok)
+        choice.offsets.append(choice.length)
+    choice.text.append(event.text)
+    choice.length += len(event.text)
+    choice.finish_reason = event.finish_reason
+    choice.prompt_tokens, choice.completion_tokens = event.prompt_tokens, event.completion_tokens

@@ -1,0 +1,51 @@
+"""Test helpers for the HTTP server."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import FastAPI
+
+
+class BackgroundServer:
+    """Run an app with uvicorn in a background thread, e.g. from a notebook, a test or a benchmark::
+
+        with BackgroundServer(create_app(model, tok, model_name="m")) as srv:
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="-").completions.create(...)
+
+    ``port=0`` picks a free port; ``url`` is known once the ``with`` block starts.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.app, self.host, self.port = app, host, port
+        self.url = ""
+        self._server: Any = None
+        self._thread: Any = None
+
+    def __enter__(self) -> BackgroundServer:
+        import socket
+        import threading
+
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://{self.host}:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False,
+                                                     timeout_graceful_shutdown=2))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                        name="tinyformer-http")
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
