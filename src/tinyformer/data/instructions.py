@@ -1,23 +1,29 @@
-"""The built-in instruction and preference sets, generated offline from the CPython documentation.
+"""The built-in instruction and preference sets, generated offline from the CPython standard library.
 
-The same sources as the built-in corpus (:mod:`tinyformer.data.corpus`): the docstrings of the
-standard library's ``.py`` files (read with ``ast``, nothing imported), plus the docstrings of the
-built-in types and functions (``str.removeprefix``, ``len``), which live in C. Each documented public
-function, class or method ``NAME`` gives an *entry* (qualified name, module, first sentence of its
-docstring), and each entry gives questions:
+The same sources as the built-in corpus (:mod:`tinyformer.data.corpus`): the standard library's
+``.py`` files (read with ``ast``, nothing imported) and the built-in types (``str.removeprefix``),
+which live in C. Each documented public function, class or method gives an *entry* (qualified name,
+module, bare name; "documented": its docstring has a usable first sentence, see :func:`first_sentence`),
+and each entry gives instructions whose answer follows from the question itself:
 
-    "What does `str.removeprefix` do?"   -> the first sentence of its docstring
-    "Which module provides `urljoin`?"   -> "`urljoin` is provided by the `urllib.parse` module."
-                                           (module-level names that only one module defines)
+    "Write the import statement for `urllib.parse.urljoin`."   -> "`from urllib.parse import urljoin`"
+    "Which module is `urllib.parse.urljoin` defined in?"       -> "`urllib.parse`"
+    "After `import urllib.parse`, how do you refer to `urljoin`?" -> "`urllib.parse.urljoin`"
+    "Which class is `json.decoder.JSONDecoder.decode` a method of?" -> "`JSONDecoder`"
 
-The first sentence is the docstring's first paragraph that is not a signature line, up to its first
-". ", kept when it has 15-160 characters. Everything is sorted, so the set is the same on every run
-of one Python version (thousands of pairs). The held-out split is the SFT/DPO one: a hash of the
-question (``training/sft.is_heldout``).
+(the first three for module-level names, the last for methods). A small model can learn these from a
+few thousand examples and answer the held-out ones, where questions that need knowledge of the
+library ("what does `urljoin` do?") are beyond a model of a few million parameters trained on a few
+million tokens: the set is meant to show, in minutes on a CPU, that SFT teaches a model to follow an
+instruction and DPO to prefer the better answer. Everything is sorted, so the set is the same on
+every run of one Python version (about ten thousand questions on CPython 3.11). The held-out split is
+the SFT/DPO one: a hash of the question (``training/sft.is_heldout``); ``tinyformer eval --task
+instructions`` scores a model's exact answers on it (:func:`heldout_questions`).
 
-The preference set pairs each question with its right answer (chosen) and a near miss (rejected):
-for "What does" the first sentence of the next documented name of the same module (or of the next
-module when it has one only), for "Which module" the next module in sorted order.
+The preference set pairs each question with its right answer (chosen) and the answer to a nearby
+question about the same name (rejected): `import MODULE` for the import statement (it does not bind
+the name), the full dotted name for its module, the bare name for how to refer to it after
+``import MODULE``, and the module (or, for a built-in type, the method) for the class of a method.
 """
 
 from __future__ import annotations
@@ -81,6 +87,12 @@ def _module_name(path: Path, root: Path) -> str | None:
     return ".".join(parts)
 
 
+def _is_property(decorator: ast.expr) -> bool:
+    """``@property``, ``@functools.cached_property``, ``@x.setter``: an attribute, not a method."""
+    name = decorator.attr if isinstance(decorator, ast.Attribute) else getattr(decorator, "id", "")
+    return name in ("property", "cached_property", "setter", "getter", "deleter")
+
+
 def _source_entries(path: Path, module: str) -> list[Entry]:
     try:
         with warnings.catch_warnings():
@@ -97,7 +109,8 @@ def _source_entries(path: Path, module: str) -> list[Entry]:
             out.append(Entry(f"{module}.{node.name}", module, node.name, True, sentence))
         if isinstance(node, ast.ClassDef):
             for item in node.body:
-                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and not item.name.startswith("_"):
+                if (isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and not item.name.startswith("_")
+                        and not any(_is_property(d) for d in item.decorator_list)):
                     sentence = first_sentence(ast.get_docstring(item, clean=False))
                     if sentence:
                         out.append(Entry(f"{module}.{node.name}.{item.name}", module, item.name, False, sentence))
@@ -117,8 +130,9 @@ def _builtin_entries() -> list[Entry]:
         for name in sorted(vars(cls)):
             if name.startswith("_"):
                 continue
-            sentence = first_sentence(getattr(getattr(cls, name), "__doc__", None))
-            if sentence:
+            attr = getattr(cls, name)
+            sentence = first_sentence(getattr(attr, "__doc__", None))
+            if sentence and callable(attr):  # methods, not data descriptors such as `int.denominator`
                 out.append(Entry(f"{cls.__name__}.{name}", "builtins", name, False, sentence))
     return out
 
@@ -145,39 +159,33 @@ def _entries(root: Path) -> tuple[Entry, ...]:
     return tuple(unique)
 
 
-def _module_answer(name: str, module: str) -> str:
-    if module == "builtins":
-        return f"`{name}` is a built-in: it needs no import."
-    return f"`{name}` is provided by the `{module}` module."
-
-
 def _questions(stdlib_dir: str | Path | None = None) -> tuple[tuple[str, str, str], ...]:
-    """(question, right answer, near-miss answer) triples, in a fixed order."""
+    """(question, right answer, near-miss answer) triples, in a fixed order (see the module docstring)."""
     entries = documented_entries(stdlib_dir)
-    by_module: dict[str, list[Entry]] = {}
-    for entry in entries:
-        by_module.setdefault(entry.module, []).append(entry)
-    modules = sorted(by_module)
-    next_module = {m: modules[(i + 1) % len(modules)] for i, m in enumerate(modules)}
-    top_names: dict[str, set[str]] = {}
-    for entry in entries:
-        if entry.top_level:
-            top_names.setdefault(entry.name, set()).add(entry.module)
     out = []
     for entry in entries:
-        siblings = [e for e in by_module[entry.module] if e.sentence != entry.sentence]
-        if siblings:
-            own = by_module[entry.module]
-            i = own.index(entry)
-            near = next(e for e in own[i + 1 :] + own[:i] if e.sentence != entry.sentence)
+        if entry.module == "builtins" and entry.top_level:
+            continue  # `len`: nothing to import, no module or class to name
+        if entry.top_level:
+            module, name = entry.module, entry.name
+            out.append((f"Write the import statement for `{module}.{name}`.", f"`from {module} import {name}`",
+                        f"`import {module}`"))
+            out.append((f"Which module is `{module}.{name}` defined in?", f"`{module}`", f"`{module}.{name}`"))
+            out.append((f"After `import {module}`, how do you refer to `{name}`?", f"`{module}.{name}`",
+                        f"`{name}`"))
         else:
-            near = by_module[next_module[entry.module]][0]
-        if near.sentence != entry.sentence:
-            out.append((f"What does `{entry.qualname}` do?", entry.sentence, near.sentence))
-        if entry.top_level and len(top_names[entry.name]) == 1:
-            out.append((f"Which module provides `{entry.name}`?", _module_answer(entry.name, entry.module),
-                        _module_answer(entry.name, next_module[entry.module])))
+            owner = entry.qualname[: -len(entry.name) - 1]
+            cls = owner.rsplit(".", 1)[-1]
+            wrong = entry.module if entry.module != "builtins" else entry.name
+            out.append((f"Which class is `{entry.qualname}` a method of?", f"`{cls}`", f"`{wrong}`"))
     return tuple(out)
+
+
+def heldout_questions(fraction: float = 0.1, stdlib_dir: str | Path | None = None) -> list[tuple[str, str]]:
+    """(question, right answer) of the held-out split (``fraction`` as ``--val-fraction``) of the instruction set."""
+    from tinyformer.training.sft import is_heldout
+
+    return [(q, a) for q, a, _ in _questions(stdlib_dir) if is_heldout(q, fraction)]
 
 
 def builtin_conversations(stdlib_dir: str | Path | None = None) -> list[Conversation]:
