@@ -452,6 +452,11 @@ def test_builtin_instruction_set_answers_are_valid_python_for_the_names_asked(tm
             root = module.split(".")[0]
             assert eval(code, {root: importlib.import_module(root)}) is getattr(
                 importlib.import_module(module), name)
+        elif q.startswith("Is `"):
+            dotted = q.split("`")[1]
+            module, _, name = dotted.rpartition(".")
+            obj = getattr(importlib.import_module(module or "builtins"), name)
+            assert a == ("A class." if isinstance(obj, type) else "A function.")
         else:
             assert q.startswith("Which class is")
             dotted = q.split("`")[1]
@@ -459,12 +464,14 @@ def test_builtin_instruction_set_answers_are_valid_python_for_the_names_asked(tm
             cls, method = dotted.removeprefix(module + ".").split(".")
             assert code == cls and callable(getattr(getattr(importlib.import_module(module), cls), method))
         kinds[q.split()[0]] += 1
-    assert set(kinds) == {"Write", "Which", "After"}
+    assert set(kinds) == {"Write", "Which", "After", "Is"}
     heldout = [q for q in qa if is_heldout(q, 0.1)]
     assert 0.05 * len(qa) < len(heldout) < 0.15 * len(qa)
     assert heldout_questions(0.1, tmp_path) == [(q, qa[q]) for q in heldout]
     prefs = builtin_preferences(tmp_path)
-    assert len(prefs) == len(conversations)
+    names = [q.split("`")[1] for q in qa if q.startswith("Is `")]  # one per module-level name
+    assert len(prefs) == len(names)
+    assert {p.prompt[0]["content"].split()[0] for p in prefs} == {"Write", "Which", "After", "Is"}
     assert all(p.chosen == qa[p.prompt[0]["content"]] and p.rejected != p.chosen for p in prefs)
     for p in prefs:  # the near miss of an import statement runs but does not bind the name asked for
         if p.prompt[0]["content"].startswith("Write the import"):

@@ -11,7 +11,10 @@ and each entry gives instructions whose answer follows from the question itself:
     "After `import urllib.parse`, how do you refer to `urljoin`?" -> "`urllib.parse.urljoin`"
     "Which class is `json.decoder.JSONDecoder.decode` a method of?" -> "`JSONDecoder`"
 
-(the first three for module-level names, the last for methods). A small model can learn these from a
+    "Is `urllib.parse.urljoin` a class or a function?"          -> "A function."
+
+(the import, module and reference questions for module-level names, the class for methods, the kind for
+module-level names and the built-in functions). A small model can learn these from a
 few thousand examples and answer the held-out ones, where questions that need knowledge of the
 library ("what does `urljoin` do?") are beyond a model of a few million parameters trained on a few
 million tokens: the set is meant to show, in minutes on a CPU, that SFT teaches a model to follow an
@@ -20,10 +23,13 @@ every run of one Python version (about ten thousand questions on CPython 3.11). 
 the SFT/DPO one: a hash of the question (``training/sft.is_heldout``); ``tinyformer eval --task
 instructions`` scores a model's exact answers on it (:func:`heldout_questions`).
 
-The preference set pairs each question with its right answer (chosen) and the answer to a nearby
-question about the same name (rejected): `import MODULE` for the import statement (it does not bind
-the name), the full dotted name for its module, the bare name for how to refer to it after
-``import MODULE``, and the module (or, for a built-in type, the method) for the class of a method.
+The preference set takes one question per module-level name (the names take the four kinds of
+question in turn; about two thousand pairs, so that the reference pass of DPO stays short) and pairs
+it with its right answer (chosen) and the answer to a nearby question about the same name (rejected):
+`import MODULE` for the import statement (it runs, but does not bind the name), the full dotted name
+for its module, the bare name for how to refer to it after ``import MODULE``, the other kind for the
+kind. The pairs differ in form, not in a fact the model would have to know, so a small model can learn
+the preference and carry it over to held-out names.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class Entry:
     name: str
     top_level: bool
     sentence: str
+    is_class: bool = False
 
 
 def first_sentence(doc: str | None) -> str | None:
@@ -106,7 +113,7 @@ def _source_entries(path: Path, module: str) -> list[Entry]:
             continue
         sentence = first_sentence(ast.get_docstring(node, clean=False))
         if sentence:
-            out.append(Entry(f"{module}.{node.name}", module, node.name, True, sentence))
+            out.append(Entry(f"{module}.{node.name}", module, node.name, True, sentence, isinstance(node, ast.ClassDef)))
         if isinstance(node, ast.ClassDef):
             for item in node.body:
                 if (isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and not item.name.startswith("_")
@@ -159,25 +166,28 @@ def _entries(root: Path) -> tuple[Entry, ...]:
     return tuple(unique)
 
 
-def _questions(stdlib_dir: str | Path | None = None) -> tuple[tuple[str, str, str], ...]:
-    """(question, right answer, near-miss answer) triples, in a fixed order (see the module docstring)."""
+def _questions(stdlib_dir: str | Path | None = None) -> tuple[tuple[str, str, str, int], ...]:
+    """(question, right answer, near-miss answer, entry number) in a fixed order (see the module docstring);
+    the entry number is that of a module-level entry, -1 for a method's question."""
     entries = documented_entries(stdlib_dir)
     out = []
-    for entry in entries:
-        if entry.module == "builtins" and entry.top_level:
-            continue  # `len`: nothing to import, no module or class to name
-        if entry.top_level:
-            module, name = entry.module, entry.name
-            out.append((f"Write the import statement for `{module}.{name}`.", f"`from {module} import {name}`",
-                        f"`import {module}`"))
-            out.append((f"Which module is `{module}.{name}` defined in?", f"`{module}`", f"`{module}.{name}`"))
-            out.append((f"After `import {module}`, how do you refer to `{name}`?", f"`{module}.{name}`",
-                        f"`{name}`"))
-        else:
+    for number, entry in enumerate(entries):
+        if not entry.top_level:
             owner = entry.qualname[: -len(entry.name) - 1]
             cls = owner.rsplit(".", 1)[-1]
             wrong = entry.module if entry.module != "builtins" else entry.name
-            out.append((f"Which class is `{entry.qualname}` a method of?", f"`{cls}`", f"`{wrong}`"))
+            out.append((f"Which class is `{entry.qualname}` a method of?", f"`{cls}`", f"`{wrong}`", -1))
+            continue
+        kind, other = ("A class.", "A function.") if entry.is_class else ("A function.", "A class.")
+        out.append((f"Is `{entry.qualname}` a class or a function?", kind, other, number))
+        if entry.module == "builtins":
+            continue  # `len`: nothing to import, no module to name
+        module, name = entry.module, entry.name
+        out.append((f"Write the import statement for `{module}.{name}`.", f"`from {module} import {name}`",
+                    f"`import {module}`", number))
+        out.append((f"Which module is `{module}.{name}` defined in?", f"`{module}`", f"`{module}.{name}`", number))
+        out.append((f"After `import {module}`, how do you refer to `{name}`?", f"`{module}.{name}`", f"`{name}`",
+                    number))
     return tuple(out)
 
 
@@ -185,7 +195,7 @@ def heldout_questions(fraction: float = 0.1, stdlib_dir: str | Path | None = Non
     """(question, right answer) of the held-out split (``fraction`` as ``--val-fraction``) of the instruction set."""
     from tinyformer.training.sft import is_heldout
 
-    return [(q, a) for q, a, _ in _questions(stdlib_dir) if is_heldout(q, fraction)]
+    return [(q, a) for q, a, _, _ in _questions(stdlib_dir) if is_heldout(q, fraction)]
 
 
 def builtin_conversations(stdlib_dir: str | Path | None = None) -> list[Conversation]:
@@ -193,12 +203,18 @@ def builtin_conversations(stdlib_dir: str | Path | None = None) -> list[Conversa
     from tinyformer.data.chat_data import Conversation
 
     return [Conversation([{"role": "user", "content": q}, {"role": "assistant", "content": a}], f"built-in:{i}")
-            for i, (q, a, _) in enumerate(_questions(stdlib_dir))]
+            for i, (q, a, _, _) in enumerate(_questions(stdlib_dir))]
 
 
 def builtin_preferences(stdlib_dir: str | Path | None = None) -> list[PreferencePair]:
-    """The preference set: each question with its right answer (chosen) and a near miss (rejected)."""
+    """The preference set: one question per module-level entry (the entries take the kinds of question in
+    turn), its right answer chosen and its near miss rejected."""
     from tinyformer.data.chat_data import PreferencePair
 
+    by_entry: dict[int, list[tuple[str, str, str]]] = {}
+    for q, a, near, number in _questions(stdlib_dir):
+        if number >= 0:
+            by_entry.setdefault(number, []).append((q, a, near))
+    picked = [options[number % len(options)] for number, options in sorted(by_entry.items())]
     return [PreferencePair([{"role": "user", "content": q}], a, near, f"built-in:{i}")
-            for i, (q, a, near) in enumerate(_questions(stdlib_dir))]
+            for i, (q, a, near) in enumerate(picked)]
