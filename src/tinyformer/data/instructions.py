@@ -113,7 +113,8 @@ def _source_entries(path: Path, module: str) -> list[Entry]:
             continue
         sentence = first_sentence(ast.get_docstring(node, clean=False))
         if sentence:
-            out.append(Entry(f"{module}.{node.name}", module, node.name, True, sentence, isinstance(node, ast.ClassDef)))
+            is_class = isinstance(node, ast.ClassDef)
+            out.append(Entry(f"{module}.{node.name}", module, node.name, True, sentence, is_class))
         if isinstance(node, ast.ClassDef):
             for item in node.body:
                 if (isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and not item.name.startswith("_")

@@ -287,7 +287,12 @@ def _exact_match(model: Any, tokenizer: Any, items: Sequence[ExactAnswer], batch
 
 
 def instruction_task(fraction: float = 0.1, stdlib_dir: str | Path | None = None) -> list[ExactAnswer]:
-    """The held-out questions of the built-in instruction set as chat exact-answer rows (``--task instructions``)."""
+    """The held-out questions of the built-in instruction set as chat exact-answer rows (``--task instructions``),
+    in the order of sha1(question): the set lists its kinds of question and its modules in runs, so that
+    ``--limit N`` takes a sample of all of them rather than the first module's."""
+    import hashlib
+
     from tinyformer.data.instructions import heldout_questions
 
-    return [ExactAnswer(q, a, DEFAULT_STOP, True) for q, a in heldout_questions(fraction, stdlib_dir)]
+    rows = sorted(heldout_questions(fraction, stdlib_dir), key=lambda qa: hashlib.sha1(qa[0].encode()).hexdigest())
+    return [ExactAnswer(q, a, DEFAULT_STOP, True) for q, a in rows]
