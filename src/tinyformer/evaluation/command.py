@@ -82,7 +82,7 @@ def _task(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[str, str
     dev = resolve_device(args.device)
     model, tokenizer = load_model(args.model, device=dev), load_tokenizer(args.model)
     scores = tasks.evaluate_items(model, tokenizer, items, batch_size=args.batch_size,
-                            max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
+                                  max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
     return {"model": str(args.model), "task": args.task, **scores}, task_rows(f"task {args.task}", scores)
 
 
