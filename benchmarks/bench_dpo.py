@@ -32,14 +32,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_model import peak_rss_mib
+
 RANK = 8
-
-
-def vm_hwm_mib() -> float:
-    """Peak resident set size of this process, in MiB (Linux)."""
-    with open("/proc/self/status") as f:
-        status = {line.split(":")[0]: line.split()[1] for line in f if len(line.split()) > 1}
-    return int(status["VmHWM"]) / 1024
 
 
 def write_pairs(run: Path, n: int, out: Path) -> dict:
@@ -89,7 +84,7 @@ def child_ours(args: argparse.Namespace) -> dict:
     times = [json.loads(line)["time"] for line in (out / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["kind"] == "train"]
     steps = [b - a for a, b in zip([0.0, *times], times)]
-    return {"step_s": steps, "peak_mib": vm_hwm_mib()}
+    return {"step_s": steps, "peak_mib": peak_rss_mib()}
 
 
 def child_trl(args: argparse.Namespace) -> dict:
@@ -131,7 +126,7 @@ def child_trl(args: argparse.Namespace) -> dict:
     trainer = DPOTrainer(model=model, args=config, train_dataset=data, processing_class=tok,
                          peft_config=peft_config, callbacks=[Timer()])
     trainer.train()
-    return {"step_s": steps, "peak_mib": vm_hwm_mib()}
+    return {"step_s": steps, "peak_mib": peak_rss_mib()}
 
 
 def run_child(kind: str, args: argparse.Namespace, data: str) -> dict:
