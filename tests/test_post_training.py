@@ -422,6 +422,7 @@ def test_builtin_instruction_set_answers_are_valid_python_for_the_names_asked(tm
     import sysconfig
 
     from tinyformer.data.instructions import builtin_conversations, builtin_preferences, heldout_questions
+    from tinyformer.evaluation.tasks import instruction_task
     from tinyformer.training.sft import is_heldout
 
     # two real standard-library modules stand for the whole library (parsing all of it takes seconds)
@@ -467,6 +468,9 @@ def test_builtin_instruction_set_answers_are_valid_python_for_the_names_asked(tm
     heldout = [q for q in qa if is_heldout(q, 0.1)]
     assert 0.05 * len(qa) < len(heldout) < 0.15 * len(qa)
     assert heldout_questions(0.1, tmp_path) == [(q, qa[q]) for q in heldout]
+    rows = instruction_task(0.1, tmp_path)  # what `eval --task instructions` scores: the same questions, as chat rows
+    assert sorted((r.prompt, r.answer) for r in rows) == sorted((q, qa[q]) for q in heldout)
+    assert all(r.chat for r in rows)
     prefs = builtin_preferences(tmp_path)
     names = [q.split("`")[1] for q in qa if q.startswith("Is `")]  # one per module-level name
     assert len(prefs) == len(names)
