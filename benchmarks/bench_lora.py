@@ -8,13 +8,19 @@ step-1 losses agree before it times anything. One step = causal-LM loss on the s
 backward, AdamW (foreach, the same on both sides) over the trainable tensors: rank-8 adapters on every
 linear layer (q, k, v, o, gate, up, down; alpha 8, no dropout) for LoRA, every weight for full fine-tuning.
 
-Timings alternate between the two implementations (A, B, A, B, ...) so that load from other processes hits
-both alike; the median is reported as tokens/s of wall time and per CPU second (all threads of the process:
-on a shared machine it is inflated much less than the wall time by the other jobs). Peak memory is measured in
+Timings run in rounds: each round times ``--steps`` steps of one implementation, then ``--steps`` of the
+other, the order swapped every round (A B, B A, A B, ...), so that load from other processes hits both alike.
+Both use the same ``--threads`` (``torch.set_num_threads``; one process, so one setting; nothing here reads
+the load). Reported: the median step over all rounds as tokens/s of wall time and per CPU second (all
+threads of the process), and the ratio of each round (median step of the other side / of ours in that
+round) with its min-max spread, which says how much the load moved the comparison. On a shared 2-core
+machine, 2 threads per process means that an intra-op parallel region waits for a thread the kernel has
+descheduled; ``--threads 1`` has no such waits and is the steadier comparison there. Peak memory is measured in
 a fresh subprocess per (implementation, mode): the peak resident set size during the training steps (after model
 construction).
 
     python benchmarks/bench_lora.py                      # SmolLM2-135M shape, batch 2 x 256, 2 threads
+    python benchmarks/bench_lora.py --layers 4 --rounds 4 --steps 2 --threads 1 --skip-memory
     python benchmarks/bench_lora.py --small --steps 2    # a tiny shape: checks that the script runs
 """
 
@@ -29,27 +35,27 @@ import subprocess
 import sys
 
 import torch
-from bench_model import build_pair_from_config, interleaved, peak_rss_mib, reset_peak_rss
+from bench_model import build_pair_from_config, peak_rss_mib, reset_peak_rss, timed
 
 RANK = 8
 
 
-def model_config(small: bool):
+def model_config(small: bool, layers: int = 30):
     from tinyformer.presets import get_preset
 
     if small:
         return get_preset("llama-110m", d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128, vocab_size=512,
                           tie_embeddings=True, max_seq_len=512)
-    return get_preset("llama-110m", d_model=576, n_layer=30, n_head=9, n_kv_head=3, d_ff=1536, vocab_size=49152,
+    return get_preset("llama-110m", d_model=576, n_layer=layers, n_head=9, n_kv_head=3, d_ff=1536, vocab_size=49152,
                       tie_embeddings=True, rope_theta=100000.0, norm_eps=1e-5, max_seq_len=2048)
 
 
-def build(kind: str, mode: str, small: bool):
+def build(kind: str, mode: str, small: bool, layers: int = 30):
     """(ours, hf) with the same weights; with mode 'lora', both carry the same rank-8 adapters."""
     from tinyformer.components.lora import LoRAConfig, adapter_state_dict, apply_lora
     from tinyformer.interop.peft import HF_MODULES, peft_tensors
 
-    cfg, ours, hf = build_pair_from_config(model_config(small))
+    cfg, ours, hf = build_pair_from_config(model_config(small, layers))
     if mode == "lora":
         import peft
 
@@ -88,9 +94,9 @@ def batch(cfg, b: int, t: int):
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def peak_memory_child(kind: str, mode: str, small: bool, b: int, t: int, steps: int) -> None:
+def peak_memory_child(kind: str, mode: str, small: bool, b: int, t: int, steps: int, layers: int) -> None:
     """Runs in a subprocess: build, train ``steps`` steps of one implementation, print the peak RSS in MiB."""
-    cfg, ours, hf = build(kind, mode, small)
+    cfg, ours, hf = build(kind, mode, small, layers)
     model = ours if kind == "ours" else hf
     del ours, hf  # only the measured model stays alive
     gc.collect()
@@ -107,7 +113,9 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["lora", "full"], choices=["lora", "full"])
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per implementation (after one warm-up)")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per implementation and round")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds, the order of the two swapped every round")
+    ap.add_argument("--layers", type=int, default=30, help="transformer layers of the shape (SmolLM2-135M: 30)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--small", action="store_true", help="a tiny shape, to check that the script runs")
     ap.add_argument("--skip-memory", action="store_true")
@@ -115,25 +123,36 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args._child:
-        peak_memory_child(args._child[0], args._child[1], args.small, args.batch, args.seq, 2)
+        peak_memory_child(args._child[0], args._child[1], args.small, args.batch, args.seq, 2, args.layers)
         return
     load = os.getloadavg()
-    print(f"torch {torch.__version__}, {args.threads} threads, fp32 CPU, batch {args.batch} x {args.seq}; "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads for both, fp32 CPU, batch {args.batch} x "
+          f"{args.seq}, {args.layers} layers, {args.rounds} rounds of {args.steps} steps; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start")
     rows = []
     for mode in args.modes:
-        cfg, ours, hf = build("both", mode, args.small)
+        cfg, ours, hf = build("both", mode, args.small, args.layers)
         x, y = batch(cfg, args.batch, args.seq)
         steps = {"ours": step_fn(ours, "ours", x, y), "hf": step_fn(hf, "hf", x, y)}
         # same weights, adapters and data: the losses agree at step 0 and, after one update, at step 1
         first = {k: [fn(), fn()] for k, fn in steps.items()}
         for i in range(2):
             assert abs(first["ours"][i] - first["hf"][i]) < 1e-3, (mode, first)
-        cpu: dict[str, list[float]] = {}
-        times = interleaved(steps, warmup=0, reps=args.steps, cpu=cpu)
+        cpu: dict[str, list[float]] = {"ours": [], "hf": []}
+        times: dict[str, list[float]] = {"ours": [], "hf": []}
+        round_ratios = []
+        for r in range(args.rounds):
+            medians = {}
+            for kind in (("ours", "hf") if r % 2 == 0 else ("hf", "ours")):
+                t = timed(steps[kind], 0, args.steps, cpu[kind])
+                times[kind] += t
+                medians[kind] = statistics.median(t)
+            round_ratios.append(medians["hf"] / medians["ours"])
+            print(f"  {mode} round {r + 1}: ours {medians['ours']:.2f} s/step, HF {medians['hf']:.2f} s/step, "
+                  f"ratio {round_ratios[-1]:.2f}x, load {os.getloadavg()[0]:.2f}", flush=True)
         trainable = sum(p.numel() for p in ours.parameters() if p.requires_grad)
         total = sum(p.numel() for p in ours.parameters())
-        row = {"mode": mode, "params": total, "trainable": trainable, "losses": first,
+        row = {"mode": mode, "params": total, "trainable": trainable, "losses": first, "round_ratios": round_ratios,
                "tokens_per_s": {k: args.batch * args.seq / statistics.median(v) for k, v in times.items()},
                "tokens_per_cpu_s": {k: args.batch * args.seq / statistics.median(v) for k, v in cpu.items()}}
         del ours, hf, steps
@@ -142,6 +161,7 @@ def main() -> None:
             row["peak_mib"] = {}
             for kind in ("ours", "hf"):
                 cmd = [sys.executable, __file__, "--threads", str(args.threads), "--batch", str(args.batch),
+                       "--layers", str(args.layers),
                        "--seq", str(args.seq), *(["--small"] if args.small else []), "--_child", kind, mode]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ)
                 row["peak_mib"][kind] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
@@ -153,7 +173,8 @@ def main() -> None:
         print(f"  step loss agreement (steps 0, 1): tinyformer {first['ours'][0]:.5f} {first['ours'][1]:.5f}, "
               f"HF {first['hf'][0]:.5f} {first['hf'][1]:.5f}")
         print(f"  tokens/s   tinyformer {tps['ours']:8.1f}   transformers{' + peft' if mode == 'lora' else ''} "
-              f"{tps['hf']:8.1f}   ratio {tps['ours'] / tps['hf']:.2f}x")
+              f"{tps['hf']:8.1f}   ratio {tps['ours'] / tps['hf']:.2f}x (rounds: median "
+              f"{statistics.median(round_ratios):.2f}x, spread {min(round_ratios):.2f}-{max(round_ratios):.2f}x)")
         print(f"  tokens per CPU second (all threads)   tinyformer {tpc['ours']:8.1f}   HF {tpc['hf']:8.1f}   "
               f"ratio {tpc['ours'] / tpc['hf']:.2f}x")
         if "peak_mib" in row:

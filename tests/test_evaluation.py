@@ -115,6 +115,32 @@ def test_exact_answer_rows_score_greedy_text(run: Path, tmp_path: Path, capsys: 
     assert result["exact_answer"] == {"n": 2, "exact_match": 0.5, "exact_match_stderr": pytest.approx(0.5)}
 
 
+def test_chat_exact_answer_rows_render_the_question_with_the_template(run: Path, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from tinyformer.generation.chat import render_plain
+
+    model, tok = load_model(run), load_tokenizer(run)
+    question = "which fox?"
+    assert tok.chat_template is None  # so the run answers in the plain format, rendered here independently
+    ids = tok.encode(render_plain([{"role": "user", "content": question}]))
+    start = len(ids)
+    with torch.no_grad():  # greedy by plain argmax over full forward passes, ended by EOS as generation is
+        while len(ids) < start + 6:
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+            if ids[-1] == tok.eos_id:
+                break
+    greedy = tok.decode(ids[start:], skip_special_tokens=True)
+    stop = "\u00a7"
+    rows = [{"prompt": question, "answer": greedy, "stop": [stop], "chat": True},
+            {"prompt": question, "answer": greedy + " not this", "stop": [stop], "chat": True}]
+    task = tmp_path / "chat.jsonl"
+    task.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["eval", "--model", str(run), "--task", str(task), "--max-new-tokens", "6", "--json",
+                 "--no-progress", "--no-report"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["exact_answer"] == {"n": 2, "exact_match": 0.5, "exact_match_stderr": pytest.approx(0.5)}
+
+
 @pytest.mark.parametrize("content, message", [
     ("", "has no questions"),
     ("\n\n", "has no questions"),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import math
 import string
@@ -417,12 +416,13 @@ def test_generate_chat_renders_the_prompt_with_the_template(tmp_path: Path,
     assert chat["token_ids"] == by_hand["token_ids"][:stop]
 
 
-def test_builtin_instruction_set_answers_from_the_docstrings(tmp_path: Path) -> None:
+def test_builtin_instruction_set_answers_are_valid_python_for_the_names_asked(tmp_path: Path) -> None:
+    import importlib
     import shutil
     import sysconfig
-    import urllib.parse
 
-    from tinyformer.data.instructions import builtin_conversations, builtin_preferences
+    from tinyformer.data.instructions import builtin_conversations, builtin_preferences, heldout_questions
+    from tinyformer.evaluation.tasks import instruction_task
     from tinyformer.training.sft import is_heldout
 
     # two real standard-library modules stand for the whole library (parsing all of it takes seconds)
@@ -432,21 +432,55 @@ def test_builtin_instruction_set_answers_from_the_docstrings(tmp_path: Path) -> 
     shutil.copy(stdlib / "textwrap.py", tmp_path / "textwrap.py")
     conversations = builtin_conversations(tmp_path)
     qa = {c.messages[0]["content"]: c.messages[1]["content"] for c in conversations}
-    assert len(qa) == len(conversations) >= 300
-
-    def first_sentence(doc: str) -> str:
-        doc = " ".join(doc.split("\n\n")[0].split())
-        return doc[: doc.index(". ") + 1] if ". " in doc else doc
-
-    assert qa["What does `str.removeprefix` do?"] == first_sentence(inspect.getdoc(str.removeprefix))
-    assert qa["What does `urllib.parse.urljoin` do?"] == first_sentence(inspect.getdoc(urllib.parse.urljoin))
-    assert qa["Which module provides `urljoin`?"] == "`urljoin` is provided by the `urllib.parse` module."
-    assert qa["Which module provides `len`?"] == "`len` is a built-in: it needs no import."
-    heldout = sum(is_heldout(q, 0.1) for q in qa)
-    assert 0.05 * len(qa) < heldout < 0.15 * len(qa)
+    assert len(qa) == len(conversations) >= 250
+    assert qa["Write the import statement for `urllib.parse.urljoin`."] == "`from urllib.parse import urljoin`"
+    assert qa["Which class is `str.removeprefix` a method of?"] == "`str`"
+    kinds = defaultdict(int)
+    for q, a in qa.items():  # each answer checked by Python itself, on the real modules
+        code = a.strip("`")
+        if q.startswith("Write the import statement for"):
+            dotted = q.split("`")[1]
+            namespace: dict = {}
+            exec(code, namespace)  # the statement imports the very object the question names
+            name = dotted.rsplit(".", 1)[1]
+            assert namespace[name] is getattr(importlib.import_module(dotted.rsplit(".", 1)[0]), name)
+        elif q.startswith("Which module is"):
+            dotted = q.split("`")[1]
+            assert getattr(importlib.import_module(code), dotted.rsplit(".", 1)[1]).__module__ == code
+        elif q.startswith("After `import"):
+            module, name = q.split("`")[1].removeprefix("import "), q.split("`")[3]
+            root = module.split(".")[0]
+            assert eval(code, {root: importlib.import_module(root)}) is getattr(
+                importlib.import_module(module), name)
+        elif q.startswith("Is `"):
+            dotted = q.split("`")[1]
+            module, _, name = dotted.rpartition(".")
+            obj = getattr(importlib.import_module(module or "builtins"), name)
+            assert a == ("A class." if isinstance(obj, type) else "A function.")
+        else:
+            assert q.startswith("Which class is")
+            dotted = q.split("`")[1]
+            module = next((m for m in ("urllib.parse", "textwrap") if dotted.startswith(m + ".")), "builtins")
+            cls, method = dotted.removeprefix(module + ".").split(".")
+            assert code == cls and callable(getattr(getattr(importlib.import_module(module), cls), method))
+        kinds[q.split()[0]] += 1
+    assert set(kinds) == {"Write", "Which", "After", "Is"}
+    heldout = [q for q in qa if is_heldout(q, 0.1)]
+    assert 0.05 * len(qa) < len(heldout) < 0.15 * len(qa)
+    assert heldout_questions(0.1, tmp_path) == [(q, qa[q]) for q in heldout]
+    rows = instruction_task(0.1, tmp_path)  # what `eval --task instructions` scores: the same questions, as chat rows
+    assert sorted((r.prompt, r.answer) for r in rows) == sorted((q, qa[q]) for q in heldout)
+    assert all(r.chat for r in rows)
     prefs = builtin_preferences(tmp_path)
-    assert len(prefs) == len(conversations)
+    names = [q.split("`")[1] for q in qa if q.startswith("Is `")]  # one per module-level name
+    assert len(prefs) == len(names)
+    assert {p.prompt[0]["content"].split()[0] for p in prefs} == {"Write", "Which", "After", "Is"}
     assert all(p.chosen == qa[p.prompt[0]["content"]] and p.rejected != p.chosen for p in prefs)
+    for p in prefs:  # the near miss of an import statement runs but does not bind the name asked for
+        if p.prompt[0]["content"].startswith("Write the import"):
+            namespace = {}
+            exec(p.rejected.strip("`"), namespace)
+            assert p.prompt[0]["content"].split("`")[1].rsplit(".", 1)[1] not in namespace
 
 
 def test_pretraining_run_writes_a_report_card_with_its_validation_loss(tmp_path: Path) -> None:

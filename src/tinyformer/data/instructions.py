@@ -1,23 +1,35 @@
-"""The built-in instruction and preference sets, generated offline from the CPython documentation.
+"""The built-in instruction and preference sets, generated offline from the CPython standard library.
 
-The same sources as the built-in corpus (:mod:`tinyformer.data.corpus`): the docstrings of the
-standard library's ``.py`` files (read with ``ast``, nothing imported), plus the docstrings of the
-built-in types and functions (``str.removeprefix``, ``len``), which live in C. Each documented public
-function, class or method ``NAME`` gives an *entry* (qualified name, module, first sentence of its
-docstring), and each entry gives questions:
+The same sources as the built-in corpus (:mod:`tinyformer.data.corpus`): the standard library's
+``.py`` files (read with ``ast``, nothing imported) and the built-in types (``str.removeprefix``),
+which live in C. Each documented public function, class or method gives an *entry* (qualified name,
+module, bare name; "documented": its docstring has a usable first sentence, see :func:`first_sentence`),
+and each entry gives instructions whose answer follows from the question itself:
 
-    "What does `str.removeprefix` do?"   -> the first sentence of its docstring
-    "Which module provides `urljoin`?"   -> "`urljoin` is provided by the `urllib.parse` module."
-                                           (module-level names that only one module defines)
+    "Write the import statement for `urllib.parse.urljoin`."   -> "`from urllib.parse import urljoin`"
+    "Which module is `urllib.parse.urljoin` defined in?"       -> "`urllib.parse`"
+    "After `import urllib.parse`, how do you refer to `urljoin`?" -> "`urllib.parse.urljoin`"
+    "Which class is `json.decoder.JSONDecoder.decode` a method of?" -> "`JSONDecoder`"
 
-The first sentence is the docstring's first paragraph that is not a signature line, up to its first
-". ", kept when it has 15-160 characters. Everything is sorted, so the set is the same on every run
-of one Python version (thousands of pairs). The held-out split is the SFT/DPO one: a hash of the
-question (``training/sft.is_heldout``).
+    "Is `urllib.parse.urljoin` a class or a function?"          -> "A function."
 
-The preference set pairs each question with its right answer (chosen) and a near miss (rejected):
-for "What does" the first sentence of the next documented name of the same module (or of the next
-module when it has one only), for "Which module" the next module in sorted order.
+(the import, module and reference questions for module-level names, the class for methods, the kind for
+module-level names and the built-in functions). A small model can learn these from a
+few thousand examples and answer the held-out ones, where questions that need knowledge of the
+library ("what does `urljoin` do?") are beyond a model of a few million parameters trained on a few
+million tokens: the set is meant to show, in minutes on a CPU, that SFT teaches a model to follow an
+instruction and DPO to prefer the better answer. Everything is sorted, so the set is the same on
+every run of one Python version (about ten thousand questions on CPython 3.11). The held-out split is
+the SFT/DPO one: a hash of the question (``training/sft.is_heldout``); ``tinyformer eval --task
+instructions`` scores a model's exact answers on it (:func:`heldout_questions`).
+
+The preference set takes one question per module-level name (the names take the four kinds of
+question in turn; about two thousand pairs, so that the reference pass of DPO stays short) and pairs
+it with its right answer (chosen) and the answer to a nearby question about the same name (rejected):
+`import MODULE` for the import statement (it runs, but does not bind the name), the full dotted name
+for its module, the bare name for how to refer to it after ``import MODULE``, the other kind for the
+kind. The pairs differ in form, not in a fact the model would have to know, so a small model can learn
+the preference and carry it over to held-out names.
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ class Entry:
     name: str
     top_level: bool
     sentence: str
+    is_class: bool = False
 
 
 def first_sentence(doc: str | None) -> str | None:
@@ -81,6 +94,12 @@ def _module_name(path: Path, root: Path) -> str | None:
     return ".".join(parts)
 
 
+def _is_property(decorator: ast.expr) -> bool:
+    """``@property``, ``@functools.cached_property``, ``@x.setter``: an attribute, not a method."""
+    name = decorator.attr if isinstance(decorator, ast.Attribute) else getattr(decorator, "id", "")
+    return name in ("property", "cached_property", "setter", "getter", "deleter")
+
+
 def _source_entries(path: Path, module: str) -> list[Entry]:
     try:
         with warnings.catch_warnings():
@@ -94,10 +113,12 @@ def _source_entries(path: Path, module: str) -> list[Entry]:
             continue
         sentence = first_sentence(ast.get_docstring(node, clean=False))
         if sentence:
-            out.append(Entry(f"{module}.{node.name}", module, node.name, True, sentence))
+            is_class = isinstance(node, ast.ClassDef)
+            out.append(Entry(f"{module}.{node.name}", module, node.name, True, sentence, is_class))
         if isinstance(node, ast.ClassDef):
             for item in node.body:
-                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and not item.name.startswith("_"):
+                if (isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and not item.name.startswith("_")
+                        and not any(_is_property(d) for d in item.decorator_list)):
                     sentence = first_sentence(ast.get_docstring(item, clean=False))
                     if sentence:
                         out.append(Entry(f"{module}.{node.name}.{item.name}", module, item.name, False, sentence))
@@ -117,8 +138,9 @@ def _builtin_entries() -> list[Entry]:
         for name in sorted(vars(cls)):
             if name.startswith("_"):
                 continue
-            sentence = first_sentence(getattr(getattr(cls, name), "__doc__", None))
-            if sentence:
+            attr = getattr(cls, name)
+            sentence = first_sentence(getattr(attr, "__doc__", None))
+            if sentence and callable(attr):  # methods, not data descriptors such as `int.denominator`
                 out.append(Entry(f"{cls.__name__}.{name}", "builtins", name, False, sentence))
     return out
 
@@ -145,39 +167,36 @@ def _entries(root: Path) -> tuple[Entry, ...]:
     return tuple(unique)
 
 
-def _module_answer(name: str, module: str) -> str:
-    if module == "builtins":
-        return f"`{name}` is a built-in: it needs no import."
-    return f"`{name}` is provided by the `{module}` module."
-
-
-def _questions(stdlib_dir: str | Path | None = None) -> tuple[tuple[str, str, str], ...]:
-    """(question, right answer, near-miss answer) triples, in a fixed order."""
+def _questions(stdlib_dir: str | Path | None = None) -> tuple[tuple[str, str, str, int], ...]:
+    """(question, right answer, near-miss answer, entry number) in a fixed order (see the module docstring);
+    the entry number is that of a module-level entry, -1 for a method's question."""
     entries = documented_entries(stdlib_dir)
-    by_module: dict[str, list[Entry]] = {}
-    for entry in entries:
-        by_module.setdefault(entry.module, []).append(entry)
-    modules = sorted(by_module)
-    next_module = {m: modules[(i + 1) % len(modules)] for i, m in enumerate(modules)}
-    top_names: dict[str, set[str]] = {}
-    for entry in entries:
-        if entry.top_level:
-            top_names.setdefault(entry.name, set()).add(entry.module)
     out = []
-    for entry in entries:
-        siblings = [e for e in by_module[entry.module] if e.sentence != entry.sentence]
-        if siblings:
-            own = by_module[entry.module]
-            i = own.index(entry)
-            near = next(e for e in own[i + 1 :] + own[:i] if e.sentence != entry.sentence)
-        else:
-            near = by_module[next_module[entry.module]][0]
-        if near.sentence != entry.sentence:
-            out.append((f"What does `{entry.qualname}` do?", entry.sentence, near.sentence))
-        if entry.top_level and len(top_names[entry.name]) == 1:
-            out.append((f"Which module provides `{entry.name}`?", _module_answer(entry.name, entry.module),
-                        _module_answer(entry.name, next_module[entry.module])))
+    for number, entry in enumerate(entries):
+        if not entry.top_level:
+            owner = entry.qualname[: -len(entry.name) - 1]
+            cls = owner.rsplit(".", 1)[-1]
+            wrong = entry.module if entry.module != "builtins" else entry.name
+            out.append((f"Which class is `{entry.qualname}` a method of?", f"`{cls}`", f"`{wrong}`", -1))
+            continue
+        kind, other = ("A class.", "A function.") if entry.is_class else ("A function.", "A class.")
+        out.append((f"Is `{entry.qualname}` a class or a function?", kind, other, number))
+        if entry.module == "builtins":
+            continue  # `len`: nothing to import, no module to name
+        module, name = entry.module, entry.name
+        out.append((f"Write the import statement for `{module}.{name}`.", f"`from {module} import {name}`",
+                    f"`import {module}`", number))
+        out.append((f"Which module is `{module}.{name}` defined in?", f"`{module}`", f"`{module}.{name}`", number))
+        out.append((f"After `import {module}`, how do you refer to `{name}`?", f"`{module}.{name}`", f"`{name}`",
+                    number))
     return tuple(out)
+
+
+def heldout_questions(fraction: float = 0.1, stdlib_dir: str | Path | None = None) -> list[tuple[str, str]]:
+    """(question, right answer) of the held-out split (``fraction`` as ``--val-fraction``) of the instruction set."""
+    from tinyformer.training.sft import is_heldout
+
+    return [(q, a) for q, a, _, _ in _questions(stdlib_dir) if is_heldout(q, fraction)]
 
 
 def builtin_conversations(stdlib_dir: str | Path | None = None) -> list[Conversation]:
@@ -185,12 +204,18 @@ def builtin_conversations(stdlib_dir: str | Path | None = None) -> list[Conversa
     from tinyformer.data.chat_data import Conversation
 
     return [Conversation([{"role": "user", "content": q}, {"role": "assistant", "content": a}], f"built-in:{i}")
-            for i, (q, a, _) in enumerate(_questions(stdlib_dir))]
+            for i, (q, a, _, _) in enumerate(_questions(stdlib_dir))]
 
 
 def builtin_preferences(stdlib_dir: str | Path | None = None) -> list[PreferencePair]:
-    """The preference set: each question with its right answer (chosen) and a near miss (rejected)."""
+    """The preference set: one question per module-level entry (the entries take the kinds of question in
+    turn), its right answer chosen and its near miss rejected."""
     from tinyformer.data.chat_data import PreferencePair
 
+    by_entry: dict[int, list[tuple[str, str, str]]] = {}
+    for q, a, near, number in _questions(stdlib_dir):
+        if number >= 0:
+            by_entry.setdefault(number, []).append((q, a, near))
+    picked = [options[number % len(options)] for number, options in sorted(by_entry.items())]
     return [PreferencePair([{"role": "user", "content": q}], a, near, f"built-in:{i}")
-            for i, (q, a, near) in enumerate(_questions(stdlib_dir))]
+            for i, (q, a, near) in enumerate(picked)]

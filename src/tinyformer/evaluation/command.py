@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tasks", "accuracy on questions instead of loss on text")
     g.add_argument("--task", metavar="FILE", default=None,
                    help="JSONL task file (multiple-choice {question, choices, answer} and/or exact-answer "
-                        "{prompt, answer} rows), or 'builtin' for questions built from the Python standard library")
+                        "{prompt, answer} rows), 'builtin' for questions built from the Python standard library, or "
+                        "'instructions' for the held-out questions of the built-in instruction set (exact match)")
     g.add_argument("--harness", metavar="TASKS", default=None,
                    help="comma-separated lm-evaluation-harness tasks (needs the 'eval' extra: pip install "
                         "'tinyformer[eval]')")
@@ -66,17 +67,22 @@ def _check(args: argparse.Namespace) -> None:
 
 def _task(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[str, str, float, int | None]]]:
     from tinyformer.devices import resolve_device
+    from tinyformer.evaluation import tasks
     from tinyformer.evaluation.report import task_rows
-    from tinyformer.evaluation.tasks import BUILTIN, builtin_task, evaluate_items, read_task_file
     from tinyformer.run_folder import load_model, load_tokenizer
 
-    items = builtin_task(args.builtin_questions) if args.task == BUILTIN else read_task_file(args.task)
+    if args.task == tasks.BUILTIN:
+        items = tasks.builtin_task(args.builtin_questions)
+    elif args.task == tasks.INSTRUCTIONS:
+        items = tasks.instruction_task()
+    else:
+        items = tasks.read_task_file(args.task)
     if args.limit is not None:
         items = items[: args.limit]
     dev = resolve_device(args.device)
     model, tokenizer = load_model(args.model, device=dev), load_tokenizer(args.model)
-    scores = evaluate_items(model, tokenizer, items, batch_size=args.batch_size,
-                            max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
+    scores = tasks.evaluate_items(model, tokenizer, items, batch_size=args.batch_size,
+                                  max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
     return {"model": str(args.model), "task": args.task, **scores}, task_rows(f"task {args.task}", scores)
 
 

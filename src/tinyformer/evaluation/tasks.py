@@ -4,6 +4,7 @@ A task file is JSONL, one question per line, of either kind (they may be mixed):
 
     {"question": "...", "choices": ["a", "b", ...], "answer": 0}          multiple choice
     {"prompt": "...", "answer": "...", "stop": ["\\n"]}                   exact answer ("stop" optional)
+    {"prompt": "...", "answer": "...", "chat": true}                     exact answer to a user message
 
 Multiple choice, as lm-eval's ``multiple_choice`` tasks score it. The context is
 ``"Question: {question}\\nAnswer:"`` and choice i is the continuation ``" " + choices[i]``; with
@@ -18,7 +19,14 @@ standard error of the mean sqrt(s^2 / n). Context and continuation are tokenised
 (:func:`encode_pair`), so the scores equal lm-eval's on the same questions.
 
 Exact answer: greedy generation from the prompt (at most ``max_new_tokens`` tokens, ended by a stop
-string, default a newline, or EOS); exact_match = [generated.strip() == answer.strip()].
+string, default a newline, or EOS); exact_match = [generated.strip() == answer.strip()]. With
+``"chat": true`` the prompt is a user message, rendered with the model's chat template as
+``generate --chat`` renders it (the plain ``User:`` format for a model without one), and the
+template's end-of-turn tokens end the answer too.
+
+``--task instructions`` is the held-out split of the built-in instruction set
+(:func:`~tinyformer.data.instructions.heldout_questions`) as chat rows: what an SFT run on it is
+measured on, and what its base model scores before.
 
 :func:`builtin_task` builds a multiple-choice task from the CPython standard library sources (the
 files the built-in corpus reads, :func:`~tinyformer.data.corpus.stdlib_source_files`): "Which module
@@ -41,10 +49,11 @@ from typing import Any
 
 from tinyformer.errors import DataError
 
-__all__ = ["BUILTIN", "ExactAnswer", "MultipleChoice", "builtin_task", "encode_pair", "evaluate_items",
-           "mc_context", "read_task_file"]
+__all__ = ["BUILTIN", "INSTRUCTIONS", "ExactAnswer", "MultipleChoice", "builtin_task", "encode_pair", "evaluate_items",
+           "instruction_task", "mc_context", "read_task_file"]
 
 BUILTIN = "builtin"
+INSTRUCTIONS = "instructions"
 DEFAULT_STOP = ("\n",)
 
 
@@ -60,6 +69,7 @@ class ExactAnswer:
     prompt: str
     answer: str
     stop: tuple[str, ...] = field(default=DEFAULT_STOP)
+    chat: bool = False
 
 
 def mc_context(question: str) -> str:
@@ -88,7 +98,10 @@ def _row(obj: Any, where: str) -> MultipleChoice | ExactAnswer:
             raise DataError(f"{where}: \"answer\" of an exact-answer row must be a string, got {answer!r}")
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise DataError(f"{where}: \"stop\" must be a list of non-empty strings")
-        return ExactAnswer(prompt, answer, tuple(stop))
+        chat = obj.get("chat", False)
+        if not isinstance(chat, bool):
+            raise DataError(f"{where}: \"chat\" must be true or false, got {chat!r}")
+        return ExactAnswer(prompt, answer, tuple(stop), chat)
     raise DataError(f"{where}: a task row needs \"question\", \"choices\", \"answer\" (multiple choice) or "
                     "\"prompt\", \"answer\" (exact answer)")
 
@@ -247,6 +260,7 @@ def _exact_match(model: Any, tokenizer: Any, items: Sequence[ExactAnswer], batch
                  max_new_tokens: int) -> list[float]:
     """Greedy answers, batched by stop strings; the prompt keeps its last max_seq_len - max_new_tokens
     tokens (as lm-eval's ``generate_until`` cuts it)."""
+    from tinyformer.data.chat_template import encode_prompt, renderer, stop_token_ids
     from tinyformer.generation.engine import Generator
     from tinyformer.generation.sampling import GREEDY_TEMPERATURE, SamplingParams
 
@@ -255,15 +269,30 @@ def _exact_match(model: Any, tokenizer: Any, items: Sequence[ExactAnswer], batch
     if room < 1:
         raise DataError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context "
                         f"of {gen.max_seq_len} tokens")
+    render = renderer(tokenizer) if any(it.chat for it in items) else None
     hits = [0.0] * len(items)
-    by_stop: dict[tuple[str, ...], list[int]] = {}
+    by_stop: dict[tuple[tuple[str, ...], bool], list[int]] = {}
     for i, it in enumerate(items):
-        by_stop.setdefault(it.stop, []).append(i)
-    for stop, members in by_stop.items():
-        params = SamplingParams(temperature=GREEDY_TEMPERATURE, max_new_tokens=max_new_tokens, stop_strings=stop)
+        by_stop.setdefault((it.stop, it.chat), []).append(i)
+    for (stop, chat), members in by_stop.items():
+        params = SamplingParams(temperature=GREEDY_TEMPERATURE, max_new_tokens=max_new_tokens, stop_strings=stop,
+                                stop_token_ids=stop_token_ids(tokenizer) if chat else ()).validate()
         for j in range(0, len(members), batch_size):
             part = members[j : j + batch_size]
-            prompts = [gen.encode(items[i].prompt)[-room:] for i in part]
+            prompts = [(encode_prompt(tokenizer, [{"role": "user", "content": items[i].prompt}], render) if chat
+                        else gen.encode(items[i].prompt))[-room:] for i in part]
             for i, res in zip(part, gen.generate(prompts, params, logprobs=False)):
                 hits[i] = float(res.text.strip() == items[i].answer.strip())
     return hits
+
+
+def instruction_task(fraction: float = 0.1, stdlib_dir: str | Path | None = None) -> list[ExactAnswer]:
+    """The held-out questions of the built-in instruction set as chat exact-answer rows (``--task instructions``),
+    in the order of sha1(question): the set lists its kinds of question and its modules in runs, so that
+    ``--limit N`` takes a sample of all of them rather than the first module's."""
+    import hashlib
+
+    from tinyformer.data.instructions import heldout_questions
+
+    rows = sorted(heldout_questions(fraction, stdlib_dir), key=lambda qa: hashlib.sha1(qa[0].encode()).hexdigest())
+    return [ExactAnswer(q, a, DEFAULT_STOP, True) for q, a in rows]

@@ -237,10 +237,12 @@ class SFTObjective(ChatObjective):
         return lm_loss(model, batch["input_ids"], batch["targets"])
 
     def heldout_prompts(self, n: int) -> list[tuple[list[dict[str, str]], str]]:
-        """(prompt messages, expected reply) of the first ``n`` held-out conversations, cut before their
-        last assistant turn."""
+        """(prompt messages, expected reply) of ``n`` held-out conversations spread evenly over the held-out
+        split (a file's, or the built-in set's, kinds of question usually come in runs), cut before their last
+        assistant turn."""
         out = []
-        for conv in self.heldout[:n]:
+        step = max(1, len(self.heldout) // n) if n > 0 else 1
+        for conv in self.heldout[::step][:n]:
             last = max(i for i, m in enumerate(conv.messages) if m["role"] == "assistant")
             out.append((conv.messages[:last], conv.messages[last]["content"]))
         return out
