@@ -308,7 +308,8 @@ def test_shared_experts_and_other_gating_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="shared experts"):
         import_gguf(tmp_path / "a.gguf", tmp_path / "run")
     write_file(model, tmp_path / "b.gguf", "qwen3moe",
-               meta={"expert_count": 4, "expert_used_count": 2, "expert_gating_func": gguf.ExpertGatingFuncType.SIGMOID})
+               meta={"expert_count": 4, "expert_used_count": 2,
+                     "expert_gating_func": gguf.ExpertGatingFuncType.SIGMOID})
     with pytest.raises(ConfigError, match="expert_gating_func=2"):
         import_gguf(tmp_path / "b.gguf", tmp_path / "run")
     write_file(hf_model("mixtral", **MOE), tmp_path / "c.gguf", "llama",
@@ -355,3 +356,69 @@ def test_keep_quant_of_a_mixture_of_experts_keeps_experts_float_and_rounds_the_r
     torch.testing.assert_close(stored["blocks.0.ffn.gate_up"][:, :ff],
                                held["model.layers.0.mlp.experts.gate_up_proj"][:, :ff], atol=0, rtol=0)
     assert_logits_match(tmp_path / "run", holding(model, held), atol=5e-3)  # the router's int8 rounding
+
+
+# ------------------------------------------------------------------------------------------------ export
+
+EXPORT_CASES = {
+    # transformers' GGUF loader reads everything these files say (Qwen3: its loader assumes Qwen3Config's
+    # head_dim 128, so the model has it; Qwen3-MoE: its default expert width 768, as above)
+    "qwen3": ("qwen3", dict(head_dim=128), True),
+    "phi3": ("phi3", {}, True),
+    "qwen3-moe": ("qwen3_moe", {**QWEN3_MOE, "moe_intermediate_size": 768}, True),
+    # it does not (LongRoPE, Phi-3's window, Mixtral's experts): the re-import is compared with the source model
+    "phi3-longrope-window": ("phi3", dict(sliding_window=W, **LONGROPE), False),
+    "mixtral": ("mixtral", MOE, False),
+}
+
+
+@pytest.mark.parametrize("case,qtype", [(c, "f32") for c in EXPORT_CASES]
+                         + [(c, "q8_0") for c, (_, _, reads) in EXPORT_CASES.items() if reads])
+def test_gguf_export_of_phi3_qwen3_and_mixtures_loads_back(case, qtype, tmp_path):
+    """--to-gguf: re-importing an f32 file gives the run's config and tensors exactly; transformers' loader (where it
+    reads the architecture) computes the run's logits from the file, f32 or q8_0; the re-import computes what the
+    source model computes (f32) or what transformers' loader computes from the same q8_0 bits."""
+    from test_interop_common import save_hf
+
+    from tinyformer.interop.gguf_export import export_gguf
+    from tinyformer.interop.hf_folder import import_hf
+
+    kind, overrides, transformers_reads_it = EXPORT_CASES[case]
+    model = hf_model(kind, **overrides)
+    save_hf(model, tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "run")
+    out = tmp_path / "out" / "model.gguf"
+    out.parent.mkdir()
+    export_gguf(tmp_path / "run", out, qtype)
+    import_gguf(out, tmp_path / "back")
+    length = L0 + 8 if "longrope" in case else 24
+    if qtype == "f32":
+        ours, back = load_config(tmp_path / "run").to_dict(), load_config(tmp_path / "back").to_dict()
+        ours.pop("extra"), back.pop("extra")
+        assert back == ours
+        tensors = dict(iter_tensors(tmp_path / "back"))
+        for name, tensor in iter_tensors(tmp_path / "run"):
+            assert torch.equal(tensors[name], tensor), name
+        assert_logits_match(tmp_path / "back", model, length=length)
+    if transformers_reads_it:
+        theirs = transformers_gguf(out.parent)
+        assert_logits_match(tmp_path / "back", theirs, length=length)
+        if qtype == "f32":
+            assert_logits_match(tmp_path / "run", theirs, length=length)
+
+
+def test_gguf_export_refuses_what_llama_cpp_cannot_compute(tmp_path):
+    from test_interop_common import save_hf
+
+    from tinyformer.interop.gguf_export import export_gguf
+    from tinyformer.interop.hf_folder import import_hf
+
+    save_hf(hf_model("qwen3_moe", **{**QWEN3_MOE, "norm_topk_prob": False}), tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "moe")
+    with pytest.raises(ConfigError, match="renormalises"):
+        export_gguf(tmp_path / "moe", tmp_path / "moe.gguf")
+    save_hf(hf_model("mistral", sliding_window=W), tmp_path / "hf2")
+    import_hf(tmp_path / "hf2", tmp_path / "mistral")
+    with pytest.raises(ConfigError, match="no sliding-window attention"):
+        export_gguf(tmp_path / "mistral", tmp_path / "mistral.gguf")
+    assert not (tmp_path / "moe.gguf").exists() and not (tmp_path / "mistral.gguf").exists()
