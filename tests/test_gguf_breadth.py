@@ -16,20 +16,18 @@ padded prompts longer than every sliding window (and than Phi-3's original conte
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from test_interop_common import (
-    CHAT_TEMPLATE,
-    bpe_backend,
     hf_logits,
     hf_model,
     padded_batch,
     permute_for_gguf,
     pytestmark,  # noqa: F401 - one intra-op thread for every test here
+    write_gguf_bpe_tokenizer,
 )
 
 from tinyformer.errors import CheckpointError, ConfigError
@@ -80,20 +78,7 @@ def write_file(model, path: Path, arch: str, qtype: str = "F32", experts: str = 
     w.add_vocab_size(cfg.vocab_size)
     for key, value in (meta or {}).items():
         getattr(w, f"add_{key}")(value)
-    backend = bpe_backend()
-    vocab = backend.get_vocab()
-    tokens = sorted(vocab, key=vocab.__getitem__)
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg.vocab_size)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in ("<|bos|>", "<|eos|>", "<|pad|>") else 1 for t in tokens])
-    merges = json.loads(backend.to_str())["model"]["merges"]
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
-    w.add_pad_token_id(2)
-    w.add_chat_template(CHAT_TEMPLATE)
+    write_gguf_bpe_tokenizer(w, cfg.vocab_size)
 
     held: dict[str, np.ndarray] = {}
 

@@ -196,6 +196,26 @@ def spm_vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+def write_gguf_bpe_tokenizer(w, vocab_size: int) -> None:
+    """The tokenizer metadata of hf_tokenizer() as llama.cpp writes a byte-level BPE ('gpt2'), with its chat
+    template; the vocabulary padded to ``vocab_size`` with unused tokens."""
+    backend = bpe_backend()
+    vocab = backend.get_vocab()
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in ("<|bos|>", "<|eos|>", "<|pad|>") else 1 for t in tokens])
+    merges = json.loads(backend.to_str())["model"]["merges"]
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
 def write_gguf(model, path: Path, qtype: str = "F32", arch: str = "llama", tokenizer: str | None = "gpt2",
                rope_scaling: dict | None = None, rope_freqs: np.ndarray | None = None, name: str = "tiny") -> None:
     """Write ``model`` as llama.cpp's converter would: GGUF names, q/k permuted for 'llama', 2-D weights in
@@ -229,21 +249,7 @@ def write_gguf(model, path: Path, qtype: str = "F32", arch: str = "llama", token
         if "original" in rope_scaling:
             w.add_rope_scaling_orig_ctx_len(rope_scaling["original"])
     if tokenizer == "gpt2":
-        backend = bpe_backend()
-        vocab = backend.get_vocab()
-        tokens = sorted(vocab, key=vocab.__getitem__)
-        tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg.vocab_size)]
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt-2")
-        w.add_token_list(tokens)
-        w.add_token_types([3 if t in ("<|bos|>", "<|eos|>", "<|pad|>") else 1 for t in tokens])
-        merges = json.loads(backend.to_str())["model"]["merges"]
-        w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
-        w.add_bos_token_id(0)
-        w.add_eos_token_id(1)
-        w.add_pad_token_id(2)
-        w.add_add_bos_token(False)
-        w.add_chat_template(CHAT_TEMPLATE)
+        write_gguf_bpe_tokenizer(w, cfg.vocab_size)
     elif tokenizer == "spm":
         tokens, scores, types = spm_vocab(cfg.vocab_size)
         w.add_tokenizer_model("llama")

@@ -123,9 +123,7 @@ def hf_name(gguf_name: str, arch: str = "llama", model_type: str | None = None) 
     moe = llama.MOE_NAMES.get(model_type or "")
     m = _EXPERT_RE.fullmatch(gguf_name)
     if m and moe:
-        _, experts, gate, up, down = moe
-        kind = {"gate": gate, "up": up, "down": down}[m.group(2)]
-        return f"model.layers.{m.group(1)}.{experts}.{m.group(3)}.{kind}.weight"
+        return _expert_name(moe, m.group(1), int(m.group(3)), m.group(2))
     block = BLOCK_NAMES.get(arch, _BLOCK)
     m = _BLOCK_RE.fullmatch(gguf_name)
     if m and moe and m.group(2) == "ffn_gate_inp":
@@ -140,9 +138,13 @@ def expert_names(gguf_name: str, n_experts: int, model_type: str) -> list[str]:
     m = _EXPERTS_RE.fullmatch(gguf_name)
     if m is None or model_type not in llama.MOE_NAMES:
         return []
-    _, experts, gate, up, down = llama.MOE_NAMES[model_type]
-    kind = {"gate": gate, "up": up, "down": down}[m.group(2)]
-    return [f"model.layers.{m.group(1)}.{experts}.{e}.{kind}.weight" for e in range(n_experts)]
+    return [_expert_name(llama.MOE_NAMES[model_type], m.group(1), e, m.group(2)) for e in range(n_experts)]
+
+
+def _expert_name(moe: tuple[str, ...], layer: str, expert: int, which: str) -> str:
+    """HF name of expert ``expert``'s gate, up or down matrix (``which``) in layer ``layer``."""
+    _, experts, gate, up, down = moe
+    return f"model.layers.{layer}.{experts}.{expert}.{dict(gate=gate, up=up, down=down)[which]}.weight"
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
