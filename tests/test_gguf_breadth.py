@@ -30,6 +30,7 @@ from test_interop_common import (
     permute_for_gguf,
     pytestmark,  # noqa: F401 - one intra-op thread for every test here
     write_gguf_bpe_tokenizer,
+    write_gguf_shape,
 )
 
 from tinyformer.errors import CheckpointError, ConfigError
@@ -63,21 +64,9 @@ def write_file(model, path: Path, arch: str, qtype: str = "F32", experts: str = 
     cfg = model.config
     names = gguf.get_tensor_name_map(next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch),
                                      cfg.num_hidden_layers)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_rope_dimension_count(head_dim)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_vocab_size(cfg.vocab_size)
+    write_gguf_shape(w, cfg)
     for key, value in (meta or {}).items():
         getattr(w, f"add_{key}")(value)
     write_gguf_bpe_tokenizer(w, cfg.vocab_size)

@@ -196,6 +196,25 @@ def spm_vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+def write_gguf_shape(w, cfg) -> None:
+    """The size keys llama.cpp's converter writes from a transformers config (widths, heads, context, norm epsilon,
+    the (global layers') RoPE base, head_dim as key/value length)."""
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: the global layers' RoPE
+    w.add_rope_freq_base(rope["rope_theta"])
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+
+
 def write_gguf_bpe_tokenizer(w, vocab_size: int) -> None:
     """The tokenizer metadata of hf_tokenizer() as llama.cpp writes a byte-level BPE ('gpt2'), with its chat
     template; the vocabulary padded to ``vocab_size`` with unused tokens."""
@@ -227,22 +246,9 @@ def write_gguf(model, path: Path, qtype: str = "F32", arch: str = "llama", token
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: the global layers' RoPE
-    w.add_rope_freq_base(rope["rope_theta"])
+    write_gguf_shape(w, cfg)
     if getattr(cfg, "sliding_window", None) and arch == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_rope_dimension_count(head_dim)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_vocab_size(cfg.vocab_size)
     if rope_scaling:
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling["type"]))
         w.add_rope_scaling_factor(rope_scaling["factor"])
