@@ -8,6 +8,11 @@ model with the same active parameters per token (a SwiGLU of width k * d_ff), th
 
     python benchmarks/bench_breadth.py
     python benchmarks/bench_breadth.py --shapes qwen3 --steps 4 --decode-steps 30
+    python benchmarks/bench_breadth.py --two-norms   # also decode with q and k normalised by two separate calls
+
+``--two-norms`` adds a decode entry for the same model with the q/k norms applied as two RMSNorm calls and a
+concatenation (the computation before ``SelfAttention._norm_qk`` did both in one), to measure that change in the
+same run.
 """
 
 from __future__ import annotations
@@ -63,12 +68,29 @@ def dense_twin(cfg):
     return DecoderLM(cfg.replace(ffn="swiglu", n_experts=0, d_ff=cfg.experts_per_token * cfg.d_ff))
 
 
+def two_norms_twin(model):
+    """A copy of ``model`` whose attention layers normalise q and k with two norm calls and a concatenation."""
+    import copy
+    import types
+
+    twin = copy.deepcopy(model)
+
+    def two_norms(self, qk):
+        q, k = qk.split((self.n_head, self.n_kv_head), dim=1)
+        return torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+
+    for block in twin.blocks:
+        block.attn._norm_qk = types.MethodType(two_norms, block.attn)
+    return twin
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--steps", type=int, default=6, help="timed training steps per implementation")
     ap.add_argument("--decode-steps", type=int, default=50)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--two-norms", action="store_true", help="also decode with the q/k norms as two calls")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, fp32 CPU, load average {os.getloadavg()}")
@@ -86,6 +108,11 @@ def main() -> None:
         ours.train(), hf.train()
         fns = {"ours": train_step_fn(ours, "ours", x, y), "hf": train_step_fn(hf, "hf", x, y)}
         dec_fns = {"ours": decode_step_fn(ours.eval(), "ours", cfg), "hf": decode_step_fn(hf.eval(), "hf", cfg)}
+        if args.two_norms:
+            twin = two_norms_twin(ours).eval()
+            with torch.no_grad():
+                assert torch.allclose(twin(x[:1, :16]), ours.eval()(x[:1, :16]), atol=1e-5)
+            dec_fns["two-norms"] = decode_step_fn(twin, "ours", cfg)
         if cfg.ffn == "moe":
             dense = dense_twin(cfg)
             fns["dense"] = train_step_fn(dense, "ours", x, y)
@@ -108,6 +135,9 @@ def main() -> None:
             print(f"  dense model, same active params: train {tr['dense']:8.1f} ms (MoE / dense "
                   f"{tr['ours'] / tr['dense']:.2f}x), decode {de['dense']:8.2f} ms (MoE / dense "
                   f"{de['ours'] / de['dense']:.2f}x)")
+        if "two-norms" in de:
+            print(f"  decode with q/k norms as two calls {de['two-norms']:8.2f} ms (two calls / one call "
+                  f"{de['two-norms'] / de['ours']:.2f}x)")
         print(f"  load average after: {row['load_average_after']}")
     print("\nJSON " + json.dumps(rows))
 

@@ -196,6 +196,45 @@ def spm_vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+def write_gguf_shape(w, cfg) -> None:
+    """The size keys llama.cpp's converter writes from a transformers config (widths, heads, context, norm epsilon,
+    the (global layers') RoPE base, head_dim as key/value length)."""
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: the global layers' RoPE
+    w.add_rope_freq_base(rope["rope_theta"])
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+
+
+def write_gguf_bpe_tokenizer(w, vocab_size: int) -> None:
+    """The tokenizer metadata of hf_tokenizer() as llama.cpp writes a byte-level BPE ('gpt2'), with its chat
+    template; the vocabulary padded to ``vocab_size`` with unused tokens."""
+    backend = bpe_backend()
+    vocab = backend.get_vocab()
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in ("<|bos|>", "<|eos|>", "<|pad|>") else 1 for t in tokens])
+    merges = json.loads(backend.to_str())["model"]["merges"]
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
 def write_gguf(model, path: Path, qtype: str = "F32", arch: str = "llama", tokenizer: str | None = "gpt2",
                rope_scaling: dict | None = None, rope_freqs: np.ndarray | None = None, name: str = "tiny") -> None:
     """Write ``model`` as llama.cpp's converter would: GGUF names, q/k permuted for 'llama', 2-D weights in
@@ -207,43 +246,16 @@ def write_gguf(model, path: Path, qtype: str = "F32", arch: str = "llama", token
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: the global layers' RoPE
-    w.add_rope_freq_base(rope["rope_theta"])
+    write_gguf_shape(w, cfg)
     if getattr(cfg, "sliding_window", None) and arch == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_rope_dimension_count(head_dim)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_vocab_size(cfg.vocab_size)
     if rope_scaling:
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling["type"]))
         w.add_rope_scaling_factor(rope_scaling["factor"])
         if "original" in rope_scaling:
             w.add_rope_scaling_orig_ctx_len(rope_scaling["original"])
     if tokenizer == "gpt2":
-        backend = bpe_backend()
-        vocab = backend.get_vocab()
-        tokens = sorted(vocab, key=vocab.__getitem__)
-        tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg.vocab_size)]
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt-2")
-        w.add_token_list(tokens)
-        w.add_token_types([3 if t in ("<|bos|>", "<|eos|>", "<|pad|>") else 1 for t in tokens])
-        merges = json.loads(backend.to_str())["model"]["merges"]
-        w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
-        w.add_bos_token_id(0)
-        w.add_eos_token_id(1)
-        w.add_pad_token_id(2)
-        w.add_add_bos_token(False)
-        w.add_chat_template(CHAT_TEMPLATE)
+        write_gguf_bpe_tokenizer(w, cfg.vocab_size)
     elif tokenizer == "spm":
         tokens, scores, types = spm_vocab(cfg.vocab_size)
         w.add_tokenizer_model("llama")

@@ -77,3 +77,24 @@ def test_qwen3_gguf_matches_transformers_gguf_loader(tmp_path):
     torch.testing.assert_close(logits[mask.bool()], hf_logits(theirs, ids, mask)[mask.bool()], atol=1e-4, rtol=1e-4)
     # and against the float model it was written from (Q8_0 rounding: loose)
     torch.testing.assert_close(logits[mask.bool()], hf_logits(model, ids, mask)[mask.bool()], atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_qk_norm_in_one_call_is_the_per_head_formula(offset):
+    """q and k heads normalised together: x / sqrt(mean(x^2) + eps) * (offset + g), g_q on the query heads and g_k
+    on the key heads; bfloat16 (the two-norm path) agrees within its rounding."""
+    from tinyformer.components.attention import SelfAttention
+
+    cfg = ModelConfig(d_model=64, n_head=4, n_kv_head=2, head_dim=16, qk_norm=True, norm_gain_offset=offset,
+                      norm_eps=1e-6)
+    attn = SelfAttention(cfg).double()
+    with torch.no_grad():
+        attn.q_norm.weight.normal_()
+        attn.k_norm.weight.normal_()
+    qk = torch.randn(2, 6, 5, 16, dtype=torch.float64)
+    unit = qk / (qk.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    want = torch.cat([unit[:, :4] * (offset + attn.q_norm.weight), unit[:, 4:] * (offset + attn.k_norm.weight)], 1)
+    with torch.no_grad():
+        torch.testing.assert_close(attn._norm_qk(qk), want, rtol=1e-12, atol=1e-12)
+        half = attn.to(torch.bfloat16)._norm_qk(qk.to(torch.bfloat16))
+    torch.testing.assert_close(half.double(), want, rtol=2e-2, atol=2e-2)

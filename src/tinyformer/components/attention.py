@@ -30,7 +30,9 @@ KV cache is a rolling buffer of W slots (components/kv_cache.py) writes position
 
 QK-norm (``ModelConfig.qk_norm``, Qwen3, Gemma 3): q and k are normalised per head over d_head (RMSNorm
 with learned gains of shape (d_head,)) before RoPE, which bounds the logits q.k / sqrt(d_head):
-q_h <- RMSNorm_q(q_h), k_h <- RMSNorm_k(k_h).
+q_h <- RMSNorm_q(q_h), k_h <- RMSNorm_k(k_h). The H query and H_kv key heads are normalised in one call,
+x / rms(x) times a (H + H_kv, 1, d_head) gain that repeats g_q over the query heads and g_k over the key heads:
+one normalisation instead of two and a concatenation.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyformer.components.norm import build_norm
+from tinyformer.components.norm import RMSNorm, build_norm
 from tinyformer.components.rope import apply_rope
 from tinyformer.config import ModelConfig
 
@@ -190,8 +192,7 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(x).view(B, T, H + 2 * H_kv, self.head_dim).transpose(1, 2)  # (B, H + 2 H_kv, T, d_head)
         qk, v = qkv[:, : H + H_kv], qkv[:, H + H_kv :]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = qk.split((H, H_kv), dim=1)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+            qk = self._norm_qk(qk)
         if rope is not None:  # queries and keys are rotated alike: one call for both
             qk = apply_rope(qk, *rope)
         q, k = qk.split((H, H_kv), dim=1)  # (B, H, T, d_head), (B, H_kv, T, d_head)
@@ -215,6 +216,21 @@ class SelfAttention(nn.Module):
                    self.softcap)
         y = y.transpose(1, 2).reshape(B, T, self.q_size)  # merge heads: (B, T, H d_head)
         return self.out(y)
+
+    def _norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """Per-head norms of qk (B, H + H_kv, T, d_head): RMSNorm_q over the first H heads, RMSNorm_k over the
+        rest, as one x / rms(x) and one multiply by the stacked gains (float32/64 RMSNorms sharing eps and offset;
+        other norms and dtypes take the two norms)."""
+        q_norm, k_norm = self.q_norm, self.k_norm
+        H, H_kv, d = self.n_head, self.n_kv_head, self.head_dim
+        if not (isinstance(q_norm, RMSNorm) and isinstance(k_norm, RMSNorm) and q_norm.eps == k_norm.eps
+                and q_norm.offset == k_norm.offset and qk.dtype in (torch.float32, torch.float64)):
+            q, k = qk.split((H, H_kv), dim=1)
+            return torch.cat([q_norm(q), k_norm(k)], dim=1)  # type: ignore[misc]
+        gain = torch.cat([q_norm.weight.expand(H, d), k_norm.weight.expand(H_kv, d)]).unsqueeze(1)
+        if q_norm.offset:
+            gain = gain + q_norm.offset
+        return F.rms_norm(qk, (d,), None, q_norm.eps) * gain
 
     @staticmethod
     def _write_ring(cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,

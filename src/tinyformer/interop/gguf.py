@@ -1,4 +1,5 @@
-"""Import GGUF files (llama.cpp's format) of the Llama family, Qwen2/3 and Gemma 3: weights, config and tokenizer.
+"""Import GGUF files (llama.cpp's format) of the Llama family (and Mixtral), Qwen2/3, Qwen3-MoE, Phi-3 and
+Gemma 2/3: weights, config and tokenizer.
 
 A GGUF file is a header of typed key/value metadata followed by tensors, each stored as float
 (F32, F16, BF16) or in one of ggml's block quantizations. This module turns one into the pair a
@@ -21,6 +22,25 @@ Reading undoes it: ``hf = gguf.reshape(n_head, d_head / 2, 2, d_in).swapaxes(1, 
 ``gemma3`` files store every norm gain as 1 + g (ggml's RMSNorm multiplies by the stored gain), which the
 import turns back into Gemma's g; llama.cpp fixes Gemma 3's layer pattern (every 6th layer global), the local
 layers' RoPE base (10000) and the score scale (head_dim^-1/2), so the import does too.
+``gemma2`` files are stored alike, with the soft-caps as ``attn_logit_softcapping`` / ``final_logit_softcapping``
+and every 2nd layer global. Where the file states them, ``attention.scale`` (the score scale s, read as
+query_pre_attn_scalar = s^-2), ``attention.sliding_window_pattern`` (every n-th layer global, or one flag per layer)
+and ``rope.freq_base_swa`` (the local layers' base) override those fixed values.
+
+Phi-3 (``phi3``). Q, K, V are one matrix ``attn_qkv`` and ``ffn_up`` holds gate and up stacked (rows: gate, then
+up): the same fused layouts as Hugging Face's ``qkv_proj`` / ``gate_up_proj`` and tinyformer's own. Half-split RoPE.
+LongRoPE is stored as two tensors of per-frequency divisors, ``rope_factors_short`` / ``rope_factors_long``, with
+``rope.scaling.original_context_length`` (L0) and ``rope.scaling.attn_factor`` (the cos/sin scale): they become
+``rope_scaling = {"rope_type": "longrope", ...}`` (attention_factor only when it differs from sqrt(1 + ln(f) /
+ln(L0)), f = context / L0, the value Hugging Face derives). ``attention.sliding_window`` (0 = none) gives every layer
+the window, as Hugging Face's Phi-3 does (llama.cpp currently ignores it for Phi-3).
+
+Mixtures of experts. ``expert_count`` / ``expert_used_count`` give n_experts and k; the router is ``ffn_gate_inp``;
+the experts' matrices are stacked, ``ffn_{gate,up,down}_exps`` of shape (E, rows, cols), or (older files) one
+tensor per expert, ``ffn_{gate,up,down}.e``. Each expert is read as its own slice (dequantized alone). A ``llama``
+file with experts is a Mixtral (softmax, top k, renormalised); ``qwen3moe`` is Qwen3 with experts of width
+``expert_feed_forward_length``, renormalised unless ``expert_weights_norm`` is false (llama.cpp renormalises).
+Shared experts and other gating functions are refused.
 Llama 3.1 RoPE scaling is stored as a ``rope_freqs`` tensor of per-frequency divisors; it is turned back
 into ``rope_scaling = {"rope_type": "llama3", ...}`` and checked to reproduce the tensor.
 
@@ -49,9 +69,12 @@ from tinyformer.interop.tensor_sources import TensorSource
 
 ARCHITECTURES = {**llama.ARCHITECTURES, **gemma.ARCHITECTURES}  # HF model_type -> its *ForCausalLM class
 
-# GGUF general.architecture -> HF model_type
-ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+# GGUF general.architecture -> HF model_type (a "llama" file with expert_count > 0 is a Mixtral)
+ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3",
+         "gemma2": "gemma2", "gemma3": "gemma3_text"}
 PERMUTED_ARCHS = ("llama",)  # llama.cpp's interleaved (GPT-J style) RoPE
+SLIDING_ARCHS = ("phi3", "gemma2", "gemma3")  # archs whose attention.sliding_window llama.cpp's writer sets
+GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}  # llama.cpp's fixed pattern: every n-th layer global
 
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
@@ -62,11 +85,15 @@ _BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k"
 # Gemma's four norms per layer; llama.cpp stores every Gemma norm gain as 1 + g (ggml multiplies by the gain)
 _GEMMA_BLOCK = {**_BLOCK, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
-BLOCK_NAMES = {"gemma3": _GEMMA_BLOCK}
-NORM_PLUS_ONE_ARCHS = ("gemma3",)
+# Phi-3: q, k, v fused as attn_qkv; ffn_up holds gate and up stacked (Hugging Face's gate_up_proj)
+_PHI3_BLOCK = {**_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "phi3": _PHI3_BLOCK}
+NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3")
 GEMMA3_LOCAL_THETA = 10000.0  # llama.cpp's fixed RoPE base of Gemma 3's sliding-window layers
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-NOT_WEIGHTS = ("rope_freqs.weight",)  # turned into rope_scaling
+_EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")  # (E, rows, cols), all experts
+_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")  # one expert (older files)
+NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # -> rope_scaling
 
 
 def _gguf():
@@ -86,15 +113,38 @@ def supported_types() -> dict[Any, torch.dtype]:
     return out
 
 
-def hf_name(gguf_name: str, arch: str = "llama") -> str:
-    """HF name of a GGUF tensor (unknown names are returned unchanged, to be reported as unknown)."""
+def hf_name(gguf_name: str, arch: str = "llama", model_type: str | None = None) -> str:
+    """HF name of a GGUF tensor (unknown names are returned unchanged, to be reported as unknown).
+
+    ``model_type`` (the HF one) names a mixture of experts' router and per-expert tensors; a stacked
+    ``ffn_*_exps`` tensor has no single HF name (``expert_names`` gives one per expert)."""
     if gguf_name in _TOP:
         return _TOP[gguf_name]
+    moe = llama.MOE_NAMES.get(model_type or "")
+    m = _EXPERT_RE.fullmatch(gguf_name)
+    if m and moe:
+        return _expert_name(moe, m.group(1), int(m.group(3)), m.group(2))
     block = BLOCK_NAMES.get(arch, _BLOCK)
     m = _BLOCK_RE.fullmatch(gguf_name)
+    if m and moe and m.group(2) == "ffn_gate_inp":
+        return f"model.layers.{m.group(1)}.{moe[0]}.{m.group(3)}"
     if m and m.group(2) in block:
         return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
     return gguf_name
+
+
+def expert_names(gguf_name: str, n_experts: int, model_type: str) -> list[str]:
+    """The HF names of the experts stacked in ``blk.i.ffn_{gate,up,down}_exps.weight``, in stacking order."""
+    m = _EXPERTS_RE.fullmatch(gguf_name)
+    if m is None or model_type not in llama.MOE_NAMES:
+        return []
+    return [_expert_name(llama.MOE_NAMES[model_type], m.group(1), e, m.group(2)) for e in range(n_experts)]
+
+
+def _expert_name(moe: tuple[str, ...], layer: str, expert: int, which: str) -> str:
+    """HF name of expert ``expert``'s gate, up or down matrix (``which``) in layer ``layer``."""
+    _, experts, gate, up, down = moe
+    return f"model.layers.{layer}.{experts}.{expert}.{dict(gate=gate, up=up, down=down)[which]}.weight"
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -143,16 +193,20 @@ class GGUFFile:
             raise CheckpointError(f"{self.path}: metadata key {key!r} is missing")
         return value
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor as numpy, shape (rows, cols): float tensors as stored, quantized ones dequantized."""
+    def read(self, name: str, index: int | None = None) -> np.ndarray:
+        """The tensor as numpy, shape (rows, cols): float tensors as stored, quantized ones dequantized.
+        ``index``: only slice ``index`` of a 3-D tensor (one expert of a stack), shape (rows, cols)."""
         gguf = _gguf()
         t = self.tensors[name]
         Q = gguf.GGMLQuantizationType
-        if t.tensor_type in (Q.F32, Q.F16):
-            arr = np.array(t.data, copy=True)
-        else:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
         shape = [int(d) for d in reversed(t.shape.tolist())]
+        data = t.data
+        if index is not None:  # the reader's view is (E, rows, row bytes or values): one expert's rows
+            data, shape = data[index], shape[1:]
+        if t.tensor_type in (Q.F32, Q.F16):
+            arr = np.array(data, copy=True)
+        else:
+            arr = gguf.quants.dequantize(data, t.tensor_type)
         self._release(t)
         return arr.reshape(shape)
 
@@ -210,13 +264,23 @@ def llama3_scaling(factors: np.ndarray, head_dim: int, theta: float, path: Path)
 
 
 def hf_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
-    """A Hugging Face config.json dict (Llama or Qwen2) from the GGUF metadata."""
+    """A Hugging Face config.json dict from the GGUF metadata. The architecture string selects the key prefix
+    and llama.cpp's fixed choices for that architecture; every other option comes from a key or from which
+    tensors the file holds."""
     arch = g.require("general.architecture")
     if arch not in ARCHS:
         raise ConfigError(f"{g.path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
 
     def key(name: str, default: Any = None, required: bool = False) -> Any:
         return g.require(f"{arch}.{name}") if required else g.get(f"{arch}.{name}", default)
+
+    n_experts = int(key("expert_count", 0) or 0)
+    model_type = "mixtral" if arch == "llama" and n_experts else ARCHS[arch]
+    if n_experts and model_type not in llama.MOE_NAMES:
+        raise ConfigError(f"{g.path}: {arch}.expert_count={n_experts}: experts are supported in 'llama' (Mixtral) "
+                          "and 'qwen3moe' files only")
+    if model_type in llama.MOE_NAMES and not n_experts:
+        raise ConfigError(f"{g.path}: metadata key {arch + '.expert_count'!r} is missing")
 
     n_head = key("attention.head_count", required=True)
     n_kv = key("attention.head_count_kv", n_head)
@@ -231,8 +295,9 @@ def hf_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
     if key("rope.dimension_count", head_dim) != head_dim:
         raise ConfigError(f"{g.path}: rope.dimension_count={key('rope.dimension_count')} < head dim {head_dim} "
                           "(partial rotary embedding) is not supported")
-    if key("attention.sliding_window") and ARCHS[arch] != "gemma3_text":
-        raise ConfigError(f"{g.path}: attention.sliding_window is not supported")
+    window = key("attention.sliding_window") or None  # Phi-3's converter writes 0 for none
+    if window and arch not in SLIDING_ARCHS:
+        raise ConfigError(f"{g.path}: attention.sliding_window is not supported for GGUF architecture {arch!r}")
     tokens = g.reader.fields.get("tokenizer.ggml.tokens")
     vocab = key("vocab_size") or (len(tokens.data) if tokens is not None else None)
     if vocab is None and "token_embd.weight" in g.tensors:
@@ -240,11 +305,11 @@ def hf_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
     ctx = key("context_length", required=True)
     theta = _f32(key("rope.freq_base", 10000.0))
     hf: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[ARCHS[arch]]],
-        "model_type": ARCHS[arch],
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
         "vocab_size": int(vocab),
         "hidden_size": int(hidden),
-        "intermediate_size": int(key("feed_forward_length", required=True)),
+        "intermediate_size": int(key("feed_forward_length") or key("expert_feed_forward_length", required=True)),
         "num_hidden_layers": int(key("block_count", required=True)),
         "num_attention_heads": int(n_head),
         "num_key_value_heads": int(n_kv),
@@ -255,12 +320,14 @@ def hf_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in g.tensors,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
     }
-    if ARCHS[arch] in ("llama", "qwen3"):
+    if model_type in ("llama", "qwen3", "qwen3_moe"):
         hf["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
-    if ARCHS[arch] == "llama":
+    if model_type == "llama":
         hf["mlp_bias"] = "blk.0.ffn_down.bias" in g.tensors
-    else:
+    elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
         hf["use_sliding_window"] = False
+    elif model_type in ("mixtral", "phi3"):
+        hf["sliding_window"] = int(window) if window else None
     for name, k in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                     ("pad_token_id", "padding_token_id")):
         value = g.get(f"tokenizer.ggml.{k}")
@@ -292,16 +359,95 @@ def hf_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
     else:
         raise ConfigError(f"{g.path}: RoPE scaling type {kind!r} is not supported (supported: none, linear, yarn, "
                           "and llama3 as a rope_freqs tensor)")
-    if ARCHS[arch] == "gemma3_text":
-        # llama.cpp's Gemma 3: GELU-tanh, scores scaled by head_dim^-1/2, every 6th layer global, the global RoPE
-        # from the file and the local one at a fixed base
-        for unused in ("hidden_act", "use_sliding_window"):
-            hf.pop(unused, None)
-        hf.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(head_dim),
-                  sliding_window=key("attention.sliding_window"), sliding_window_pattern=6,
-                  rope_parameters={"full_attention": hf["rope_parameters"],
-                                   "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_THETA}})
+    if {"rope_factors_long.weight", "rope_factors_short.weight"} & set(g.tensors):
+        if model_type != "phi3" or kind not in (None, "none"):
+            raise ConfigError(f"{g.path}: rope_factors_long/short (LongRoPE) are supported in 'phi3' files without "
+                              "another RoPE scaling type")
+        hf["rope_parameters"] = _longrope_from_gguf(g, key, theta, int(ctx), head_dim)
+    if n_experts:
+        hf.update(_experts_from_gguf(g, key, model_type, n_experts))
+    if model_type in ("gemma2", "gemma3_text"):
+        hf.update(_gemma_from_gguf(g, key, arch, hf, head_dim, window))
     return hf
+
+
+def _longrope_from_gguf(g: GGUFFile, key: Any, theta: float, ctx: int, head_dim: int) -> dict[str, Any]:
+    """Phi-3's LongRoPE: the divisor tensors, L0, and the attention factor when it is not the derived one."""
+    factors = {}
+    for which in ("short", "long"):
+        name = f"rope_factors_{which}.weight"
+        if name not in g.tensors:
+            raise CheckpointError(f"{g.path}: LongRoPE needs both rope_factors_short and rope_factors_long; "
+                                  f"{name} is missing")
+        values = g.read(name).reshape(-1)
+        if values.size != head_dim // 2:
+            raise CheckpointError(f"{g.path}: {name} has {values.size} factors, not head_dim / 2 = {head_dim // 2}")
+        factors[which] = [float(v) for v in values]
+    l0 = int(key("rope.scaling.original_context_length", required=True))
+    params: dict[str, Any] = {"rope_type": "longrope", "rope_theta": theta, "short_factor": factors["short"],
+                              "long_factor": factors["long"], "original_max_position_embeddings": l0}
+    stored = key("rope.scaling.attn_factor")
+    f = ctx / l0
+    derived = math.sqrt(1 + math.log(f) / math.log(l0)) if f > 1 else 1.0
+    if stored is not None and abs(stored - derived) > 1e-6 * derived:
+        params["attention_factor"] = _f32(stored)
+    return params
+
+
+def _experts_from_gguf(g: GGUFFile, key: Any, model_type: str, n_experts: int) -> dict[str, Any]:
+    """The mixture-of-experts keys: llama.cpp's llama (Mixtral) and qwen3moe route by softmax, then top k."""
+    func = key("expert_gating_func")
+    if func not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ConfigError(f"{g.path}: expert_gating_func={func} is not supported (only 1, softmax)")
+    shared = [n for n in g.tensors if "_shexp" in n]
+    if key("expert_shared_count") or shared:
+        raise ConfigError(f"{g.path}: shared experts ({shared[0] if shared else 'expert_shared_count'}) are not "
+                          "supported")
+    if key("expert_weights_scale") not in (None, 1.0):
+        raise ConfigError(f"{g.path}: expert_weights_scale={key('expert_weights_scale')} is not supported")
+    used = int(key("expert_used_count", required=True))
+    renormalise = bool(key("expert_weights_norm", True))  # llama.cpp renormalises the top-k weights of both
+    width = int(key("expert_feed_forward_length") or key("feed_forward_length", required=True))
+    if model_type == "mixtral":
+        if not renormalise:
+            raise ConfigError(f"{g.path}: expert_weights_norm=false is not supported in a 'llama' (Mixtral) file")
+        return {"num_local_experts": n_experts, "num_experts_per_tok": used, "intermediate_size": width}
+    return {"num_experts": n_experts, "num_experts_per_tok": used, "moe_intermediate_size": width,
+            "norm_topk_prob": renormalise, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def _gemma_from_gguf(g: GGUFFile, key: Any, arch: str, hf: dict[str, Any], head_dim: int,
+                     window: int | None) -> dict[str, Any]:
+    """llama.cpp's Gemma 2 / 3: GELU-tanh; scores scaled by attention.scale, else head_dim^-1/2; every n-th layer
+    global (2 / 6, or attention.sliding_window_pattern); Gemma 2's soft-caps; Gemma 3's local RoPE base
+    (rope.freq_base_swa, else 10000)."""
+    for unused in ("hidden_act", "use_sliding_window"):
+        hf.pop(unused, None)
+    scale = key("attention.scale")
+    scalar: float | int = int(head_dim)
+    if scale:
+        scalar = 1.0 / _f32(scale) ** 2
+        scalar = round(scalar) if abs(scalar - round(scalar)) < 1e-4 * scalar else scalar
+    out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar,
+                           "sliding_window": int(window) if window else None}
+    pattern = key("attention.sliding_window_pattern", GEMMA_GLOBAL_EVERY[arch])
+    if isinstance(pattern, list):  # one flag per layer: true = sliding
+        if len(pattern) != hf["num_hidden_layers"]:
+            raise ConfigError(f"{g.path}: attention.sliding_window_pattern has {len(pattern)} entries for "
+                              f"{hf['num_hidden_layers']} layers")
+        out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        out["sliding_window_pattern"] = int(pattern)
+    if arch == "gemma2":
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = key(name)
+            out[name] = _f32(value) if value else None
+    else:
+        out["rope_parameters"] = {"full_attention": hf["rope_parameters"],
+                                  "sliding_attention": {"rope_type": "default",
+                                                        "rope_theta": _f32(key("rope.freq_base_swa",
+                                                                               GEMMA3_LOCAL_THETA))}}
+    return out
 
 
 class GGUFSource(TensorSource):
@@ -310,7 +456,21 @@ class GGUFSource(TensorSource):
     def __init__(self, g: GGUFFile, hf_config: dict[str, Any], arch: str) -> None:
         self.g = g
         self.description = str(g.path)
-        self._gguf_name = {hf_name(n, arch): n for n in g.tensors if n not in NOT_WEIGHTS}
+        model_type = hf_config["model_type"]
+        n_experts = int(hf_config.get("num_local_experts") or hf_config.get("num_experts") or 0)
+        self._gguf_name: dict[str, str] = {}
+        self._expert: dict[str, int] = {}  # HF name -> its slice of a stacked ffn_*_exps tensor
+        for n, t in g.tensors.items():
+            if n in NOT_WEIGHTS:
+                continue
+            stacked = expert_names(n, n_experts, model_type)
+            if stacked and (len(t.shape) != 3 or int(t.shape[-1]) != n_experts):
+                raise CheckpointError(f"{g.path}: {n} has shape {list(reversed(t.shape.tolist()))}, not "
+                                      f"{n_experts} stacked experts (expert_count)")
+            for e, name in enumerate(stacked):
+                self._gguf_name[name], self._expert[name] = n, e
+            if not stacked:
+                self._gguf_name[hf_name(n, arch, model_type)] = n
         self._norm_shift = arch in NORM_PLUS_ONE_ARCHS
         self._permute: dict[str, int] = {}
         if arch in PERMUTED_ARCHS:
@@ -328,11 +488,14 @@ class GGUFSource(TensorSource):
     def meta(self, name: str) -> torch.Tensor:
         t = self.g.tensors[self._gguf_name[name]]
         shape = [int(d) for d in reversed(t.shape.tolist())]
+        if name in self._expert:
+            shape = shape[1:]
         return torch.empty(shape, dtype=self._dtypes[t.tensor_type], device="meta")
 
     def read(self, name: str) -> torch.Tensor:
         t = self.g.tensors[self._gguf_name[name]]
-        tensor = torch.from_numpy(self.g.read(self._gguf_name[name])).to(self._dtypes[t.tensor_type])
+        array = self.g.read(self._gguf_name[name], self._expert.get(name))
+        tensor = torch.from_numpy(array).to(self._dtypes[t.tensor_type])
         if self._norm_shift and name.endswith("norm.weight"):  # llama.cpp's 1 + g back to Gemma's g
             tensor = tensor - 1
         if name in self._permute:
@@ -533,14 +696,17 @@ def import_gguf_keep_quant(path: str | Path, out: str | Path, *, max_shard_bytes
     """GGUF file -> quantized run folder that keeps the file's bits: Q8_0 matrices become int8 with groups of 32,
     Q4_0 / Q4_1 int4 with groups of 32, exactly (``block_parts``). The run's type is that of most block matrices;
     matrices stored otherwise (K-quants, F16, the other width) are dequantized and rounded again into it, and
-    named in the notes. An untied token table stays float, as in any quantized run (``quantization.py``)."""
+    named in the notes. An untied token table stays float, as in any quantized run (``quantization.py``), and so
+    do a mixture of experts' stacked expert matrices (no ``nn.Linear`` there: they are dequantized); its router,
+    an ``nn.Linear`` that llama.cpp keeps in F32, is rounded into the run's type."""
     import tempfile
     from collections import Counter
 
     from tinyformer.components.quantized import QuantSpec, quantize_weight
     from tinyformer.interop.adapter import adapter_for_hf
     from tinyformer.interop.convert_pipeline import staged_output
-    from tinyformer.quantization import QUANT_KEY
+    from tinyformer.models import build_model
+    from tinyformer.quantization import QUANT_KEY, linear_names
     from tinyformer.run_folder import iter_tensors, save_tensors, side_files
 
     g = GGUFFile(path)
@@ -581,8 +747,8 @@ def import_gguf_keep_quant(path: str | Path, out: str | Path, *, max_shard_bytes
                 if name in source._permute:
                     parts = {k: unpermute_rows(v, source._permute[name]) for k, v in parts.items()}
                 exact[name] = parts
-        linears = {f"blocks.{i}.{m}" for i in range(cfg.n_layer) for m in ("attn.qkv", "attn.out", "ffn.gate_up",
-                                                                                 "ffn.down")} | {"lm_head"}
+        with torch.device("meta"):  # the layers a quantized run stores quantized (a MoE's router too; its
+            linears = set(linear_names(build_model(cfg)))  # stacked experts are no nn.Linear and stay float)
         rounded: Counter[str] = Counter()
 
         def tensors():
