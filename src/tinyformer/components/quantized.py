@@ -18,6 +18,11 @@ nibble and column 2j+1 in the high one. The int4 zero point also expresses llama
 (x = d q), exactly.
 
 Forward: y = x dequant(W)^T + b, x (..., in) -> y (..., out), computed by one of these ``kernel`` s:
+  * ``cpp`` (the CPU default): ``tinyformer.components.quant_kernels``, a C++ extension (AVX-512) that
+    reads the portable layout in place and widens each weight to float32 in registers, for M <=
+    ``CPP_MAX_ROWS`` activation rows (M = batch x tokens; decoding); more rows (a prefill) take
+    ``dequant``, where the float matrix's cost is shared by the rows. Built at first use; without a C++
+    compiler the same formula runs in PyTorch.
   * ``dequant``: F.linear(x, dequant(W)), the formula itself. Eager, every call widens the weights
     (slower than float weights); under ``torch.compile`` the widening fuses into the product.
   * ``aten``: PyTorch's weight-only CPU kernels, ``aten._weight_int8pack_mm`` (int8 per output channel)
@@ -40,10 +45,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyformer.components import quant_kernels
 from tinyformer.errors import ConfigError
 
 QUANT_TYPES = ("int8", "int4")
-KERNELS = ("auto", "dequant", "aten", "fbgemm")
+KERNELS = ("auto", "cpp", "dequant", "aten", "fbgemm")
+# Rows up to which the cpp kernel beats widening the weights once and calling F.linear (measured:
+# docs/benchmarks/quantized.md): its cost grows with the rows, the widening's does not.
+CPP_MAX_ROWS = 8
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 
 
@@ -51,9 +60,9 @@ INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 class QuantSpec:
     """How a run's linear weights are quantized: ``type`` int8 | int4; ``group_size`` G (0 = one scale per
     output row, int8 only; int4 needs G >= 2, even); ``kernel`` the forward computation (see module doc;
-    ``auto`` picks a weight-only one: ``aten`` for int8 per channel and for int4 where its kernel applies,
-    else ``dequant``; ``fbgemm``, much faster on the reference machine but rounding the activations too, is
-    only used when asked for)."""
+    ``auto`` picks a weight-only one: on a CPU ``cpp`` (``aten`` for int8 per channel and for int4 where its
+    kernel applies, else ``dequant``, when the C++ kernels cannot be built), elsewhere ``dequant``;
+    ``fbgemm``, which rounds the activations too, is only used when asked for)."""
 
     type: str
     group_size: int = 0
@@ -153,6 +162,8 @@ def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device:
     if kernel == "auto":
         if device.type != "cpu":
             return "dequant"
+        if quant_kernels.available():
+            return "cpp"
         if spec.type == "int8":
             return "aten" if spec.group_size == 0 else "dequant"
         return "aten" if int4_kernel_applies(out_features, g, device) else "dequant"
@@ -163,8 +174,8 @@ def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device:
             raise ConfigError(f"kernel 'aten' does not apply to a {out_features} x {in_features} {spec.type} weight "
                               f"with group_size {spec.group_size} on {device.type} (int8 needs group_size 0; int4 "
                               f"needs a CPU, out % 16 == 0 and G in {INT4_KERNEL_GROUPS})")
-    if kernel == "fbgemm" and device.type != "cpu":
-        raise ConfigError("kernel 'fbgemm' runs on the CPU only")
+    if kernel in ("fbgemm", "cpp") and device.type != "cpu":
+        raise ConfigError(f"kernel {kernel!r} runs on the CPU only")
     return kernel
 
 
@@ -188,9 +199,15 @@ class QuantizedLinear(nn.Module):
         self.group = spec.groups(in_features)
         self.kernel = resolve_kernel(spec, self.out_features, in_features, q.device)
         self.bias = nn.Parameter(bias.to(dtype), requires_grad=False) if bias is not None else None
+        self.dtype = dtype
         self._fbgemm: Any = None
         scales = portable["scales"].float()
-        if self.kernel == "fbgemm":
+        if self.kernel == "cpp":  # the portable tensors as they are: float32 scales, whatever ``dtype``
+            self.register_buffer("qweight", q, persistent=False)
+            self.register_buffer("scales", scales, persistent=False)
+            if spec.type == "int4":
+                self.register_buffer("zeros", portable["zeros"].float(), persistent=False)
+        elif self.kernel == "fbgemm":
             with warnings.catch_warnings():  # torch 2.13 marks the quantized tensor type deprecated
                 warnings.simplefilter("ignore", UserWarning)
                 s = scales.reshape(-1)
@@ -227,11 +244,7 @@ class QuantizedLinear(nn.Module):
             self.bias = bias
 
     def _float_dtype(self) -> torch.dtype:
-        for name in ("scales", "scales_and_zeros"):
-            t = getattr(self, name, None)
-            if isinstance(t, torch.Tensor):
-                return t.dtype
-        return self.bias.dtype if self.bias is not None else torch.float32
+        return self.dtype
 
     def _device(self) -> torch.device:
         t = getattr(self, "qweight", None)
@@ -240,7 +253,12 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.kernel == "fbgemm":
+        if self.kernel == "cpp" and x2.shape[0] <= CPP_MAX_ROWS:
+            if self.spec.type == "int8":
+                y = quant_kernels.int8_linear(x2, self.qweight, self.scales)
+            else:
+                y = quant_kernels.int4_linear(x2, self.qweight, self.scales, self.zeros)
+        elif self.kernel == "fbgemm":
             y = torch.ops.quantized.linear_dynamic(x2.float(), self._fbgemm).to(x.dtype)
         elif self.kernel == "aten" and self.spec.type == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
