@@ -112,7 +112,7 @@ def quantize_run(model_dir: str | Path, out: str | Path, spec: QuantSpec, *, for
     """Float run folder -> quantized run folder (config.json with the spec, quantized safetensors, and every
     other top-level file of the run, such as the tokenizer, copied). Nothing is written on error."""
     from tinyformer.interop.convert_pipeline import staged_output
-    from tinyformer.run_folder import iter_tensors, load_config, load_model, save_tensors, side_files
+    from tinyformer.run_folder import load_config, load_model, save_tensors, side_files, tensor_bytes
 
     src = Path(model_dir)
     cfg = load_config(src)
@@ -124,14 +124,14 @@ def quantize_run(model_dir: str | Path, out: str | Path, spec: QuantSpec, *, for
             spec.groups(model.get_submodule(name).in_features)
         except ConfigError as exc:
             raise ConfigError(f"layer {name}: {exc}") from None
-    float_bytes = sum(t.numel() * t.element_size() for _, t in iter_tensors(src))
+    float_bytes = tensor_bytes(src, verify=False)  # load_model checked the files
     errors: list[LayerError] = []
     with staged_output(out, force, (src,)) as staging:
         save_tensors(staging, quantized_tensors(model, spec, errors if layer_errors else None))
         for item in side_files(src):
             shutil.copy2(item, staging / item.name)
         cfg.replace(extra={**cfg.extra, QUANT_KEY: spec.to_dict()}).save(staging / "config.json")
-        quantized_bytes = sum(t.numel() * t.element_size() for _, t in iter_tensors(staging))
+        quantized_bytes = tensor_bytes(staging, verify=False)
         files = sorted(p.name for p in staging.iterdir())
     return QuantizeReport(Path(out), spec, float_bytes, quantized_bytes, files, errors)
 
