@@ -8,6 +8,8 @@ down projection (576 x 1536) and the head (49152 x 576). For each, y = x W^T (x:
   * int8_aten:     torch.ops.aten._weight_int8pack_mm, int8 W with one scale per output row
   * int8_cpp / int4_cpp: tinyformer's C++ kernels (``tinyformer.components.quant_kernels``), the portable
     layout read in place, each weight widened to float32 in registers (per channel, G = 32)
+  * int8_cpp_act8 / int4_cpp_act8: the same with the activations rounded to 8 bits per 32 columns and
+    integer (VNNI) dot products, as llama.cpp's Q8_0 / Q4_0 products; not weight-only
   * int8_compiled: torch.compile of x @ (q * s)^T, per-channel and per-group (G = 32) scales (inductor
     writes the float matrix, then calls the BLAS)
   * int8_compiled_sum: torch.compile of (x[:, None, :] * q) .sum(-1) * s, written so that inductor fuses
@@ -111,6 +113,11 @@ def bench_shape(name: str, n: int, k: int, rows: int, repeat: int, only: list[st
         "int8_cpp (per-channel)": (lambda: torch.ops.tinyformer.int8_linear(x, q8, s8[:, None])) if cpp else None,
         "int8_cpp (G=32)": (lambda: torch.ops.tinyformer.int8_linear(x, q8g, s8g)) if cpp else None,
         "int4_cpp (G=32)": (lambda: torch.ops.tinyformer.int4_linear(x, nib_u8, s4_32, zeros4)) if cpp else None,
+        "int8_cpp_act8 (per-channel)": (lambda: torch.ops.tinyformer.int8_linear_act8(x, q8, s8[:, None]))
+        if cpp else None,
+        "int8_cpp_act8 (G=32)": (lambda: torch.ops.tinyformer.int8_linear_act8(x, q8g, s8g)) if cpp else None,
+        "int4_cpp_act8 (G=32)": (lambda: torch.ops.tinyformer.int4_linear_act8(x, nib_u8, s4_32, zeros4))
+        if cpp else None,
         "int8_compiled_sum (per-channel)": lambda: sum8(x, q8, s8),
         "int8_compiled_sum (input-major)": lambda: sum8_in_major(x, q8t, s8),
         "int8_aten (per-channel)": lambda: torch.ops.aten._weight_int8pack_mm(x, q8, s8),

@@ -19,6 +19,7 @@ from tinyformer.components.quantized import (
     dequantize_weight,
     quantize_weight,
 )
+from tinyformer.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,6 +39,10 @@ LAYOUTS = [
     (QuantSpec("int4", 10), 37, 100),
 ]
 ROWS = [1, 3, CPP_MAX_ROWS]
+
+
+def spec_id(value: object) -> str | None:
+    return str(value) if isinstance(value, QuantSpec) else None
 
 
 @pytest.fixture(scope="session")
@@ -70,7 +75,7 @@ def assert_matches(y: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize(("spec", "n", "k"), LAYOUTS, ids=lambda v: str(v) if isinstance(v, QuantSpec) else None)
+@pytest.mark.parametrize(("spec", "n", "k"), LAYOUTS, ids=spec_id)
 def test_cpp_kernel_equals_x_times_dequantized_weight(cpp_kernels, spec, n, k, rows):
     parts, x, expected = layer_case(spec, n, k, rows)
     ops = {"int8": torch.ops.tinyformer.int8_linear, "int4": torch.ops.tinyformer.int4_linear}
@@ -80,7 +85,7 @@ def test_cpp_kernel_equals_x_times_dequantized_weight(cpp_kernels, spec, n, k, r
 
 
 @pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize(("spec", "n", "k"), LAYOUTS[::2], ids=lambda v: str(v) if isinstance(v, QuantSpec) else None)
+@pytest.mark.parametrize(("spec", "n", "k"), LAYOUTS[::2], ids=spec_id)
 def test_pytorch_fallback_equals_x_times_dequantized_weight(spec, n, k, rows):
     parts, x, expected = layer_case(spec, n, k, rows, seed=1)
     ref = {"int8": quant_kernels.int8_linear_reference, "int4": quant_kernels.int4_linear_reference}
@@ -141,3 +146,60 @@ def test_compiled_decode_step_with_the_cpp_kernel_gives_the_eager_greedy_tokens(
         greedy = SamplingParams(temperature=0, max_new_tokens=12)
         tokens[compiled] = [r.token_ids for r in gen.generate(prompts, greedy, logprobs=False)]
     assert tokens[True] == tokens[False]
+
+
+# ------------------------------------------------------------------ activations rounded to 8 bits (opt-in)
+
+ACT8_LAYOUTS = [(QuantSpec("int8", 0), 37, 128), (QuantSpec("int8", 32), 40, 256), (QuantSpec("int8", 64), 33, 192),
+                (QuantSpec("int4", 32), 37, 128), (QuantSpec("int4", 64), 33, 192), (QuantSpec("int4", 128), 20, 384)]
+
+
+def act8_reference(spec: QuantSpec, parts: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """float64: x rounded per block of 32 (d = max |x| / 127, round half to even) times dequant(W), except
+    int4's zero-point part, z - 8 s per group, which multiplies the exact x."""
+    xb = x.double().reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    xr = (torch.round(xb / torch.where(d > 0, d, torch.ones_like(d))) * d).reshape(x.shape)
+    wd = dequantize_weight(parts, spec.type, torch.float64)
+    if spec.type == "int8":
+        return xr @ wd.t()
+    g = spec.groups(x.shape[1])
+    m = parts["zeros"].double() - 8 * parts["scales"].double()
+    return xr @ (wd - m.repeat_interleave(g, dim=1)).t() + x.double().reshape(x.shape[0], -1, g).sum(-1) @ m.t()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize(("spec", "n", "k"), ACT8_LAYOUTS, ids=spec_id)
+def test_act8_kernel_equals_rounded_activations_times_dequantized_weight(cpp_kernels, spec, n, k, rows):
+    parts, x, exact = layer_case(spec, n, k, rows, seed=4)
+    ops = {"int8": torch.ops.tinyformer.int8_linear_act8, "int4": torch.ops.tinyformer.int4_linear_act8}
+    y = run_kernel(ops, spec, parts, x)
+    assert_matches(y, act8_reference(spec, parts, x))
+    # and within the rounding's bound of the weight-only product: sum_b d_b / 2 sum_{i in b} |w_i|
+    wd = dequantize_weight(parts, spec.type, torch.float64)
+    if spec.type == "int4":
+        m = parts["zeros"].double() - 8 * parts["scales"].double()
+        wd = wd - m.repeat_interleave(spec.groups(k), dim=1)
+    d = x.double().reshape(rows, -1, 32).abs().amax(-1) / 127  # (rows, blocks)
+    bound = (d / 2) @ wd.abs().reshape(n, -1, 32).sum(-1).t()
+    assert torch.all((y.double() - exact).abs() <= bound + 1e-5 * float(exact.abs().max()))
+    assert not torch.allclose(y.double(), exact, rtol=1e-6, atol=1e-6)  # it is not the weight-only product
+
+
+@pytest.mark.parametrize(("spec", "n", "k"), ACT8_LAYOUTS[::3], ids=spec_id)
+def test_act8_pytorch_fallback_equals_the_formula(spec, n, k, monkeypatch):
+    parts, x, _ = layer_case(spec, n, k, 2, seed=5)
+    monkeypatch.setitem(quant_kernels._state, "ok", False)  # as if no compiler were found
+    fn = {"int8": quant_kernels.int8_linear_act8, "int4": quant_kernels.int4_linear_act8}
+    assert_matches(run_kernel(fn, spec, parts, x), act8_reference(spec, parts, x))
+
+
+def test_act8_kernel_is_opt_in_and_refuses_widths_off_the_32_grid(cpp_kernels):
+    parts = quantize_weight(torch.randn(8, 100), QuantSpec("int8", 0))
+    with pytest.raises(ConfigError, match="multiples of 32"):
+        QuantizedLinear(parts, QuantSpec("int8", 0, "cpp_act8"), 100)
+    spec = QuantSpec("int4", 32, "cpp_act8")
+    parts, x, _ = layer_case(spec, 24, 64, 2, seed=6)
+    layer = QuantizedLinear(parts, spec, 64)
+    assert layer.kernel == "cpp_act8" and QuantizedLinear(parts, QuantSpec("int4", 32), 64).kernel == "cpp"
+    assert_matches(layer(x), act8_reference(spec, parts, x))

@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -159,6 +160,116 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void int4_block_avx512(
     for (int m = 0; m < MB; ++m) y[m * N + o + r] = _mm512_reduce_add_ps(acc[r][m]) + off[r][m];
 }
 
+// ---- activations rounded to 8 bits (opt-in): x_i ~ d_b xq_i over blocks b of 32 columns,
+// d_b = max_{i in b} |x_i| / 127, xq_i = round(x_i / d_b) in [-127, 127], as llama.cpp's Q8_0 activations.
+// Integer dot products (VNNI vpdpbusd: unsigned bytes times signed bytes, summed in fours into int32).
+// int8: q + 128 (= q ^ 0x80) is unsigned; sum_i (q_i + 128) xq_i - 128 sum_i xq_i = sum_i q_i xq_i, the
+// second sum (per block, shared by all rows) taken off once per group: corr[g] = 128 sum_{b in g} d_b sum xq.
+template <int MB, int R, bool PER_ROW>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void int8_act8_block(
+    const int8_t* xq, const float* d, const float* corr, int64_t K, const int8_t* q, const float* s, int64_t G,
+    float* y, int64_t N, int64_t o) {
+  const int64_t ng = K / G, nb = K / 32;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[R][MB], p[R][MB];
+  float off[R][MB] = {};
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) p[r][m] = _mm256_setzero_ps();
+    for (int64_t c = g * G; c < (g + 1) * G; c += 32) {
+      __m256i xv[MB];
+      __m256 dv[MB];
+      for (int m = 0; m < MB; ++m) {
+        xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + c));
+        dv[m] = _mm256_set1_ps(d[m * nb + c / 32]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (o + r) * K + c)), flip);
+        for (int m = 0; m < MB; ++m) {
+          const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv[m]);
+          p[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), dv[m], p[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float sv = PER_ROW ? 1.f : s[(o + r) * ng + g];
+      const __m256 sc = _mm256_set1_ps(sv);
+      for (int m = 0; m < MB; ++m) {
+        acc[r][m] = _mm256_fmadd_ps(p[r][m], sc, acc[r][m]);
+        off[r][m] += sv * corr[m * ng + g];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) {
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r][m]), _mm256_extractf128_ps(acc[r][m], 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      const float v = _mm_cvtss_f32(h) - off[r][m];
+      y[m * N + o + r] = PER_ROW ? v * s[o + r] : v;
+    }
+}
+
+// int4: u in [0, 15] is unsigned already. A 32-column block's 16 bytes widen to [low nibbles | high
+// nibbles] (even columns, then odd ones); xq is stored in that order. w = s u + (z - 8 s), so
+// y = sum_g s sum_{b in g} d_b sum_i u_i xq_i + (z - 8 s) xs_g, with xs_g the exact sum of x over the group.
+template <int MB, int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void int4_act8_block(
+    const int8_t* xq, const float* d, const float* xs, int64_t K, const uint8_t* q, const float* s,
+    const float* z, int64_t G, float* y, int64_t N, int64_t o) {
+  const int64_t ng = K / G, nb = K / 32;
+  const __m128i low = _mm_set1_epi8(15);
+  __m256 acc[R][MB], p[R][MB];
+  float off[R][MB] = {};
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) p[r][m] = _mm256_setzero_ps();
+    for (int64_t c = g * G; c < (g + 1) * G; c += 32) {
+      __m256i xv[MB];
+      __m256 dv[MB];
+      for (int m = 0; m < MB; ++m) {
+        xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + c));
+        dv[m] = _mm256_set1_ps(d[m * nb + c / 32]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (o + r) * (K / 2) + c / 2));
+        const __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+        for (int m = 0; m < MB; ++m) {
+          const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xv[m]);
+          p[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), dv[m], p[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float sv = s[(o + r) * ng + g];
+      const float mv = z[(o + r) * ng + g] - 8.f * sv;
+      const __m256 sc = _mm256_set1_ps(sv);
+      for (int m = 0; m < MB; ++m) {
+        acc[r][m] = _mm256_fmadd_ps(p[r][m], sc, acc[r][m]);
+        off[r][m] += mv * xs[m * ng + g];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) {
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r][m]), _mm256_extractf128_ps(acc[r][m], 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      y[m * N + o + r] = _mm_cvtss_f32(h) + off[r][m];
+    }
+}
+
+bool has_vnni() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+                          __builtin_cpu_supports("fma");
+  return yes;
+}
+
 template <int R>
 void int8_avx512(const float* x, int mb, int64_t K, const int8_t* q, const float* s, int64_t G, float* y,
                  int64_t N, int64_t o) {
@@ -190,12 +301,13 @@ bool has_avx512() {
 }
 #else
 bool has_avx512() { return false; }
+bool has_vnni() { return false; }
 #endif
 
 // Threads take blocks of kRowBlock output rows; each block runs over the activation rows kMaxBatch at a
 // time, so its weights (a few KiB) are widened from cache after the first pass.
 template <typename Block, typename Plain>
-void over_rows(int64_t M, int64_t N, int64_t K, Block block, Plain plain) {
+void over_rows(int64_t M, int64_t N, int64_t K, Block block, Plain plain, bool fast = has_avx512()) {
   const int64_t n_blocks = (N + kRowBlock - 1) / kRowBlock;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
   at::parallel_for(0, n_blocks, grain, [&](int64_t b0, int64_t b1) {
@@ -203,7 +315,7 @@ void over_rows(int64_t M, int64_t N, int64_t K, Block block, Plain plain) {
       const int64_t o = b * kRowBlock;
       for (int64_t m = 0; m < M; m += kMaxBatch) {
         const int mb = static_cast<int>(std::min<int64_t>(kMaxBatch, M - m));
-        if (has_avx512()) {
+        if (fast) {
           block(m, mb, o, std::min<int64_t>(kRowBlock, N - o));
         } else {
           plain(m, mb, o, std::min<int64_t>(o + kRowBlock, N));
@@ -303,14 +415,166 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   return y.to(x.scalar_type());
 }
 
+// Rounds x (M, K) to 8 bits per block of 32 columns: xq (M, K) (for int4 each block stored even columns
+// first, then odd ones), d (M, K / 32), xs (M, K / G) exact group sums of x, corr (M, K / G) for int8.
+struct Act8 {
+  std::vector<int8_t> xq;
+  std::vector<float> d, xs, corr;
+};
+
+Act8 round_activations(const float* x, int64_t M, int64_t K, int64_t G, bool int4_order) {
+  const int64_t nb = K / 32, ng = K / G;
+  Act8 a;
+  a.xq.resize(static_cast<size_t>(M * K));
+  a.d.resize(static_cast<size_t>(M * nb));
+  a.xs.assign(static_cast<size_t>(M * ng), 0.f);
+  a.corr.assign(static_cast<size_t>(M * ng), 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * 32;
+      float amax = 0.f, sum = 0.f;
+      for (int i = 0; i < 32; ++i) {
+        amax = std::max(amax, std::fabs(xb[i]));
+        sum += xb[i];
+      }
+      const float dv = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int qsum = 0;
+      int8_t* out = a.xq.data() + m * K + b * 32;
+      for (int i = 0; i < 32; ++i) {
+        const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
+        qsum += v;
+        out[int4_order ? (i % 2) * 16 + i / 2 : i] = static_cast<int8_t>(v);
+      }
+      a.d[m * nb + b] = dv;
+      a.xs[m * ng + b * 32 / G] += sum;
+      a.corr[m * ng + b * 32 / G] += 128.f * dv * static_cast<float>(qsum);
+    }
+  return a;
+}
+
+void check_act8(int64_t K, int64_t G) {
+  TORCH_CHECK(K % 32 == 0 && G % 32 == 0, "8-bit activations need K and the group size to be multiples of 32, got K ",
+              K, ", G ", G);
+}
+
+at::Tensor int8_linear_act8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) {
+  TORCH_CHECK(q.scalar_type() == at::kChar, "q must be int8");
+  const int64_t K = q.size(1);
+  check_common(x, q, s, K);
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, q has ", K);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor qc = q.contiguous(), sc = s.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), N = qc.size(0), G = K / sc.size(1), ng = K / G, nb = K / 32;
+  check_act8(K, G);
+  at::Tensor y = at::empty({M, N}, xf.options());
+  const Act8 a = round_activations(xf.data_ptr<float>(), M, K, G, false);
+  const int8_t* qd = qc.data_ptr<int8_t>();
+  const float* sd = sc.data_ptr<float>();
+  float* yd = y.data_ptr<float>();
+  const bool per_row = G == K;
+  over_rows(M, N, K,
+            [&](int64_t m, int mb, int64_t o, int64_t rows) {
+#ifdef TF_X86
+              const int8_t* xm = a.xq.data() + m * K;
+              const float *dm = a.d.data() + m * nb, *cm = a.corr.data() + m * ng;
+              for (int64_t r = 0; r < rows; r += (rows == kRowBlock ? kRowBlock : 1)) {
+                const bool full = rows == kRowBlock;
+#define TF_ACT8_CALL(MB, R)                                                                      \
+  (per_row ? int8_act8_block<MB, R, true>(xm, dm, cm, K, qd, sd, G, yd + m * N, N, o + r)        \
+           : int8_act8_block<MB, R, false>(xm, dm, cm, K, qd, sd, G, yd + m * N, N, o + r))
+                if (mb == 1) { if (full) TF_ACT8_CALL(1, 4); else TF_ACT8_CALL(1, 1); }
+                else { if (full) TF_ACT8_CALL(2, 4); else TF_ACT8_CALL(2, 1); }
+#undef TF_ACT8_CALL
+              }
+#endif
+            },
+            [&](int64_t m, int mb, int64_t o0, int64_t o1) {
+              for (int64_t o = o0; o < o1; ++o)
+                for (int64_t mm = m; mm < m + mb; ++mm) {
+                  float acc = 0.f;
+                  for (int64_t g = 0; g < ng; ++g) {
+                    float p = 0.f;
+                    for (int64_t b = g * G / 32; b < (g + 1) * G / 32; ++b) {
+                      int dot = 0;
+                      for (int i = 0; i < 32; ++i) dot += int(qd[o * K + b * 32 + i]) * int(a.xq[mm * K + b * 32 + i]);
+                      p += a.d[mm * nb + b] * static_cast<float>(dot);
+                    }
+                    acc += sd[o * ng + g] * p;
+                  }
+                  yd[mm * N + o] = acc;
+                }
+            },
+            has_vnni());
+  return y.to(x.scalar_type());
+}
+
+at::Tensor int4_linear_act8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& z) {
+  TORCH_CHECK(q.scalar_type() == at::kByte, "q must be uint8 (two 4-bit values per byte)");
+  const int64_t K = 2 * q.size(1);
+  check_common(x, q, s, K);
+  TORCH_CHECK(z.is_floating_point() && z.sizes() == s.sizes(), "z must be float shaped like s");
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, q holds ", K);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor qc = q.contiguous(), sc = s.to(at::kFloat).contiguous(), zc = z.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), N = qc.size(0), G = K / sc.size(1), ng = K / G, nb = K / 32;
+  check_act8(K, G);
+  at::Tensor y = at::empty({M, N}, xf.options());
+  const Act8 a = round_activations(xf.data_ptr<float>(), M, K, G, true);
+  const uint8_t* qd = qc.data_ptr<uint8_t>();
+  const float* sd = sc.data_ptr<float>();
+  const float* zd = zc.data_ptr<float>();
+  float* yd = y.data_ptr<float>();
+  over_rows(M, N, K,
+            [&](int64_t m, int mb, int64_t o, int64_t rows) {
+#ifdef TF_X86
+              const int8_t* xm = a.xq.data() + m * K;
+              const float *dm = a.d.data() + m * nb, *xsm = a.xs.data() + m * ng;
+              if (rows == kRowBlock) {
+                if (mb == 1) int4_act8_block<1, 4>(xm, dm, xsm, K, qd, sd, zd, G, yd + m * N, N, o);
+                else int4_act8_block<2, 4>(xm, dm, xsm, K, qd, sd, zd, G, yd + m * N, N, o);
+              } else {
+                for (int64_t r = 0; r < rows; ++r) {
+                  if (mb == 1) int4_act8_block<1, 1>(xm, dm, xsm, K, qd, sd, zd, G, yd + m * N, N, o + r);
+                  else int4_act8_block<2, 1>(xm, dm, xsm, K, qd, sd, zd, G, yd + m * N, N, o + r);
+                }
+              }
+#endif
+            },
+            [&](int64_t m, int mb, int64_t o0, int64_t o1) {
+              for (int64_t o = o0; o < o1; ++o)
+                for (int64_t mm = m; mm < m + mb; ++mm) {
+                  float acc = 0.f;
+                  for (int64_t g = 0; g < ng; ++g) {
+                    float p = 0.f;
+                    for (int64_t b = g * G / 32; b < (g + 1) * G / 32; ++b) {
+                      int dot = 0;
+                      for (int i = 0; i < 32; ++i) {  // xq holds the block's even columns, then its odd ones
+                        const uint8_t byte = qd[o * (K / 2) + b * 16 + i % 16];
+                        dot += int(i < 16 ? (byte & 15) : (byte >> 4)) * int(a.xq[mm * K + b * 32 + i]);
+                      }
+                      p += a.d[mm * nb + b] * static_cast<float>(dot);
+                    }
+                    acc += sd[o * ng + g] * p + (zd[o * ng + g] - 8.f * sd[o * ng + g]) * a.xs[mm * ng + g];
+                  }
+                  yd[mm * N + o] = acc;
+                }
+            },
+            has_vnni());
+  return y.to(x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tinyformer, m) {
   m.def("int8_linear(Tensor x, Tensor q, Tensor s) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor q, Tensor s, Tensor z) -> Tensor");
+  m.def("int8_linear_act8(Tensor x, Tensor q, Tensor s) -> Tensor");
+  m.def("int4_linear_act8(Tensor x, Tensor q, Tensor s, Tensor z) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tinyformer, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear_act8", &int8_linear_act8);
+  m.impl("int4_linear_act8", &int4_linear_act8);
 }

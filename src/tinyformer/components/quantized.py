@@ -23,6 +23,11 @@ Forward: y = x dequant(W)^T + b, x (..., in) -> y (..., out), computed by one of
     ``CPP_MAX_ROWS`` activation rows (M = batch x tokens; decoding); more rows (a prefill) take
     ``dequant``, where the float matrix's cost is shared by the rows. Built at first use; without a C++
     compiler the same formula runs in PyTorch.
+  * ``cpp_act8`` (opt-in; in and G multiples of 32): as ``cpp``, but the activations are rounded to 8 bits
+    per block b of 32 columns first, x_i ~ d_b xq_i with d_b = max_b |x| / 127 (as llama.cpp's Q8_0 / Q4_0
+    products do), and multiplied as integers (VNNI): y differs from x dequant(W)^T by at most
+    sum_b d_b / 2 sum_{i in b} |dequant(W)_oi| (int4: |s_og (u_oi - 8)| there, the zero points multiply
+    the exact x). Prefill rows (more than ``CPP_MAX_ROWS``) stay weight-only (``dequant``).
   * ``dequant``: F.linear(x, dequant(W)), the formula itself. Eager, every call widens the weights
     (slower than float weights); under ``torch.compile`` the widening fuses into the product.
   * ``aten``: PyTorch's weight-only CPU kernels, ``aten._weight_int8pack_mm`` (int8 per output channel)
@@ -49,7 +54,7 @@ from tinyformer.components import quant_kernels
 from tinyformer.errors import ConfigError
 
 QUANT_TYPES = ("int8", "int4")
-KERNELS = ("auto", "cpp", "dequant", "aten", "fbgemm")
+KERNELS = ("auto", "cpp", "cpp_act8", "dequant", "aten", "fbgemm")
 # Rows up to which the cpp kernel beats widening the weights once and calling F.linear (measured:
 # docs/benchmarks/quantized.md): its cost grows with the rows, the widening's does not.
 CPP_MAX_ROWS = 8
@@ -174,8 +179,11 @@ def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device:
             raise ConfigError(f"kernel 'aten' does not apply to a {out_features} x {in_features} {spec.type} weight "
                               f"with group_size {spec.group_size} on {device.type} (int8 needs group_size 0; int4 "
                               f"needs a CPU, out % 16 == 0 and G in {INT4_KERNEL_GROUPS})")
-    if kernel in ("fbgemm", "cpp") and device.type != "cpu":
+    if kernel in ("fbgemm", "cpp", "cpp_act8") and device.type != "cpu":
         raise ConfigError(f"kernel {kernel!r} runs on the CPU only")
+    if kernel == "cpp_act8" and (in_features % 32 or g % 32):
+        raise ConfigError(f"kernel 'cpp_act8' needs input columns and group_size in multiples of 32, got a "
+                          f"{out_features} x {in_features} weight with groups of {g}")
     return kernel
 
 
@@ -202,7 +210,7 @@ class QuantizedLinear(nn.Module):
         self.dtype = dtype
         self._fbgemm: Any = None
         scales = portable["scales"].float()
-        if self.kernel == "cpp":  # the portable tensors as they are: float32 scales, whatever ``dtype``
+        if self.kernel in ("cpp", "cpp_act8"):  # the portable tensors as they are: float32 scales
             self.register_buffer("qweight", q, persistent=False)
             self.register_buffer("scales", scales, persistent=False)
             if spec.type == "int4":
@@ -258,6 +266,11 @@ class QuantizedLinear(nn.Module):
                 y = quant_kernels.int8_linear(x2, self.qweight, self.scales)
             else:
                 y = quant_kernels.int4_linear(x2, self.qweight, self.scales, self.zeros)
+        elif self.kernel == "cpp_act8" and x2.shape[0] <= CPP_MAX_ROWS:
+            if self.spec.type == "int8":
+                y = quant_kernels.int8_linear_act8(x2, self.qweight, self.scales)
+            else:
+                y = quant_kernels.int4_linear_act8(x2, self.qweight, self.scales, self.zeros)
         elif self.kernel == "fbgemm":
             y = torch.ops.quantized.linear_dynamic(x2.float(), self._fbgemm).to(x.dtype)
         elif self.kernel == "aten" and self.spec.type == "int8":
