@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinyformer.components import quant_kernels
+from tinyformer.components import quant_kernels, quantized
 from tinyformer.components.quantized import (
     CPP_MAX_ROWS,
     QuantizedLinear,
@@ -106,8 +106,9 @@ def test_cpp_kernel_uses_all_threads_and_bfloat16_activations_alike(cpp_kernels)
 
 
 @pytest.mark.parametrize("spec", [QuantSpec("int8", 0, "cpp"), QuantSpec("int4", 32, "cpp")], ids=str)
-def test_cpp_layer_takes_the_kernel_for_few_rows_and_the_float_product_for_many(cpp_kernels, spec):
+def test_cpp_layer_takes_the_kernel_for_few_rows_and_the_float_product_for_many(cpp_kernels, spec, monkeypatch):
     n, k = 40, 128
+    monkeypatch.setattr(quantized, "DEQUANT_TILE_BYTES", 7 * 4 * k)  # many rows: tiles of 7 output rows
     parts, _, _ = layer_case(spec, n, k, 1, seed=3)
     b = torch.randn(n)
     layer = QuantizedLinear(parts, spec, k, b)

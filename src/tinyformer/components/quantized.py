@@ -20,14 +20,14 @@ nibble and column 2j+1 in the high one. The int4 zero point also expresses llama
 Forward: y = x dequant(W)^T + b, x (..., in) -> y (..., out), computed by one of these ``kernel`` s:
   * ``cpp`` (the CPU default): ``tinyformer.components.quant_kernels``, a C++ extension (AVX-512) that
     reads the portable layout in place and widens each weight to float32 in registers, for M <=
-    ``CPP_MAX_ROWS`` activation rows (M = batch x tokens; decoding); more rows (a prefill) take
-    ``dequant``, where the float matrix's cost is shared by the rows. Built at first use; without a C++
-    compiler the same formula runs in PyTorch.
+    ``CPP_MAX_ROWS`` activation rows (M = batch x tokens; decoding). More rows (a prefill) take the
+    ``dequant`` formula, ``DEQUANT_TILE_BYTES`` of widened output rows at a time, where the widening's cost
+    is shared by the rows. Built at first use; without a C++ compiler the same formula runs in PyTorch.
   * ``cpp_act8`` (opt-in; in and G multiples of 32): as ``cpp``, but the activations are rounded to 8 bits
     per block b of 32 columns first, x_i ~ d_b xq_i with d_b = max_b |x| / 127 (as llama.cpp's Q8_0 / Q4_0
     products do), and multiplied as integers (VNNI): y differs from x dequant(W)^T by at most
     sum_b d_b / 2 sum_{i in b} |dequant(W)_oi| (int4: |s_og (u_oi - 8)| there, the zero points multiply
-    the exact x). Prefill rows (more than ``CPP_MAX_ROWS``) stay weight-only (``dequant``).
+    the exact x). Prefill rows (more than ``CPP_MAX_ROWS``) stay weight-only, as with ``cpp``.
   * ``dequant``: F.linear(x, dequant(W)), the formula itself. Eager, every call widens the weights
     (slower than float weights); under ``torch.compile`` the widening fuses into the product.
   * ``aten``: PyTorch's weight-only CPU kernels, ``aten._weight_int8pack_mm`` (int8 per output channel)
@@ -58,6 +58,7 @@ KERNELS = ("auto", "cpp", "cpp_act8", "dequant", "aten", "fbgemm")
 # Rows up to which the cpp kernel beats widening the weights once and calling F.linear (measured:
 # docs/benchmarks/quantized.md): its cost grows with the rows, the widening's does not.
 CPP_MAX_ROWS = 8
+DEQUANT_TILE_BYTES = 8 * 2**20
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 
 
@@ -277,6 +278,8 @@ class QuantizedLinear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         elif self.kernel == "aten":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_and_zeros)
+        elif self.kernel in ("cpp", "cpp_act8"):
+            y = self._tiled_dequant_linear(x2)
         else:
             parts = {"qweight": self.qweight, "scales": self.scales}
             if self.spec.type == "int4":
@@ -285,6 +288,19 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _tiled_dequant_linear(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 dequant(W)^T for many rows, widening W a tile of output rows at a time (at most
+        ``DEQUANT_TILE_BYTES`` of float weights alive at once, not the whole matrix: the head of a 49k-token
+        vocabulary would be 113 MiB)."""
+        step = max(1, DEQUANT_TILE_BYTES // (4 * self.in_features))
+        out = x2.new_empty(x2.shape[0], self.out_features)
+        for o in range(0, self.out_features, step):
+            parts = {"qweight": self.qweight[o : o + step], "scales": self.scales[o : o + step]}
+            if self.spec.type == "int4":
+                parts["zeros"] = self.zeros[o : o + step]
+            torch.matmul(x2, dequantize_weight(parts, self.spec.type, x2.dtype).t(), out=out[:, o : o + step])
+        return out
 
     def extra_repr(self) -> str:
         g = "per-channel" if self.spec.group_size == 0 else f"group {self.group}"
