@@ -1,6 +1,7 @@
 """Which CPU kernel multiplies by int8 / int4 weights fastest: one decode row and a prefill block.
 
     python benchmarks/bench_quant_kernels.py [--threads 2] [--rows 1 8 128] [--repeat 200] [--only cpp ...]
+    python benchmarks/bench_quant_kernels.py --threads 1 --streaming 30 --repeat 7
 
 Shapes are SmolLM2-135M's (d 576, d_ff 1536, vocab 49152): the fused gate/up matrix (3072 x 576), the
 down projection (576 x 1536) and the head (49152 x 576). For each, y = x W^T (x: rows x in) by
@@ -144,17 +145,61 @@ def bench_shape(name: str, n: int, k: int, rows: int, repeat: int, only: list[st
 
 
 
+def streaming(layers: int, repeat: int) -> None:
+    """Decode-like: one row through ``layers`` different gate_up-sized matrices in turn (as a decode step
+    goes through the layers), so that the weights come from memory, not from a cache that one matrix fits
+    in. Time per matrix, fastest and median of ``repeat`` passes."""
+    from tinyformer.components import quant_kernels
+
+    if not quant_kernels.available():
+        print("streaming: the C++ kernels are not available here")
+        return
+    n, k = 3072, 576
+    ws = [torch.randn(n, k) for _ in range(layers)]
+    q8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(layers)]
+    s8 = [torch.rand(n, 1) for _ in range(layers)]
+    q4 = [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8) for _ in range(layers)]
+    s4 = [torch.rand(n, k // 32) for _ in range(layers)]
+    z4 = [torch.rand(n, k // 32) for _ in range(layers)]
+    x = torch.randn(1, k)
+    ops = torch.ops.tinyformer
+    cases = {  # label: (pass over all layers, bytes of weights and scales per matrix)
+        "fp32": (lambda: [F.linear(x, w) for w in ws], n * k * 4),
+        "int8_cpp (per-channel)": (lambda: [ops.int8_linear(x, q, s) for q, s in zip(q8, s8)], n * k + n * 4),
+        "int8_cpp_act8 (per-channel)": (lambda: [ops.int8_linear_act8(x, q, s) for q, s in zip(q8, s8)],
+                                        n * k + n * 4),
+        "int4_cpp (G=32)": (lambda: [ops.int4_linear(x, q, s, z) for q, s, z in zip(q4, s4, z4)],
+                            n * k // 2 + n * k // 32 * 8),
+        "int4_cpp_act8 (G=32)": (lambda: [ops.int4_linear_act8(x, q, s, z) for q, s, z in zip(q4, s4, z4)],
+                                 n * k // 2 + n * k // 32 * 8),
+    }
+    with torch.inference_mode():
+        base = None
+        for label, (fn, nbytes) in cases.items():
+            us, med = time_us(fn, repeat)
+            us, med = us / layers, med / layers
+            base = base or us
+            print(f"streaming {layers} x gate_up {label:28s} {us:8.1f} us/matrix (median {med:8.1f})  "
+                  f"{base / us:5.2f}x fp32  {nbytes / us / 1e3:6.1f} GB/s", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 128])
     ap.add_argument("--repeat", type=int, default=200)
     ap.add_argument("--only", nargs="+", default=None, help="kernels whose label contains one of these (and fp32)")
+    ap.add_argument("--streaming", type=int, default=0, metavar="LAYERS",
+                    help="instead: one row through LAYERS different gate_up matrices (weights from memory)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     shapes = {"gate_up 3072x576": (3072, 576), "down 576x1536": (576, 1536), "head 49152x576": (49152, 576)}
     print(f"torch {torch.__version__}, {args.threads} threads, load average {os.getloadavg()}")
+    if args.streaming:
+        streaming(args.streaming, args.repeat)
+        print(f"load average at the end {os.getloadavg()}")
+        return
     for rows in args.rows:
         for name, (n, k) in shapes.items():
             bench_shape(name, n, k, rows, args.repeat, args.only)
