@@ -204,3 +204,19 @@ def test_act8_kernel_is_opt_in_and_refuses_widths_off_the_32_grid(cpp_kernels):
     layer = QuantizedLinear(parts, spec, 64)
     assert layer.kernel == "cpp_act8" and QuantizedLinear(parts, QuantSpec("int4", 32), 64).kernel == "cpp"
     assert_matches(layer(x), act8_reference(spec, parts, x))
+
+
+def test_tied_int4_head_and_token_table_share_one_copy_of_the_weights(cpp_kernels, tmp_path):
+    """The cpp kernel reads the stored layout, so the head and the token lookup hold the same tensors."""
+    from tinyformer.config import ModelConfig
+    from tinyformer.models.decoder import DecoderLM
+    from tinyformer.quantization import quantize_run
+    from tinyformer.run_folder import load_model, save_model
+
+    save_model(tmp_path / "run", DecoderLM(ModelConfig(vocab_size=40, d_model=32, n_layer=1, n_head=4,
+                                                       n_kv_head=2, d_ff=64, max_seq_len=32)))
+    quantize_run(tmp_path / "run", tmp_path / "q", QuantSpec("int4", 32))
+    model = load_model(tmp_path / "q")
+    assert model.lm_head.kernel == "cpp"
+    for name in ("qweight", "scales", "zeros"):
+        assert getattr(model.lm_head, name).data_ptr() == getattr(model.tok_emb, name).data_ptr()
