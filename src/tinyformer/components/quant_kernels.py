@@ -50,21 +50,18 @@ def _build() -> None:
     load(name=f"tinyformer_quant_kernels_{digest}", sources=[str(_SOURCE)], is_python_module=False,
          extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
-    @torch.library.register_fake("tinyformer::int8_linear")
-    def _(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((x.shape[0], q.shape[0]))
+    for name in ("int8_linear", "int8_linear_act8"):
+        torch.library.register_fake(f"tinyformer::{name}")(_fake_int8)
+    for name in ("int4_linear", "int4_linear_act8"):
+        torch.library.register_fake(f"tinyformer::{name}")(_fake_int4)
 
-    @torch.library.register_fake("tinyformer::int4_linear")
-    def _(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((x.shape[0], q.shape[0]))
 
-    @torch.library.register_fake("tinyformer::int8_linear_act8")
-    def _(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((x.shape[0], q.shape[0]))
+def _fake_int8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], q.shape[0]))  # (M, N): the shape torch.compile traces with
 
-    @torch.library.register_fake("tinyformer::int4_linear_act8")
-    def _(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((x.shape[0], q.shape[0]))
+
+def _fake_int4(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], q.shape[0]))
 
 
 def available() -> bool:
