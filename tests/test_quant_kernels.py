@@ -220,3 +220,16 @@ def test_tied_int4_head_and_token_table_share_one_copy_of_the_weights(cpp_kernel
     assert model.lm_head.kernel == "cpp"
     for name in ("qweight", "scales", "zeros"):
         assert getattr(model.lm_head, name).data_ptr() == getattr(model.tok_emb, name).data_ptr()
+
+
+def test_quantize_refuses_act8_for_widths_off_the_32_grid_before_writing(tmp_path):
+    from tinyformer.config import ModelConfig
+    from tinyformer.models.decoder import DecoderLM
+    from tinyformer.quantization import quantize_run
+    from tinyformer.run_folder import save_model
+
+    save_model(tmp_path / "run", DecoderLM(ModelConfig(vocab_size=40, d_model=48, n_layer=1, n_head=4,
+                                                       n_kv_head=2, d_ff=96, max_seq_len=32)))
+    with pytest.raises(ConfigError, match="multiples of 32"):
+        quantize_run(tmp_path / "run", tmp_path / "q", QuantSpec("int8", 0, "cpp_act8"))
+    assert not (tmp_path / "q").exists()

@@ -31,6 +31,7 @@ from tinyformer.components.quantized import (
     QuantSpec,
     dequantize_weight,
     quantize_weight,
+    resolve_kernel,
 )
 from tinyformer.config import ModelConfig
 from tinyformer.errors import CheckpointError, ConfigError
@@ -119,9 +120,12 @@ def quantize_run(model_dir: str | Path, out: str | Path, spec: QuantSpec, *, for
     if quant_spec(cfg) is not None:
         raise ConfigError(f"{src} is already quantized ({quant_spec(cfg).type}); quantize the float run it came from")
     model = load_model(src, dtype=torch.float32)
-    for name in linear_names(model):  # every layer must fit the group size before anything is written
+    for name in linear_names(model):  # every layer must fit the group size (and an explicit kernel) first
+        layer = model.get_submodule(name)
         try:
-            spec.groups(model.get_submodule(name).in_features)
+            spec.groups(layer.in_features)
+            if spec.kernel != "auto":
+                resolve_kernel(spec, layer.out_features, layer.in_features, torch.device("cpu"))
         except ConfigError as exc:
             raise ConfigError(f"layer {name}: {exc}") from None
     float_bytes = tensor_bytes(src, verify=False)  # load_model checked the files
