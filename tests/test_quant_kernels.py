@@ -233,3 +233,16 @@ def test_quantize_refuses_act8_for_widths_off_the_32_grid_before_writing(tmp_pat
     with pytest.raises(ConfigError, match="multiples of 32"):
         quantize_run(tmp_path / "run", tmp_path / "q", QuantSpec("int8", 0, "cpp_act8"))
     assert not (tmp_path / "q").exists()
+
+
+def test_without_a_compiler_one_line_says_so_and_layers_keep_the_pytorch_kernels(monkeypatch, capsys):
+    monkeypatch.setattr(quant_kernels, "_compiler", lambda: None)
+    monkeypatch.setattr(quant_kernels, "_state", {})
+    assert not quant_kernels.available() and not quant_kernels.available()  # said once per process
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no C++ compiler" in err
+    parts, x, expected = layer_case(QuantSpec("int8", 0), 24, 64, 2, seed=7)
+    layer = QuantizedLinear(parts, QuantSpec("int8", 0), 64)
+    assert layer.kernel == "aten"  # auto without the C++ kernels: as before they existed
+    assert_matches(layer(x), expected)
+    assert_matches(quant_kernels.int8_linear(x, parts["qweight"], parts["scales"]), expected)  # the formula
