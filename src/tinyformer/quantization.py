@@ -31,6 +31,7 @@ from tinyformer.components.quantized import (
     QuantSpec,
     dequantize_weight,
     quantize_weight,
+    resolve_kernel,
 )
 from tinyformer.config import ModelConfig
 from tinyformer.errors import CheckpointError, ConfigError
@@ -112,26 +113,29 @@ def quantize_run(model_dir: str | Path, out: str | Path, spec: QuantSpec, *, for
     """Float run folder -> quantized run folder (config.json with the spec, quantized safetensors, and every
     other top-level file of the run, such as the tokenizer, copied). Nothing is written on error."""
     from tinyformer.interop.convert_pipeline import staged_output
-    from tinyformer.run_folder import iter_tensors, load_config, load_model, save_tensors, side_files
+    from tinyformer.run_folder import load_config, load_model, save_tensors, side_files, tensor_bytes
 
     src = Path(model_dir)
     cfg = load_config(src)
     if quant_spec(cfg) is not None:
         raise ConfigError(f"{src} is already quantized ({quant_spec(cfg).type}); quantize the float run it came from")
     model = load_model(src, dtype=torch.float32)
-    for name in linear_names(model):  # every layer must fit the group size before anything is written
+    for name in linear_names(model):  # every layer must fit the group size (and an explicit kernel) first
+        layer = model.get_submodule(name)
         try:
-            spec.groups(model.get_submodule(name).in_features)
+            spec.groups(layer.in_features)
+            if spec.kernel != "auto":
+                resolve_kernel(spec, layer.out_features, layer.in_features, torch.device("cpu"))
         except ConfigError as exc:
             raise ConfigError(f"layer {name}: {exc}") from None
-    float_bytes = sum(t.numel() * t.element_size() for _, t in iter_tensors(src))
+    float_bytes = tensor_bytes(src, verify=False)  # load_model checked the files
     errors: list[LayerError] = []
     with staged_output(out, force, (src,)) as staging:
         save_tensors(staging, quantized_tensors(model, spec, errors if layer_errors else None))
         for item in side_files(src):
             shutil.copy2(item, staging / item.name)
         cfg.replace(extra={**cfg.extra, QUANT_KEY: spec.to_dict()}).save(staging / "config.json")
-        quantized_bytes = sum(t.numel() * t.element_size() for _, t in iter_tensors(staging))
+        quantized_bytes = tensor_bytes(staging, verify=False)
         files = sorted(p.name for p in staging.iterdir())
     return QuantizeReport(Path(out), spec, float_bytes, quantized_bytes, files, errors)
 

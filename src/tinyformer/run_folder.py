@@ -146,6 +146,18 @@ def checked_weight_files(run_dir: str | Path, verify: bool = True) -> list[Path]
     return paths
 
 
+def tensor_bytes(run_dir: str | Path, verify: bool = True) -> int:
+    """Bytes of the tensors in the run's safetensors file(s), summed from their headers (no tensor is read;
+    with ``verify`` the files are checked against the manifest first)."""
+    from tinyformer.interop.safetensors_io import SafetensorsFile
+
+    total = 0
+    for path in checked_weight_files(run_dir, verify):
+        f = SafetensorsFile(path)
+        total += sum(f.spec(name).nbytes for name in f.keys())
+    return total
+
+
 def iter_tensors(run_dir: str | Path, device: str = "cpu", verify: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs from the run's safetensors file(s), one at a time (memory-mapped); the files are
     checked against the run's manifest first unless ``verify`` is False."""

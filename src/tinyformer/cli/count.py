@@ -46,12 +46,12 @@ def stored_weights(config: str) -> tuple[dict, int] | None:
     if not Path(config).is_dir():
         return None
     from tinyformer.quantization import quant_spec
-    from tinyformer.run_folder import iter_tensors, load_config
+    from tinyformer.run_folder import load_config, tensor_bytes
 
     spec = quant_spec(load_config(config))
     if spec is None:
         return None
-    return spec.to_dict(), sum(t.numel() * t.element_size() for _, t in iter_tensors(config))
+    return spec.to_dict(), tensor_bytes(config)
 
 
 def _fmt(n: float) -> str:

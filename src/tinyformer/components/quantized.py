@@ -18,6 +18,16 @@ nibble and column 2j+1 in the high one. The int4 zero point also expresses llama
 (x = d q), exactly.
 
 Forward: y = x dequant(W)^T + b, x (..., in) -> y (..., out), computed by one of these ``kernel`` s:
+  * ``cpp`` (the CPU default): ``tinyformer.components.quant_kernels``, a C++ extension (AVX-512) that
+    reads the portable layout in place and widens each weight to float32 in registers, for M <=
+    ``CPP_MAX_ROWS`` activation rows (M = batch x tokens; decoding). More rows (a prefill) take the
+    ``dequant`` formula, ``DEQUANT_TILE_BYTES`` of widened output rows at a time, where the widening's cost
+    is shared by the rows. Built at first use; without a C++ compiler the same formula runs in PyTorch.
+  * ``cpp_act8`` (opt-in; in and G multiples of 32): as ``cpp``, but the activations are rounded to 8 bits
+    per block b of 32 columns first, x_i ~ d_b xq_i with d_b = max_b |x| / 127 (as llama.cpp's Q8_0 / Q4_0
+    products do), and multiplied as integers (VNNI): y differs from x dequant(W)^T by at most
+    sum_b d_b / 2 sum_{i in b} |dequant(W)_oi| (int4: |s_og (u_oi - 8)| there, the zero points multiply
+    the exact x). Prefill rows (more than ``CPP_MAX_ROWS``) stay weight-only, as with ``cpp``.
   * ``dequant``: F.linear(x, dequant(W)), the formula itself. Eager, every call widens the weights
     (slower than float weights); under ``torch.compile`` the widening fuses into the product.
   * ``aten``: PyTorch's weight-only CPU kernels, ``aten._weight_int8pack_mm`` (int8 per output channel)
@@ -40,10 +50,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyformer.components import quant_kernels
 from tinyformer.errors import ConfigError
 
 QUANT_TYPES = ("int8", "int4")
-KERNELS = ("auto", "dequant", "aten", "fbgemm")
+KERNELS = ("auto", "cpp", "cpp_act8", "dequant", "aten", "fbgemm")
+# Rows up to which the cpp kernel beats widening the weights once and calling F.linear (measured:
+# docs/benchmarks/quantized.md): its cost grows with the rows, the widening's does not.
+CPP_MAX_ROWS = 8
+DEQUANT_TILE_BYTES = 8 * 2**20
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 
 
@@ -51,9 +66,9 @@ INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 class QuantSpec:
     """How a run's linear weights are quantized: ``type`` int8 | int4; ``group_size`` G (0 = one scale per
     output row, int8 only; int4 needs G >= 2, even); ``kernel`` the forward computation (see module doc;
-    ``auto`` picks a weight-only one: ``aten`` for int8 per channel and for int4 where its kernel applies,
-    else ``dequant``; ``fbgemm``, much faster on the reference machine but rounding the activations too, is
-    only used when asked for)."""
+    ``auto`` picks a weight-only one: on a CPU ``cpp`` (``aten`` for int8 per channel and for int4 where its
+    kernel applies, else ``dequant``, when the C++ kernels cannot be built), elsewhere ``dequant``;
+    ``fbgemm``, which rounds the activations too, is only used when asked for)."""
 
     type: str
     group_size: int = 0
@@ -153,6 +168,8 @@ def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device:
     if kernel == "auto":
         if device.type != "cpu":
             return "dequant"
+        if quant_kernels.available():
+            return "cpp"
         if spec.type == "int8":
             return "aten" if spec.group_size == 0 else "dequant"
         return "aten" if int4_kernel_applies(out_features, g, device) else "dequant"
@@ -163,8 +180,11 @@ def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device:
             raise ConfigError(f"kernel 'aten' does not apply to a {out_features} x {in_features} {spec.type} weight "
                               f"with group_size {spec.group_size} on {device.type} (int8 needs group_size 0; int4 "
                               f"needs a CPU, out % 16 == 0 and G in {INT4_KERNEL_GROUPS})")
-    if kernel == "fbgemm" and device.type != "cpu":
-        raise ConfigError("kernel 'fbgemm' runs on the CPU only")
+    if kernel in ("fbgemm", "cpp", "cpp_act8") and device.type != "cpu":
+        raise ConfigError(f"kernel {kernel!r} runs on the CPU only")
+    if kernel == "cpp_act8" and (in_features % 32 or g % 32):
+        raise ConfigError(f"kernel 'cpp_act8' needs input columns and group_size in multiples of 32, got a "
+                          f"{out_features} x {in_features} weight with groups of {g}")
     return kernel
 
 
@@ -188,9 +208,15 @@ class QuantizedLinear(nn.Module):
         self.group = spec.groups(in_features)
         self.kernel = resolve_kernel(spec, self.out_features, in_features, q.device)
         self.bias = nn.Parameter(bias.to(dtype), requires_grad=False) if bias is not None else None
+        self.dtype = dtype
         self._fbgemm: Any = None
         scales = portable["scales"].float()
-        if self.kernel == "fbgemm":
+        if self.kernel in ("cpp", "cpp_act8"):  # the portable tensors as they are: float32 scales
+            self.register_buffer("qweight", q, persistent=False)
+            self.register_buffer("scales", scales, persistent=False)
+            if spec.type == "int4":
+                self.register_buffer("zeros", portable["zeros"].float(), persistent=False)
+        elif self.kernel == "fbgemm":
             with warnings.catch_warnings():  # torch 2.13 marks the quantized tensor type deprecated
                 warnings.simplefilter("ignore", UserWarning)
                 s = scales.reshape(-1)
@@ -227,11 +253,7 @@ class QuantizedLinear(nn.Module):
             self.bias = bias
 
     def _float_dtype(self) -> torch.dtype:
-        for name in ("scales", "scales_and_zeros"):
-            t = getattr(self, name, None)
-            if isinstance(t, torch.Tensor):
-                return t.dtype
-        return self.bias.dtype if self.bias is not None else torch.float32
+        return self.dtype
 
     def _device(self) -> torch.device:
         t = getattr(self, "qweight", None)
@@ -240,12 +262,24 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.kernel == "fbgemm":
+        if self.kernel == "cpp" and x2.shape[0] <= CPP_MAX_ROWS:
+            if self.spec.type == "int8":
+                y = quant_kernels.int8_linear(x2, self.qweight, self.scales)
+            else:
+                y = quant_kernels.int4_linear(x2, self.qweight, self.scales, self.zeros)
+        elif self.kernel == "cpp_act8" and x2.shape[0] <= CPP_MAX_ROWS:
+            if self.spec.type == "int8":
+                y = quant_kernels.int8_linear_act8(x2, self.qweight, self.scales)
+            else:
+                y = quant_kernels.int4_linear_act8(x2, self.qweight, self.scales, self.zeros)
+        elif self.kernel == "fbgemm":
             y = torch.ops.quantized.linear_dynamic(x2.float(), self._fbgemm).to(x.dtype)
         elif self.kernel == "aten" and self.spec.type == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         elif self.kernel == "aten":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_and_zeros)
+        elif self.kernel in ("cpp", "cpp_act8"):
+            y = self._tiled_dequant_linear(x2)
         else:
             parts = {"qweight": self.qweight, "scales": self.scales}
             if self.spec.type == "int4":
@@ -254,6 +288,19 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _tiled_dequant_linear(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 dequant(W)^T for many rows, widening W a tile of output rows at a time (at most
+        ``DEQUANT_TILE_BYTES`` of float weights alive at once, not the whole matrix: the head of a 49k-token
+        vocabulary would be 113 MiB)."""
+        step = max(1, DEQUANT_TILE_BYTES // (4 * self.in_features))
+        out = x2.new_empty(x2.shape[0], self.out_features)
+        for o in range(0, self.out_features, step):
+            parts = {"qweight": self.qweight[o : o + step], "scales": self.scales[o : o + step]}
+            if self.spec.type == "int4":
+                parts["zeros"] = self.zeros[o : o + step]
+            torch.matmul(x2, dequantize_weight(parts, self.spec.type, x2.dtype).t(), out=out[:, o : o + step])
+        return out
 
     def extra_repr(self) -> str:
         g = "per-channel" if self.spec.group_size == 0 else f"group {self.group}"

@@ -1,0 +1,519 @@
+// Weight-only int8 / int4 matrix products for a few activation rows on the CPU:
+//
+//   tinyformer::int8_linear(x, q, s)     y_mo = sum_g s_og sum_{i in g} x_mi q_oi
+//   tinyformer::int4_linear(x, q, s, z)  y_mo = sum_g sum_{i in g} x_mi (s_og u_oi + z_og - 8 s_og)
+//
+// x (M, K) float, q int8 (N, K) or uint8 (N, K/2) (column 2j in the low nibble, 2j+1 in the high one),
+// s and z float32 (N, K/G): the portable layout of tinyformer.components.quantized, read in place.
+// y (M, N) has x's dtype. Each weight is read once per call and widened to float32 in registers (never
+// written back as a float matrix): decoding is bound by the bytes of weights read.
+//
+// AVX-512 (F, BW, VL) when the CPU has it, checked at run time; a plain C++ loop otherwise. Output rows
+// are split across threads with at::parallel_for (torch's thread count).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define TF_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t kRowBlock = 4;  // output rows sharing each loaded activation chunk
+// Bytes ahead of each row's loads that are prefetched: decoding streams every weight from memory once,
+// and the hardware prefetcher alone left the int8 kernel reading slower than float32's sgemv.
+constexpr int64_t kPrefetch = 4096;
+constexpr int64_t kMaxBatch = 2;  // activation rows sharing each widened weight chunk (registers: 2 x 4 x 2)
+
+// ------------------------------------------------------------------ plain C++ (any CPU)
+
+void int8_rows_plain(const float* x, int64_t M, int64_t K, const int8_t* q, const float* s, int64_t G,
+                     float* y, int64_t N, int64_t o0, int64_t o1) {
+  const int64_t ng = K / G;
+  for (int64_t o = o0; o < o1; ++o) {
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < ng; ++g) {
+        float p = 0.f;
+        for (int64_t i = g * G; i < (g + 1) * G; ++i) p += x[m * K + i] * static_cast<float>(q[o * K + i]);
+        acc += s[o * ng + g] * p;
+      }
+      y[m * N + o] = acc;
+    }
+  }
+}
+
+void int4_rows_plain(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* s, const float* z,
+                     int64_t G, float* y, int64_t N, int64_t o0, int64_t o1) {
+  const int64_t ng = K / G;
+  for (int64_t o = o0; o < o1; ++o) {
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < ng; ++g) {
+        float p = 0.f, xs = 0.f;
+        for (int64_t i = g * G; i < (g + 1) * G; ++i) {
+          const uint8_t b = q[o * (K / 2) + i / 2];
+          const int u = (i & 1) ? (b >> 4) : (b & 15);
+          p += x[m * K + i] * static_cast<float>(u - 8);
+          xs += x[m * K + i];
+        }
+        acc += s[o * ng + g] * p + z[o * ng + g] * xs;
+      }
+      y[m * N + o] = acc;
+    }
+  }
+}
+
+#ifdef TF_X86
+// ------------------------------------------------------------------ AVX-512
+
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
+// R output rows o..o+R-1 times MB activation rows. Within a group the products x q are summed unscaled
+// (p), then scaled once per group; PER_ROW (one group per row, G = K) scales once at the end.
+template <int MB, int R, bool PER_ROW>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void int8_block_avx512(
+    const float* x, int64_t K, const int8_t* q, const float* s, int64_t G, float* y, int64_t N, int64_t o) {
+  const int64_t ng = K / G;
+  __m512 acc[R][MB], p[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) p[r][m] = _mm512_setzero_ps();
+    const int64_t end = (g + 1) * G;
+    for (int64_t c = g * G; c < end; c += 16) {
+      const __mmask16 mk = tail_mask(end - c);
+      __m512 xv[MB];
+      for (int m = 0; m < MB; ++m) xv[m] = _mm512_maskz_loadu_ps(mk, x + m * K + c);
+      for (int r = 0; r < R; ++r) {
+        if ((c & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + (o + r) * K + c) + kPrefetch, _MM_HINT_T0);
+        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mk, q + (o + r) * K + c)));
+        for (int m = 0; m < MB; ++m) p[r][m] = _mm512_fmadd_ps(xv[m], w, p[r][m]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      if (PER_ROW) {
+        for (int m = 0; m < MB; ++m) acc[r][m] = p[r][m];
+      } else {
+        const __m512 sc = _mm512_set1_ps(s[(o + r) * ng + g]);
+        for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_fmadd_ps(p[r][m], sc, acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) {
+      const float v = _mm512_reduce_add_ps(acc[r][m]);
+      y[m * N + o + r] = PER_ROW ? v * s[o + r] : v;
+    }
+}
+
+// xp: x with each chunk of up to 32 columns of a group stored as its even columns, then its odd ones, so
+// that a chunk's low nibbles (even columns) and high nibbles (odd columns) each meet contiguous floats.
+// xs (MB, K / G): the sum of x over each group. sum_i x_i (s u_i + z - 8 s) = s sum_i x_i u_i + (z - 8 s) xs.
+template <int MB, int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void int4_block_avx512(
+    const float* xp, const float* xs, int64_t K, const uint8_t* q, const float* s, const float* z, int64_t G,
+    float* y, int64_t N, int64_t o) {
+  const int64_t ng = K / G;
+  const __m512i low = _mm512_set1_epi32(15);
+  __m512 acc[R][MB], p[R][MB];
+  float off[R][MB] = {};
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) p[r][m] = _mm512_setzero_ps();
+    const int64_t end = (g + 1) * G;
+    for (int64_t c = g * G; c < end; c += 32) {
+      const int64_t half = std::min<int64_t>(32, end - c) / 2;
+      const __mmask16 mk = tail_mask(half);
+      __m512 xe[MB], xo[MB];
+      for (int m = 0; m < MB; ++m) {
+        xe[m] = _mm512_maskz_loadu_ps(mk, xp + m * K + c);
+        xo[m] = _mm512_maskz_loadu_ps(mk, xp + m * K + c + half);
+      }
+      for (int r = 0; r < R; ++r) {
+        if ((c & 127) == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(q + (o + r) * (K / 2) + c / 2) + kPrefetch, _MM_HINT_T0);
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mk, q + (o + r) * (K / 2) + c / 2));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        for (int m = 0; m < MB; ++m) {
+          p[r][m] = _mm512_fmadd_ps(xe[m], lo, p[r][m]);
+          p[r][m] = _mm512_fmadd_ps(xo[m], hi, p[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float sv = s[(o + r) * ng + g];
+      const float mv = z[(o + r) * ng + g] - 8.f * sv;
+      const __m512 sc = _mm512_set1_ps(sv);
+      for (int m = 0; m < MB; ++m) {
+        acc[r][m] = _mm512_fmadd_ps(p[r][m], sc, acc[r][m]);
+        off[r][m] += mv * xs[m * ng + g];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) y[m * N + o + r] = _mm512_reduce_add_ps(acc[r][m]) + off[r][m];
+}
+
+// ---- activations rounded to 8 bits (opt-in): x_i ~ d_b xq_i over blocks b of 32 columns,
+// d_b = max_{i in b} |x_i| / 127, xq_i = round(x_i / d_b) in [-127, 127], as llama.cpp's Q8_0 activations.
+// Integer dot products (VNNI vpdpbusd: unsigned bytes times signed bytes, summed in fours into int32).
+// int8: q + 128 (= q ^ 0x80) is unsigned; sum_i (q_i + 128) xq_i - 128 sum_i xq_i = sum_i q_i xq_i, the
+// second sum (per block, shared by all rows) taken off once per group: side[g] = 128 sum_{b in g} d_b sum xq.
+// int4: u in [0, 15] is unsigned already. A 32-column block's 16 bytes widen to [low nibbles | high
+// nibbles] (even columns, then odd ones); xq is stored in that order. w = s u + (z - 8 s), so
+// y = sum_g s sum_{b in g} d_b sum_i u_i xq_i + (z - 8 s) side[g], side[g] the exact sum of x over the group.
+__attribute__((target("avx2"))) inline float hsum256(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+template <int MB, int R, bool PER_ROW, bool INT4>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void act8_block(
+    const int8_t* xq, const float* d, const float* side, int64_t K, const void* qv, const float* s,
+    const float* z, int64_t G, float* y, int64_t N, int64_t o) {
+  const int64_t ng = K / G, nb = K / 32, row_bytes = INT4 ? K / 2 : K;
+  const uint8_t* q = static_cast<const uint8_t*>(qv);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m128i low = _mm_set1_epi8(15);
+  __m256 acc[R][MB], p[R][MB];
+  float off[R][MB] = {};
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) p[r][m] = _mm256_setzero_ps();
+    for (int64_t c = g * G; c < (g + 1) * G; c += 32) {
+      __m256i xv[MB];
+      __m256 dv[MB];
+      for (int m = 0; m < MB; ++m) {
+        xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + c));
+        dv[m] = _mm256_set1_ps(d[m * nb + c / 32]);
+      }
+      const int64_t at = INT4 ? c / 2 : c;  // byte offset of the block in a row
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* qr = q + (o + r) * row_bytes + at;
+        if ((at & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(qr) + kPrefetch, _MM_HINT_T0);
+        __m256i w;
+        if constexpr (INT4) {
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr));
+          w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+        } else {
+          w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr)), flip);
+        }
+        for (int m = 0; m < MB; ++m) {
+          const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv[m]);
+          p[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), dv[m], p[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float sv = PER_ROW ? 1.f : s[(o + r) * ng + g];
+      const float wside = INT4 ? z[(o + r) * ng + g] - 8.f * sv : -sv;  // weight of side[g]
+      const __m256 sc = _mm256_set1_ps(sv);
+      for (int m = 0; m < MB; ++m) {
+        acc[r][m] = _mm256_fmadd_ps(p[r][m], sc, acc[r][m]);
+        off[r][m] += wside * side[m * ng + g];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) {
+      const float v = hsum256(acc[r][m]) + off[r][m];
+      y[m * N + o + r] = PER_ROW ? v * s[o + r] : v;
+    }
+}
+
+bool has_vnni() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+                          __builtin_cpu_supports("fma");
+  return yes;
+}
+
+template <int R>
+void int8_avx512(const float* x, int mb, int64_t K, const int8_t* q, const float* s, int64_t G, float* y,
+                 int64_t N, int64_t o) {
+  const bool per_row = G == K;
+#define TF_INT8_CASE(MB)                                                    \
+  case MB:                                                                  \
+    if (per_row)                                                            \
+      int8_block_avx512<MB, R, true>(x, K, q, s, G, y, N, o);               \
+    else                                                                    \
+      int8_block_avx512<MB, R, false>(x, K, q, s, G, y, N, o);              \
+    break;
+  switch (mb) { TF_INT8_CASE(1) TF_INT8_CASE(2) }
+#undef TF_INT8_CASE
+}
+
+template <int R>
+void int4_avx512(const float* xp, const float* xs, int mb, int64_t K, const uint8_t* q, const float* s,
+                 const float* z, int64_t G, float* y, int64_t N, int64_t o) {
+  if (mb == 1)
+    int4_block_avx512<1, R>(xp, xs, K, q, s, z, G, y, N, o);
+  else
+    int4_block_avx512<2, R>(xp, xs, K, q, s, z, G, y, N, o);
+}
+
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+  return yes;
+}
+#else
+bool has_avx512() { return false; }
+bool has_vnni() { return false; }
+#endif
+
+// Threads take blocks of kRowBlock output rows; each block runs over the activation rows kMaxBatch at a
+// time, so its weights (a few KiB) are widened from cache after the first pass.
+template <typename Block, typename Plain>
+void over_rows(int64_t M, int64_t N, int64_t K, Block block, Plain plain, bool fast = has_avx512()) {
+  const int64_t n_blocks = (N + kRowBlock - 1) / kRowBlock;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, n_blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t o = b * kRowBlock;
+      for (int64_t m = 0; m < M; m += kMaxBatch) {
+        const int mb = static_cast<int>(std::min<int64_t>(kMaxBatch, M - m));
+        if (fast) {
+          block(m, mb, o, std::min<int64_t>(kRowBlock, N - o));
+        } else {
+          plain(m, mb, o, std::min<int64_t>(o + kRowBlock, N));
+        }
+      }
+    }
+  });
+}
+
+void check_common(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t K) {
+  TORCH_CHECK(x.dim() == 2, "x must be (M, K), got ", x.sizes());
+  TORCH_CHECK(q.dim() == 2 && s.dim() == 2, "q and s must be 2-D");
+  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && s.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(s.is_floating_point() && s.size(0) == q.size(0), "s must be float (N, K / G)");
+  TORCH_CHECK(s.size(1) > 0 && K % s.size(1) == 0, "the number of groups must divide K");
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) {
+  TORCH_CHECK(q.scalar_type() == at::kChar, "q must be int8");
+  const int64_t K = q.size(1);
+  check_common(x, q, s, K);
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, q has ", K);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor qc = q.contiguous(), sc = s.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), N = qc.size(0), G = K / sc.size(1);
+  at::Tensor y = at::empty({M, N}, xf.options());
+  const float* xd = xf.data_ptr<float>();
+  const int8_t* qd = qc.data_ptr<int8_t>();
+  const float* sd = sc.data_ptr<float>();
+  float* yd = y.data_ptr<float>();
+  over_rows(M, N, K,
+            [&](int64_t m, int mb, int64_t o, int64_t rows) {
+#ifdef TF_X86
+              if (rows == kRowBlock)
+                int8_avx512<kRowBlock>(xd + m * K, mb, K, qd, sd, G, yd + m * N, N, o);
+              else
+                for (int64_t r = 0; r < rows; ++r) int8_avx512<1>(xd + m * K, mb, K, qd, sd, G, yd + m * N, N, o + r);
+#endif
+            },
+            [&](int64_t m, int mb, int64_t o0, int64_t o1) {
+              int8_rows_plain(xd + m * K, mb, K, qd, sd, G, yd + m * N, N, o0, o1);
+            });
+  return y.to(x.scalar_type());
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& z) {
+  TORCH_CHECK(q.scalar_type() == at::kByte, "q must be uint8 (two 4-bit values per byte)");
+  const int64_t K = 2 * q.size(1);
+  check_common(x, q, s, K);
+  TORCH_CHECK(z.is_floating_point() && z.sizes() == s.sizes(), "z must be float shaped like s");
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, q holds ", K);
+  const int64_t G = K / s.size(1);
+  TORCH_CHECK(G % 2 == 0, "int4 groups must hold an even number of columns");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor qc = q.contiguous(), sc = s.to(at::kFloat).contiguous(), zc = z.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), N = qc.size(0);
+  at::Tensor y = at::empty({M, N}, xf.options());
+  const float* xd = xf.data_ptr<float>();
+  const uint8_t* qd = qc.data_ptr<uint8_t>();
+  const float* sd = sc.data_ptr<float>();
+  const float* zd = zc.data_ptr<float>();
+  float* yd = y.data_ptr<float>();
+  const int64_t ng = K / G;
+  std::vector<float> xp, xs;
+  if (has_avx512()) {  // evens then odds within every chunk of up to 32 columns of a group; group sums
+    xp.resize(static_cast<size_t>(M * K));
+    xs.assign(static_cast<size_t>(M * ng), 0.f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g0 = 0; g0 < K; g0 += G) {
+        for (int64_t c = g0; c < g0 + G; c += 32) {
+          const int64_t half = std::min<int64_t>(32, g0 + G - c) / 2;
+          for (int64_t j = 0; j < half; ++j) {
+            xp[m * K + c + j] = xd[m * K + c + 2 * j];
+            xp[m * K + c + half + j] = xd[m * K + c + 2 * j + 1];
+          }
+        }
+        float t = 0.f;
+        for (int64_t i = g0; i < g0 + G; ++i) t += xd[m * K + i];
+        xs[m * ng + g0 / G] = t;
+      }
+  }
+  over_rows(M, N, K,
+            [&](int64_t m, int mb, int64_t o, int64_t rows) {
+#ifdef TF_X86
+              const float* xm = xp.data() + m * K;
+              const float* xsm = xs.data() + m * ng;
+              if (rows == kRowBlock)
+                int4_avx512<kRowBlock>(xm, xsm, mb, K, qd, sd, zd, G, yd + m * N, N, o);
+              else
+                for (int64_t r = 0; r < rows; ++r)
+                  int4_avx512<1>(xm, xsm, mb, K, qd, sd, zd, G, yd + m * N, N, o + r);
+#endif
+            },
+            [&](int64_t m, int mb, int64_t o0, int64_t o1) {
+              int4_rows_plain(xd + m * K, mb, K, qd, sd, zd, G, yd + m * N, N, o0, o1);
+            });
+  return y.to(x.scalar_type());
+}
+
+// Rounds x (M, K) to 8 bits per block of 32 columns: xq (M, K) (for int4 each block stored even columns
+// first, then odd ones), d (M, K / 32), xs (M, K / G) exact group sums of x, corr (M, K / G) for int8.
+struct Act8 {
+  std::vector<int8_t> xq;
+  std::vector<float> d, xs, corr;
+};
+
+Act8 round_activations(const float* x, int64_t M, int64_t K, int64_t G, bool int4_order) {
+  const int64_t nb = K / 32, ng = K / G;
+  Act8 a;
+  a.xq.resize(static_cast<size_t>(M * K));
+  a.d.resize(static_cast<size_t>(M * nb));
+  a.xs.assign(static_cast<size_t>(M * ng), 0.f);
+  a.corr.assign(static_cast<size_t>(M * ng), 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * 32;
+      float amax = 0.f, sum = 0.f;
+      for (int i = 0; i < 32; ++i) {
+        amax = std::max(amax, std::fabs(xb[i]));
+        sum += xb[i];
+      }
+      const float dv = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int qsum = 0;
+      int8_t* out = a.xq.data() + m * K + b * 32;
+      for (int i = 0; i < 32; ++i) {
+        const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
+        qsum += v;
+        out[int4_order ? (i % 2) * 16 + i / 2 : i] = static_cast<int8_t>(v);
+      }
+      a.d[m * nb + b] = dv;
+      a.xs[m * ng + b * 32 / G] += sum;
+      a.corr[m * ng + b * 32 / G] += 128.f * dv * static_cast<float>(qsum);
+    }
+  return a;
+}
+
+void check_act8(int64_t K, int64_t G) {
+  TORCH_CHECK(K % 32 == 0 && G % 32 == 0, "8-bit activations need K and the group size to be multiples of 32, got K ",
+              K, ", G ", G);
+}
+
+// Both widths' 8-bit-activation products: int4 when z is given (q uint8, two values per byte), else int8.
+at::Tensor act8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor* z) {
+  const bool int4 = z != nullptr;
+  TORCH_CHECK(q.scalar_type() == (int4 ? at::kByte : at::kChar),
+              int4 ? "q must be uint8 (two 4-bit values per byte)" : "q must be int8");
+  const int64_t K = int4 ? 2 * q.size(1) : q.size(1);
+  check_common(x, q, s, K);
+  TORCH_CHECK(!int4 || (z->is_floating_point() && z->sizes() == s.sizes()), "z must be float shaped like s");
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, q holds ", K);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor qc = q.contiguous(), sc = s.to(at::kFloat).contiguous();
+  const at::Tensor zc = int4 ? z->to(at::kFloat).contiguous() : at::Tensor();
+  const int64_t M = xf.size(0), N = qc.size(0), G = K / sc.size(1), ng = K / G, nb = K / 32;
+  check_act8(K, G);
+  at::Tensor y = at::empty({M, N}, xf.options());
+  const Act8 a = round_activations(xf.data_ptr<float>(), M, K, G, int4);
+  const uint8_t* qd = static_cast<const uint8_t*>(qc.data_ptr());
+  const float* sd = sc.data_ptr<float>();
+  const float* zd = int4 ? zc.data_ptr<float>() : nullptr;
+  const std::vector<float>& side = int4 ? a.xs : a.corr;
+  float* yd = y.data_ptr<float>();
+  const bool per_row = !int4 && G == K;
+  over_rows(M, N, K,
+            [&](int64_t m, int mb, int64_t o, int64_t rows) {
+#ifdef TF_X86
+              const int8_t* xm = a.xq.data() + m * K;
+              const float *dm = a.d.data() + m * nb, *sm = side.data() + m * ng;
+              const bool full = rows == kRowBlock;
+              for (int64_t r = 0; r < rows; r += (full ? kRowBlock : 1)) {
+#define TF_ACT8_CALL(MB, R)                                                                               \
+  (int4      ? act8_block<MB, R, false, true>(xm, dm, sm, K, qd, sd, zd, G, yd + m * N, N, o + r)        \
+   : per_row ? act8_block<MB, R, true, false>(xm, dm, sm, K, qd, sd, zd, G, yd + m * N, N, o + r)        \
+             : act8_block<MB, R, false, false>(xm, dm, sm, K, qd, sd, zd, G, yd + m * N, N, o + r))
+                if (mb == 1) { if (full) TF_ACT8_CALL(1, 4); else TF_ACT8_CALL(1, 1); }
+                else { if (full) TF_ACT8_CALL(2, 4); else TF_ACT8_CALL(2, 1); }
+#undef TF_ACT8_CALL
+              }
+#endif
+            },
+            [&](int64_t m, int mb, int64_t o0, int64_t o1) {
+              const int8_t* q8 = reinterpret_cast<const int8_t*>(qd);
+              for (int64_t o = o0; o < o1; ++o)
+                for (int64_t mm = m; mm < m + mb; ++mm) {
+                  float acc = 0.f;
+                  for (int64_t g = 0; g < ng; ++g) {
+                    float p = 0.f;
+                    for (int64_t b = g * G / 32; b < (g + 1) * G / 32; ++b) {
+                      int dot = 0;
+                      for (int i = 0; i < 32; ++i) {  // int4: xq holds the block's even columns, then its odd ones
+                        const uint8_t byte = int4 ? qd[o * (K / 2) + b * 16 + i % 16] : 0;
+                        const int w = int4 ? (i < 16 ? (byte & 15) : (byte >> 4)) : int(q8[o * K + b * 32 + i]);
+                        dot += w * int(a.xq[mm * K + b * 32 + i]);
+                      }
+                      p += a.d[mm * nb + b] * static_cast<float>(dot);
+                    }
+                    acc += sd[o * ng + g] * p + (int4 ? (zd[o * ng + g] - 8.f * sd[o * ng + g]) * a.xs[mm * ng + g] : 0.f);
+                  }
+                  yd[mm * N + o] = acc;
+                }
+            },
+            has_vnni());
+  return y.to(x.scalar_type());
+}
+
+at::Tensor int8_linear_act8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) {
+  return act8_linear(x, q, s, nullptr);
+}
+
+at::Tensor int4_linear_act8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& z) {
+  return act8_linear(x, q, s, &z);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tinyformer, m) {
+  m.def("int8_linear(Tensor x, Tensor q, Tensor s) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor q, Tensor s, Tensor z) -> Tensor");
+  m.def("int8_linear_act8(Tensor x, Tensor q, Tensor s) -> Tensor");
+  m.def("int4_linear_act8(Tensor x, Tensor q, Tensor s, Tensor z) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tinyformer, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear_act8", &int8_linear_act8);
+  m.impl("int4_linear_act8", &int4_linear_act8);
+}

@@ -1,0 +1,145 @@
+"""Weight-only int8 / int4 products for a few activation rows on the CPU: a small C++ extension.
+
+    int8_linear(x, q, s)     y = x dequant(W)^T,  dequant(W)_oi = s_og q_oi              (i in group g)
+    int4_linear(x, q, s, z)  y = x dequant(W)^T,  dequant(W)_oi = s_og (u_oi - 8) + z_og
+
+x (M, K) float, q int8 (N, K) or uint8 (N, K/2) (two 4-bit values u per byte, low nibble first), s and z
+float32 (N, K/G) -> y (M, N) in x's dtype: the portable layout of ``tinyformer.components.quantized``, read
+in place (no second copy of the weights). Each weight is widened to float32 in registers and multiplied
+with every activation row there; the float matrix is never written. Decoding one token reads every weight
+once, so this reads 1 (int8) or 0.5 (int4) byte per weight where float32 reads 4.
+
+The source (``quant_kernels.cpp``: AVX-512 with a run-time check, a plain C++ loop otherwise, threads over
+output rows) is compiled at first use with ``torch.utils.cpp_extension.load`` (a C++ compiler and
+``ninja``, as ``torch.compile`` on the CPU needs too) and cached under torch's extensions folder
+(``TORCH_EXTENSIONS_DIR``); later processes load the cached library. The ops are registered with
+``torch.library`` (``torch.ops.tinyformer.int8_linear`` / ``int4_linear``) with fake implementations, so a
+``torch.compile``-d decode step calls them. Without a compiler the same formulas run in PyTorch
+(``int8_linear_reference`` / ``int4_linear_reference``) and one line on stderr says so.
+
+Opt-in, not weight-only (``int8_linear_act8`` / ``int4_linear_act8``): the activations are rounded to 8 bits
+per block of 32 columns first, as llama.cpp does for its Q8_0 / Q4_0 products (``round_activations``:
+x_i ~ d_b xq_i, d_b = max_b |x| / 127, |error| <= d_b / 2), and the products are integer dot products
+(AVX-512 VNNI), several times fewer instructions per weight. int4's zero points multiply the exact sums of x.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("quant_kernels.cpp")
+_state: dict[str, object] = {}
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX", "c++")
+    return shutil.which(cxx)
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    # ``load`` of the file (not ``load_inline``, which adds the Python headers) keeps the build short
+    load(name=f"tinyformer_quant_kernels_{digest}", sources=[str(_SOURCE)], is_python_module=False,
+         extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+
+    for name in ("int8_linear", "int8_linear_act8"):
+        torch.library.register_fake(f"tinyformer::{name}")(_fake_int8)
+    for name in ("int4_linear", "int4_linear_act8"):
+        torch.library.register_fake(f"tinyformer::{name}")(_fake_int4)
+
+
+def _fake_int8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], q.shape[0]))  # (M, N): the shape torch.compile traces with
+
+
+def _fake_int4(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], q.shape[0]))
+
+
+def available() -> bool:
+    """Whether the compiled ops are loaded; builds (or loads the cached build) on the first call. On failure
+    (no compiler, no ninja, a build error) prints one line on stderr, once per process, and returns False."""
+    if "ok" not in _state:
+        reason = None
+        if _compiler() is None:
+            reason = "no C++ compiler found (set CXX or install g++/clang++)"
+        else:
+            try:
+                _build()
+            except Exception as exc:  # any build or load failure leaves the PyTorch formulas in charge
+                lines = str(exc).strip().splitlines()
+                reason = f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:300]
+        _state["ok"] = reason is None
+        if reason is not None:
+            print(f"tinyformer: the int8/int4 CPU kernels could not be built ({reason}); "
+                  "using the slower PyTorch formula", file=sys.stderr, flush=True)
+    return bool(_state["ok"])
+
+
+def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The formula in PyTorch: x (M, K) @ (s_og q_oi)^T, computed in float32, returned in x's dtype."""
+    n, k = q.shape
+    w = (q.float().reshape(n, s.shape[1], -1) * s.float()[..., None]).reshape(n, k)
+    return (x.float() @ w.t()).to(x.dtype)
+
+
+def int4_linear_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The formula in PyTorch: x (M, K) @ (s_og (u_oi - 8) + z_og)^T in float32, returned in x's dtype."""
+    n = q.shape[0]
+    u = torch.stack([q & 15, q >> 4], dim=-1).reshape(n, s.shape[1], -1).float()
+    w = ((u - 8) * s.float()[..., None] + z.float()[..., None]).reshape(n, -1)
+    return (x.float() @ w.t()).to(x.dtype)
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K), K % 32 == 0 -> d_b xq as float32: per block b of 32 columns d_b = max |x_b| / 127,
+    xq = round(x / d_b) (half to even) in [-127, 127]; |x - d_b xq| <= d_b / 2."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    d = amax / 127
+    inv = torch.where(amax > 0, 127 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    return (torch.round(xb * inv) * d).reshape(x.shape)
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """y = x dequant(W)^T for int8 W (module doc): the compiled op where available, else the formula."""
+    if available():
+        return torch.ops.tinyformer.int8_linear(x, q, s)
+    return int8_linear_reference(x, q, s)
+
+
+def int4_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """y = x dequant(W)^T for int4 W (module doc): the compiled op where available, else the formula."""
+    if available():
+        return torch.ops.tinyformer.int4_linear(x, q, s, z)
+    return int4_linear_reference(x, q, s, z)
+
+
+def int8_linear_act8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """y = round_activations(x) dequant(W)^T for int8 W: integer dot products (VNNI) where compiled."""
+    if available():
+        return torch.ops.tinyformer.int8_linear_act8(x, q, s)
+    return int8_linear_reference(round_activations(x).to(x.dtype), q, s)
+
+
+def int4_linear_act8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """y = round_activations(x) (s (u - 8))^T + z-terms on the exact x: the zero points multiply the exact
+    group sums of x, the 4-bit values the rounded x (as the kernel computes them)."""
+    if available():
+        return torch.ops.tinyformer.int4_linear_act8(x, q, s, z)
+    xr = round_activations(x)
+    n = q.shape[0]
+    g = q.shape[1] * 2 // s.shape[1]
+    u = torch.stack([q & 15, q >> 4], dim=-1).reshape(n, -1).float()
+    zs = z.float() - 8 * s.float()
+    y = xr @ (u.reshape(n, -1, g) * s.float()[..., None]).reshape(n, -1).t()
+    y = y + x.float().reshape(x.shape[0], -1, g).sum(-1) @ zs.t()
+    return y.to(x.dtype)

@@ -1,0 +1,248 @@
+"""The C++ int8 / int4 CPU kernels (``tinyformer.components.quant_kernels``) against the formula.
+
+Reference: y = x dequant(W)^T in float64, dequant being ``dequantize_weight`` (the module doc's formula),
+for every layout the format allows, sizes that are not multiples of the kernel's vector width included.
+The C++ build runs once per session (cached under torch's extensions folder); without a compiler those
+tests are skipped and the PyTorch fallback is still checked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyformer.components import quant_kernels, quantized
+from tinyformer.components.quantized import (
+    CPP_MAX_ROWS,
+    QuantizedLinear,
+    QuantSpec,
+    dequantize_weight,
+    quantize_weight,
+)
+from tinyformer.errors import ConfigError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# (spec, out_features, in_features): per channel, groups of 32 / 64 / 128, and sizes that leave a partial
+# vector in every row or group (100 = 6 x 16 + 4; int4 groups of 50 = 32 + 18 and of 10)
+LAYOUTS = [
+    (QuantSpec("int8", 0), 48, 128),
+    (QuantSpec("int8", 32), 40, 256),
+    (QuantSpec("int8", 64), 33, 192),
+    (QuantSpec("int8", 128), 20, 384),
+    (QuantSpec("int8", 0), 37, 100),
+    (QuantSpec("int8", 20), 37, 100),
+    (QuantSpec("int4", 32), 48, 128),
+    (QuantSpec("int4", 64), 33, 192),
+    (QuantSpec("int4", 128), 20, 384),
+    (QuantSpec("int4", 50), 37, 100),
+    (QuantSpec("int4", 10), 37, 100),
+]
+ROWS = [1, 3, CPP_MAX_ROWS]
+
+
+def spec_id(value: object) -> str | None:
+    return str(value) if isinstance(value, QuantSpec) else None
+
+
+@pytest.fixture(scope="session")
+def cpp_kernels() -> None:
+    if quant_kernels._compiler() is None:
+        pytest.skip("no C++ compiler: the C++ kernels cannot be built here")
+    assert quant_kernels.available(), "a C++ compiler is present but the kernels did not build (see stderr)"
+
+
+def layer_case(spec: QuantSpec, n: int, k: int, rows: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    w[0, :5] *= 20  # a few large weights: large steps in their groups
+    parts = quantize_weight(w, spec)
+    x = torch.randn(rows, k, generator=g)
+    expected = x.double() @ dequantize_weight(parts, spec.type, torch.float64).t()
+    return parts, x, expected
+
+
+def run_kernel(fn, spec: QuantSpec, parts: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    if spec.type == "int8":
+        return fn["int8"](x, parts["qweight"], parts["scales"])
+    return fn["int4"](x, parts["qweight"], parts["scales"], parts["zeros"])
+
+
+def assert_matches(y: torch.Tensor, expected: torch.Tensor) -> None:
+    # float32 sums of in_features products: relative error ~ 1e-7 sqrt(in) of the terms' magnitude
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("spec", "n", "k"), LAYOUTS, ids=spec_id)
+def test_cpp_kernel_equals_x_times_dequantized_weight(cpp_kernels, spec, n, k, rows):
+    parts, x, expected = layer_case(spec, n, k, rows)
+    ops = {"int8": torch.ops.tinyformer.int8_linear, "int4": torch.ops.tinyformer.int4_linear}
+    y = run_kernel(ops, spec, parts, x)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    assert_matches(y, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize(("spec", "n", "k"), LAYOUTS[::2], ids=spec_id)
+def test_pytorch_fallback_equals_x_times_dequantized_weight(spec, n, k, rows):
+    parts, x, expected = layer_case(spec, n, k, rows, seed=1)
+    ref = {"int8": quant_kernels.int8_linear_reference, "int4": quant_kernels.int4_linear_reference}
+    assert_matches(run_kernel(ref, spec, parts, x), expected)
+
+
+def test_cpp_kernel_uses_all_threads_and_bfloat16_activations_alike(cpp_kernels):
+    """Output rows split across threads give the same products; bfloat16 x is widened, y returned in bf16."""
+    spec = QuantSpec("int4", 32)
+    parts, x, expected = layer_case(spec, 1000, 256, 2, seed=2)
+    torch.set_num_threads(2)
+    y = torch.ops.tinyformer.int4_linear(x, parts["qweight"], parts["scales"], parts["zeros"])
+    assert_matches(y, expected)
+    yb = torch.ops.tinyformer.int4_linear(x.bfloat16(), parts["qweight"], parts["scales"], parts["zeros"])
+    assert yb.dtype == torch.bfloat16
+    expected_b = x.bfloat16().double() @ dequantize_weight(parts, "int4", torch.float64).t()
+    torch.testing.assert_close(yb.double(), expected_b, rtol=1e-2, atol=1e-2 * float(expected_b.abs().max()))
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int8", 0, "cpp"), QuantSpec("int4", 32, "cpp")], ids=str)
+def test_cpp_layer_takes_the_kernel_for_few_rows_and_the_float_product_for_many(cpp_kernels, spec, monkeypatch):
+    n, k = 40, 128
+    monkeypatch.setattr(quantized, "DEQUANT_TILE_BYTES", 7 * 4 * k)  # many rows: tiles of 7 output rows
+    parts, _, _ = layer_case(spec, n, k, 1, seed=3)
+    b = torch.randn(n)
+    layer = QuantizedLinear(parts, spec, k, b)
+    assert layer.kernel == "cpp"
+    wd = dequantize_weight(parts, spec.type, torch.float64)
+    for shape in [(1, 1, k), (2, CPP_MAX_ROWS // 2, k), (3, CPP_MAX_ROWS, k)]:  # 1, 8 and 24 rows
+        x = torch.randn(*shape)
+        assert_matches(layer(x), x.double() @ wd.t() + b.double())
+    assert QuantizedLinear(parts, QuantSpec(spec.type, spec.group_size), k).kernel == "cpp"  # auto
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_with_the_cpp_kernel_gives_the_eager_greedy_tokens(cpp_kernels, tmp_path):
+    from tinyformer.config import ModelConfig
+    from tinyformer.generation.engine import Generator
+    from tinyformer.generation.sampling import SamplingParams
+    from tinyformer.models.decoder import DecoderLM
+    from tinyformer.quantization import quantize_run
+    from tinyformer.run_folder import load_model, save_model
+
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig(vocab_size=50, d_model=32, n_layer=1, n_head=4, n_kv_head=2, d_ff=64,
+                                  max_seq_len=64))
+    with torch.no_grad():  # peaked, varied next-token distributions (the default init is near-uniform)
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    save_model(tmp_path / "run", model)
+    quantize_run(tmp_path / "run", tmp_path / "q", QuantSpec("int4", 32))
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    tokens = {}
+    for compiled in (False, True):
+        q = load_model(tmp_path / "q")
+        assert {m.kernel for m in q.modules() if isinstance(m, QuantizedLinear)} == {"cpp"}
+        gen = Generator(q, compile=compiled)
+        gen.eos_token_id = None
+        greedy = SamplingParams(temperature=0, max_new_tokens=12)
+        tokens[compiled] = [r.token_ids for r in gen.generate(prompts, greedy, logprobs=False)]
+    assert tokens[True] == tokens[False]
+
+
+# ------------------------------------------------------------------ activations rounded to 8 bits (opt-in)
+
+ACT8_LAYOUTS = [(QuantSpec("int8", 0), 37, 128), (QuantSpec("int8", 32), 40, 256), (QuantSpec("int8", 64), 33, 192),
+                (QuantSpec("int4", 32), 37, 128), (QuantSpec("int4", 64), 33, 192), (QuantSpec("int4", 128), 20, 384)]
+
+
+def act8_reference(spec: QuantSpec, parts: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """float64: x rounded per block of 32 (d = max |x| / 127, round half to even) times dequant(W), except
+    int4's zero-point part, z - 8 s per group, which multiplies the exact x."""
+    xb = x.double().reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    xr = (torch.round(xb / torch.where(d > 0, d, torch.ones_like(d))) * d).reshape(x.shape)
+    wd = dequantize_weight(parts, spec.type, torch.float64)
+    if spec.type == "int8":
+        return xr @ wd.t()
+    g = spec.groups(x.shape[1])
+    m = parts["zeros"].double() - 8 * parts["scales"].double()
+    return xr @ (wd - m.repeat_interleave(g, dim=1)).t() + x.double().reshape(x.shape[0], -1, g).sum(-1) @ m.t()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize(("spec", "n", "k"), ACT8_LAYOUTS, ids=spec_id)
+def test_act8_kernel_equals_rounded_activations_times_dequantized_weight(cpp_kernels, spec, n, k, rows):
+    parts, x, exact = layer_case(spec, n, k, rows, seed=4)
+    ops = {"int8": torch.ops.tinyformer.int8_linear_act8, "int4": torch.ops.tinyformer.int4_linear_act8}
+    y = run_kernel(ops, spec, parts, x)
+    assert_matches(y, act8_reference(spec, parts, x))
+    # and within the rounding's bound of the weight-only product: sum_b d_b / 2 sum_{i in b} |w_i|
+    wd = dequantize_weight(parts, spec.type, torch.float64)
+    if spec.type == "int4":
+        m = parts["zeros"].double() - 8 * parts["scales"].double()
+        wd = wd - m.repeat_interleave(spec.groups(k), dim=1)
+    d = x.double().reshape(rows, -1, 32).abs().amax(-1) / 127  # (rows, blocks)
+    bound = (d / 2) @ wd.abs().reshape(n, -1, 32).sum(-1).t()
+    assert torch.all((y.double() - exact).abs() <= bound + 1e-5 * float(exact.abs().max()))
+    assert not torch.allclose(y.double(), exact, rtol=1e-6, atol=1e-6)  # it is not the weight-only product
+
+
+@pytest.mark.parametrize(("spec", "n", "k"), ACT8_LAYOUTS[::3], ids=spec_id)
+def test_act8_pytorch_fallback_equals_the_formula(spec, n, k, monkeypatch):
+    parts, x, _ = layer_case(spec, n, k, 2, seed=5)
+    monkeypatch.setitem(quant_kernels._state, "ok", False)  # as if no compiler were found
+    fn = {"int8": quant_kernels.int8_linear_act8, "int4": quant_kernels.int4_linear_act8}
+    assert_matches(run_kernel(fn, spec, parts, x), act8_reference(spec, parts, x))
+
+
+def test_act8_kernel_is_opt_in_and_refuses_widths_off_the_32_grid(cpp_kernels):
+    parts = quantize_weight(torch.randn(8, 100), QuantSpec("int8", 0))
+    with pytest.raises(ConfigError, match="multiples of 32"):
+        QuantizedLinear(parts, QuantSpec("int8", 0, "cpp_act8"), 100)
+    spec = QuantSpec("int4", 32, "cpp_act8")
+    parts, x, _ = layer_case(spec, 24, 64, 2, seed=6)
+    layer = QuantizedLinear(parts, spec, 64)
+    assert layer.kernel == "cpp_act8" and QuantizedLinear(parts, QuantSpec("int4", 32), 64).kernel == "cpp"
+    assert_matches(layer(x), act8_reference(spec, parts, x))
+
+
+def test_tied_int4_head_and_token_table_share_one_copy_of_the_weights(cpp_kernels, tmp_path):
+    """The cpp kernel reads the stored layout, so the head and the token lookup hold the same tensors."""
+    from tinyformer.config import ModelConfig
+    from tinyformer.models.decoder import DecoderLM
+    from tinyformer.quantization import quantize_run
+    from tinyformer.run_folder import load_model, save_model
+
+    save_model(tmp_path / "run", DecoderLM(ModelConfig(vocab_size=40, d_model=32, n_layer=1, n_head=4,
+                                                       n_kv_head=2, d_ff=64, max_seq_len=32)))
+    quantize_run(tmp_path / "run", tmp_path / "q", QuantSpec("int4", 32))
+    model = load_model(tmp_path / "q")
+    assert model.lm_head.kernel == "cpp"
+    for name in ("qweight", "scales", "zeros"):
+        assert getattr(model.lm_head, name).data_ptr() == getattr(model.tok_emb, name).data_ptr()
+
+
+def test_quantize_refuses_act8_for_widths_off_the_32_grid_before_writing(tmp_path):
+    from tinyformer.config import ModelConfig
+    from tinyformer.models.decoder import DecoderLM
+    from tinyformer.quantization import quantize_run
+    from tinyformer.run_folder import save_model
+
+    save_model(tmp_path / "run", DecoderLM(ModelConfig(vocab_size=40, d_model=48, n_layer=1, n_head=4,
+                                                       n_kv_head=2, d_ff=96, max_seq_len=32)))
+    with pytest.raises(ConfigError, match="multiples of 32"):
+        quantize_run(tmp_path / "run", tmp_path / "q", QuantSpec("int8", 0, "cpp_act8"))
+    assert not (tmp_path / "q").exists()
+
+
+def test_without_a_compiler_one_line_says_so_and_layers_keep_the_pytorch_kernels(monkeypatch, capsys):
+    monkeypatch.setattr(quant_kernels, "_compiler", lambda: None)
+    monkeypatch.setattr(quant_kernels, "_state", {})
+    assert not quant_kernels.available() and not quant_kernels.available()  # said once per process
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no C++ compiler" in err
+    parts, x, expected = layer_case(QuantSpec("int8", 0), 24, 64, 2, seed=7)
+    layer = QuantizedLinear(parts, QuantSpec("int8", 0), 64)
+    assert layer.kernel == "aten"  # auto without the C++ kernels: as before they existed
+    assert_matches(layer(x), expected)
+    assert_matches(quant_kernels.int8_linear(x, parts["qweight"], parts["scales"]), expected)  # the formula
