@@ -42,8 +42,21 @@ def _compiler() -> str | None:
     return shutil.which(cxx)
 
 
+def _ninja_on_path() -> None:
+    """torch's build runs ``ninja`` by name; the ninja wheel puts it in the environment's scripts folder,
+    which is on PATH only when the environment is activated (``.venv/bin/tinyformer`` run directly is not)."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def _build() -> None:
     from torch.utils.cpp_extension import load
+
+    _ninja_on_path()
 
     digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
     # ``load`` of the file (not ``load_inline``, which adds the Python headers) keeps the build short
