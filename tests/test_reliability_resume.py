@@ -44,8 +44,14 @@ class Crash(BaseException):
 def _cache_and_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("TINYFORMER_CACHE", str(tmp_path / "cache"))
     threads = torch.get_num_threads()
+    # The signal tests start from an interactive process's handlers, whatever started pytest (a background
+    # job has SIGINT ignored, which training respects, and children inherit it).
+    handlers = {sig: signal.signal(sig, h) for sig, h in
+                ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL))}
     yield
     torch.set_num_threads(threads)
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 @pytest.fixture
@@ -265,6 +271,18 @@ def test_after_the_first_signal_a_second_one_takes_the_default_action() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_signal_ignored_at_the_start_stays_ignored() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell starts a background job
+    with stop_on_signals() as stop:
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        signal.raise_signal(signal.SIGINT)
+        assert not stop
+        signal.raise_signal(signal.SIGTERM)  # SIGTERM was not ignored: it is still caught
+        assert stop.signal_name == "SIGTERM"
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 def test_sigint_to_a_real_training_process_saves_and_says_how_to_resume(corpus: Path, tmp_path: Path) -> None:

@@ -8,6 +8,9 @@
 The update in progress is finished rather than abandoned because its half-drawn batches have already
 advanced the random streams: a checkpoint taken mid-update would not resume bit for bit.
 Signal handlers can only be installed from the main thread; elsewhere :func:`stop_on_signals` does nothing.
+A signal that was ignored when training started stays ignored (a shell starts background jobs with SIGINT
+ignored, so that Ctrl-C at the terminal does not reach them; Python itself then installs no
+KeyboardInterrupt handler either).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ class StopRequest:
     def _handle(self, signum: int, frame: object) -> None:
         self.signal_name = signal.Signals(signum).name
         for sig in SIGNALS:  # the next one is not caught: it ends the process at once
-            signal.signal(sig, signal.SIG_DFL)
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, signal.SIG_DFL)
         print(f"\n{self.signal_name}: saving a checkpoint after the current step (press Ctrl-C again to quit "
               "at once, losing the steps since the last checkpoint)", file=sys.stderr, flush=True)
 
@@ -46,8 +50,8 @@ def stop_on_signals(enabled: bool = True) -> Iterator[StopRequest]:
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield request
         return
-    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
-    for sig in SIGNALS:
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
+    for sig in previous:
         signal.signal(sig, request._handle)
     try:
         yield request
