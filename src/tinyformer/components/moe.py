@@ -10,12 +10,15 @@ E experts, each a SwiGLU FFN of width f; a router W_r (E, d) picks k of them per
 (topk_softmax equals softmax_topk with normalisation; both are written as the models define them.)
 Only k of the E experts run per token: the parameters grow with E, the compute per token with k.
 
-Dispatch, without a Python loop over tokens: the N k (token, expert)
-assignments are sorted by expert, each expert that has tokens runs once on its contiguous slice of gathered
-tokens (a loop over experts, reading each expert's matrices in place), and the weighted outputs are summed back
-per token with ``index_add``. Under ``torch.compile`` at inference (the compiled decode step, which cannot read
-the per-expert counts back to the host), each token instead gathers its k experts' weights and multiplies them
-directly (batched matmuls).
+Dispatch, without a Python loop over tokens: the N k (token, expert) assignments are sorted by expert (one
+argsort), the tokens gathered once in that order (``index_select``), each expert's contiguous segment multiplied by
+its matrices, and the weighted outputs summed back per token with ``index_add_``. The segments are multiplied by
+one ``F.grouped_mm`` per projection where it takes the operands (float32 / bfloat16 on CPU, rows a multiple of 16
+bytes: empty experts cost nothing, and the weight gradients come out stacked), otherwise by a loop over the experts
+that have tokens, reading each expert's matrices in place. A few tokens (N k <= E, decoding) skip the sort: each
+token runs its k chosen experts directly. Under ``torch.compile`` at inference (the compiled decode step, which
+cannot read the chosen experts back to the host), each token instead gathers its k experts' weights and multiplies
+them directly (batched matmuls).
 
 Auxiliary losses (training only; ``moe_losses``), over the router outputs of every MoE layer pooled
 (N rows in all), as transformers' ``load_balancing_loss_func``:
@@ -112,28 +115,46 @@ class MoE(nn.Module):
         return (y * weights[..., None]).sum(dim=1)
 
     def _sorted(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """Assignments sorted by expert; one matmul pair per expert over its slice of tokens."""
+        """Assignments sorted by expert; each expert's contiguous slice of tokens multiplied by its matrices."""
         n, k = index.shape
+        # unbind once when gradients flow: its backward stacks the E gradients in one tensor, where indexing the
+        # parameter per expert would allocate (and add) a full-size zero gradient for every expert
+        grad = torch.is_grad_enabled() and self.gate_up.requires_grad
+        gate_ups, downs = (self.gate_up.unbind(0), self.down.unbind(0)) if grad else (self.gate_up, self.down)
+        if n * k <= self.n_experts:
+            # a few tokens (decoding): run each token's k chosen experts directly; sorting, counting and
+            # scattering back cost more than the k matmul pairs of one token
+            rows = []
+            for t, chosen in enumerate(index.tolist()):
+                ys = torch.stack([F.linear(self._expert_ffn(F.linear(x[t], gate_ups[e])), downs[e]) for e in chosen])
+                rows.append(weights[t] @ ys)  # (k,) @ (k, d)
+            return torch.stack(rows)
         flat_expert = index.reshape(-1)  # (N k,): assignment a = token a // k, its choice a % k
         order = flat_expert.argsort(stable=True)
         tokens = order // k
-        counts = torch.bincount(flat_expert, minlength=self.n_experts).tolist()
-        xs = x[tokens]  # (N k, d), grouped by expert
+        counts = torch.bincount(flat_expert, minlength=self.n_experts)
+        xs = x.index_select(0, tokens)  # (N k, d), grouped by expert
         ws = weights.reshape(-1)[order, None]
-        # unbind once: its backward stacks the E gradients in one tensor, where indexing the parameter per
-        # expert would allocate (and add) a full-size zero gradient for every expert
-        gate_ups, downs = self.gate_up.unbind(0), self.down.unbind(0)
-        outs = []
-        start = 0
-        for e, count in enumerate(counts):
-            if count:
-                seg = xs[start : start + count]
-                h = self._expert_ffn(F.linear(seg, gate_ups[e]))
-                outs.append(F.linear(h, downs[e]) * ws[start : start + count])
-            start += count
-        y = torch.cat(outs)  # (N k, d), in expert order
-        if k * n <= self.n_experts:
-            # a few tokens (decoding): undo the sort with a gather and sum each token's k rows; index_add's
-            # parallel scatter costs milliseconds per call here on a busy CPU (measured), the gather microseconds
-            return y[order.argsort()].view(n, k, -1).sum(dim=1)
+        if self._grouped_mm_applies(x):
+            # one grouped matmul per projection over the E contiguous segments (empty ones cost nothing), with
+            # no per-expert kernels and no stacking of per-expert weight gradients in the backward pass
+            offsets = counts.cumsum(0, dtype=torch.int32)
+            h = F.grouped_mm(xs, self.gate_up.transpose(1, 2), offs=offsets)
+            y = F.grouped_mm(self._expert_ffn(h), self.down.transpose(1, 2), offs=offsets) * ws
+        else:
+            outs = []
+            start = 0
+            for e, count in enumerate(counts.tolist()):
+                if count:
+                    seg = xs[start : start + count]
+                    outs.append(F.linear(self._expert_ffn(F.linear(seg, gate_ups[e])), downs[e])
+                                * ws[start : start + count])
+                start += count
+            y = torch.cat(outs)  # (N k, d), in expert order
         return torch.zeros_like(x).index_add_(0, tokens, y)
+
+    def _grouped_mm_applies(self, x: torch.Tensor) -> bool:
+        """Whether ``F.grouped_mm`` takes these operands: on CPU it multiplies float32 and bfloat16 (not float64),
+        with rows of d, 2f and f elements each a multiple of 16 bytes."""
+        return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+                and all(size * x.element_size() % 16 == 0 for size in (x.shape[-1], self.d_ff)))
