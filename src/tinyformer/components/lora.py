@@ -117,23 +117,35 @@ class LoRALinear(nn.Linear):
             self.lora_B[name] = nn.Parameter(torch.zeros(stop - start, cfg.rank, device=w.device, dtype=w.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # (..., out)
         if not self.enabled:
-            return y
+            return F.linear(x, self.weight, self.bias)
         r = next(iter(self.lora_A.values())).shape[0]
         if isinstance(self.dropout, nn.Identity) or not self.training:
             a = torch.cat([self.lora_A[n] for n, _, _ in self.segments]) if len(self.segments) > 1 \
                 else self.lora_A[self.segments[0][0]]
-            u = F.linear(x, a) * self.scale  # (..., n r)
+            u = F.linear(x, a)  # (..., n r): one matmul for all targets (x @ A^T first: r << in, out)
+            if self.scale != 1.0:  # scaling the (..., n r) rank space is the cheapest place for it
+                u = u * self.scale
             parts = [u[..., i * r:(i + 1) * r] for i in range(len(self.segments))]
         else:  # one dropout mask per target, as PEFT's separate modules draw
             parts = [F.linear(self.dropout(x), self.lora_A[n]) * self.scale for n, _, _ in self.segments]
-        if len(self.segments) == 1 and self.segments[0][1:] == (0, self.out_features):
-            return y + F.linear(parts[0], self.lora_B[self.segments[0][0]])
+        # the low-rank update of every output row, (..., out): B_s u_s per target, zeros between targets
+        pieces, pos = [], 0
         for (name, start, stop), u_s in zip(self.segments, parts):
-            # F.linear does not keep its output for backward, so adding into its row blocks in place is safe
-            y[..., start:stop] += F.linear(u_s, self.lora_B[name])
-        return y
+            if start > pos:
+                pieces.append(u_s.new_zeros(*u_s.shape[:-1], start - pos))
+            pieces.append(F.linear(u_s, self.lora_B[name]))
+            pos = stop
+        if pos < self.out_features:
+            pieces.append(parts[0].new_zeros(*parts[0].shape[:-1], self.out_features - pos))
+        delta = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
+        if self.bias is not None:
+            delta = delta + self.bias
+        # W x is added onto the update by the GEMM itself (beta = 1): no separate add, and no in-place
+        # writes into row blocks, whose backward would clone and zero-fill the full (..., out) gradient
+        lead = x.shape[:-1]
+        y = torch.addmm(delta.reshape(-1, self.out_features), x.reshape(-1, self.in_features), self.weight.t())
+        return y.view(*lead, self.out_features)
 
     @torch.no_grad()
     def delta(self, name: str) -> torch.Tensor:
