@@ -126,26 +126,35 @@ class LoRALinear(nn.Linear):
             u = F.linear(x, a)  # (..., n r): one matmul for all targets (x @ A^T first: r << in, out)
             if self.scale != 1.0:  # scaling the (..., n r) rank space is the cheapest place for it
                 u = u * self.scale
-            parts = [u[..., i * r:(i + 1) * r] for i in range(len(self.segments))]
         else:  # one dropout mask per target, as PEFT's separate modules draw
-            parts = [F.linear(self.dropout(x), self.lora_A[n]) * self.scale for n, _, _ in self.segments]
-        # the low-rank update of every output row, (..., out): B_s u_s per target, zeros between targets
-        pieces, pos = [], 0
-        for (name, start, stop), u_s in zip(self.segments, parts):
+            u = torch.cat([F.linear(self.dropout(x), self.lora_A[n]) * self.scale for n, _, _ in self.segments],
+                          dim=-1)
+        lead = x.shape[:-1]
+        # the update of every output row in one GEMM, u @ B^T with B (out, n r) block-diagonal (B_s in
+        # target s's rows and columns, zero rows for rows without an adapter); then W x is accumulated
+        # into it in place by the big GEMM (beta = 1): no separate add pass and no writes into row blocks,
+        # whose backward would clone and zero-fill the full (..., out) gradient
+        y = F.linear(u.reshape(-1, u.shape[-1]), self._block_b(r))  # (M, out)
+        y.addmm_(x.reshape(-1, self.in_features), self.weight.t())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+    def _block_b(self, r: int) -> torch.Tensor:
+        """The (out, n r) block-diagonal matrix of the B_s (a few KB: built per call, no weight copied)."""
+        if len(self.segments) == 1 and self.segments[0][1:] == (0, self.out_features):
+            return self.lora_B[self.segments[0][0]]
+        n = len(self.segments)
+        rows, pos = [], 0
+        first = self.lora_B[self.segments[0][0]]
+        for i, (name, start, stop) in enumerate(self.segments):
             if start > pos:
-                pieces.append(u_s.new_zeros(*u_s.shape[:-1], start - pos))
-            pieces.append(F.linear(u_s, self.lora_B[name]))
+                rows.append(first.new_zeros(start - pos, n * r))
+            rows.append(F.pad(self.lora_B[name], (i * r, (n - 1 - i) * r)))
             pos = stop
         if pos < self.out_features:
-            pieces.append(parts[0].new_zeros(*parts[0].shape[:-1], self.out_features - pos))
-        delta = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
-        if self.bias is not None:
-            delta = delta + self.bias
-        # W x is added onto the update by the GEMM itself (beta = 1): no separate add, and no in-place
-        # writes into row blocks, whose backward would clone and zero-fill the full (..., out) gradient
-        lead = x.shape[:-1]
-        y = torch.addmm(delta.reshape(-1, self.out_features), x.reshape(-1, self.in_features), self.weight.t())
-        return y.view(*lead, self.out_features)
+            rows.append(first.new_zeros(self.out_features - pos, n * r))
+        return torch.cat(rows)
 
     @torch.no_grad()
     def delta(self, name: str) -> torch.Tensor:
