@@ -72,6 +72,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
+        if grad_out.numel() == 1 and bool(grad_out == 1):  # the usual loss.backward(): no scaling pass
+            return grad_h, grad_w, None, None
         return (grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
                 grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None, None, None)
 
