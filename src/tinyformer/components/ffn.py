@@ -62,7 +62,9 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "silu":
+        if self.activation == "silu" and not torch.compiler.is_compiling():
+            # eager: the hand-fused gradient; under torch.compile the plain ops below, which the compiler
+            # fuses itself (and which it traces without a graph break)
             return self.down(silu_mul(self.gate_up(x), self.d_ff))
         gate, up = self.gate_up(x).split(self.d_ff, dim=-1)  # (B, T, d_ff) each
         act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
