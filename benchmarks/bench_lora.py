@@ -33,6 +33,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 from bench_model import build_pair_from_config, peak_rss_mib, reset_peak_rss, timed
@@ -48,6 +49,15 @@ def model_config(small: bool, layers: int = 30):
                           tie_embeddings=True, max_seq_len=512)
     return get_preset("llama-110m", d_model=576, n_layer=layers, n_head=9, n_kv_head=3, d_ff=1536, vocab_size=49152,
                       tie_embeddings=True, rope_theta=100000.0, norm_eps=1e-5, max_seq_len=2048)
+
+
+def compile_blocks(ours, hf) -> None:
+    """``torch.compile`` every transformer block on both sides, in place (the head and loss stay eager)."""
+    for block in ours.blocks:
+        block.compile()
+    inner = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
+    for layer in inner.model.layers:
+        layer.compile()
 
 
 def build(kind: str, mode: str, small: bool, layers: int = 30):
@@ -79,7 +89,7 @@ def step_fn(model, kind: str, x, y):
         if kind == "ours":
             loss = model.loss(x, y)
         else:
-            logits = model(input_ids=x).logits
+            logits = model(input_ids=x, use_cache=False).logits  # no KV cache object: nothing to recompile on
             loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
         loss.backward()
         opt.step()
@@ -88,19 +98,26 @@ def step_fn(model, kind: str, x, y):
     return step
 
 
-def batch(cfg, b: int, t: int):
+def batch(cfg, b: int, t: int, prompt_fraction: float = 0.0):
+    """(inputs, targets) (b, t); the first ``prompt_fraction`` of each row's targets are -100, as the masked
+    prompt of an SFT example (both sides ignore them: cross_entropy's default ignore_index)."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (b, t + 1), generator=g)
-    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    y = ids[:, 1:].clone()
+    y[:, :int(prompt_fraction * t)] = -100
+    return ids[:, :-1].contiguous(), y
 
 
-def peak_memory_child(kind: str, mode: str, small: bool, b: int, t: int, steps: int, layers: int) -> None:
+def peak_memory_child(kind: str, mode: str, small: bool, b: int, t: int, steps: int, layers: int,
+                      prompt_fraction: float, compile_: bool) -> None:
     """Runs in a subprocess: build, train ``steps`` steps of one implementation, print the peak RSS in MiB."""
     cfg, ours, hf = build(kind, mode, small, layers)
+    if compile_:
+        compile_blocks(ours, hf)
     model = ours if kind == "ours" else hf
     del ours, hf  # only the measured model stays alive
     gc.collect()
-    x, y = batch(cfg, b, t)
+    x, y = batch(cfg, b, t, prompt_fraction)
     reset_peak_rss()  # construction does not count
     step = step_fn(model, kind, x, y)
     for _ in range(steps):
@@ -117,25 +134,38 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="rounds, the order of the two swapped every round")
     ap.add_argument("--layers", type=int, default=30, help="transformer layers of the shape (SmolLM2-135M: 30)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-fraction", type=float, default=0.0,
+                    help="share of each row's targets masked with -100 (an SFT example's prompt); default none")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile every transformer block on both sides (compile time reported apart)")
     ap.add_argument("--small", action="store_true", help="a tiny shape, to check that the script runs")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args._child:
-        peak_memory_child(args._child[0], args._child[1], args.small, args.batch, args.seq, 2, args.layers)
+        peak_memory_child(args._child[0], args._child[1], args.small, args.batch, args.seq, 2, args.layers,
+                          args.prompt_fraction, args.compile)
         return
     load = os.getloadavg()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads for both, fp32 CPU, batch {args.batch} x "
-          f"{args.seq}, {args.layers} layers, {args.rounds} rounds of {args.steps} steps; "
+          f"{args.seq}, {args.layers} layers, {args.rounds} rounds of {args.steps} steps, prompt fraction "
+          f"{args.prompt_fraction}, {'compiled blocks' if args.compile else 'eager'}; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start")
     rows = []
     for mode in args.modes:
         cfg, ours, hf = build("both", mode, args.small, args.layers)
-        x, y = batch(cfg, args.batch, args.seq)
+        x, y = batch(cfg, args.batch, args.seq, args.prompt_fraction)
+        if args.compile:
+            compile_blocks(ours, hf)
         steps = {"ours": step_fn(ours, "ours", x, y), "hf": step_fn(hf, "hf", x, y)}
-        # same weights, adapters and data: the losses agree at step 0 and, after one update, at step 1
-        first = {k: [fn(), fn()] for k, fn in steps.items()}
+        # same weights, adapters and data: the losses agree at step 0 and, after one update, at step 1;
+        # with --compile the first two steps also compile (forward and backward graphs): timed apart
+        first, compile_s = {}, {}
+        for k, fn in steps.items():
+            t0 = time.perf_counter()
+            first[k] = [fn(), fn()]
+            compile_s[k] = time.perf_counter() - t0
         for i in range(2):
             assert abs(first["ours"][i] - first["hf"][i]) < 1e-3, (mode, first)
         cpu: dict[str, list[float]] = {"ours": [], "hf": []}
@@ -153,6 +183,7 @@ def main() -> None:
         trainable = sum(p.numel() for p in ours.parameters() if p.requires_grad)
         total = sum(p.numel() for p in ours.parameters())
         row = {"mode": mode, "params": total, "trainable": trainable, "losses": first, "round_ratios": round_ratios,
+               "first_two_steps_s": compile_s,
                "tokens_per_s": {k: args.batch * args.seq / statistics.median(v) for k, v in times.items()},
                "tokens_per_cpu_s": {k: args.batch * args.seq / statistics.median(v) for k, v in cpu.items()}}
         del ours, hf, steps
@@ -161,7 +192,8 @@ def main() -> None:
             row["peak_mib"] = {}
             for kind in ("ours", "hf"):
                 cmd = [sys.executable, __file__, "--threads", str(args.threads), "--batch", str(args.batch),
-                       "--layers", str(args.layers),
+                       "--layers", str(args.layers), "--prompt-fraction", str(args.prompt_fraction),
+                       *(["--compile"] if args.compile else []),
                        "--seq", str(args.seq), *(["--small"] if args.small else []), "--_child", kind, mode]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ)
                 row["peak_mib"][kind] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
@@ -172,6 +204,8 @@ def main() -> None:
               f"({100 * trainable / total:.2f}%)")
         print(f"  step loss agreement (steps 0, 1): tinyformer {first['ours'][0]:.5f} {first['ours'][1]:.5f}, "
               f"HF {first['hf'][0]:.5f} {first['hf'][1]:.5f}")
+        print(f"  first two steps (with --compile: compilation included): tinyformer {compile_s['ours']:.1f} s, "
+              f"HF {compile_s['hf']:.1f} s")
         print(f"  tokens/s   tinyformer {tps['ours']:8.1f}   transformers{' + peft' if mode == 'lora' else ''} "
               f"{tps['hf']:8.1f}   ratio {tps['ours'] / tps['hf']:.2f}x (rounds: median "
               f"{statistics.median(round_ratios):.2f}x, spread {min(round_ratios):.2f}-{max(round_ratios):.2f}x)")

@@ -19,6 +19,38 @@ from torch import nn
 from tinyformer.config import ModelConfig
 
 
+class _SiluMul(torch.autograd.Function):
+    """silu(g) * u from the fused projection output gu = [g, u] (..., 2 f) -> (..., f).
+
+    Backward, with s = sigmoid(g):  dL/du = dL/dy silu(g),   dL/dg = dL/dy u s (1 + g (1 - s)).
+    Both halves are written into one (..., 2 f) gradient, which is what the fused gate_up matmul needs:
+    autograd's split backward would zero-fill such a tensor and copy the two halves in. Only gu is kept
+    for backward (the sigmoid is recomputed), not gu and silu(g) as the unfused ops keep."""
+
+    @staticmethod
+    def forward(ctx, gu: torch.Tensor, f: int) -> torch.Tensor:
+        gate, up = gu.split(f, dim=-1)
+        ctx.save_for_backward(gu)
+        ctx.f = f
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (gu,) = ctx.saved_tensors
+        f = ctx.f
+        gate, up = gu.split(f, dim=-1)
+        grad_gu = torch.empty_like(gu)
+        # dL/dg in one fused pass: silu_backward(v, g) = v s (1 + g (1 - s)), with v = dL/dy u
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gu[..., :f])
+        torch.mul(grad, F.silu(gate), out=grad_gu[..., f:])
+        return grad_gu, None
+
+
+def silu_mul(gu: torch.Tensor, f: int) -> torch.Tensor:
+    """silu(gu[..., :f]) * gu[..., f:] with a single fused gradient for gu (see ``_SiluMul``)."""
+    return _SiluMul.apply(gu, f)
+
+
 class SwiGLU(nn.Module):
     """The gated FFN; ``activation`` 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU with GELU's tanh approximation)."""
 
@@ -30,6 +62,10 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "silu" and not torch.compiler.is_compiling():
+            # eager: the hand-fused gradient; under torch.compile the plain ops below, which the compiler
+            # fuses itself (and which it traces without a graph break)
+            return self.down(silu_mul(self.gate_up(x), self.d_ff))
         gate, up = self.gate_up(x).split(self.d_ff, dim=-1)  # (B, T, d_ff) each
         act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
         return self.down(act * up)

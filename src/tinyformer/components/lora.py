@@ -117,23 +117,44 @@ class LoRALinear(nn.Linear):
             self.lora_B[name] = nn.Parameter(torch.zeros(stop - start, cfg.rank, device=w.device, dtype=w.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # (..., out)
         if not self.enabled:
-            return y
+            return F.linear(x, self.weight, self.bias)
         r = next(iter(self.lora_A.values())).shape[0]
         if isinstance(self.dropout, nn.Identity) or not self.training:
             a = torch.cat([self.lora_A[n] for n, _, _ in self.segments]) if len(self.segments) > 1 \
                 else self.lora_A[self.segments[0][0]]
-            u = F.linear(x, a) * self.scale  # (..., n r)
-            parts = [u[..., i * r:(i + 1) * r] for i in range(len(self.segments))]
+            u = F.linear(x, a)  # (..., n r): one matmul for all targets (x @ A^T first: r << in, out)
+            if self.scale != 1.0:  # scaling the (..., n r) rank space is the cheapest place for it
+                u = u * self.scale
         else:  # one dropout mask per target, as PEFT's separate modules draw
-            parts = [F.linear(self.dropout(x), self.lora_A[n]) * self.scale for n, _, _ in self.segments]
+            u = torch.cat([F.linear(self.dropout(x), self.lora_A[n]) * self.scale for n, _, _ in self.segments],
+                          dim=-1)
+        lead = x.shape[:-1]
+        # the update of every output row in one GEMM, u @ B^T with B (out, n r) block-diagonal (B_s in
+        # target s's rows and columns, zero rows for rows without an adapter); then W x is accumulated
+        # into it in place by the big GEMM (beta = 1): no separate add pass and no writes into row blocks,
+        # whose backward would clone and zero-fill the full (..., out) gradient
+        y = F.linear(u.reshape(-1, u.shape[-1]), self._block_b(r))  # (M, out)
+        y.addmm_(x.reshape(-1, self.in_features), self.weight.t())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+    def _block_b(self, r: int) -> torch.Tensor:
+        """The (out, n r) block-diagonal matrix of the B_s (a few KB: built per call, no weight copied)."""
         if len(self.segments) == 1 and self.segments[0][1:] == (0, self.out_features):
-            return y + F.linear(parts[0], self.lora_B[self.segments[0][0]])
-        for (name, start, stop), u_s in zip(self.segments, parts):
-            # F.linear does not keep its output for backward, so adding into its row blocks in place is safe
-            y[..., start:stop] += F.linear(u_s, self.lora_B[name])
-        return y
+            return self.lora_B[self.segments[0][0]]
+        n = len(self.segments)
+        rows, pos = [], 0
+        first = self.lora_B[self.segments[0][0]]
+        for i, (name, start, stop) in enumerate(self.segments):
+            if start > pos:
+                rows.append(first.new_zeros(start - pos, n * r))
+            rows.append(F.pad(self.lora_B[name], (i * r, (n - 1 - i) * r)))
+            pos = stop
+        if pos < self.out_features:
+            rows.append(first.new_zeros(self.out_features - pos, n * r))
+        return torch.cat(rows)
 
     @torch.no_grad()
     def delta(self, name: str) -> torch.Tensor:

@@ -9,6 +9,9 @@ that is 262 MB in float32, written and re-read by a plain ``cross_entropy(head(h
 (logits, log-softmax, its gradient, the logits' gradient). Here each chunk of rows computes its
 logits, its loss and both gradients at once, so the full logit matrix never exists; backward
 only scales the stored gradients. Results equal the unfused computation up to float rounding.
+Rows whose target is ignore_index add nothing to the loss and get a zero gradient, so only the other
+rows go through the head at all: in supervised fine-tuning, where prompt and user tokens are masked,
+that skips their share of the head's three (rows, d) x (d, vocab) matmuls and softmax passes.
 h: (N, d), W: (vocab, d), targets: (N,) -> scalar loss.
 """
 
@@ -23,9 +26,13 @@ CHUNK_ELEMENTS = 2**23  # logits per chunk: 32 MB in float32, small enough to st
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int):
-        n_rows, vocab = h.shape[0], weight.shape[0]
         valid = targets != ignore_index
         n_valid = valid.sum().clamp_min(1).to(torch.float32)
+        h_all, rows_kept = h, None
+        if not bool(valid.all()):  # keep the rows that have a target (one host read; eager only)
+            rows_kept = valid.nonzero().squeeze(1)
+            h, targets, valid = h.index_select(0, rows_kept), targets.index_select(0, rows_kept), valid[rows_kept]
+        n_rows, vocab = h.shape[0], weight.shape[0]
         # a frozen head (LoRA) needs no weight gradient: skipping it saves a third of the head's work
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_grad = want_h or want_w
@@ -36,7 +43,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
         w = weight.to(h.dtype)
         total = torch.zeros((), dtype=acc, device=h.device)
-        rows = max(1, CHUNK_ELEMENTS // vocab)
+        # equal chunks of at most CHUNK_ELEMENTS logits: a small last chunk would re-read the whole head
+        # weight for a handful of rows (a matrix-vector product, bound by memory bandwidth)
+        n_chunks = max(1, -(-n_rows * vocab // CHUNK_ELEMENTS))
+        rows = max(1, -(-n_rows // n_chunks))
         for start in range(0, n_rows, rows):
             stop = min(start + rows, n_rows)
             hc, tc, vc = h[start:stop], targets[start:stop], valid[start:stop]
@@ -53,6 +63,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_h[start:stop] = (p.to(h.dtype) @ w).to(h.dtype)
                 if want_w:
                     grad_w.addmm_(p.T, hc.to(acc))
+        if want_h and rows_kept is not None:  # ignored rows: zero gradient
+            grad_h = torch.zeros_like(h_all).index_copy_(0, rows_kept, grad_h)
         if want_grad:
             ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if want_w else None)
         return total / n_valid
@@ -60,6 +72,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
+        if grad_out.numel() == 1 and bool(grad_out == 1):  # the usual loss.backward(): no scaling pass
+            return grad_h, grad_w, None, None
         return (grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
                 grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None, None, None)
 

@@ -262,11 +262,18 @@ class DecoderLM(nn.Module):
         """Mean next-token cross-entropy: -1/N sum_t log softmax(logits_t)[targets_t] over targets != ignore_index.
 
         The head and the cross-entropy are fused (components/loss.py): same value, but the (B, T, vocab)
-        logit matrix is never stored, which is most of a small model's activation memory."""
+        logit matrix is never stored, which is most of a small model's activation memory; positions whose
+        target is ignore_index (masked prompts in SFT) skip the head altogether."""
         h = self.hidden_states(input_ids, attention_mask=attention_mask)
         if self.cfg.final_logit_softcap is not None:  # the capped logits are needed: no fused head
-            logits = self._softcap(self.lm_head(h)).float()
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
+            h, targets = h.flatten(0, 1), targets.flatten()
+            keep = targets != ignore_index
+            if not bool(keep.all()):  # ignored positions add nothing: only the others go through the head
+                h, targets = h[keep], targets[keep]
+            logits = self._softcap(self.lm_head(h))
+            if logits.dtype not in (torch.float32, torch.float64):  # half precision: softmax in float32
+                logits = logits.float()
+            loss = F.cross_entropy(logits, targets, ignore_index=ignore_index)
         else:
             loss = linear_cross_entropy(h, self.lm_head.weight, targets, ignore_index)
         if self.training and self.cfg.ffn == "moe":
