@@ -126,8 +126,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ extension points
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        """The module the training loop calls; override to wrap for DDP/FSDP."""
-        return torch.compile(model) if self.cfg.compile else model
+        """The module the training loop calls; override to wrap for DDP/FSDP.
+
+        ``compile`` compiles each layer of the model's layer stacks in place (as the FSDP path does), not the
+        whole model: the loop then still calls the plain module, whose loss keeps the fused head +
+        cross-entropy that never stores the (B, T, vocab) logits and skips ignored targets; a compiled
+        whole model would be called through ``forward`` and return full logits. State-dict names are unchanged.
+        """
+        if self.cfg.compile:
+            for stack in model.children():
+                if isinstance(stack, nn.ModuleList):
+                    for layer in stack:
+                        layer.compile()
+        return model
 
     def sync_context(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
         """Context of one micro-step's backward; DDP returns ``no_sync()`` unless it is the last one."""
