@@ -190,6 +190,12 @@ class CompiledStep:
         return self._fns[ids_only]
 
 
+def default_slide_keep(max_len: int) -> int:
+    """Tokens a full row keeps when it slides (``context_policy="slide"``): three quarters of ``max_len``
+    (at least 1), so a slide re-prefills most of the context and happens once per max_len / 4 tokens."""
+    return max(1, max_len - max(1, max_len // 4))
+
+
 def new_prefix_cache(model: nn.Module, megabytes: float) -> PrefixCache | None:
     """A prefix cache of ``megabytes`` for ``model``'s KV caches (their dtype and device); None for 0."""
     if megabytes < 0:
@@ -236,7 +242,7 @@ class BatchEngine:
         self.device = next(model.parameters()).device
         self.prefill_chunk = prefill_chunk
         self.context_policy = context_policy
-        self.slide_keep = slide_keep if slide_keep is not None else max(1, self.max_len - max(1, self.max_len // 4))
+        self.slide_keep = slide_keep if slide_keep is not None else default_slide_keep(self.max_len)
         # dynamic NTK and LongRoPE pick their rotary tables from the length seen: a per-row, host-side decision
         self.per_row = cfg.rope_type in ("dynamic", "longrope")
         rs = cfg.rope_scaling or {}

@@ -46,6 +46,7 @@ from tinyformer.generation.batch_engine import (
     CompiledStep,
     EngineRow,
     check_compilable,
+    default_slide_keep,
 )
 from tinyformer.generation.beam import (
     DEFAULT_EARLY_STOPPING,
@@ -199,7 +200,7 @@ class Generator:
         if compile:
             check_compilable(model)
         self.max_seq_len = cfg.max_seq_len
-        keep = slide_keep if slide_keep is not None else max(1, self.max_seq_len - max(1, self.max_seq_len // 4))
+        keep = slide_keep if slide_keep is not None else default_slide_keep(self.max_seq_len)
         if not 1 <= keep < self.max_seq_len:
             raise GenerationError(f"slide_keep must be in [1, {self.max_seq_len - 1}], got {keep}")
         self.model = model if device is None else model.to(device)

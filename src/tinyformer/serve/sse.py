@@ -52,11 +52,8 @@ class EventStream(StreamingResponse):
             self._on_close()
 
 
-
 def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
-
-
 
 
 async def stream_choices(inbox: asyncio.Queue, choices: dict[int, Choice], opening: list[dict[str, Any]],
