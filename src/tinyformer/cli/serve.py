@@ -93,7 +93,6 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tinyformer.devices import resolve_device, resolve_dtype
-    from tinyformer.generation.batch_engine import check_compilable
     from tinyformer.generation.weight_layout import store_input_major
     from tinyformer.run_folder import load_config, load_model, load_tokenizer
     from tinyformer.serve.app import create_app
@@ -128,9 +127,7 @@ def run(args: argparse.Namespace) -> int:
               "the model (and its compute); see README 'Serving safely'", file=sys.stderr, flush=True)
     try:
         model = load_model(run_dir, device=device, dtype=dtype, cfg=cfg, verify=not args.no_verify)
-        if args.compile:
-            check_compilable(model)
-        if next(model.parameters()).device.type == "cpu":  # as generate: faster batch-1 products
+        if device.type == "cpu":  # as generate: faster batch-1 products
             store_input_major(model)
         name = args.model_name or run_dir.resolve().name
         app = create_app(model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from tinyformer.errors import CheckpointError, ConfigError
+from tinyformer.interop.gguf import GEMMA_GLOBAL_EVERY
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
@@ -71,7 +72,6 @@ GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": 
 _GEMMA_BLOCK = {**_BLOCK, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
 GEMMA_ARCH = {"gemma2": "gemma2", "gemma3_text": "gemma3"}
-GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}  # llama.cpp's fixed layer pattern: every n-th layer global
 
 
 def gguf_name(hf_name: str, arch: str = "llama") -> str:

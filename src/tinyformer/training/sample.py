@@ -40,7 +40,6 @@ def sample_text(
         budget = max(0, min(max_new_tokens, context - len(ids)))
         params = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=budget, seed=seed)
         gen = Generator(model, tokenizer)  # puts the model in eval mode
-        gen.eos_token_id = tokenizer.eos_id
         out = gen.generate([ids], params, logprobs=False)[0].token_ids
         if out and tokenizer.eos_id is not None and out[-1] == tokenizer.eos_id:
             out = out[:-1]
