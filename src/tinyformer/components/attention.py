@@ -168,6 +168,9 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(self.q_size, cfg.d_model, bias=cfg.attn_out_bias)
         self.q_norm = build_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = build_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        # both norms come from one config: RMSNorms sharing eps and offset can run as one call (_norm_qk)
+        self._one_qk_norm = isinstance(self.q_norm, RMSNorm) and isinstance(self.k_norm, RMSNorm) \
+            and self.q_norm.eps == self.k_norm.eps and self.q_norm.offset == self.k_norm.offset
 
     def forward(
         self,
@@ -223,8 +226,7 @@ class SelfAttention(nn.Module):
         other norms and dtypes take the two norms)."""
         q_norm, k_norm = self.q_norm, self.k_norm
         H, H_kv, d = self.n_head, self.n_kv_head, self.head_dim
-        if not (isinstance(q_norm, RMSNorm) and isinstance(k_norm, RMSNorm) and q_norm.eps == k_norm.eps
-                and q_norm.offset == k_norm.offset and qk.dtype in (torch.float32, torch.float64)):
+        if not (self._one_qk_norm and qk.dtype in (torch.float32, torch.float64)):
             q, k = qk.split((H, H_kv), dim=1)
             return torch.cat([q_norm(q), k_norm(k)], dim=1)  # type: ignore[misc]
         gain = torch.cat([q_norm.weight.expand(H, d), k_norm.weight.expand(H_kv, d)]).unsqueeze(1)

@@ -33,6 +33,8 @@ Shapes: x (B, T, d) -> (B, T, d). Parameters: router (E, d); gate_up (E, 2f, d),
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -117,11 +119,8 @@ class MoE(nn.Module):
     def _sorted(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Assignments sorted by expert; each expert's contiguous slice of tokens multiplied by its matrices."""
         n, k = index.shape
-        # unbind once when gradients flow: its backward stacks the E gradients in one tensor, where indexing the
-        # parameter per expert would allocate (and add) a full-size zero gradient for every expert
-        grad = torch.is_grad_enabled() and self.gate_up.requires_grad
-        gate_ups, downs = (self.gate_up.unbind(0), self.down.unbind(0)) if grad else (self.gate_up, self.down)
         if n * k <= self.n_experts:
+            gate_ups, downs = self._per_expert()
             # a few tokens (decoding): run each token's k chosen experts directly; sorting, counting and
             # scattering back cost more than the k matmul pairs of one token
             rows = []
@@ -142,6 +141,7 @@ class MoE(nn.Module):
             h = F.grouped_mm(xs, self.gate_up.transpose(1, 2), offs=offsets)
             y = F.grouped_mm(self._expert_ffn(h), self.down.transpose(1, 2), offs=offsets) * ws
         else:
+            gate_ups, downs = self._per_expert()
             outs = []
             start = 0
             for e, count in enumerate(counts.tolist()):
@@ -152,6 +152,14 @@ class MoE(nn.Module):
                 start += count
             y = torch.cat(outs)  # (N k, d), in expert order
         return torch.zeros_like(x).index_add_(0, tokens, y)
+
+    def _per_expert(self) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
+        """The experts' matrices for products one expert at a time. Unbound once when gradients flow: the
+        unbind's backward stacks the E gradients in one tensor, where indexing the parameter per expert would
+        allocate (and add) a full-size zero gradient for every expert. (The grouped matmul needs neither.)"""
+        if torch.is_grad_enabled() and self.gate_up.requires_grad:
+            return self.gate_up.unbind(0), self.down.unbind(0)
+        return self.gate_up, self.down
 
     def _grouped_mm_applies(self, x: torch.Tensor) -> bool:
         """Whether ``F.grouped_mm`` takes these operands: on CPU it multiplies float32 and bfloat16 (not float64),
