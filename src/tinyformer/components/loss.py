@@ -31,7 +31,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h_all, rows_kept = h, None
         if not bool(valid.all()):  # keep the rows that have a target (one host read; eager only)
             rows_kept = valid.nonzero().squeeze(1)
-            h, targets, valid = h.index_select(0, rows_kept), targets.index_select(0, rows_kept), valid[rows_kept]
+            h, targets = h.index_select(0, rows_kept), targets.index_select(0, rows_kept)
+        # from here on every row has a target: no per-row mask is needed
         n_rows, vocab = h.shape[0], weight.shape[0]
         # a frozen head (LoRA) needs no weight gradient: skipping it saves a third of the head's work
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -49,16 +50,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows = max(1, -(-n_rows // n_chunks))
         for start in range(0, n_rows, rows):
             stop = min(start + rows, n_rows)
-            hc, tc, vc = h[start:stop], targets[start:stop], valid[start:stop]
+            hc, tc = h[start:stop], targets[start:stop]
             z = (hc @ w.T).to(acc)  # (rows, vocab)
             logp = torch.log_softmax(z, dim=-1)  # one fused pass: z - logsumexp(z)
             del z
-            safe_t = torch.where(vc, tc, torch.zeros_like(tc))
-            total -= (logp.gather(1, safe_t[:, None]).squeeze(1) * vc).sum()
+            total -= logp.gather(1, tc[:, None]).sum()
             if want_grad:
                 p = logp.exp_()  # softmax, in place
-                p.scatter_add_(1, safe_t[:, None], -vc[:, None].to(p.dtype))  # minus one-hot at the target
-                p.mul_((vc.to(p.dtype) / n_valid)[:, None])  # ignored rows get zero gradient
+                p.scatter_add_(1, tc[:, None], p.new_full((stop - start, 1), -1.0))  # minus one-hot at the target
+                p.mul_(1 / n_valid)
                 if want_h:
                     grad_h[start:stop] = (p.to(h.dtype) @ w).to(h.dtype)
                 if want_w:
