@@ -99,17 +99,16 @@ def available() -> bool:
 
 def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """The formula in PyTorch: x (M, K) @ (s_og q_oi)^T, computed in float32, returned in x's dtype."""
-    n, k = q.shape
-    w = (q.float().reshape(n, s.shape[1], -1) * s.float()[..., None]).reshape(n, k)
-    return (x.float() @ w.t()).to(x.dtype)
+    from tinyformer.components.quantized import dequantize_weight  # that module imports this one
+
+    return (x.float() @ dequantize_weight({"qweight": q, "scales": s}, "int8").t()).to(x.dtype)
 
 
 def int4_linear_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """The formula in PyTorch: x (M, K) @ (s_og (u_oi - 8) + z_og)^T in float32, returned in x's dtype."""
-    n = q.shape[0]
-    u = torch.stack([q & 15, q >> 4], dim=-1).reshape(n, s.shape[1], -1).float()
-    w = ((u - 8) * s.float()[..., None] + z.float()[..., None]).reshape(n, -1)
-    return (x.float() @ w.t()).to(x.dtype)
+    from tinyformer.components.quantized import dequantize_weight
+
+    return (x.float() @ dequantize_weight({"qweight": q, "scales": s, "zeros": z}, "int4").t()).to(x.dtype)
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
@@ -148,10 +147,12 @@ def int4_linear_act8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch
     group sums of x, the 4-bit values the rounded x (as the kernel computes them)."""
     if available():
         return torch.ops.tinyformer.int4_linear_act8(x, q, s, z)
+    from tinyformer.components.quantized import unpack_int4
+
     xr = round_activations(x)
     n = q.shape[0]
     g = q.shape[1] * 2 // s.shape[1]
-    u = torch.stack([q & 15, q >> 4], dim=-1).reshape(n, -1).float()
+    u = unpack_int4(q).float()
     zs = z.float() - 8 * s.float()
     y = xr @ (u.reshape(n, -1, g) * s.float()[..., None]).reshape(n, -1).t()
     y = y + x.float().reshape(x.shape[0], -1, g).sum(-1) @ zs.t()
