@@ -43,6 +43,7 @@ Forward: y = x dequant(W)^T + b, x (..., in) -> y (..., out), computed by one of
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,6 +192,13 @@ def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device:
 # ------------------------------------------------------------------ modules
 
 
+# the C++ kernels by --kernel choice and weight type (components/quant_kernels.py)
+_CPP_OPS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
+    "cpp": {"int8": quant_kernels.int8_linear, "int4": quant_kernels.int4_linear},
+    "cpp_act8": {"int8": quant_kernels.int8_linear_act8, "int4": quant_kernels.int4_linear_act8},
+}
+
+
 class QuantizedLinear(nn.Module):
     """y = x dequant(W)^T + b with W stored as int8 / int4 plus per-group scales (see the module doc).
 
@@ -244,16 +252,13 @@ class QuantizedLinear(nn.Module):
         """dequant(W) (out, in): for code that needs the matrix itself (the fused loss); the forward never does."""
         if self.kernel == "fbgemm":
             w, _ = torch.ops.quantized.linear_unpack(self._fbgemm)
-            return w.dequantize().to(self._float_dtype())
-        eye = torch.eye(self.in_features, dtype=self._float_dtype(), device=self._device())
+            return w.dequantize().to(self.dtype)
+        eye = torch.eye(self.in_features, dtype=self.dtype, device=self._device())
         bias, self.bias = self.bias, None
         try:
             return self(eye).t().contiguous()
         finally:
             self.bias = bias
-
-    def _float_dtype(self) -> torch.dtype:
-        return self.dtype
 
     def _device(self) -> torch.device:
         t = getattr(self, "qweight", None)
@@ -262,16 +267,10 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.kernel == "cpp" and x2.shape[0] <= CPP_MAX_ROWS:
-            if self.spec.type == "int8":
-                y = quant_kernels.int8_linear(x2, self.qweight, self.scales)
-            else:
-                y = quant_kernels.int4_linear(x2, self.qweight, self.scales, self.zeros)
-        elif self.kernel == "cpp_act8" and x2.shape[0] <= CPP_MAX_ROWS:
-            if self.spec.type == "int8":
-                y = quant_kernels.int8_linear_act8(x2, self.qweight, self.scales)
-            else:
-                y = quant_kernels.int4_linear_act8(x2, self.qweight, self.scales, self.zeros)
+        if self.kernel in _CPP_OPS and x2.shape[0] <= CPP_MAX_ROWS:
+            op = _CPP_OPS[self.kernel][self.spec.type]
+            y = op(x2, self.qweight, self.scales) if self.spec.type == "int8" else \
+                op(x2, self.qweight, self.scales, self.zeros)
         elif self.kernel == "fbgemm":
             y = torch.ops.quantized.linear_dynamic(x2.float(), self._fbgemm).to(x.dtype)
         elif self.kernel == "aten" and self.spec.type == "int8":
