@@ -60,10 +60,11 @@ def _gpu_half() -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def parse_dtype(name: str | None, error: type[TinyformerError] = ConfigError) -> torch.dtype | None:
-    """The dtype a name in ``DTYPES`` stands for; None for None (the caller's default applies)."""
-    if name is None:
-        return None
+def parse_dtype(name: str | torch.dtype | None, error: type[TinyformerError] = ConfigError) -> torch.dtype | None:
+    """The dtype a name in ``DTYPES`` stands for; a torch.dtype as it is; None for None (the caller's default
+    applies)."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
     if name not in DTYPES:
         raise error(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
     return DTYPES[name]

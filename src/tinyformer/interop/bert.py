@@ -351,7 +351,7 @@ def import_sentence_transformers(src: str | Path, out: str | Path, *, dtype: str
                           "sentence-transformers folder (supported: bert)")
     source = open_hf_weights(transformer_dir)
     hf_config = align_config(hf_config, source.names())
-    dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    dt = parse_dtype(dtype)
     return import_checkpoint(
         hf_config, source, out,
         write_tokenizer=lambda dst: copy_hf_tokenizer(transformer_dir, dst),

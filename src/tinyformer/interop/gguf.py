@@ -651,7 +651,7 @@ def import_gguf(path: str | Path, out: str | Path, *, dtype: str | torch.dtype |
     hf_config = hf_config_from_gguf(g)
     arch = g.get("general.architecture")
     source = GGUFSource(g, hf_config, arch)
-    dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    dt = parse_dtype(dtype)
     if dt is None:
         kinds = {source.meta(n).dtype for n in source.names() if source.meta(n).dim() == 2}
         dt = kinds.pop() if len(kinds) == 1 else torch.float32

@@ -91,7 +91,7 @@ def import_hf(src: str | Path, out: str | Path, *, dtype: str | torch.dtype | No
     hf_config = read_json(src / "config.json", "model config")
     adapter_for_hf(hf_config)  # unsupported architectures fail before the weights are opened
     source = open_hf_weights(src)
-    dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    dt = parse_dtype(dtype)
     return import_checkpoint(hf_config, source, out, write_tokenizer=lambda dst: copy_hf_tokenizer(src, dst),
                              dtype=dt, max_shard_bytes=max_shard_bytes, force=force, inputs=(src,))
 
@@ -117,7 +117,7 @@ def export_hf(run: str | Path, out: str | Path, *, dtype: str | torch.dtype | No
     source: TensorSource = SafetensorsSource(run_folder.checked_weight_files(run, verify), str(run))
     expected = MetaStateDict(cfg)
     check_tensors(source, expected, lambda n: False, "config.json")
-    dt = (parse_dtype(dtype) if isinstance(dtype, str) else dtype) or source.main_float_dtype()
+    dt = parse_dtype(dtype) or source.main_float_dtype()
     hf = adapter.config_to_hf(cfg)
     for key in ("torch_dtype", "dtype"):
         hf[key] = DTYPE_NAMES[dt]
