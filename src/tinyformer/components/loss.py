@@ -23,15 +23,23 @@ from torch import nn
 CHUNK_ELEMENTS = 2**23  # logits per chunk: 32 MB in float32, small enough to stay in cache-friendly sizes
 
 
+def drop_ignored(h: torch.Tensor, targets: torch.Tensor, ignore_index: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rows of h (N, d) and targets (N,) whose target is not ``ignore_index`` (they add nothing to the loss), and
+    the indices kept (None when every row has a target: nothing dropped). One host read; eager only."""
+    valid = targets != ignore_index
+    if bool(valid.all()):
+        return h, targets, None
+    rows_kept = valid.nonzero().squeeze(1)
+    return h.index_select(0, rows_kept), targets.index_select(0, rows_kept), rows_kept
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int):
-        valid = targets != ignore_index
-        n_valid = valid.sum().clamp_min(1).to(torch.float32)
-        h_all, rows_kept = h, None
-        if not bool(valid.all()):  # keep the rows that have a target (one host read; eager only)
-            rows_kept = valid.nonzero().squeeze(1)
-            h, targets = h.index_select(0, rows_kept), targets.index_select(0, rows_kept)
+        h_all = h
+        h, targets, rows_kept = drop_ignored(h, targets, ignore_index)
+        n_valid = torch.tensor(max(targets.shape[0], 1), dtype=torch.float32, device=h.device)
         # from here on every row has a target: no per-row mask is needed
         n_rows, vocab = h.shape[0], weight.shape[0]
         # a frozen head (LoRA) needs no weight gradient: skipping it saves a third of the head's work

@@ -24,7 +24,7 @@ from torch import nn
 from tinyformer.components.block import Block
 from tinyformer.components.initialization import init_weights
 from tinyformer.components.kv_cache import KVCache
-from tinyformer.components.loss import linear_cross_entropy
+from tinyformer.components.loss import drop_ignored, linear_cross_entropy
 from tinyformer.components.norm import build_norm
 from tinyformer.components.positions import LearnedPositions, SinusoidalPositions
 from tinyformer.components.rope import RotaryEmbedding
@@ -266,10 +266,8 @@ class DecoderLM(nn.Module):
         target is ignore_index (masked prompts in SFT) skip the head altogether."""
         h = self.hidden_states(input_ids, attention_mask=attention_mask)
         if self.cfg.final_logit_softcap is not None:  # the capped logits are needed: no fused head
-            h, targets = h.flatten(0, 1), targets.flatten()
-            keep = targets != ignore_index
-            if not bool(keep.all()):  # ignored positions add nothing: only the others go through the head
-                h, targets = h[keep], targets[keep]
+            # ignored positions add nothing: only the others go through the head
+            h, targets, _ = drop_ignored(h.flatten(0, 1), targets.flatten(), ignore_index)
             logits = self._softcap(self.lm_head(h))
             if logits.dtype not in (torch.float32, torch.float64):  # half precision: softmax in float32
                 logits = logits.float()
