@@ -64,7 +64,9 @@ def tinyformer_worker(run: str, threads: int, new_tokens: int, prompt_tokens: in
     gen.eos_token_id = None
     greedy = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
     prompt = gen.encode("The capital of France is")
-    gen.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=8), logprobs=False)  # warm-up
+    # warm-up with the timed call's length: the cache length (and so a compiled step's shapes) follows it,
+    # and a recompilation inside the timed call would be counted as decoding time
+    gen.generate([prompt], greedy, logprobs=False)
     gen.generate([prompt], greedy, logprobs=False)
     decode = gen.timings.decode_tokens_per_s
     long_prompt = (gen.encode("The quick brown fox jumps over the lazy dog. ") * prompt_tokens)[:prompt_tokens]

@@ -146,6 +146,9 @@ def start_server(run: Path, args: argparse.Namespace, extra: list[str]) -> tuple
          "--log-level", "warning", *extra],
         stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
+    while line.startswith("compiling"):  # --compile announces its start-up compilation first
+        print(f"server: {line.strip()}", flush=True)
+        line = proc.stdout.readline()
     match = re.search(r"(http://[^ ]+:\d+)", line)
     if not match:
         proc.kill()

@@ -221,6 +221,29 @@ def test_compiled_scheduler_equals_transformers():
     assert run_scheduler(sched, PROMPTS[:3]) == want
 
 
+def test_compiled_scheduler_compiles_every_bucket_at_start_and_never_while_serving():
+    """``start()`` compiles the step of each bucket (1, 2, 4 rows for max_batch 4; one row also greedy);
+    then 1, 2, 3 and 4 requests at once decode in those graphs (3 rows run the 4-row bucket, padded) with
+    no further compilation, and give transformers' greedy tokens."""
+    from torch._dynamo.utils import counters
+
+    model = random_lm(50, torch.float32)
+    hf = hf_twin(model)
+    want = [hf_greedy(hf, p) for p in PROMPTS]
+    torch._dynamo.reset()  # graphs that other tests compiled for the same shapes would be reused
+    sched = Scheduler(model, lambda t: b"", max_batch=4, max_len=64, compile=True, prefill_chunk=8)
+    assert sched.engine.buckets() == [1, 2, 4]
+    before = counters["stats"]["unique_graphs"]
+    sched.start()
+    sched.stop()
+    sched._thread = None
+    assert counters["stats"]["unique_graphs"] - before == 4
+    warmed = counters["stats"]["unique_graphs"]
+    for k in (1, 2, 3, 4):
+        assert run_scheduler(sched, PROMPTS[:k]) == want[:k]
+    assert counters["stats"]["unique_graphs"] == warmed
+
+
 # ------------------------------------------------------------------ chat, the CLI and training samples
 
 

@@ -273,3 +273,54 @@ def test_shared_sampler_draws_from_the_processed_distribution():
     assert torch.allclose(freq, expected.double(), atol=0.01)  # 4 standard errors at n = 40k
     assert freq[[2, 3, 4]].sum() == 0 and freq[1] > 0  # outside the top 3 (ids 5, 0, 1): never drawn
     assert torch.allclose(logprobs, torch.log_softmax(logits, -1)[tokens])
+
+
+def test_shared_sampler_without_logprobs_draws_the_same_tokens():
+    """Skipping the log-normaliser changes nothing about the draw: same seed, same tokens, no logprobs."""
+    logits = torch.randn(8, 40, generator=torch.Generator().manual_seed(1)) * 3
+    procs = build_processors(SamplingParams(temperature=0.7))
+    torch.manual_seed(5)
+    with_lp, lp = sample_shared(logits, procs)
+    torch.manual_seed(5)
+    without, none = sample_shared(logits, procs, want_logprobs=False)
+    assert none is None and lp is not None
+    assert torch.equal(with_lp, without)
+
+
+def test_only_rows_with_a_non_finite_logit_end_with_a_model_error(model):
+    """NaN, +inf and -inf anywhere in a row's logits end that row ("model_error"); the finite rows of the
+    same step are sampled as usual (the check reads each row's max and min, which NaN propagates to)."""
+    from tinyformer.generation.batch_engine import BatchEngine, EngineRow
+    from tinyformer.generation.streaming import TextState
+
+    engine = BatchEngine(model, max_batch=4)
+    rows = [EngineRow([1], SamplingParams(temperature=0.0), TextState(token_bytes, (), ())) for _ in range(4)]
+    logits = torch.randn(4, VOCAB)
+    logits[0, 3] = float("nan")
+    logits[1, VOCAB - 1] = float("inf")
+    logits[3, 0] = float("-inf")
+    outs = engine._sample(logits, rows)
+    assert [o.finish_reason for o in outs] == ["model_error", "model_error", None, "model_error"]
+    assert outs[2].token is not None and outs[2].token.token_id == int(logits[2].argmax())
+    assert all(o.token is None and o.error for o in (outs[0], outs[1], outs[3]))
+
+
+def test_requests_without_logprobs_get_the_same_greedy_tokens_and_no_logprobs(model):
+    """A request that does not ask for log-probabilities (``logprobs=False``: the API request had none)
+    gets the greedy tokens of the full recomputation, and its tokens carry no logprob."""
+    sched = Scheduler(model, token_bytes, max_batch=4)
+    sched.start()
+    try:
+        sinks = []
+        for prompt, lp in (([3, 4], False), ([5, 6, 7], True)):
+            req, sink = make(prompt, 6)
+            req.logprobs = lp
+            sched.submit([req])
+            sinks.append(sink)
+        run_all(sched, sinks)
+    finally:
+        sched.stop()
+    assert sinks[0].tokens == reference_greedy(model, [3, 4], 6)
+    assert sinks[1].tokens == reference_greedy(model, [5, 6, 7], 6)
+    assert all(t.logprob is None for e in sinks[0].events for t in e.tokens)
+    assert all(t.logprob is not None for e in sinks[1].events for t in e.tokens)

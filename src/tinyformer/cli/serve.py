@@ -45,8 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="weights dtype; auto (default) = float32 on cpu, bfloat16 on cuda (float16 where the GPU "
                         "has no bfloat16), as generate and chat")
     p.add_argument("--compile", action="store_true",
-                   help="decode a lone request with a torch.compile-d step (compiled on first use: tens of "
-                        "seconds on CPU), as generate --compile; several requests decode eagerly")
+                   help="decode with torch.compile-d steps, one per bucket of 1, 2, 4, ... --max-batch requests, "
+                        "all compiled at start-up before the server answers (tens of seconds each on a CPU the "
+                        "first time; inductor's cache makes later starts quick)")
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens a request feeds per step at most, so long prompts interleave with the "
                         "decoding of running requests (default 256)")
@@ -138,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
         logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
+        if args.compile:
+            sizes = ", ".join(map(str, app.state.server.scheduler.engine.buckets()))
+            print(f"compiling the decode step for {sizes} requests at a time before serving", flush=True)
         print(f"serving {name!r} ({model.num_params() / 1e6:.1f}M parameters, {device}, {dtype_name}) on "
               f"http://{shown}:{port}  (playground: http://{shown}:{port}/ , API: http://{shown}:{port}/v1)",
               flush=True)

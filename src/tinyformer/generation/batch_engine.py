@@ -22,11 +22,15 @@ stall for more than one chunk. A row whose prompt is fully fed samples its first
 prefill's last logits and decodes from the next step on. A row may start prefilling at ``pos > 0``
 with the cache row already holding positions ``[0, pos)`` (a prefix cache hit).
 
-With ``compile=True`` the decode step is a ``torch.compile``-d function of fixed shapes: one row, or all
-``max_batch`` rows (free rows decode a dummy token at a position their next writer overwrites; with
-``compile_batches=False`` steps of several rows run eagerly instead). The cache has a fixed length and
-the attended span ``[0, kv_len)`` is a symbolic size, so one graph serves every step of a shape. On CPU
-the model's linear weights are then stored input-major (:func:`~tinyformer.generation.weight_layout.store_input_major`).
+With ``compile=True`` the decode step is a ``torch.compile``-d function of fixed shapes: a step over rows
+[0, n) runs the graph of the next *bucket* of rows, 1, 2, 4, 8, ... up to ``max_batch`` (free rows in
+the bucket decode a dummy token at a position their next writer overwrites), so ``max_batch`` 16 needs
+five graphs, which :meth:`BatchEngine.warm_up` compiles up front (``serve --compile`` does, before the first
+request); with ``compile_batches=False`` steps of several rows run eagerly instead. The cache has a fixed
+length and the attended span ``[0, kv_len)`` is a symbolic size, so one graph serves every step of a
+shape. A greedy step of one row returns the argmax from its graph; buckets of several rows return logits.
+On CPU the model's linear weights are then stored input-major
+(:func:`~tinyformer.generation.weight_layout.store_input_major`).
 
 A row ends on an end token or stop string (:class:`~tinyformer.generation.streaming.TextState`),
 after ``max_new_tokens``, or when its cache row is full: ``context_policy="slide"`` then keeps its
@@ -65,27 +69,33 @@ __all__ = ["BatchEngine", "CompiledStep", "EngineRow", "RowOutput", "TokenInfo",
 CONTEXT_POLICIES = ("error", "slide")
 
 
-def sample_shared(logits: Tensor, processors: Sequence[LogitsProcessor]) -> tuple[Tensor, Tensor]:
+def sample_shared(logits: Tensor, processors: Sequence[LogitsProcessor], *,
+                  want_logprobs: bool = True) -> tuple[Tensor, Tensor | None]:
     """``sample_next`` for rows that share non-greedy parameters, no history and no seed: the same
     distribution, drawn by inverse transform sampling instead of ``torch.multinomial``.
 
-    With q = softmax(processed logits) and its running sum c_v = sum_{u <= v} q_u, the token is the
-    first v with c_v > U * c_V for one U ~ Uniform[0, 1) per row, so P(v) = q_v (tokens filtered to
-    q_v = 0 cannot be hit). ``torch.multinomial`` draws one exponential per vocabulary entry instead
-    (an exponential race), which for 16 rows x 32k tokens on a CPU costs about as much as the forward
-    pass of a 15M model. Returns ``(token_ids (A,), logprobs (A,))`` with the logprob of the raw logits,
-    exactly as ``sample_next`` does.
+    With x = processed logits, e_v = exp(x_v - max x) (the softmax's numerators) and the running sum
+    c_v = sum_{u <= v} e_u, the token is the first v with c_v > U * c_V for one U ~ Uniform[0, 1) per row,
+    so P(v) = e_v / c_V = softmax(x)_v (tokens filtered to x_v = -inf have e_v = 0 and cannot be hit).
+    The softmax's division is never done: scaling U by c_V instead normalises once per row, not per
+    entry. ``torch.multinomial`` draws one exponential per vocabulary entry instead (an exponential race),
+    which for 16 rows x 32k tokens on a CPU costs about as much as the forward pass of a 15M model.
+    Returns ``(token_ids (A,), logprobs (A,))`` with the logprob of the raw logits, exactly as
+    ``sample_next`` does, or None for the logprobs when ``want_logprobs`` is False (their log-normaliser
+    is another pass over the vocabulary).
     """
     raw = logits if logits.dtype == torch.float64 else logits.float()
     x = raw
     for proc in processors:
         x = proc(x, None)
     # float32 is enough: each token's share c_v - c_{v-1} is off by ~1e-7 of the total at most, and a token
-    # with q_v = 0 adds exactly 0, so it still cannot be drawn. (softmax/cumsum with dtype=float64 run an
+    # with e_v = 0 adds exactly 0, so it still cannot be drawn. (cumsum with dtype=float64 runs an
     # unvectorised conversion path on CPU, ~30x slower than the whole float32 draw.)
-    cdf = torch.softmax(x, dim=-1).cumsum(-1)
+    cdf = (x - x.amax(dim=-1, keepdim=True)).exp_().cumsum_(-1)  # one new tensor, then in place
     u = torch.rand(cdf.size(0), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, u, right=True).clamp_max_(cdf.size(-1) - 1).squeeze(-1)
+    if not want_logprobs:
+        return tokens, None
     logprobs = (raw.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(raw, dim=-1)).float()
     return tokens, logprobs
 
@@ -186,6 +196,9 @@ class CompiledStep:
                 options["cpp_wrapper"] = True
                 store_input_major(self.model)
             fn = self.greedy if ids_only else self.logits
+            # dynamo keeps at most recompile_limit (8) graphs per code object, and every CompiledStep shares
+            # these two methods' code: buckets x cache lengths x models of one process need more
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self._fns[ids_only] = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
         return self._fns[ids_only]
 
@@ -344,6 +357,39 @@ class BatchEngine:
             self._views[n] = self.cache.row_view(0, n)
         return self._views[n]
 
+    def bucket(self, n: int) -> int:
+        """The rows a compiled step over rows [0, n) runs: the next power of two, at most ``max_batch``.
+        Each bucket is one graph (a compilation takes seconds to tens of seconds on a CPU), and padding
+        to the bucket costs at most 2x the rows, where padding every step to ``max_batch`` rows made a
+        step of 4 rows cost as much as one of 16."""
+        b = 1
+        while b < n:
+            b *= 2
+        return min(b, self.max_batch)
+
+    def buckets(self) -> list[int]:
+        """Every bucket size, smallest first (one compiled graph each)."""
+        sizes = [1] if not self.compile_batches else sorted({self.bucket(n) for n in range(1, self.max_batch + 1)})
+        return sizes
+
+    def warm_up(self) -> None:
+        """Compile the decode step of every bucket now, so that no request waits for a compilation later
+        (a no-op without ``compiled``). Runs each graph once on dummy tokens at position 0 of the free rows,
+        which a row's prefill overwrites before anything reads them; call it while no row is in the engine,
+        in the same grad mode as the steps (``torch.inference_mode()``)."""
+        if self.compiled is None:
+            return
+        if self.rows:
+            raise RuntimeError("warm_up() needs an empty engine: it writes dummy keys at position 0")
+        # a span of 2, not 1: dynamo specialises sizes 0 and 1, and the graph must take any span
+        span = torch.empty(min(2, self.max_len), device=self.device)
+        torch._dynamo.maybe_mark_dynamic(span, 0)
+        for n in self.buckets():
+            t = torch.zeros(n, 1, dtype=torch.long, device=self.device)
+            p = torch.zeros(n, dtype=torch.long, device=self.device)
+            for ids_only in ((False, True) if n == 1 else (False,)):
+                self.compiled.get(ids_only)(t, p, self._view(n), span)
+
     def _decode(self, rows: list[EngineRow]) -> list[RowOutput]:
         dev = self.device
         if self.per_row:
@@ -351,10 +397,8 @@ class BatchEngine:
             return self._sample(logits, rows)
         n = max(r.slot for r in rows) + 1
         compiled = self.compiled if n == 1 or self.compile_batches else None
-        if compiled is not None and n > 1:
-            # one shape for every batch: all rows (each further shape would cost a compilation, tens of
-            # seconds on CPU, that stalls every running stream when it first occurs)
-            n = self.max_batch
+        if compiled is not None:
+            n = self.bucket(n)
         tokens = [0] * n
         # A slot in [0, n) without a decoding row decodes a dummy token at the position its next writer
         # (a prefilling row, or a row admitted later) overwrites before anything reads it.
@@ -372,7 +416,8 @@ class BatchEngine:
         if compiled is None:
             logits = self.model(t, cache=cache, cache_positions=p, kv_len=kv)[:, -1]
         else:
-            ids_only = all(r.ids_only for r in rows)
+            # greedy ids from the graph for one row (a bucket of several returns logits: one graph per bucket)
+            ids_only = n == 1 and all(r.ids_only for r in rows)
             step = compiled.get(ids_only)
             # the span to attend over, as the length of a tensor whose size the compiled step treats as symbolic
             span = torch.empty(kv, device=dev)
@@ -473,7 +518,9 @@ class BatchEngine:
         seeded row draws the same random numbers whether or not it shares the batch.
         """
         n = len(rows)
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        # a row is finite iff its largest and smallest logits are: max/min propagate NaN, and both are
+        # vectorised single passes (isfinite(logits).all() writes a mask of the whole (A, V) first, ~25x slower)
+        finite = (torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))).tolist()
         if not all(finite):  # those rows end with an error; the others are sampled as usual
             good = [i for i in range(n) if finite[i]]
             outs = dict(zip(good, self._sample(logits[torch.tensor(good, dtype=torch.long, device=logits.device)],
@@ -502,7 +549,8 @@ class BatchEngine:
                 tok, lp = sample_next(part, first.params, first.history(logits.device), first.generator,
                                       processors=first.processors)
             else:
-                tok, lp = sample_shared(part, first.processors)
+                tok, lp = sample_shared(part, first.processors,
+                                        want_logprobs=any(rows[i].want_logprobs for i in idx))
             lps = lp.tolist() if lp is not None else [None] * len(idx)
             for i, t, p in zip(idx, tok.tolist(), lps):
                 tokens[i], logps[i] = t, p

@@ -145,7 +145,8 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
         server.check_model(req.model)
         texts, prompts = _completion_prompts(server, req.prompt)
         top = req.logprobs or 0
-        reqs, inbox = server.build(req, prompts, req.max_tokens, DEFAULT_COMPLETION_TOKENS, top)
+        reqs, inbox = server.build(req, prompts, req.max_tokens, DEFAULT_COMPLETION_TOKENS, top,
+                                   logprobs=req.logprobs is not None)
         prompt_lengths = [len(r.prompt_ids) for r in reqs[:: req.n]]  # the prompt counts once, not per choice
         rid, created = P.new_id("cmpl"), P.now()
         want_logprobs = req.logprobs is not None
@@ -208,7 +209,8 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else 0
         reqs, inbox = server.build(req, [ids], max_tokens, None, top, extra_stop=server.template.stop_strings,
-                                   extra_stop_ids=server.template.stop_token_ids(server.tokenizer.token_to_id))
+                                   extra_stop_ids=server.template.stop_token_ids(server.tokenizer.token_to_id),
+                                   logprobs=bool(req.logprobs))
         prompt_lengths = [len(reqs[0].prompt_ids)]
         rid, created = P.new_id("chatcmpl"), P.now()
         server.submit(reqs)

@@ -75,7 +75,9 @@ class GenerationRequest:
     """One sequence to generate (one choice of an API request).
 
     ``params.max_new_tokens`` and ``params.stop_strings`` / ``stop_token_ids`` decide when it ends;
-    ``top_logprobs`` > 0 asks for that many alternatives per token; ``deadline`` is a
+    ``logprobs`` False skips each token's log-probability (the API request did not ask for it: computing it
+    is one more pass over the vocabulary per token); ``top_logprobs`` > 0 asks for that many alternatives
+    per token; ``deadline`` is a
     ``time.monotonic()`` value after which it ends with finish_reason "timeout".
     ``hidden_token_ids`` are generated but never shown as text (special tokens such as BOS).
     """
@@ -86,6 +88,7 @@ class GenerationRequest:
     index: int = 0
     top_logprobs: int = 0
     deadline: float | None = None
+    logprobs: bool = True
     hidden_token_ids: frozenset[int] = frozenset()
     id: int = field(default_factory=lambda: next(_ids))
 
@@ -101,10 +104,9 @@ class Scheduler:
 
     ``model`` is a decoder LM; ``token_bytes(id)`` gives a token's raw bytes (for streaming text that
     never splits a UTF-8 character). ``max_len`` caps each slot's positions (default: the model's
-    ``max_seq_len``). ``compile`` decodes steps of one request with the compiled step (see ``BatchEngine``;
-    steps of several run eagerly over exactly the running rows: a fixed-shape graph would pad them to
-    ``max_batch`` rows, slower than eager below 16 requests (docs/benchmarks/serve.md), and a graph per
-    batch size would stall the streams for a compilation whenever a new size first occurs); ``prefill_chunk``
+    ``max_seq_len``). ``compile`` decodes with the compiled step (see ``BatchEngine``): one graph per bucket
+    of rows (1, 2, 4, ... ``max_batch``), all compiled by :meth:`start` before the scheduler takes its first
+    request, so that no stream ever stalls for a compilation; ``prefill_chunk``
     is the most prompt tokens a request feeds per step (None: its whole prompt at once).
     ``prefix_cache_mb`` > 0 keeps the K/V blocks of finished requests (prompt and completion) in a prefix
     cache of that size, so a request that shares a prefix with an earlier one (a system prompt, a chat
@@ -135,7 +137,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.engine = BatchEngine(model, max_batch=max_batch, max_len=max_len,
                                   compiled=CompiledStep(model) if compile else None, prefill_chunk=prefill_chunk,
-                                  prefix_cache=new_prefix_cache(model, prefix_cache_mb), compile_batches=False)
+                                  prefix_cache=new_prefix_cache(model, prefix_cache_mb))
         self.cache = self.engine.cache
         self.max_len = self.engine.max_len
         self._cond = threading.Condition()
@@ -156,7 +158,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ called from any thread
     def start(self) -> None:
+        """Start the worker thread; with ``compile``, first compile every bucket's decode step (seconds to
+        minutes on a CPU; inductor's cache makes later starts quick)."""
         if self._thread is None:
+            with torch.inference_mode():
+                self.engine.warm_up()
             self._stop = False
             self._thread = threading.Thread(target=self._run, name="tinyformer-scheduler", daemon=True)
             self._thread.start()
@@ -303,7 +309,8 @@ class Scheduler:
                 return b"" if t in hidden else self.token_bytes(t)
 
             text = TextState(token_bytes, req.params.stop_token_ids, req.params.stop_strings)
-            row = EngineRow(req.prompt_ids, req.params, text, top_logprobs=req.top_logprobs, tag=req)
+            row = EngineRow(req.prompt_ids, req.params, text, want_logprobs=req.logprobs or req.top_logprobs > 0,
+                            top_logprobs=req.top_logprobs, tag=req)
             try:
                 self.engine.add(row)
             except Exception as exc:

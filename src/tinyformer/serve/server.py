@@ -136,8 +136,10 @@ class Server:
     # ------------------------------------------------------------------ building scheduler requests
     def build(self, req: P._SamplingRequest, prompts: list[list[int]], max_tokens: int | None, default_max: int | None,
               top_logprobs: int, extra_stop: tuple[str, ...] = (),
-              extra_stop_ids: tuple[int, ...] = ()) -> tuple[list[GenerationRequest], asyncio.Queue]:
-        """One GenerationRequest per (prompt, choice), all feeding one asyncio.Queue."""
+              extra_stop_ids: tuple[int, ...] = (), logprobs: bool = True
+              ) -> tuple[list[GenerationRequest], asyncio.Queue]:
+        """One GenerationRequest per (prompt, choice), all feeding one asyncio.Queue; ``logprobs`` False when
+        the API request does not return log-probabilities (the engine then skips computing them)."""
         stops = req.stop_strings()
         stops += [s for s in extra_stop if s not in stops]
         stop_ids = [] if req.ignore_eos or self.tokenizer.eos_id is None else [self.tokenizer.eos_id]
@@ -182,7 +184,8 @@ class Server:
                 except TinyformerError as exc:
                     raise APIError(400, str(exc)) from None
                 out.append(GenerationRequest(list(ids), params, sink, index=index, top_logprobs=top_logprobs,
-                                             deadline=deadline, hidden_token_ids=self.hidden_ids))
+                                             deadline=deadline, hidden_token_ids=self.hidden_ids,
+                                             logprobs=logprobs))
         return out, inbox
 
     def _mailbox(self) -> _Mailbox:
