@@ -117,20 +117,26 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void int8_block_avx512(
 
 // xp: x with each chunk of up to 32 columns of a group stored as its even columns, then its odd ones, so
 // that a chunk's low nibbles (even columns) and high nibbles (odd columns) each meet contiguous floats.
-// xs (MB, K / G): the sum of x over each group. sum_i x_i (s u_i + z - 8 s) = s sum_i x_i u_i + (z - 8 s) xs.
+// Each group's 16 possible weights form a table, t_u = s (u - 8) + z for u = 0..15 (the dequantized values,
+// rounded as dequantize_weight rounds them), held in one register; vpermps looks each nibble up in it
+// (it reads the low 4 bits of each 32-bit index), which widens, converts and scales 16 weights in one
+// instruction. (Converting the nibbles with cvtdq2ps and scaling per group took twice the instructions:
+// at G = 32 the per-group scaling cost as much as the products.)
 template <int MB, int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void int4_block_avx512(
-    const float* xp, const float* xs, int64_t K, const uint8_t* q, const float* s, const float* z, int64_t G,
-    float* y, int64_t N, int64_t o) {
+    const float* xp, int64_t K, const uint8_t* q, const float* s, const float* z, int64_t G, float* y,
+    int64_t N, int64_t o) {
   const int64_t ng = K / G;
-  const __m512i low = _mm512_set1_epi32(15);
-  __m512 acc[R][MB], p[R][MB];
-  float off[R][MB] = {};
+  const __m512 centred = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f,
+                                        5.f, 6.f, 7.f);  // u - 8 for u = 0..15
+  __m512 acc[R][MB];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
+    __m512 table[R];
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) p[r][m] = _mm512_setzero_ps();
+      table[r] = _mm512_add_ps(_mm512_mul_ps(centred, _mm512_set1_ps(s[(o + r) * ng + g])),
+                               _mm512_set1_ps(z[(o + r) * ng + g]));
     const int64_t end = (g + 1) * G;
     for (int64_t c = g * G; c < end; c += 32) {
       const int64_t half = std::min<int64_t>(32, end - c) / 2;
@@ -144,26 +150,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void int4_block_avx512(
         if ((c & 127) == 0)
           _mm_prefetch(reinterpret_cast<const char*>(q + (o + r) * (K / 2) + c / 2) + kPrefetch, _MM_HINT_T0);
         const __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mk, q + (o + r) * (K / 2) + c / 2));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        const __m512 lo = _mm512_permutexvar_ps(v, table[r]);  // low nibble: bits 0-3 of each lane
+        const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table[r]);
         for (int m = 0; m < MB; ++m) {
-          p[r][m] = _mm512_fmadd_ps(xe[m], lo, p[r][m]);
-          p[r][m] = _mm512_fmadd_ps(xo[m], hi, p[r][m]);
+          acc[r][m] = _mm512_fmadd_ps(xe[m], lo, acc[r][m]);
+          acc[r][m] = _mm512_fmadd_ps(xo[m], hi, acc[r][m]);
         }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const float sv = s[(o + r) * ng + g];
-      const float mv = z[(o + r) * ng + g] - 8.f * sv;
-      const __m512 sc = _mm512_set1_ps(sv);
-      for (int m = 0; m < MB; ++m) {
-        acc[r][m] = _mm512_fmadd_ps(p[r][m], sc, acc[r][m]);
-        off[r][m] += mv * xs[m * ng + g];
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) y[m * N + o + r] = _mm512_reduce_add_ps(acc[r][m]) + off[r][m];
+    for (int m = 0; m < MB; ++m) y[m * N + o + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
 // ---- activations rounded to 8 bits (opt-in): x_i ~ d_b xq_i over blocks b of 32 columns,
@@ -259,12 +256,12 @@ void int8_avx512(const float* x, int mb, int64_t K, const int8_t* q, const float
 }
 
 template <int R>
-void int4_avx512(const float* xp, const float* xs, int mb, int64_t K, const uint8_t* q, const float* s,
-                 const float* z, int64_t G, float* y, int64_t N, int64_t o) {
+void int4_avx512(const float* xp, int mb, int64_t K, const uint8_t* q, const float* s, const float* z, int64_t G,
+                 float* y, int64_t N, int64_t o) {
   if (mb == 1)
-    int4_block_avx512<1, R>(xp, xs, K, q, s, z, G, y, N, o);
+    int4_block_avx512<1, R>(xp, K, q, s, z, G, y, N, o);
   else
-    int4_block_avx512<2, R>(xp, xs, K, q, s, z, G, y, N, o);
+    int4_block_avx512<2, R>(xp, K, q, s, z, G, y, N, o);
 }
 
 bool has_avx512() {
@@ -351,13 +348,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const float* sd = sc.data_ptr<float>();
   const float* zd = zc.data_ptr<float>();
   float* yd = y.data_ptr<float>();
-  const int64_t ng = K / G;
-  std::vector<float> xp, xs;
-  if (has_avx512()) {  // evens then odds within every chunk of up to 32 columns of a group; group sums
+  std::vector<float> xp;
+  if (has_avx512()) {  // evens then odds within every chunk of up to 32 columns of a group
     xp.resize(static_cast<size_t>(M * K));
-    xs.assign(static_cast<size_t>(M * ng), 0.f);
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t g0 = 0; g0 < K; g0 += G) {
+      for (int64_t g0 = 0; g0 < K; g0 += G)
         for (int64_t c = g0; c < g0 + G; c += 32) {
           const int64_t half = std::min<int64_t>(32, g0 + G - c) / 2;
           for (int64_t j = 0; j < half; ++j) {
@@ -365,21 +360,16 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
             xp[m * K + c + half + j] = xd[m * K + c + 2 * j + 1];
           }
         }
-        float t = 0.f;
-        for (int64_t i = g0; i < g0 + G; ++i) t += xd[m * K + i];
-        xs[m * ng + g0 / G] = t;
-      }
   }
   over_rows(M, N, K,
             [&](int64_t m, int mb, int64_t o, int64_t rows) {
 #ifdef TF_X86
               const float* xm = xp.data() + m * K;
-              const float* xsm = xs.data() + m * ng;
               if (rows == kRowBlock)
-                int4_avx512<kRowBlock>(xm, xsm, mb, K, qd, sd, zd, G, yd + m * N, N, o);
+                int4_avx512<kRowBlock>(xm, mb, K, qd, sd, zd, G, yd + m * N, N, o);
               else
                 for (int64_t r = 0; r < rows; ++r)
-                  int4_avx512<1>(xm, xsm, mb, K, qd, sd, zd, G, yd + m * N, N, o + r);
+                  int4_avx512<1>(xm, mb, K, qd, sd, zd, G, yd + m * N, N, o + r);
 #endif
             },
             [&](int64_t m, int mb, int64_t o0, int64_t o1) {
