@@ -150,15 +150,23 @@ def test_chunked_prefill_interleaves_with_decoding_and_keeps_tokens(model64, wan
 
 
 def test_the_prefill_budget_is_shared_first_come_first_served(model64):
-    prompts = [[20, 21, 22, 23, 24], [24, 23, 22, 21, 20], [1, 2, 3, 4, 5]]
-    engine = BatchEngine(model64, max_batch=3, max_len=64, prefill_chunk=8)
+    """8 tokens per step, first come first served; a prompt that cannot finish in what is left of the
+    budget waits for the next step whole, so every prompt reaches its first token as early as it can:
+    step 1 the first prompt (5 tokens; 3 would be left, too few for the second's 5), step 2 the second,
+    step 3 the third; only the first in line is ever fed in part (the long one, in chunks of 8)."""
+    prompts = [[20, 21, 22, 23, 24], [24, 23, 22, 21, 20], [1, 2, 3, 4, 5], list(range(3, 23)), [6, 7]]
+    engine = BatchEngine(model64, max_batch=5, max_len=64, prefill_chunk=8)
     rows = [engine_row(p) for p in prompts]
     for r in rows:
         engine.add(r)
-    # 8 tokens per step: the first prompt whole and 3 of the second, then the second's rest and the third
     assert [o.row for o in engine.step()] == rows[:1]
-    assert [r.pos for r in rows] == [5, 3, 0]
-    assert sorted(o.row.slot for o in engine.step()) == [0, 1, 2]  # the first row's decode step, two prefills
+    assert [r.pos for r in rows] == [5, 0, 0, 0, 0]
+    assert [o.row for o in engine.step()] == rows[:2]  # the first row's decode step, the second's prefill
+    assert [r.pos for r in rows] == [6, 5, 0, 0, 0]
+    engine.step()
+    assert [r.pos for r in rows[2:]] == [5, 0, 0]
+    engine.step()  # the long prompt is first in line: 8 of its 20 tokens
+    assert [r.pos for r in rows[3:]] == [8, 0]
     while any(not r.finished for r in rows):
         engine.step()
     hf = hf_twin(model64)
