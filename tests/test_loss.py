@@ -59,3 +59,20 @@ def test_with_a_frozen_input_the_other_gradient_is_still_exact(frozen):
     (ours,) = torch.autograd.grad(linear_cross_entropy(h, w, y), live)
     (ref,) = torch.autograd.grad(F.cross_entropy(h @ w.T, y), live)
     torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_chunks_share_two_logit_buffers_whatever_their_number(monkeypatch):
+    """Six chunks allocate one (rows, vocab) logits buffer and one log-softmax buffer, not two per chunk: a fresh
+    buffer per chunk is a fresh mapping at real sizes, whose page faults slowed the head's GEMM."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab, rows = 1000, 4
+    monkeypatch.setattr(loss_mod, "CHUNK_ELEMENTS", rows * vocab)
+    h = torch.randn(6 * rows, 8, requires_grad=True)
+    w, y = torch.randn(vocab, 8), torch.randint(0, vocab, (6 * rows,))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = linear_cross_entropy(h, w, y)
+    chunk_bytes = rows * vocab * 4
+    big = [e.name for e in prof.events() if e.self_cpu_memory_usage >= chunk_bytes]
+    assert len(big) == 2, big
+    torch.testing.assert_close(out, F.cross_entropy(h @ w.T, y), rtol=1e-5, atol=1e-6)
