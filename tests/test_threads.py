@@ -85,3 +85,22 @@ def test_the_command_line_sets_a_passive_wait_policy_before_torch_loads():
     env["OMP_WAIT_POLICY"] = "ACTIVE"  # a user's choice stays
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.split() == ["False", "ACTIVE"], out.stderr
+
+
+def test_a_reserve_leaves_cores_to_the_commands_other_threads(monkeypatch):
+    """serve keeps one core for its event loop: 4 idle cores -> 3 torch threads, 2 -> 1, 1 -> still 1;
+    a flag or $OMP_NUM_THREADS is taken as given."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "busy_cores", lambda: 0.0)
+    for cores, want in ((4, 3), (2, 1), (1, 1)):
+        monkeypatch.setattr(threads, "usable_cores", lambda c=cores: c)
+        n, source = threads.choose_threads(reserve=1)
+        assert n == want
+        assert source == ("reserved" if want < cores else "cores")
+    monkeypatch.setattr(threads, "usable_cores", lambda: 4)
+    monkeypatch.setattr(threads, "busy_cores", lambda: 2.0)  # 2 idle, one of them reserved
+    assert threads.choose_threads(reserve=1) == (1, "reserved")
+    assert "one kept for the server" in threads.describe_threads(1, "reserved")
+    assert threads.choose_threads(2, reserve=1) == (2, "flag")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert threads.choose_threads(reserve=1) == (2, "OMP_NUM_THREADS")

@@ -20,6 +20,8 @@ set_wait_policy()  # before torch (and its OpenMP runtime) loads with a subcomma
 
 #: Commands that compute with torch: their thread count follows the machine's load (utils/threads.py).
 COMPUTE_COMMANDS = frozenset({"train", "eval", "generate", "chat", "serve", "embed", "inspect"})
+#: cores a command leaves to its own threads besides torch's (serve: the HTTP event loop)
+RESERVED_CORES = {"serve": 1}
 
 # subcommand modules under tinyformer.cli, in the order `--help` lists them
 COMMANDS = [
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         if args.command in COMPUTE_COMMANDS:
-            configure_threads(getattr(args, "threads", None))
+            configure_threads(getattr(args, "threads", None), reserve=RESERVED_CORES.get(args.command, 0))
         return int(args.func(args) or 0)
     except TinyformerError as exc:
         message = " ".join(str(exc).split())  # one line, whatever the message's source put in it

@@ -55,7 +55,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="keep the keys/values of finished requests in a prefix cache of this size, so requests "
                         "sharing a prefix (a system prompt, a growing chat) prefill only the rest (default 0: off)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: the cores not busy at start; see utils/threads.py)")
+                   help="torch CPU threads (default: the cores not busy at start, less one for the HTTP event loop; "
+                        "see utils/threads.py)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_no_verify_flag(p)
     p.set_defaults(func=run)

@@ -10,7 +10,10 @@ chooses, before any work:
             = $OMP_NUM_THREADS                                 when set (torch already obeys it)
             = max(1, min(usable cores, usable cores - round(busy)))   otherwise
 
-where ``busy`` is how many cores other processes keep busy *now*: the machine's non-idle share of CPU
+minus ``reserve`` cores that the command's own other threads need (``serve`` keeps one for its HTTP
+event loop: on 2 idle cores a server with 2 torch threads streamed one client at 150 tokens/s and 16 at
+1,043, with 1 thread at 295 and 1,229, docs/benchmarks/serve.md), where ``busy`` is how many cores other
+processes keep busy *now*: the machine's non-idle share of CPU
 time over 0.1 s (Linux ``/proc/stat``), times its core count; where that cannot be read, the 1-minute
 load average. The usable cores are those of the process' CPU affinity. With nothing else running that
 is every core, as before. Not the load average first: it decays over a minute, so a command started
@@ -27,7 +30,7 @@ from __future__ import annotations
 import os
 
 #: Where the chosen count came from, for the message a command prints.
-SOURCES = ("flag", "OMP_NUM_THREADS", "load", "cores")
+SOURCES = ("flag", "OMP_NUM_THREADS", "load", "cores", "reserved")
 
 
 def set_wait_policy() -> None:
@@ -91,22 +94,26 @@ def idle_cores(cores: int | None = None, busy: float | None = None) -> int:
     return max(1, min(cores, cores - round(busy)))
 
 
-def choose_threads(requested: int | None = None) -> tuple[int, str]:
-    """(thread count, where it came from: one of :data:`SOURCES`) following the rule in the module docstring."""
+def choose_threads(requested: int | None = None, reserve: int = 0) -> tuple[int, str]:
+    """(thread count, where it came from: one of :data:`SOURCES`) following the rule in the module docstring;
+    ``reserve`` cores are left to the command's other threads (at least one torch thread remains)."""
     if requested is not None:
         return requested, "flag"
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:
         return int(env), "OMP_NUM_THREADS"
     cores = usable_cores()
-    n = idle_cores(cores)
+    idle = idle_cores(cores)
+    n = max(1, idle - reserve)
+    if n < idle:
+        return n, "reserved"
     return n, ("load" if n < cores else "cores")
 
 
 _configured: tuple[int, str] | None = None
 
 
-def configure_threads(requested: int | None = None) -> tuple[int, str]:
+def configure_threads(requested: int | None = None, reserve: int = 0) -> tuple[int, str]:
     """Set torch's intra-op thread count by :func:`choose_threads`; returns (count, source)."""
     global _configured
     import torch
@@ -115,7 +122,7 @@ def configure_threads(requested: int | None = None) -> tuple[int, str]:
 
     if requested is not None and requested < 1:
         raise ConfigError(f"--threads must be >= 1, got {requested}")
-    n, source = choose_threads(requested)
+    n, source = choose_threads(requested, reserve)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     _configured = (n, source)
@@ -139,4 +146,6 @@ def describe_threads(n: int, source: str) -> str:
         return f"{n} {plural} ({usable_cores()} cores{busy}; --threads to change)"
     if source == "OMP_NUM_THREADS":
         return f"{n} {plural} ($OMP_NUM_THREADS)"
+    if source == "reserved":
+        return f"{n} {plural} ({usable_cores()} cores, one kept for the server's other threads; --threads to change)"
     return f"{n} {plural}"
