@@ -229,6 +229,21 @@ def test_compiled_scheduler_equals_transformers():
     assert run_scheduler(sched, PROMPTS[:3]) == want
 
 
+def test_a_one_shot_batch_pads_to_max_batch_and_a_server_to_powers_of_two(model64):
+    """Generator's engine: one graph for one row and one for max_batch rows (a batch only shrinks);
+    the scheduler's (buckets=True): the next power of two, so few rows are not padded to max_batch."""
+    from tinyformer.generation.batch_engine import CompiledStep
+
+    step = CompiledStep(model64)  # nothing compiles until a step runs
+    once = BatchEngine(model64, max_batch=8, max_len=64, compiled=step)
+    served = BatchEngine(model64, max_batch=8, max_len=64, compiled=step, buckets=True)
+    assert [once.bucket(n) for n in range(1, 9)] == [1, 8, 8, 8, 8, 8, 8, 8]
+    assert once.buckets() == [1, 8]
+    assert [served.bucket(n) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert served.buckets() == [1, 2, 4, 8]
+    assert BatchEngine(model64, max_batch=6, max_len=64, compiled=step, buckets=True).buckets() == [1, 2, 4, 6]
+
+
 def test_compiled_scheduler_compiles_every_bucket_at_start_and_never_while_serving():
     """``start()`` compiles the step of each bucket (1, 2, 4 rows for max_batch 4; one row also greedy);
     then 1, 2, 3 and 4 requests at once decode in those graphs (3 rows run the 4-row bucket, padded) with

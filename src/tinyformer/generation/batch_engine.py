@@ -23,14 +23,15 @@ stall for more than one chunk. A row whose prompt is fully fed samples its first
 prefill's last logits and decodes from the next step on. A row may start prefilling at ``pos > 0``
 with the cache row already holding positions ``[0, pos)`` (a prefix cache hit).
 
-With ``compile=True`` the decode step is a ``torch.compile``-d function of fixed shapes: a step over rows
-[0, n) runs the graph of the next *bucket* of rows, 1, 2, 4, 8, ... up to ``max_batch`` (free rows in
-the bucket decode a dummy token at a position their next writer overwrites), so ``max_batch`` 16 needs
-five graphs, which :meth:`BatchEngine.warm_up` compiles up front (``serve --compile`` does, before the first
-request); with ``compile_batches=False`` steps of several rows run eagerly instead. The cache has a fixed
-length and the attended span ``[0, kv_len)`` is a symbolic size, so one graph serves every step of a
-shape. A greedy step of one row returns the argmax from its graph; buckets of several rows return logits.
-On CPU the model's linear weights are then stored input-major
+With ``compile=True`` the decode step is a ``torch.compile``-d function of fixed shapes: one row, or all
+``max_batch`` rows (free rows decode a dummy token at a position their next writer overwrites), two graphs
+for a batch that shrinks as its rows finish (``Generator``); with ``buckets=True`` a step over rows [0, n)
+runs the graph of the next *bucket* of rows instead, 1, 2, 4, 8, ... up to ``max_batch``, so a server with
+``max_batch`` 16 needs five graphs, which :meth:`BatchEngine.warm_up` compiles up front (``serve
+--compile`` does, before the first request); with ``compile_batches=False`` steps of several rows run
+eagerly. The cache has a fixed length and the attended span ``[0, kv_len)`` is a symbolic size, so one
+graph serves every step of a shape. A greedy step of one row returns the argmax from its graph; steps of
+several rows return logits. On CPU the model's linear weights are then stored input-major
 (:func:`~tinyformer.generation.weight_layout.store_input_major`).
 
 A row ends on an end token or stop string (:class:`~tinyformer.generation.streaming.TextState`),
@@ -234,13 +235,15 @@ class BatchEngine:
     every row by one step and returns what each row that produced a token (or failed) produced.
     Finished rows stay in their slot until removed. ``compiled`` is a shared :class:`CompiledStep`, or
     None to decode eagerly; ``compile_batches`` False uses it for steps of one row only (the others eager,
-    over exactly the rows in use).
+    over exactly the rows in use); ``buckets`` pads a step of several rows to the next power of two instead
+    of to ``max_batch`` (see :meth:`bucket`).
     """
 
     def __init__(self, model: nn.Module, *, max_batch: int, max_len: int | None = None,
                  compiled: CompiledStep | None = None, prefill_chunk: int | None = None,
                  context_policy: str = "error", slide_keep: int | None = None,
-                 prefix_cache: PrefixCache | None = None, compile_batches: bool = True) -> None:
+                 prefix_cache: PrefixCache | None = None, compile_batches: bool = True,
+                 buckets: bool = False) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -263,6 +266,7 @@ class BatchEngine:
         self.long_from = int(rs["original_max_position_embeddings"]) if cfg.rope_type == "longrope" else -1
         self.compiled = None if self.per_row else compiled
         self.compile_batches = compile_batches
+        self.pow2_buckets = buckets
         # right-padded batched prefill would write padding into ring slots still inside a row's window
         self.pad_prefill = not any(self.cache.rolling) and not self.per_row
         # a PrefixCache (generation/prefix_cache.py) shared by the requests of this engine, when its rows
@@ -359,10 +363,15 @@ class BatchEngine:
         return self._views[n]
 
     def bucket(self, n: int) -> int:
-        """The rows a compiled step over rows [0, n) runs: the next power of two, at most ``max_batch``.
-        Each bucket is one graph (a compilation takes seconds to tens of seconds on a CPU), and padding
-        to the bucket costs at most 2x the rows, where padding every step to ``max_batch`` rows made a
-        step of 4 rows cost as much as one of 16."""
+        """The rows a compiled step over rows [0, n) runs: 1 for one row; else ``max_batch``, or with
+        ``buckets`` the next power of two, at most ``max_batch``. Each bucket is one graph (a compilation
+        takes seconds to tens of seconds on a CPU): a one-shot batch (``Generator``) compiles two at most,
+        a server compiles its five up front and pads by at most 2x, where padding every step to
+        ``max_batch`` rows made a step of 4 rows cost as much as one of 16."""
+        if n <= 1:
+            return 1
+        if not self.pow2_buckets:
+            return self.max_batch
         b = 1
         while b < n:
             b *= 2

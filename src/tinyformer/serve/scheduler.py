@@ -137,7 +137,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.engine = BatchEngine(model, max_batch=max_batch, max_len=max_len,
                                   compiled=CompiledStep(model) if compile else None, prefill_chunk=prefill_chunk,
-                                  prefix_cache=new_prefix_cache(model, prefix_cache_mb))
+                                  prefix_cache=new_prefix_cache(model, prefix_cache_mb), buckets=True)
         self.cache = self.engine.cache
         self.max_len = self.engine.max_len
         self._cond = threading.Condition()
