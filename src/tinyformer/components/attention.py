@@ -101,17 +101,22 @@ def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """softmax(q K^T / sqrt(d) + M) V for one query per row: q (B, H, 1, d); k, v (B, H_kv, S, d);
     mask broadcastable to (B, 1, 1, S), True = may attend -> (B, H, 1, d).
 
-    The g = H / H_kv query heads that share a K/V head are the g rows of one (g, d) @ (d, S) product,
-    so grouped K/V heads are read once, never repeated. One query sees every key it is not masked
-    from (with one query, the bottom-right causal mask masks nothing).
+    The g = H / H_kv query heads that share a K/V head meet its keys and values together, so grouped K/V
+    heads are read once, never repeated. One query sees every key it is not masked from (with one query,
+    the bottom-right causal mask masks nothing). Written as broadcast products summed over d, then over S,
+    rather than as two matrix products: this is the compiled decode step's attention, and inductor's C++
+    backend vectorises those two reductions (the matrix-product form compiled to a kernel that made a
+    16-row step of the stories15m shape 9.95 ms instead of 8.65 ms).
     """
     B, H, _, d = q.shape
     n_kv = k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    scores = (q.reshape(B, n_kv, H // n_kv, d) @ k.transpose(-2, -1)) * scale  # (B, H_kv, g, S)
+    qg = q.reshape(B, n_kv, H // n_kv, 1, d)
+    scores = (qg * k.unsqueeze(2)).sum(-1) * scale  # (B, H_kv, g, S)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ v).reshape(B, H, 1, d)
+    p = torch.softmax(scores, dim=-1)  # (B, H_kv, g, S)
+    return (p.unsqueeze(-1) * v.unsqueeze(2)).sum(-2).reshape(B, H, 1, d)  # sum_j p_j v_j
 
 
 def attend(
