@@ -400,3 +400,21 @@ def test_served_completion_equals_transformers(char_run):
                     "model": "m", "prompt": "the fox", "max_tokens": N, "temperature": 0, "ignore_eos": True})
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["text"] == want
+
+
+def test_compile_without_a_cpp_compiler_is_a_clear_error(model64, monkeypatch):
+    """Inductor writes C++ for the CPU: without a compiler, --compile is refused up front (generate, chat and
+    serve), naming what is missing, instead of failing inside the first decode step."""
+    from torch._inductor import cpp_builder
+
+    from tinyformer.errors import GenerationError
+
+    def missing() -> str:
+        raise cpp_builder.InvalidCxxCompiler()
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", missing)
+    with pytest.raises(GenerationError, match="needs a C\\+\\+ compiler"):
+        Generator(model64, compile=True)
+    with pytest.raises(GenerationError, match="needs a C\\+\\+ compiler"):
+        Scheduler(model64, lambda t: b"", max_batch=2, max_len=64, compile=True)
+    Generator(model64)  # eager needs none

@@ -222,10 +222,20 @@ def new_prefix_cache(model: nn.Module, megabytes: float) -> PrefixCache | None:
 
 
 def check_compilable(model: nn.Module) -> None:
-    """GenerationError when the model holds a kernel ``torch.compile`` cannot trace."""
+    """GenerationError when the model holds a kernel ``torch.compile`` cannot trace, or when it sits on the
+    CPU and no C++ compiler is found (inductor writes C++ for the CPU; without one the first step would fail
+    deep inside the compiler, and ``serve --compile`` compiles at start-up)."""
     if any(getattr(m, "kernel", None) == "fbgemm" for m in model.modules()):
         raise GenerationError("the quantized kernel 'fbgemm' cannot be compiled (torch.compile does not trace "
                               "it): drop --compile, or quantize with another --kernel")
+    if next(model.parameters()).device.type == "cpu":
+        from torch._inductor import cpp_builder
+
+        try:
+            cpp_builder.get_cpp_compiler()
+        except Exception as exc:  # InvalidCxxCompiler, or whatever a torch version raises instead
+            raise GenerationError(f"--compile on a CPU needs a C++ compiler (g++ or clang++; set CXX to choose "
+                                  f"one): {' '.join(str(exc).split())}") from None
 
 
 class BatchEngine:
