@@ -201,3 +201,20 @@ def test_empty_stop_string_is_rejected():
         StopStringMatcher(["ok", ""])
     with pytest.raises(GenerationError, match="stop_strings"):
         StopStringMatcher("</s>")
+
+
+def test_token_bytes_show_special_tokens_as_nothing_and_keep_their_raw_bytes():
+    """One rule for generate, chat and serve: the tokenizer's special tokens (ids 0-2 of a char tokenizer)
+    stand for no text, every other id for its own bytes, ids past the tokenizer's vocabulary for none;
+    ``raw`` still names the special ones (the server's log-probability entries)."""
+    from tinyformer.data.tokenizer import build_tokenizer
+    from tinyformer.generation.streaming import TokenBytes
+
+    tok = build_tokenizer("char", "hello world")
+    tb = TokenBytes(tok)
+    specials = {i for i in range(tok.vocab_size) if tok.token_bytes(i) and tok.decode([i]) == ""}
+    assert tb.hidden == {0, 1, 2} and specials <= tb.hidden
+    assert all(tb(i) == b"" and tb.raw(i) == tok.token_bytes(i) for i in tb.hidden)
+    assert b"".join(tb(i) for i in tok.encode("hello")) == b"hello"
+    assert tb(tok.vocab_size + 5) == b"" == tb.raw(tok.vocab_size + 5)
+    assert TokenBytes(None)(3) == b""

@@ -58,7 +58,7 @@ from tinyformer.generation.beam import (
 )
 from tinyformer.generation.prefix_cache import PrefixCache
 from tinyformer.generation.sampling import SamplingParams
-from tinyformer.generation.streaming import TextState
+from tinyformer.generation.streaming import TextState, TokenBytes
 from tinyformer.generation.weight_layout import store_input_major
 
 __all__ = [
@@ -211,13 +211,9 @@ class Generator:
         self.context_policy = context_policy
         self.slide_keep = keep
         self.eos_token_id: int | None = getattr(tokenizer, "eos_id", None)
-        # Special tokens (BOS, PAD, a template's <|im_start|>, ...) are control symbols, not text: they
-        # are generated and returned as ids but shown as nothing, like decode(skip_special_tokens=True).
-        backend = getattr(tokenizer, "backend", None)
-        self.hidden_token_ids = frozenset(
-            i for i, t in (backend.get_added_tokens_decoder().items() if backend is not None else ()) if t.special
-        )
-        self._bytes: dict[int, bytes] = {}
+        # special tokens are generated and returned as ids but shown as no text (streaming.TokenBytes)
+        self._text_bytes = TokenBytes(tokenizer)
+        self.hidden_token_ids = self._text_bytes.hidden
         self.compile = compile
         self._compiled: CompiledStep | None = None
         # a PrefixCache kept across requests: a prompt that continues an earlier one (a chat's next turn)
@@ -264,19 +260,9 @@ class Generator:
         return ids
 
     def token_bytes(self, token_id: int) -> bytes:
-        """Raw bytes of a token (memoised). Special tokens and ids the tokenizer does not know (a model
-        vocabulary padded beyond the tokenizer's) stand for no text."""
-        b = self._bytes.get(token_id)
-        if b is None:
-            b = b""
-            if self.tokenizer is not None and token_id < self.tokenizer.vocab_size \
-                    and token_id not in self.hidden_token_ids:
-                try:
-                    b = self.tokenizer.token_bytes(token_id)
-                except Exception:  # a gap in a foreign vocabulary
-                    b = b""
-            self._bytes[token_id] = b
-        return b
+        """Bytes of a token as shown in text (memoised): special tokens and ids the tokenizer does not know
+        stand for no text (:class:`~tinyformer.generation.streaming.TokenBytes`)."""
+        return self._text_bytes(token_id)
 
     # ---------------------------------------------------------------- public API
 

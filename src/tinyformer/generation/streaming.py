@@ -7,7 +7,8 @@
   a stop string is never shown, even when it arrives spread over several tokens.
 
 A streaming loop chains them: ``text = dec.push(token_bytes)``, ``emit, stopped = stop.push(text)``,
-and at the end ``stop.push(dec.flush())`` then ``stop.flush()``.
+and at the end ``stop.push(dec.flush())`` then ``stop.flush()``. :class:`TokenBytes` gives each token's bytes
+for shown text (special tokens as none), the same for ``generate``, ``chat`` and ``serve``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,41 @@ from collections.abc import Callable, Iterable
 
 from tinyformer.errors import GenerationError
 
-__all__ = ["StopStringMatcher", "TextState", "Utf8StreamDecoder"]
+__all__ = ["StopStringMatcher", "TextState", "TokenBytes", "Utf8StreamDecoder"]
+
+
+class TokenBytes:
+    """Each token's bytes for streamed text, memoised: ``tb(token_id)``.
+
+    Special tokens (BOS, PAD, a chat template's ``<|im_start|>``, ...) are control symbols, not text: they
+    are generated and returned as ids but shown as nothing, like ``decode(skip_special_tokens=True)``;
+    ``hidden`` holds their ids. Ids the tokenizer does not know (a model vocabulary padded beyond the
+    tokenizer's, a gap in a foreign vocabulary) stand for no text. :meth:`raw` gives a token's own bytes,
+    special or not (the server's log-probability entries name every token).
+    """
+
+    def __init__(self, tokenizer: object | None) -> None:
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend", None)
+        added = backend.get_added_tokens_decoder().items() if backend is not None else ()
+        self.hidden: frozenset[int] = frozenset(i for i, t in added if t.special)
+        self._raw: dict[int, bytes] = {}
+
+    def raw(self, token_id: int) -> bytes:
+        b = self._raw.get(token_id)
+        if b is None:
+            b = b""
+            tok = self.tokenizer
+            if tok is not None and token_id < tok.vocab_size:  # type: ignore[attr-defined]
+                try:
+                    b = tok.token_bytes(token_id)  # type: ignore[attr-defined]
+                except Exception:  # a gap in a foreign vocabulary
+                    b = b""
+            self._raw[token_id] = b
+        return b
+
+    def __call__(self, token_id: int) -> bytes:
+        return b"" if token_id in self.hidden else self.raw(token_id)
 
 
 def _seq_len(lead: int) -> int:

@@ -79,7 +79,6 @@ class GenerationRequest:
     is one more pass over the vocabulary per token); ``top_logprobs`` > 0 asks for that many alternatives
     per token; ``deadline`` is a
     ``time.monotonic()`` value after which it ends with finish_reason "timeout".
-    ``hidden_token_ids`` are generated but never shown as text (special tokens such as BOS).
     """
 
     prompt_ids: list[int]
@@ -89,7 +88,6 @@ class GenerationRequest:
     top_logprobs: int = 0
     deadline: float | None = None
     logprobs: bool = True
-    hidden_token_ids: frozenset[int] = frozenset()
     id: int = field(default_factory=lambda: next(_ids))
 
 
@@ -102,12 +100,13 @@ def _event(row: EngineRow, text: str, tokens: list[TokenInfo], finish: str | Non
 class Scheduler:
     """Continuous-batching generation over one model, in one background thread.
 
-    ``model`` is a decoder LM; ``token_bytes(id)`` gives a token's raw bytes (for streaming text that
-    never splits a UTF-8 character). ``max_len`` caps each slot's positions (default: the model's
-    ``max_seq_len``). ``compile`` decodes with the compiled step (see ``BatchEngine``): one graph per bucket
-    of rows (1, 2, 4, ... ``max_batch``), all compiled by :meth:`start` before the scheduler takes its first
-    request, so that no stream ever stalls for a compilation; ``prefill_chunk``
-    is the most prompt tokens a request feeds per step (None: its whole prompt at once).
+    ``model`` is a decoder LM; ``token_bytes(id)`` gives a token's bytes as shown in text (for streaming
+    text that never splits a UTF-8 character; special tokens as none: ``streaming.TokenBytes``).
+    ``max_len`` caps each slot's positions (default: the model's ``max_seq_len``). ``compile`` decodes with
+    the compiled step (see ``BatchEngine``): one graph per bucket of rows (1, 2, 4, ... ``max_batch``), all
+    compiled by :meth:`start` before the scheduler takes its first request, so that no stream ever stalls
+    for a compilation; ``prefill_chunk`` is the most prompt tokens a request feeds per step (None: its
+    whole prompt at once).
     ``prefix_cache_mb`` > 0 keeps the K/V blocks of finished requests (prompt and completion) in a prefix
     cache of that size, so a request that shares a prefix with an earlier one (a system prompt, a chat
     history) prefills only the rest.
@@ -303,12 +302,7 @@ class Scheduler:
                 if not self._waiting:
                     return
                 req = self._waiting.popleft()
-            hidden = req.hidden_token_ids
-
-            def token_bytes(t: int, hidden: frozenset[int] = hidden) -> bytes:
-                return b"" if t in hidden else self.token_bytes(t)
-
-            text = TextState(token_bytes, req.params.stop_token_ids, req.params.stop_strings)
+            text = TextState(self.token_bytes, req.params.stop_token_ids, req.params.stop_strings)
             row = EngineRow(req.prompt_ids, req.params, text, want_logprobs=req.logprobs or req.top_logprobs > 0,
                             top_logprobs=req.top_logprobs, tag=req)
             try:

@@ -21,6 +21,7 @@ from fastapi import Request
 
 from tinyformer.errors import TinyformerError
 from tinyformer.generation.sampling import SamplingParams
+from tinyformer.generation.streaming import TokenBytes
 from tinyformer.serve import protocol as P
 from tinyformer.serve.chat import ChatTemplate
 from tinyformer.serve.protocol import APIError
@@ -83,23 +84,21 @@ class Server:
         self.api_key = api_key or None
         self.request_timeout = request_timeout if request_timeout and request_timeout > 0 else None
         self.vocab_size = int(model.cfg.vocab_size)
-        self.scheduler = Scheduler(model, self.token_bytes, max_batch=max_batch, max_queue=max_queue,
+        # shown text leaves special tokens out; log-probability entries name every token (raw bytes)
+        self.text_bytes = TokenBytes(tokenizer)
+        self.scheduler = Scheduler(model, self.text_bytes, max_batch=max_batch, max_queue=max_queue,
                                    max_len=max_len, compile=compile, prefill_chunk=prefill_chunk,
                                    prefix_cache_mb=prefix_cache_mb)
         self.context = self.scheduler.max_len
         self.template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token,
                                      tokenizer.pad_token)
-        added = tokenizer.backend.get_added_tokens_decoder()
-        self.hidden_ids = frozenset(i for i, tok in added.items() if tok.special)
         self._token_text: dict[int, str] = {}
         self._box: _Mailbox | None = None
 
     def token_bytes(self, token_id: int) -> bytes:
-        """A token's bytes; ids the model has but the tokenizer lacks (padded vocabularies) are empty."""
-        try:
-            return self.tokenizer.token_bytes(token_id)
-        except TinyformerError:
-            return b""
+        """A token's own bytes, special tokens included; ids the model has but the tokenizer lacks (padded
+        vocabularies) are empty."""
+        return self.text_bytes.raw(token_id)
 
     # ------------------------------------------------------------------ checks
     def authorize(self, request: Request) -> None:
@@ -184,8 +183,7 @@ class Server:
                 except TinyformerError as exc:
                     raise APIError(400, str(exc)) from None
                 out.append(GenerationRequest(list(ids), params, sink, index=index, top_logprobs=top_logprobs,
-                                             deadline=deadline, hidden_token_ids=self.hidden_ids,
-                                             logprobs=logprobs))
+                                             deadline=deadline, logprobs=logprobs))
         return out, inbox
 
     def _mailbox(self) -> _Mailbox:
