@@ -28,11 +28,10 @@ With ``compile=True`` the decode step is a ``torch.compile``-d function of fixed
 for a batch that shrinks as its rows finish (``Generator``); with ``buckets=True`` a step over rows [0, n)
 runs the graph of the next *bucket* of rows instead, 1, 2, 4, 8, ... up to ``max_batch``, so a server with
 ``max_batch`` 16 needs five graphs, which :meth:`BatchEngine.warm_up` compiles up front (``serve
---compile`` does, before the first request); with ``compile_batches=False`` steps of several rows run
-eagerly. The cache has a fixed length and the attended span ``[0, kv_len)`` is a symbolic size, so one
-graph serves every step of a shape. A greedy step of one row returns the argmax from its graph; steps of
-several rows return logits. On CPU the model's linear weights are then stored input-major
-(:func:`~tinyformer.generation.weight_layout.store_input_major`).
+--compile`` does, before the first request). The cache has a fixed length and the attended span
+``[0, kv_len)`` is a symbolic size, so one graph serves every step of a shape. A greedy step of one row
+returns the argmax from its graph; steps of several rows return logits. On CPU the model's linear weights
+are then stored input-major (:func:`~tinyformer.generation.weight_layout.store_input_major`).
 
 A row ends on an end token or stop string (:class:`~tinyformer.generation.streaming.TextState`),
 after ``max_new_tokens``, or when its cache row is full: ``context_policy="slide"`` then keeps its
@@ -244,16 +243,14 @@ class BatchEngine:
     ``add(row)`` gives a row a free slot (lowest first), ``remove(row)`` frees it, ``step()`` advances
     every row by one step and returns what each row that produced a token (or failed) produced.
     Finished rows stay in their slot until removed. ``compiled`` is a shared :class:`CompiledStep`, or
-    None to decode eagerly; ``compile_batches`` False uses it for steps of one row only (the others eager,
-    over exactly the rows in use); ``buckets`` pads a step of several rows to the next power of two instead
-    of to ``max_batch`` (see :meth:`bucket`).
+    None to decode eagerly; ``buckets`` pads a compiled step of several rows to the next power of two
+    instead of to ``max_batch`` (see :meth:`bucket`).
     """
 
     def __init__(self, model: nn.Module, *, max_batch: int, max_len: int | None = None,
                  compiled: CompiledStep | None = None, prefill_chunk: int | None = None,
                  context_policy: str = "error", slide_keep: int | None = None,
-                 prefix_cache: PrefixCache | None = None, compile_batches: bool = True,
-                 buckets: bool = False) -> None:
+                 prefix_cache: PrefixCache | None = None, buckets: bool = False) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -275,7 +272,6 @@ class BatchEngine:
         rs = cfg.rope_scaling or {}
         self.long_from = int(rs["original_max_position_embeddings"]) if cfg.rope_type == "longrope" else -1
         self.compiled = None if self.per_row else compiled
-        self.compile_batches = compile_batches
         self.pow2_buckets = buckets
         # right-padded batched prefill would write padding into ring slots still inside a row's window
         self.pad_prefill = not any(self.cache.rolling) and not self.per_row
@@ -389,8 +385,6 @@ class BatchEngine:
 
     def buckets(self) -> list[int]:
         """Every bucket size, smallest first (one compiled graph each)."""
-        if not self.compile_batches:
-            return [1]
         return sorted({self.bucket(n) for n in range(1, self.max_batch + 1)})
 
     def warm_up(self) -> None:
@@ -417,7 +411,7 @@ class BatchEngine:
             logits = torch.cat([self._forward_row(r, r.pending) for r in rows])
             return self._sample(logits, rows)
         n = max(r.slot for r in rows) + 1
-        compiled = self.compiled if n == 1 or self.compile_batches else None
+        compiled = self.compiled
         if compiled is not None:
             n = self.bucket(n)
         tokens = [0] * n
