@@ -233,12 +233,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void act8_bl
     }
 }
 
-bool has_vnni() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-                          __builtin_cpu_supports("fma");
-  return yes;
-}
 
 template <int R>
 void int8_avx512(const float* x, int mb, int64_t K, const int8_t* q, const float* s, int64_t G, float* y,
@@ -267,6 +261,11 @@ void int4_avx512(const float* xp, int mb, int64_t K, const uint8_t* q, const flo
 bool has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
+bool has_vnni() {  // the act8 kernels: AVX-512 as above plus its integer dot products
+  static const bool yes = has_avx512() && __builtin_cpu_supports("avx512vnni");
   return yes;
 }
 #else
