@@ -43,7 +43,7 @@ def write_pairs(run: Path, n: int, out: Path) -> dict:
     from tinyformer.data.chat_template import renderer
     from tinyformer.data.instructions import builtin_preferences
     from tinyformer.run_folder import load_tokenizer
-    from tinyformer.training.sft import is_heldout
+    from tinyformer.training.objectives.sft import is_heldout
 
     tok = load_tokenizer(run)
     if tok.chat_template is None:

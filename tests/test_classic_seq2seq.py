@@ -10,7 +10,7 @@ import torch
 from tinyformer.config import ModelConfig
 from tinyformer.generation.seq2seq import beam_search, greedy_decode
 from tinyformer.models.seq2seq import Seq2SeqModel
-from tinyformer.training.tasks import TASKS, Reverse, TaskData, exact_match, make_batch, task_tokenizer
+from tinyformer.training.objectives.seq2seq import TASKS, Reverse, TaskData, exact_match, make_batch, task_tokenizer
 
 BOS, EOS = 0, 1
 

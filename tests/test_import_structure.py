@@ -129,5 +129,5 @@ def test_no_module_outside_cli_imports_cli():
 def test_the_walker_sees_a_nested_import_of_cli(tmp_path):
     tree = ast.parse("def f():\n    from tinyformer.cli.common import x\n")
     found = [t for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-             for t in imported_names(n, "tinyformer.training.config", False)]
+             for t in imported_names(n, "tinyformer.training.train_config", False)]
     assert found == ["tinyformer.cli.common.x"]

@@ -9,7 +9,7 @@ predicted from the tokens before it in that window:
 
 Bits per byte does not depend on the tokenizer, so it compares models with different vocabularies.
 A .jsonl file of conversations or preference pairs is scored as chat data instead
-(:func:`tinyformer.training.preference.evaluate_chat_data`: assistant-token loss, or preference
+(:func:`tinyformer.evaluation.preference.evaluate_chat_data`: assistant-token loss, or preference
 accuracy and mean log-prob margin).
 
 ``--task FILE.jsonl|builtin`` (accuracy on multiple-choice and exact-answer questions) and
@@ -29,7 +29,7 @@ import torch
 
 from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import ConfigError
-from tinyformer.training.config import DTYPES
+from tinyformer.training.train_config import DTYPES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,7 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _training_block_size(run: Path) -> int | None:
-    from tinyformer.training.config import read_run_file
+    from tinyformer.training.train_config import read_run_file
 
     if not (run / "train.yaml").is_file():
         return None
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         return run_modes(args)
     if not args.data:
         raise ConfigError("eval needs --data TEXT, --task FILE.jsonl|builtin or --harness TASKS")
-    from tinyformer.training.preference import evaluate_chat_data
+    from tinyformer.evaluation.preference import evaluate_chat_data
 
     chat = evaluate_chat_data(Path(args.model), args.data, batch_size=args.batch_size, device=args.device,
                               as_json=args.json)

@@ -194,7 +194,7 @@ def _questions(stdlib_dir: str | Path | None = None) -> tuple[tuple[str, str, st
 
 def heldout_questions(fraction: float = 0.1, stdlib_dir: str | Path | None = None) -> list[tuple[str, str]]:
     """(question, right answer) of the held-out split (``fraction`` as ``--val-fraction``) of the instruction set."""
-    from tinyformer.training.sft import is_heldout
+    from tinyformer.training.objectives.sft import is_heldout
 
     return [(q, a) for q, a, _, _ in _questions(stdlib_dir) if is_heldout(q, fraction)]
 

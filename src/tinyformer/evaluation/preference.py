@@ -88,7 +88,7 @@ def encode_pair(tokenizer: Tokenizer, pair: PreferencePair, block_size: int,
 
 def pair_batch(pairs: Sequence[tuple[Row, Row]], pad_id: int) -> dict[str, torch.Tensor]:
     """B pairs -> one padded batch of 2B rows: the B chosen replies, then the B rejected ones."""
-    from tinyformer.training.sft import pad_rows
+    from tinyformer.training.objectives.sft import pad_rows
 
     return pad_rows([c for c, _ in pairs] + [r for _, r in pairs], pad_id)
 
@@ -149,7 +149,7 @@ def evaluate_chat(run: Path, data: str, *, batch_size: int = 8, device: str = "a
     """Assistant-token loss (and perplexity) of the model in ``run`` on a chat JSONL file."""
     from tinyformer.data.chat_data import describe_skipped, read_chat_file
     from tinyformer.data.chat_template import encode_conversation, renderer
-    from tinyformer.training.sft import pad_rows
+    from tinyformer.training.objectives.sft import pad_rows
 
     model, tokenizer, dev = _load(run, device)
     chat = read_chat_file(data)

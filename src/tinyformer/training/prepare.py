@@ -21,7 +21,7 @@ from tinyformer.data.corpus import builtin_corpus, iter_documents, load_corpus
 from tinyformer.data.dataset import TokenDataset, encode_to_memmap
 from tinyformer.data.tokenizer import BPE_MIN_VOCAB, DEFAULT_BPE_VOCAB_SIZE, Tokenizer
 from tinyformer.errors import DataError, TinyformerError
-from tinyformer.training.config import TOKENIZER_KINDS, TrainConfig
+from tinyformer.training.train_config import TOKENIZER_KINDS, TrainConfig
 
 
 def default_cache_dir() -> Path:

@@ -46,11 +46,11 @@ from tinyformer.training.checkpoint import (
     load_weights,
     save_checkpoint,
 )
-from tinyformer.training.config import TrainConfig
 from tinyformer.training.device import device_peak_flops, synchronize
 from tinyformer.training.metrics import MetricsLogger, RunningWindow
 from tinyformer.training.objectives import Objective
 from tinyformer.training.optim import build_optimizer, lr_at
+from tinyformer.training.train_config import TrainConfig
 from tinyformer.utils.io import atomic_path, atomic_write_text, read_utf8
 
 SAMPLES_FILE = "samples.txt"

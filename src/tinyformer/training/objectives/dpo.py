@@ -4,7 +4,7 @@
 
 averaged over the pairs of a batch, with pi the model being trained, ref the frozen reference (the
 ``--init-from`` model), y_w the chosen and y_l the rejected reply, log p(y|x) summed over the reply's
-tokens (:mod:`tinyformer.training.preference`), beta = ``--dpo-beta`` (default 0.1).
+tokens (:mod:`tinyformer.evaluation.preference`), beta = ``--dpo-beta`` (default 0.1).
 
 The reference never changes, so its log-probabilities are computed once per pair, in eval mode,
 before the first update, and kept (2 floats per pair): no second model stays in memory. With LoRA
@@ -33,15 +33,15 @@ from torch import nn
 
 from tinyformer.components.lora import has_lora, lora_disabled
 from tinyformer.errors import DataError
-from tinyformer.training.objectives import OBJECTIVES, Batch
-from tinyformer.training.preference import Row, dpo_loss, pair_batch, score_pairs, sequence_logps
-from tinyformer.training.sft import ChatObjective, first_user_text
+from tinyformer.evaluation.preference import Row, dpo_loss, pair_batch, score_pairs, sequence_logps
+from tinyformer.training.objectives.base import Batch
+from tinyformer.training.objectives.sft import ChatObjective, first_user_text
 
 if TYPE_CHECKING:
     from tinyformer.data.chat_data import PreferencePair
     from tinyformer.data.dataset import TokenDataset
     from tinyformer.data.tokenizer import Tokenizer
-    from tinyformer.training.config import TrainConfig
+    from tinyformer.training.train_config import TrainConfig
 
 SPLITS = ("train", "val")
 
@@ -63,7 +63,7 @@ class DPOObjective(ChatObjective):
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
         super().__init__(cfg, tokenizer, dataset)
         from tinyformer.data.chat_data import describe_skipped
-        from tinyformer.training.preference import encode_pair
+        from tinyformer.evaluation.preference import encode_pair
 
         pairs, self.source, skipped = load_pairs(cfg.data)
         self.skipped.update(skipped)
@@ -236,6 +236,3 @@ def load_pairs(data: str | None) -> tuple[list[PreferencePair], str, dict[str, i
         return builtin_preferences(), "the built-in preference set", {}
     prefs = read_preference_file(data)
     return prefs.pairs, data, prefs.skipped
-
-
-OBJECTIVES["dpo"] = DPOObjective

@@ -30,12 +30,12 @@ from torch import nn
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.training.objectives import OBJECTIVES, Batch, Objective
+from tinyformer.training.objectives.base import Batch, Objective
 
 if TYPE_CHECKING:
     from tinyformer.data.dataset import TokenDataset
     from tinyformer.data.tokenizer import Tokenizer
-    from tinyformer.training.config import TrainConfig
+    from tinyformer.training.train_config import TrainConfig
 
 ALPHABET = "0123456789+"
 IGNORE = -100
@@ -272,6 +272,3 @@ class Seq2SeqObjective(Objective):
         for (src, tgt), got in zip(examples[:3], outputs[:3]):
             lines.append(f"  {src} -> {got}" + ("" if got == tgt else f"   (expected {tgt})"))
         return "\n".join(lines)
-
-
-OBJECTIVES["seq2seq"] = Seq2SeqObjective

@@ -34,13 +34,14 @@ from torch import nn
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError, DataError
-from tinyformer.training.objectives import OBJECTIVES, Batch, Objective, lm_loss
+from tinyformer.training.objectives.base import Batch, Objective
+from tinyformer.training.objectives.lm import lm_loss
 
 if TYPE_CHECKING:
     from tinyformer.data.chat_data import Conversation
     from tinyformer.data.dataset import TokenDataset
     from tinyformer.data.tokenizer import Tokenizer
-    from tinyformer.training.config import TrainConfig
+    from tinyformer.training.train_config import TrainConfig
 
 IGNORE = -100
 SAMPLE_QUESTIONS = 3
@@ -284,6 +285,3 @@ def load_conversations(data: str | None) -> tuple[list[Conversation], str, Count
         return builtin_conversations(), "the built-in instruction set", Counter()
     chat = read_chat_file(data)
     return chat.conversations, data, chat.skipped
-
-
-OBJECTIVES["sft"] = SFTObjective
