@@ -127,7 +127,7 @@ def test_bad_rows_are_one_line_errors_or_counted_skips(tmp_path: Path) -> None:
                                                {"prompt": "q", "chosen": "yes", "rejected": "no"}])
     read = read_preference_file(prefs)
     assert len(read.pairs) == 1 and read.skipped == {"chosen == rejected": 1}
-    from tinyformer.evaluation.preference import encode_pair
+    from tinyformer.training.objectives.dpo import encode_pair
 
     tok = with_chatml(char_tokenizer())
     long_prompt = read_preference_file(write_jsonl(tmp_path / "l.jsonl", [{"prompt": "x" * 40, "chosen": "yes",
@@ -260,7 +260,7 @@ def test_sft_run_resumes_exactly_and_writes_samples_and_report(tmp_path: Path) -
 def test_dpo_loss_equals_the_formula_and_trl() -> None:
     from trl.trainer.dpo_trainer import DPOTrainer
 
-    from tinyformer.evaluation.preference import dpo_loss
+    from tinyformer.training.objectives.dpo import dpo_loss
 
     beta = 0.3
     pi_w, pi_l = torch.tensor([-3.0, -7.5, -1.25]), torch.tensor([-4.0, -2.0, -1.5])
@@ -312,7 +312,7 @@ def synthetic_preferences(n: int) -> list[dict]:
 
 
 def test_dpo_reference_stays_fixed_and_heldout_preference_accuracy_rises(tmp_path: Path) -> None:
-    from tinyformer.evaluation.preference import score_pairs
+    from tinyformer.training.objectives.dpo import score_pairs
     from tinyformer.training.runner import RunSpec, prepare_run
 
     base = make_base_run(tmp_path / "base", seed=3)
@@ -421,9 +421,9 @@ def test_builtin_instruction_set_answers_are_valid_python_for_the_names_asked(tm
     import shutil
     import sysconfig
 
+    from tinyformer.data.chat_data import is_heldout
     from tinyformer.data.instructions import builtin_conversations, builtin_preferences, heldout_questions
     from tinyformer.evaluation.tasks import instruction_task
-    from tinyformer.training.objectives.sft import is_heldout
 
     # two real standard-library modules stand for the whole library (parsing all of it takes seconds)
     stdlib = Path(sysconfig.get_paths()["stdlib"])

@@ -24,7 +24,6 @@ generator only, so ``--resume`` continues the exact stream.
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, ClassVar
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 
 from tinyformer.config import ModelConfig
+from tinyformer.data.chat_data import is_heldout
 from tinyformer.errors import ConfigError, DataError
 from tinyformer.training.objectives.base import Batch, Objective
 from tinyformer.training.objectives.lm import lm_loss
@@ -47,12 +47,6 @@ IGNORE = -100
 SAMPLE_QUESTIONS = 3
 SAMPLE_TOKENS = 64
 REPORT_QUESTIONS = 5
-
-
-def is_heldout(key: str, fraction: float) -> bool:
-    """Whether the example keyed by ``key`` is in the held-out split: sha1(key) as a fraction of 2^32 < fraction.
-    A hash, not a position, so the same question is held out by SFT and DPO and in any file order."""
-    return int(hashlib.sha1(key.encode("utf-8")).hexdigest()[:8], 16) / 2**32 < fraction
 
 
 def first_user_text(messages: Sequence[dict[str, str]]) -> str:
