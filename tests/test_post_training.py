@@ -397,6 +397,12 @@ def test_eval_scores_preferences_and_chat_files_against_an_independent_rendering
     loss = json.loads(capsys.readouterr().out)["assistant_loss"]
     assert math.isclose(loss, -logp("Pick one", "left") / len(tok.encode("left<|im_end|>")), rel_tol=1e-4)
 
+    assert main(["eval", "--model", str(base), "--data", str(prefs)]) == 0  # the line shows the JSON's figures
+    assert (f"{base} on {prefs}: preference accuracy {result['preference_accuracy']:.4f}, mean log-prob margin "
+            f"{result['mean_logp_margin']:.4f} (2 pairs, 0 skipped)") in capsys.readouterr().out
+    assert main(["eval", "--model", str(base), "--data", str(chat)]) == 0
+    assert f"{base} on {chat}: assistant-token loss {loss:.4f}, perplexity " in capsys.readouterr().out
+
 
 def test_generate_chat_renders_the_prompt_with_the_template(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:

@@ -58,9 +58,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("eval needs --data TEXT, --task FILE.jsonl|builtin or --harness TASKS")
     from tinyformer.evaluation.preference import evaluate_chat_data
 
-    chat = evaluate_chat_data(Path(args.model), args.data, batch_size=args.batch_size, device=args.device,
-                              as_json=args.json)
-    if chat is not None:  # a chat or preference .jsonl file: printed already
+    chat = evaluate_chat_data(Path(args.model), args.data, batch_size=args.batch_size, device=args.device)
+    if chat is not None:  # a chat or preference .jsonl file
+        kind, result = chat
+        print(json.dumps(result) if args.json else _chat_line(kind, result))
         return 0
     if args.per_token and not args.json:
         raise ConfigError("--per-token goes with --json")
@@ -84,6 +85,16 @@ def run(args: argparse.Namespace) -> int:
     if report is not None:
         print(f"updated {report}")
     return 0
+
+
+def _chat_line(kind: str, result: dict) -> str:
+    if kind == "preference":
+        return (f"{result['model']} on {result['data']}: preference accuracy {result['preference_accuracy']:.4f}, "
+                f"mean log-prob margin {result['mean_logp_margin']:.4f} ({result['pairs']} pairs, "
+                f"{result['skipped']} skipped)")
+    return (f"{result['model']} on {result['data']}: assistant-token loss {result['assistant_loss']:.4f}, perplexity "
+            f"{result['perplexity']:.2f} ({result['assistant_tokens']:,} tokens in {result['conversations']} "
+            f"conversations, {result['skipped']} skipped)")
 
 
 def _report_text(args: argparse.Namespace, result: dict) -> str | None:

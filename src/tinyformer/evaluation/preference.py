@@ -94,12 +94,11 @@ def evaluate_chat(run: Path, data: str, *, batch_size: int = 8, device: str = "a
             "assistant_tokens": count, "assistant_loss": loss, "perplexity": math.exp(min(loss, 700.0))}
 
 
-def evaluate_chat_data(run: Path, data: str, *, batch_size: int = 8, device: str = "auto",
-                       as_json: bool = False) -> dict[str, Any] | None:
-    """What ``tinyformer eval`` prints for a chat or preference .jsonl file (printed here), or None
-    when ``data`` is not one (plain text: the caller's language-model evaluation applies)."""
-    import json
-
+def evaluate_chat_data(run: Path, data: str, *, batch_size: int = 8, device: str = "auto"
+                       ) -> tuple[str, dict[str, Any]] | None:
+    """(file kind, figures) of the model in ``run`` on a chat or preference .jsonl file: "preference" with
+    :func:`evaluate_preferences`' figures, "chat" with :func:`evaluate_chat`'s; None when ``data`` is neither
+    (plain text: the caller's language-model evaluation applies)."""
     from tinyformer.data.chat_data import file_kind
 
     path = Path(data)
@@ -109,13 +108,5 @@ def evaluate_chat_data(run: Path, data: str, *, batch_size: int = 8, device: str
     if kind is None:
         return None
     if kind == "preference":
-        result = evaluate_preferences(run, data, batch_size=batch_size, device=device)
-        line = (f"{run} on {data}: preference accuracy {result['preference_accuracy']:.4f}, mean log-prob margin "
-                f"{result['mean_logp_margin']:.4f} ({result['pairs']} pairs, {result['skipped']} skipped)")
-    else:
-        result = evaluate_chat(run, data, batch_size=batch_size, device=device)
-        line = (f"{run} on {data}: assistant-token loss {result['assistant_loss']:.4f}, perplexity "
-                f"{result['perplexity']:.2f} ({result['assistant_tokens']:,} tokens in {result['conversations']} "
-                f"conversations, {result['skipped']} skipped)")
-    print(json.dumps(result) if as_json else line)
-    return result
+        return kind, evaluate_preferences(run, data, batch_size=batch_size, device=device)
+    return kind, evaluate_chat(run, data, batch_size=batch_size, device=device)
