@@ -16,7 +16,7 @@ Extension points for other training setups (distributed data parallel, other obj
 all but the last micro-step), ``reduce_sum`` (sum evaluation figures over ranks), ``eval_batches`` and
 ``draw_sample`` (evaluation on sharded weights), ``checkpoint_states`` / ``state_loaders`` (consolidated
 checkpoints); training/distributed.py implements them. The objective
-(objectives.py) owns batches, loss and model construction.
+(training/objectives/) owns batches, loss and model construction.
 """
 
 from __future__ import annotations
