@@ -40,10 +40,10 @@ RANK = 8
 def write_pairs(run: Path, n: int, out: Path) -> dict:
     """The first ``n`` training pairs of the built-in preference set, as tinyformer reads them (prompt, chosen,
     rejected) and as TRL reads them (the prompt rendered with the run's template, replies + end-of-turn)."""
+    from tinyformer.data.chat_data import is_heldout
     from tinyformer.data.chat_template import renderer
     from tinyformer.data.instructions import builtin_preferences
     from tinyformer.run_folder import load_tokenizer
-    from tinyformer.training.sft import is_heldout
 
     tok = load_tokenizer(run)
     if tok.chat_template is None:

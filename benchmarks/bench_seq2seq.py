@@ -1,6 +1,6 @@
 """Train the 2017-style encoder-decoder on the synthetic tasks until held-out exact match reaches a target.
 
-For each task (training/tasks.py) a fresh ``transformer-tiny`` (Post-Norm, sinusoidal positions,
+For each task (data/synthetic_tasks.py) a fresh ``transformer-tiny`` (Post-Norm, sinusoidal positions,
 embeddings * sqrt(d), ReLU FFN, shared embeddings) is trained with AdamW on freshly generated examples;
 every ``--eval-every`` steps greedy decoding is scored on the 1000 held-out examples (never trained
 on). A task stops when exact match >= ``--target`` or when its share of the time budget is spent (the
@@ -22,9 +22,10 @@ from collections.abc import Callable
 
 import torch
 
+from tinyformer.data.synthetic_tasks import TASKS, TaskData, task_tokenizer
 from tinyformer.models.seq2seq import Seq2SeqModel
 from tinyformer.presets import get_preset
-from tinyformer.training.tasks import TASKS, TaskData, decode_examples, exact_match, make_batch, task_tokenizer
+from tinyformer.training.objectives.seq2seq import decode_examples, exact_match, make_batch
 
 
 def train_task(name: str, args: argparse.Namespace, budget: float, clock: Callable[[], float]) -> dict:

@@ -37,8 +37,8 @@ from tinyformer.config import ModelConfig
 from tinyformer.data.dataset import TokenDataset
 from tinyformer.data.tokenizer import Tokenizer
 from tinyformer.sizing import count_params
-from tinyformer.training.config import TrainConfig
-from tinyformer.training.objectives import CausalLM
+from tinyformer.training.objectives.lm import CausalLM
+from tinyformer.training.train_config import TrainConfig
 from tinyformer.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +91,7 @@ def main() -> None:
     p.add_argument("--tune", action="append", default=[], metavar="MODEL.FIELD=VALUE",
                    help="change the recipe or model config of one model, e.g. llama.lr=2e-3 (repeatable)")
     args = p.parse_args()
-    from tinyformer.training.config import parse_value
+    from tinyformer.training.train_config import parse_value
 
     if args.untuned:
         for changes in TUNED.values():

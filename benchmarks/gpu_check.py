@@ -40,9 +40,9 @@ from tinyformer.config import ModelConfig
 from tinyformer.models.decoder import DecoderLM
 from tinyformer.presets import get_preset
 from tinyformer.sizing import training_flops_per_token
-from tinyformer.training.config import TrainConfig
 from tinyformer.training.device import Timer, device_peak_flops, enable_tf32, sdpa_backend
 from tinyformer.training.optim import build_optimizer
+from tinyformer.training.train_config import TrainConfig
 
 PARITY_BOUND = 2e-4  # float32 GPU vs CPU, relative to max |logit|
 SDPA_BOUND = {"float32": 2e-4, "bfloat16": 3e-2}

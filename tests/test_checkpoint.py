@@ -20,8 +20,8 @@ from tinyformer.config import ModelConfig
 from tinyformer.errors import CheckpointError
 from tinyformer.models import build_model
 from tinyformer.training import checkpoint as ckpt
-from tinyformer.training.config import TrainConfig
 from tinyformer.training.optim import build_optimizer
+from tinyformer.training.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=40, d_model=32, n_layer=1, n_head=2, d_ff=64, max_seq_len=16)

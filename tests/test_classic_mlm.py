@@ -12,7 +12,7 @@ from tinyformer.cli.main import main
 from tinyformer.models.encoder import EncoderModel
 from tinyformer.models.seq2seq import Seq2SeqModel
 from tinyformer.run_folder import load_config, load_model
-from tinyformer.training.mlm import IGNORE, mask_tokens
+from tinyformer.training.objectives.mlm import IGNORE, mask_tokens
 
 CORPUS = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: O Romeo, Romeo! wherefore art thou?\n"
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from tinyformer.config import ModelConfig
+from tinyformer.data.synthetic_tasks import TASKS, Reverse, TaskData, task_tokenizer
 from tinyformer.generation.seq2seq import beam_search, greedy_decode
 from tinyformer.models.seq2seq import Seq2SeqModel
-from tinyformer.training.tasks import TASKS, Reverse, TaskData, exact_match, make_batch, task_tokenizer
+from tinyformer.training.objectives.seq2seq import exact_match, make_batch
 
 BOS, EOS = 0, 1
 

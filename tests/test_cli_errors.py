@@ -173,8 +173,8 @@ def test_eval_dtype_int8_is_rejected(run, tmp_path, capsys):
 
 def test_bpe_on_jsonl_without_the_text_field_names_the_field(tmp_path):
     from tinyformer.errors import DataError
-    from tinyformer.training.config import TrainConfig
     from tinyformer.training.prepare import train_tokenizer
+    from tinyformer.training.train_config import TrainConfig
 
     (tmp_path / "x.jsonl").write_text(json.dumps({"body": "hello there"}) + "\n")
     with pytest.raises(DataError, match="no field 'text'"):
@@ -183,8 +183,8 @@ def test_bpe_on_jsonl_without_the_text_field_names_the_field(tmp_path):
 
 def test_bpe_on_hf_data_without_datasets_says_to_install_it(monkeypatch):
     from tinyformer.errors import DataError
-    from tinyformer.training.config import TrainConfig
     from tinyformer.training.prepare import train_tokenizer
+    from tinyformer.training.train_config import TrainConfig
 
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with pytest.raises(DataError, match="needs the `datasets` package"):
@@ -198,8 +198,8 @@ def test_bare_tinyformer_prints_help_and_exits_0(capsys):
 
 def test_init_from_says_what_it_loaded_and_a_long_warm_up_is_mentioned(trained, tmp_path, capsys):
     from tinyformer.run_folder import load_model
-    from tinyformer.training.config import TrainConfig
     from tinyformer.training.optim import lr_at
+    from tinyformer.training.train_config import TrainConfig
 
     (tmp_path / "c.txt").write_text(CORPUS)
     capsys.readouterr()

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from tinyformer.config import ModelConfig
-from tinyformer.training.config import TrainConfig
 from tinyformer.training.objectives import Objective
+from tinyformer.training.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=2, d_ff=64, max_seq_len=16)
@@ -169,7 +169,7 @@ def run_job(cmd: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, flo
 
 def test_data_shards_of_ranks_are_disjoint_and_cover_the_split() -> None:
     from tinyformer.data.dataset import TokenDataset
-    from tinyformer.training.objectives import CausalLM
+    from tinyformer.training.objectives.lm import CausalLM
 
     n, block = 240, 8
     dataset = TokenDataset(np.arange(n, dtype=np.int64), val_fraction=0.0)  # token value = its position

@@ -35,8 +35,7 @@ from test_interop_common import (
 
 from tinyformer.errors import CheckpointError, ConfigError
 from tinyformer.interop.gguf import import_gguf, import_gguf_keep_quant
-from tinyformer.quantization import quant_spec
-from tinyformer.run_folder import iter_tensors, load_config, load_model
+from tinyformer.run_folder import iter_tensors, load_config, load_model, quant_spec
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")

@@ -212,7 +212,7 @@ def test_keep_quant_holds_the_file_bits_and_matches_transformers(qtype, kind, tm
     """--keep-quant: the int8 / int4 run computes what transformers' dequantizing loader computes, and stores
     about the GGUF's bytes, not float32's."""
     from tinyformer.interop.gguf import import_gguf_keep_quant
-    from tinyformer.quantization import quant_spec
+    from tinyformer.run_folder import quant_spec
 
     write_gguf(hf_model("llama", **BIG), tmp_path / "model.gguf", qtype=qtype)
     report = import_gguf_keep_quant(tmp_path / "model.gguf", tmp_path / "run")

@@ -29,8 +29,8 @@ from tinyformer.errors import ConfigError
 from tinyformer.models import build_model
 from tinyformer.presets import get_preset
 from tinyformer.run_folder import load_model, save_adapter_run, save_model
-from tinyformer.training.config import TrainConfig
 from tinyformer.training.optim import build_optimizer
+from tinyformer.training.train_config import TrainConfig
 
 # a Llama shape with grouped K/V heads, so q, k and v blocks of the fused qkv matrix differ in size
 CFG = get_preset("tiny", d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=48, vocab_size=61, max_seq_len=32)

@@ -95,8 +95,8 @@ def test_a_wrong_file_in_the_cache_is_refused(cache, monkeypatch):
 
 @needs_shared
 def test_train_reads_the_named_data_set(cache, monkeypatch):
-    from tinyformer.training.config import TrainConfig
     from tinyformer.training.prepare import train_tokenizer
+    from tinyformer.training.train_config import TrainConfig
 
     monkeypatch.setattr(urllib.request, "urlopen", serving(SHARED.read_bytes()))
     tok = train_tokenizer(TrainConfig(data="tinyshakespeare", tokenizer="char"))

@@ -127,7 +127,7 @@ def test_bad_rows_are_one_line_errors_or_counted_skips(tmp_path: Path) -> None:
                                                {"prompt": "q", "chosen": "yes", "rejected": "no"}])
     read = read_preference_file(prefs)
     assert len(read.pairs) == 1 and read.skipped == {"chosen == rejected": 1}
-    from tinyformer.training.preference import encode_pair
+    from tinyformer.training.objectives.dpo import encode_pair
 
     tok = with_chatml(char_tokenizer())
     long_prompt = read_preference_file(write_jsonl(tmp_path / "l.jsonl", [{"prompt": "x" * 40, "chosen": "yes",
@@ -260,7 +260,7 @@ def test_sft_run_resumes_exactly_and_writes_samples_and_report(tmp_path: Path) -
 def test_dpo_loss_equals_the_formula_and_trl() -> None:
     from trl.trainer.dpo_trainer import DPOTrainer
 
-    from tinyformer.training.preference import dpo_loss
+    from tinyformer.training.objectives.dpo import dpo_loss
 
     beta = 0.3
     pi_w, pi_l = torch.tensor([-3.0, -7.5, -1.25]), torch.tensor([-4.0, -2.0, -1.5])
@@ -312,7 +312,7 @@ def synthetic_preferences(n: int) -> list[dict]:
 
 
 def test_dpo_reference_stays_fixed_and_heldout_preference_accuracy_rises(tmp_path: Path) -> None:
-    from tinyformer.training.preference import score_pairs
+    from tinyformer.training.objectives.dpo import score_pairs
     from tinyformer.training.runner import RunSpec, prepare_run
 
     base = make_base_run(tmp_path / "base", seed=3)
@@ -326,7 +326,7 @@ def test_dpo_reference_stays_fixed_and_heldout_preference_accuracy_rises(tmp_pat
     before = {s: t.clone() for s, t in objective.ensure_reference(trainer.model).items()}
     # the reference is the --init-from model: its log-probs computed here independently of the objective
     init = load_model(tmp_path / "base")
-    from tinyformer.training.sft import grow_vocab
+    from tinyformer.training.objectives.sft import grow_vocab
 
     init_grown = type(init)(trainer.model.cfg)
     init_grown.load_state_dict(grow_vocab(init.state_dict(), trainer.model.cfg.vocab_size), strict=False)
@@ -368,7 +368,7 @@ def test_eval_scores_preferences_and_chat_files_against_an_independent_rendering
     tok.save(base)  # the run now has ChatML ids, with embedding rows for them
     model = load_model(base)
     from tinyformer.models import build_model
-    from tinyformer.training.sft import grow_vocab
+    from tinyformer.training.objectives.sft import grow_vocab
 
     grown = build_model(model.cfg.replace(vocab_size=tok.vocab_size))
     grown.load_state_dict(grow_vocab(model.state_dict(), tok.vocab_size), strict=False)
@@ -397,6 +397,12 @@ def test_eval_scores_preferences_and_chat_files_against_an_independent_rendering
     loss = json.loads(capsys.readouterr().out)["assistant_loss"]
     assert math.isclose(loss, -logp("Pick one", "left") / len(tok.encode("left<|im_end|>")), rel_tol=1e-4)
 
+    assert main(["eval", "--model", str(base), "--data", str(prefs)]) == 0  # the line shows the JSON's figures
+    assert (f"{base} on {prefs}: preference accuracy {result['preference_accuracy']:.4f}, mean log-prob margin "
+            f"{result['mean_logp_margin']:.4f} (2 pairs, 0 skipped)") in capsys.readouterr().out
+    assert main(["eval", "--model", str(base), "--data", str(chat)]) == 0
+    assert f"{base} on {chat}: assistant-token loss {loss:.4f}, perplexity " in capsys.readouterr().out
+
 
 def test_generate_chat_renders_the_prompt_with_the_template(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
@@ -421,9 +427,9 @@ def test_builtin_instruction_set_answers_are_valid_python_for_the_names_asked(tm
     import shutil
     import sysconfig
 
+    from tinyformer.data.chat_data import is_heldout
     from tinyformer.data.instructions import builtin_conversations, builtin_preferences, heldout_questions
     from tinyformer.evaluation.tasks import instruction_task
-    from tinyformer.training.sft import is_heldout
 
     # two real standard-library modules stand for the whole library (parsing all of it takes seconds)
     stdlib = Path(sysconfig.get_paths()["stdlib"])

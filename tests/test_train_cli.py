@@ -15,7 +15,7 @@ from tinyformer.data.tokenizer import Tokenizer
 from tinyformer.run_folder import load_model, load_tokenizer
 from tinyformer.training import checkpoint as ckpt
 from tinyformer.training.metrics import read_metrics
-from tinyformer.training.objectives import CausalLM
+from tinyformer.training.objectives.lm import CausalLM
 
 TINY = ["--model.d_model", "32", "--model.n_layer", "1", "--model.n_head", "2", "--model.n_kv_head", "2",
         "--model.d_ff", "64", "--threads", "1",

@@ -10,7 +10,8 @@ import torch
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
 from tinyformer.models import build_model
-from tinyformer.training.config import (
+from tinyformer.training.optim import lr_at, param_groups
+from tinyformer.training.train_config import (
     TrainConfig,
     apply_override,
     build_model_config,
@@ -18,7 +19,6 @@ from tinyformer.training.config import (
     read_run_file,
     to_yaml,
 )
-from tinyformer.training.optim import lr_at, param_groups
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 from tinyformer.config import ModelConfig
 from tinyformer.data.tokenizer import DEFAULT_BPE_VOCAB_SIZE
 from tinyformer.sizing import count_params
-from tinyformer.training.config import TrainConfig, build_model_config, read_run_file
+from tinyformer.training.train_config import TrainConfig, build_model_config, read_run_file
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

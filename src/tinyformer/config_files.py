@@ -1,6 +1,6 @@
 """Config files (JSON, YAML, TOML) read into dicts, with one-line errors naming the file, line and column.
 
-Shared by the run-config files of ``tinyformer train`` (``training/config.py``) and the model configs the
+Shared by the run-config files of ``tinyformer train`` (``training/train_config.py``) and the model configs the
 commands read (``cli/common.py``).
 """
 

@@ -1,4 +1,4 @@
-"""Quantized run folders: write one from a float run (`tinyformer quantize`) and load one.
+"""Quantized run folders: write one from a float run (`tinyformer quantize`); ``run_folder.load_model`` loads one.
 
 A quantized run folder is a run folder whose config.json carries ``extra["quantization"]`` (a
 :class:`~tinyformer.components.quantized.QuantSpec`: type, group_size, kernel) and whose safetensors
@@ -25,41 +25,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tinyformer.components.quantized import (
-    QuantizedEmbedding,
-    QuantizedLinear,
-    QuantSpec,
-    dequantize_weight,
-    quantize_weight,
-    resolve_kernel,
+from tinyformer.components.quantized import QuantSpec, dequantize_weight, quantize_weight, resolve_kernel
+from tinyformer.errors import ConfigError
+from tinyformer.run_folder import (
+    QUANT_KEY,
+    linear_names,
+    load_config,
+    load_model,
+    quant_spec,
+    save_tensors,
+    side_files,
+    state_dict_for_saving,
+    tensor_bytes,
+    tied_head,
 )
-from tinyformer.config import ModelConfig
-from tinyformer.errors import CheckpointError, ConfigError
-
-QUANT_KEY = "quantization"
-PORTABLE_PARTS = ("qweight", "scales", "zeros")
-
-
-def quant_spec(cfg: ModelConfig) -> QuantSpec | None:
-    """The run's quantization, or None for a float run (ConfigError for a malformed entry)."""
-    data = cfg.extra.get(QUANT_KEY) if isinstance(cfg.extra, dict) else None
-    return None if data is None else QuantSpec.from_dict(data)
-
-
-def linear_names(model: nn.Module) -> list[str]:
-    """Names of the model's ``nn.Linear`` modules: the layers a quantized run stores quantized."""
-    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-
-
-def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
-
-
-def _tied(model: nn.Module) -> bool:
-    head, emb = getattr(model, "lm_head", None), getattr(model, "tok_emb", None)
-    return isinstance(head, nn.Linear) and isinstance(emb, nn.Embedding) and head.weight is emb.weight
-
 
 # ------------------------------------------------------------------ quantize a float model
 
@@ -87,11 +66,9 @@ class QuantizeReport:
 def quantized_tensors(model: nn.Module, spec: QuantSpec,
                       errors: list[LayerError] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of the quantized run's safetensors, one layer at a time, from a float model."""
-    from tinyformer.run_folder import state_dict_for_saving
-
     linears = set(linear_names(model))
     sd = state_dict_for_saving(model)
-    if _tied(model):  # stored once, under the head's name
+    if tied_head(model):  # stored once, under the head's name
         sd["lm_head.weight"] = sd.pop("tok_emb.weight")
     for key, tensor in sd.items():
         prefix, _, leaf = key.rpartition(".")
@@ -113,7 +90,6 @@ def quantize_run(model_dir: str | Path, out: str | Path, spec: QuantSpec, *, for
     """Float run folder -> quantized run folder (config.json with the spec, quantized safetensors, and every
     other top-level file of the run, such as the tokenizer, copied). Nothing is written on error."""
     from tinyformer.interop.convert_pipeline import staged_output
-    from tinyformer.run_folder import load_config, load_model, save_tensors, side_files, tensor_bytes
 
     src = Path(model_dir)
     cfg = load_config(src)
@@ -138,36 +114,3 @@ def quantize_run(model_dir: str | Path, out: str | Path, spec: QuantSpec, *, for
         quantized_bytes = tensor_bytes(staging, verify=False)
         files = sorted(p.name for p in staging.iterdir())
     return QuantizeReport(Path(out), spec, float_bytes, quantized_bytes, files, errors)
-
-
-# ------------------------------------------------------------------ load a quantized run
-
-
-def load_quantized(model: nn.Module, spec: QuantSpec, tensors: dict[str, torch.Tensor], source: str,
-                   dtype: torch.dtype) -> None:
-    """Swap the (meta-device) ``nn.Linear`` s of ``model`` whose portable tensors are in ``tensors`` for
-    ``QuantizedLinear`` s, in place, and take those tensors out of ``tensors``; the float rest stays for the
-    strict state-dict load. A tied token table becomes a ``QuantizedEmbedding`` over the head's tensors."""
-    tied = _tied(model)
-    names = linear_names(model)
-    if not any(f"{n}.qweight" in tensors for n in names):
-        raise CheckpointError(f"{source}: config.json says the run is quantized but no *.qweight tensor is stored")
-    for name in names:
-        if f"{name}.qweight" not in tensors:
-            continue
-        layer = model.get_submodule(name)
-        needed = PORTABLE_PARTS if spec.type == "int4" else PORTABLE_PARTS[:2]
-        missing = [p for p in needed if f"{name}.{p}" not in tensors]
-        if missing:
-            raise CheckpointError(f"{source}: quantized layer {name} lacks {', '.join(missing)}")
-        portable = {p: tensors.pop(f"{name}.{p}") for p in needed}
-        width = layer.in_features // (2 if spec.type == "int4" else 1)
-        if tuple(portable["qweight"].shape) != (layer.out_features, width):
-            raise CheckpointError(f"{source}: {name}.qweight has shape {tuple(portable['qweight'].shape)}, the "
-                                  f"config needs {(layer.out_features, width)}")
-        bias = tensors.get(f"{name}.bias") if layer.bias is not None else None  # left for the strict load
-        if layer.bias is not None and bias is None:
-            raise CheckpointError(f"{source}: missing tensor {name}.bias")
-        _set_module(model, name, QuantizedLinear(portable, spec, layer.in_features, bias, dtype))
-        if tied and name == "lm_head":
-            model.tok_emb = QuantizedEmbedding(portable, spec.type, dtype)

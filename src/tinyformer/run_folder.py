@@ -6,7 +6,8 @@
       tokenizer.json           Hugging Face `tokenizers` format (char tokenizers too)
       tokenizer_config.json    optional: chat template, special tokens
       manifest.json            size and CRC-32 of each weight file, checked on load (integrity.py)
-      (a quantized run, from `tinyformer quantize`, stores int8/int4 weights and scales: see quantization.py)
+      (a quantized run, from `tinyformer quantize` (quantization.py), stores int8/int4 weights and scales
+      instead: ``NAME.qweight``, ``NAME.scales`` (``NAME.zeros``); load_model swaps in QuantizedLinear layers)
       train.yaml, state/, metrics.jsonl, loss.png, samples.txt   (training runs only)
 
 A LoRA run (``train --lora-rank``) stores its adapter instead of the weights, and names its base run:
@@ -30,6 +31,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,6 +40,9 @@ from tinyformer.config import ModelConfig
 from tinyformer.errors import CheckpointError
 from tinyformer.integrity import MANIFEST, checked_shard_names, verify_files, write_manifest
 from tinyformer.utils.io import atomic_write_text, atomic_write_with
+
+if TYPE_CHECKING:
+    from tinyformer.components.quantized import QuantSpec
 
 WEIGHTS = "model.safetensors"
 ADAPTER_WEIGHTS = "adapter.safetensors"
@@ -233,7 +238,6 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: t
     against the run's manifest first unless ``verify`` is False); for a LoRA run, the base run's model with
     the adapter merged in (:func:`load_adapter_run`)."""
     from tinyformer.models import build_model
-    from tinyformer.quantization import load_quantized, quant_spec
     from tinyformer.sizing import check_buildable
 
     if is_adapter_run(run_dir):
@@ -363,3 +367,64 @@ def model_tensors(run_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield from state_dict_for_saving(load_adapter_run(run_dir)).items()
     else:
         yield from iter_tensors(run_dir)
+
+
+# ---------------------------------------------------------------------------- quantized runs
+
+QUANT_KEY = "quantization"
+PORTABLE_PARTS = ("qweight", "scales", "zeros")
+
+
+def quant_spec(cfg: ModelConfig) -> QuantSpec | None:
+    """The run's quantization, or None for a float run (ConfigError for a malformed entry)."""
+    from tinyformer.components.quantized import QuantSpec
+
+    data = cfg.extra.get(QUANT_KEY) if isinstance(cfg.extra, dict) else None
+    return None if data is None else QuantSpec.from_dict(data)
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """Names of the model's ``nn.Linear`` modules: the layers a quantized run stores quantized."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def tied_head(model: nn.Module) -> bool:
+    head, emb = getattr(model, "lm_head", None), getattr(model, "tok_emb", None)
+    return isinstance(head, nn.Linear) and isinstance(emb, nn.Embedding) and head.weight is emb.weight
+
+
+def load_quantized(model: nn.Module, spec: QuantSpec, tensors: dict[str, torch.Tensor], source: str,
+                   dtype: torch.dtype) -> None:
+    """Swap the (meta-device) ``nn.Linear`` s of ``model`` whose portable tensors are in ``tensors`` for
+    ``QuantizedLinear`` s, in place, and take those tensors out of ``tensors``; the float rest stays for the
+    strict state-dict load. A tied token table becomes a ``QuantizedEmbedding`` over the head's tensors."""
+    from tinyformer.components.quantized import QuantizedEmbedding, QuantizedLinear
+
+    tied = tied_head(model)
+    names = linear_names(model)
+    if not any(f"{n}.qweight" in tensors for n in names):
+        raise CheckpointError(f"{source}: config.json says the run is quantized but no *.qweight tensor is stored")
+    for name in names:
+        if f"{name}.qweight" not in tensors:
+            continue
+        layer = model.get_submodule(name)
+        needed = PORTABLE_PARTS if spec.type == "int4" else PORTABLE_PARTS[:2]
+        missing = [p for p in needed if f"{name}.{p}" not in tensors]
+        if missing:
+            raise CheckpointError(f"{source}: quantized layer {name} lacks {', '.join(missing)}")
+        portable = {p: tensors.pop(f"{name}.{p}") for p in needed}
+        width = layer.in_features // (2 if spec.type == "int4" else 1)
+        if tuple(portable["qweight"].shape) != (layer.out_features, width):
+            raise CheckpointError(f"{source}: {name}.qweight has shape {tuple(portable['qweight'].shape)}, the "
+                                  f"config needs {(layer.out_features, width)}")
+        bias = tensors.get(f"{name}.bias") if layer.bias is not None else None  # left for the strict load
+        if layer.bias is not None and bias is None:
+            raise CheckpointError(f"{source}: missing tensor {name}.bias")
+        _set_module(model, name, QuantizedLinear(portable, spec, layer.in_features, bias, dtype))
+        if tied and name == "lm_head":
+            model.tok_emb = QuantizedEmbedding(portable, spec.type, dtype)

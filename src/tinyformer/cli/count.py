@@ -45,8 +45,7 @@ def stored_weights(config: str) -> tuple[dict, int] | None:
 
     if not Path(config).is_dir():
         return None
-    from tinyformer.quantization import quant_spec
-    from tinyformer.run_folder import load_config, tensor_bytes
+    from tinyformer.run_folder import load_config, quant_spec, tensor_bytes
 
     spec = quant_spec(load_config(config))
     if spec is None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.training.config import TrainConfig, apply_override, coerce_field, parse_value, read_run_file
+from tinyformer.training.train_config import TrainConfig, apply_override, coerce_field, parse_value, read_run_file
 from tinyformer.utils.threads import configured_threads
 
 # flag -> (TrainConfig field, type, help); all default to None = "not given"

@@ -22,6 +22,7 @@ a pair whose chosen and rejected replies are equal) is skipped and counted in ``
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,6 +36,12 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 FORMATS = ("openai", "sharegpt", "alpaca")
 
 Message = dict[str, str]
+
+
+def is_heldout(key: str, fraction: float) -> bool:
+    """Whether the example keyed by ``key`` is in the held-out split: sha1(key) as a fraction of 2^32 < fraction.
+    A hash, not a position, so the same question is held out by SFT and DPO and in any file order."""
+    return int(hashlib.sha1(key.encode("utf-8")).hexdigest()[:8], 16) / 2**32 < fraction
 
 
 @dataclass

@@ -20,7 +20,7 @@ library ("what does `urljoin` do?") are beyond a model of a few million paramete
 million tokens: the set is meant to show, in minutes on a CPU, that SFT teaches a model to follow an
 instruction and DPO to prefer the better answer. Everything is sorted, so the set is the same on
 every run of one Python version (about ten thousand questions on CPython 3.11). The held-out split is
-the SFT/DPO one: a hash of the question (``training/sft.is_heldout``); ``tinyformer eval --task
+the SFT/DPO one: a hash of the question (``data/chat_data.is_heldout``); ``tinyformer eval --task
 instructions`` scores a model's exact answers on it (:func:`heldout_questions`).
 
 The preference set takes one question per module-level name (the names take the four kinds of
@@ -39,12 +39,11 @@ import builtins
 import functools
 import inspect
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tinyformer.data.corpus import _stdlib_dir, stdlib_source_files
+from tinyformer.data.stdlib_names import public_modules, stdlib_root
 
 if TYPE_CHECKING:
     from tinyformer.data.chat_data import Conversation, PreferencePair
@@ -85,28 +84,13 @@ def first_sentence(doc: str | None) -> str | None:
     return None
 
 
-def _module_name(path: Path, root: Path) -> str | None:
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    if not parts or any(p.startswith("_") or not p.isidentifier() for p in parts):
-        return None
-    return ".".join(parts)
-
-
 def _is_property(decorator: ast.expr) -> bool:
     """``@property``, ``@functools.cached_property``, ``@x.setter``: an attribute, not a method."""
     name = decorator.attr if isinstance(decorator, ast.Attribute) else getattr(decorator, "id", "")
     return name in ("property", "cached_property", "setter", "getter", "deleter")
 
 
-def _source_entries(path: Path, module: str) -> list[Entry]:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tree = ast.parse(path.read_bytes(), filename=str(path))
-    except (OSError, SyntaxError, ValueError):
-        return []
+def _source_entries(tree: ast.Module, module: str) -> list[Entry]:
     out = []
     for node in tree.body:
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name.startswith("_"):
@@ -148,16 +132,14 @@ def _builtin_entries() -> list[Entry]:
 def documented_entries(stdlib_dir: str | Path | None = None) -> tuple[Entry, ...]:
     """Every entry, built-ins first, then the standard library (``stdlib_dir``, default this Python's) in
     sorted path order; each qualname once."""
-    return _entries(Path(stdlib_dir).resolve() if stdlib_dir is not None else _stdlib_dir())
+    return _entries(stdlib_root(stdlib_dir))
 
 
 @functools.lru_cache(maxsize=2)
 def _entries(root: Path) -> tuple[Entry, ...]:
     entries = _builtin_entries()
-    for path in stdlib_source_files(root):
-        module = _module_name(path, root)
-        if module is not None:
-            entries += _source_entries(path, module)
+    for module, tree in public_modules(root):
+        entries += _source_entries(tree, module)
     seen: set[str] = set()
     unique = []
     for entry in entries:
@@ -194,7 +176,7 @@ def _questions(stdlib_dir: str | Path | None = None) -> tuple[tuple[str, str, st
 
 def heldout_questions(fraction: float = 0.1, stdlib_dir: str | Path | None = None) -> list[tuple[str, str]]:
     """(question, right answer) of the held-out split (``fraction`` as ``--val-fraction``) of the instruction set."""
-    from tinyformer.training.sft import is_heldout
+    from tinyformer.data.chat_data import is_heldout
 
     return [(q, a) for q, a, _, _ in _questions(stdlib_dir) if is_heldout(q, fraction)]
 

@@ -15,6 +15,7 @@ network access. A local path of the same name (a file or folder called ``tinysha
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,10 +43,16 @@ NAMED_DATASETS: dict[str, NamedDataset] = {
 DOWNLOAD_TIMEOUT_S = 30.0
 
 
+def default_cache_dir() -> Path:
+    """``$TINYFORMER_CACHE`` or ``$XDG_CACHE_HOME/tinyformer`` (``~/.cache/tinyformer``)."""
+    if os.environ.get("TINYFORMER_CACHE"):
+        return Path(os.environ["TINYFORMER_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tinyformer"
+
+
 def dataset_path(name: str) -> Path:
     """Where the named data set's file is kept (it may not exist yet)."""
-    from tinyformer.training.prepare import default_cache_dir
-
     return default_cache_dir() / "datasets" / name / NAMED_DATASETS[name].filename
 
 

@@ -1,8 +1,10 @@
-"""Evaluation beyond loss on text (`tinyformer eval --task`, `--harness`).
+"""Evaluation: how well a run's model does on text, chat data and questions (`tinyformer eval`).
 
-    scoring.py   log p(continuation | context), batched and KV-cached       needs torch only
-    tasks.py     offline JSONL tasks and the built-in stdlib task            needs torch only
-    report.py    the eval table of a run's report.md
-    command.py   the --task / --harness modes of `tinyformer eval`
-    harness.py   the lm-evaluation-harness model "tinyformer"               needs the `eval` extra
+    text_loss.py   loss, perplexity and bits per byte on a corpus (--data)    needs torch only
+    preference.py  assistant-token loss, preference accuracy (--data .jsonl)  needs torch only
+    scoring.py     log p(continuation | context), batched and KV-cached       needs torch only
+    tasks.py       offline JSONL tasks and the built-in stdlib task           needs torch only
+    report.py      the eval table of a run's report.md
+    command.py     the --task / --harness modes of `tinyformer eval`
+    harness.py     the lm-evaluation-harness model "tinyformer"               needs the `eval` extra
 """

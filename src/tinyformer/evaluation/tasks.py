@@ -29,7 +29,7 @@ template's end-of-turn tokens end the answer too.
 measured on, and what its base model scores before.
 
 :func:`builtin_task` builds a multiple-choice task from the CPython standard library sources (the
-files the built-in corpus reads, :func:`~tinyformer.data.corpus.stdlib_source_files`): "Which module
+public modules of :func:`~tinyformer.data.stdlib_names.public_modules`): "Which module
 provides `OrderedDict`?" over public classes defined in exactly one public module, with three other
 modules as distractors. It is the same for the same Python version.
 """
@@ -41,7 +41,6 @@ import functools
 import json
 import math
 import random
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,30 +130,13 @@ def read_task_file(path: str | Path) -> list[MultipleChoice | ExactAnswer]:
 # ------------------------------------------------------------------------------------------------
 
 
-def _module_name(rel: Path) -> str:
-    parts = list(rel.with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
 @functools.lru_cache(maxsize=2)
 def _class_owners(stdlib_dir: str | None) -> dict[str, list[str]]:
     """Public top-level class name -> the public modules that define it, in path order."""
-    from tinyformer.data.corpus import _stdlib_dir, stdlib_source_files
+    from tinyformer.data.stdlib_names import public_modules, stdlib_root
 
-    root = Path(stdlib_dir) if stdlib_dir is not None else _stdlib_dir()
     owners: dict[str, list[str]] = {}
-    for path in stdlib_source_files(root):
-        module = _module_name(path.relative_to(root))
-        if not module or any(part.startswith("_") for part in module.split(".")):
-            continue
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                tree = ast.parse(path.read_bytes(), filename=str(path))
-        except (OSError, SyntaxError, ValueError):
-            continue
+    for module, tree in public_modules(stdlib_root(stdlib_dir)):
         for node in tree.body:
             if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
                 owners.setdefault(node.name, []).append(module)

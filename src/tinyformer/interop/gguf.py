@@ -706,8 +706,7 @@ def import_gguf_keep_quant(path: str | Path, out: str | Path, *, max_shard_bytes
     from tinyformer.interop.adapter import adapter_for_hf
     from tinyformer.interop.convert_pipeline import staged_output
     from tinyformer.models import build_model
-    from tinyformer.quantization import QUANT_KEY, linear_names
-    from tinyformer.run_folder import iter_tensors, save_tensors, side_files
+    from tinyformer.run_folder import QUANT_KEY, iter_tensors, linear_names, save_tensors, side_files
 
     g = GGUFFile(path)
     hf_config = hf_config_from_gguf(g)

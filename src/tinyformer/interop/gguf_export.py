@@ -112,8 +112,7 @@ def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 def float_state_dict(run: Path, cfg: Any) -> dict[str, torch.Tensor]:
     """The run's tensors as float (a quantized run's layers dequantized), tinyformer names, tied head once."""
     from tinyformer.components.quantized import dequantize_weight
-    from tinyformer.quantization import PORTABLE_PARTS, quant_spec
-    from tinyformer.run_folder import iter_tensors
+    from tinyformer.run_folder import PORTABLE_PARTS, iter_tensors, quant_spec
 
     stored = dict(iter_tensors(run))
     spec = quant_spec(cfg)

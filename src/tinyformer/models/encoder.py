@@ -165,7 +165,7 @@ class EncoderModel(nn.Module):
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Masked-LM cross-entropy: -1/|M| sum_{t in M} log softmax(logits_t)[targets_t], M = {t: targets_t !=
-        ignore_index} (the masked positions; see ``training/mlm.py`` for how they are chosen)."""
+        ignore_index} (the masked positions; see ``training/objectives/mlm.py`` for how they are chosen)."""
         logits = self.mlm_logits(input_ids, attention_mask=attention_mask)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.reshape(-1), ignore_index=ignore_index)
 

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from tinyformer.errors import ConfigError, TinyformerError
-from tinyformer.training.config import PARALLEL_MODES
+from tinyformer.training.train_config import PARALLEL_MODES
 from tinyformer.training.trainer import Trainer
 
 #: Methods of a model that objectives call instead of ``forward`` (e.g. ``model.loss(x, y)``); the

@@ -18,7 +18,7 @@ import math
 import torch
 from torch import nn
 
-from tinyformer.training.config import TrainConfig
+from tinyformer.training.train_config import TrainConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = True) -> list[dict]:

@@ -11,7 +11,6 @@ tokenizer (see :func:`tinyformer.data.dataset.encode_to_memmap`) and reused by l
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -19,17 +18,10 @@ import torch
 
 from tinyformer.data.corpus import builtin_corpus, iter_documents, load_corpus
 from tinyformer.data.dataset import TokenDataset, encode_to_memmap
+from tinyformer.data.named import default_cache_dir
 from tinyformer.data.tokenizer import BPE_MIN_VOCAB, DEFAULT_BPE_VOCAB_SIZE, Tokenizer
 from tinyformer.errors import DataError, TinyformerError
-from tinyformer.training.config import TOKENIZER_KINDS, TrainConfig
-
-
-def default_cache_dir() -> Path:
-    """``$TINYFORMER_CACHE`` or ``$XDG_CACHE_HOME/tinyformer`` (``~/.cache/tinyformer``)."""
-    if os.environ.get("TINYFORMER_CACHE"):
-        return Path(os.environ["TINYFORMER_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tinyformer"
+from tinyformer.training.train_config import TOKENIZER_KINDS, TrainConfig
 
 
 def token_cache_dir(cfg: TrainConfig) -> Path:

@@ -42,7 +42,8 @@ from tinyformer.devices import autocast_dtype, resolve_device
 from tinyformer.errors import CheckpointError, ConfigError
 from tinyformer.sizing import check_buildable
 from tinyformer.training.checkpoint import STATE_DIR, latest_checkpoint, remove_partial, run_file
-from tinyformer.training.config import (
+from tinyformer.training.objectives import Objective, get_objective
+from tinyformer.training.train_config import (
     RESUME_MUTABLE,
     TrainConfig,
     build_model_config,
@@ -50,7 +51,6 @@ from tinyformer.training.config import (
     read_run_file,
     to_yaml,
 )
-from tinyformer.training.objectives import Objective, get_objective
 from tinyformer.training.trainer import Trainer
 from tinyformer.utils.io import atomic_write_bytes, fsync_dir
 

@@ -16,7 +16,7 @@ Extension points for other training setups (distributed data parallel, other obj
 all but the last micro-step), ``reduce_sum`` (sum evaluation figures over ranks), ``eval_batches`` and
 ``draw_sample`` (evaluation on sharded weights), ``checkpoint_states`` / ``state_loaders`` (consolidated
 checkpoints); training/distributed.py implements them. The objective
-(objectives.py) owns batches, loss and model construction.
+(training/objectives/) owns batches, loss and model construction.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ from tinyformer.training.checkpoint import (
     load_weights,
     save_checkpoint,
 )
-from tinyformer.training.config import TrainConfig
 from tinyformer.training.device import device_peak_flops, synchronize
 from tinyformer.training.metrics import MetricsLogger, RunningWindow
 from tinyformer.training.objectives import Objective
 from tinyformer.training.optim import build_optimizer, lr_at
+from tinyformer.training.train_config import TrainConfig
 from tinyformer.utils.io import atomic_path, atomic_write_text, read_utf8
 
 SAMPLES_FILE = "samples.txt"

@@ -1,13 +1,4 @@
-"""Synthetic sequence-to-sequence tasks and the ``seq2seq`` objective that trains an encoder-decoder on them.
-
-    reverse   "40213"       -> "31204"       the digits in reverse order
-    sort      "40213"       -> "01234"       the digits in increasing order
-    add       "4021+385"    -> "4406"        the decimal sum of two numbers
-
-Each example is generated on the fly from a seeded ``torch.Generator``, so there is no dataset to
-download and runs are exactly reproducible. A fixed held-out set (its own seed) is kept out of
-training: a training example that equals a held-out source of 4 or more digits is redrawn, so
-held-out exact match measures generalisation, not recall (see ``TaskData``).
+"""The ``seq2seq`` objective: an encoder-decoder trained on a synthetic task (:mod:`tinyformer.data.synthetic_tasks`).
 
 Token layout (a char tokenizer over the task alphabet): <|bos|> = 0, <|eos|> = 1, <|pad|> = 2, then
 the characters. A batch is
@@ -16,114 +7,31 @@ the characters. A batch is
     tgt_in   (B, T)  [bos, y_1 .. y_n], right-padded
     tgt_out  (B, T)  [y_1 .. y_n, eos], -100 on padding (left out of the loss)
 
+and the loss is the teacher-forced cross-entropy of tgt_out given src_ids and tgt_in. Held-out exact match
+(greedy or beam decoding, :func:`exact_match`) is what the run reports.
+
 ``tinyformer train --objective seq2seq --task add --preset transformer-tiny`` trains one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 
 from tinyformer.config import ModelConfig
+from tinyformer.data.synthetic_tasks import Example, TaskData, get_task, task_tokenizer
 from tinyformer.errors import ConfigError
-from tinyformer.training.objectives import OBJECTIVES, Batch, Objective
+from tinyformer.training.objectives.base import Batch, Objective
 
 if TYPE_CHECKING:
     from tinyformer.data.dataset import TokenDataset
     from tinyformer.data.tokenizer import Tokenizer
-    from tinyformer.training.config import TrainConfig
+    from tinyformer.training.train_config import TrainConfig
 
-ALPHABET = "0123456789+"
 IGNORE = -100
-Example = tuple[str, str]
-
-
-@dataclass(frozen=True)
-class Task:
-    """A family of (source, target) string pairs. ``min_len``/``max_len`` bound the digits per operand."""
-
-    name: str
-    description: str
-    min_len: int
-    max_len: int
-
-    def target(self, source: str) -> str:
-        raise NotImplementedError
-
-    def _digits(self, n: int, generator: torch.Generator) -> str:
-        return "".join(map(str, torch.randint(0, 10, (n,), generator=generator).tolist()))
-
-    def _length(self, generator: torch.Generator) -> int:
-        return int(torch.randint(self.min_len, self.max_len + 1, (1,), generator=generator))
-
-    def source(self, generator: torch.Generator) -> str:
-        return self._digits(self._length(generator), generator)
-
-    def example(self, generator: torch.Generator) -> Example:
-        src = self.source(generator)
-        return src, self.target(src)
-
-    @property
-    def max_source_len(self) -> int:
-        return self.max_len
-
-    @property
-    def max_target_len(self) -> int:
-        return self.max_len
-
-
-class Reverse(Task):
-    def target(self, source: str) -> str:
-        return source[::-1]
-
-
-class Sort(Task):
-    def target(self, source: str) -> str:
-        return "".join(sorted(source))
-
-
-class Add(Task):
-    def source(self, generator: torch.Generator) -> str:
-        a, b = self._length(generator), self._length(generator)
-        # no leading zeros: "0042" is not how numbers are written
-        return str(int(self._digits(a, generator))) + "+" + str(int(self._digits(b, generator)))
-
-    def target(self, source: str) -> str:
-        a, b = source.split("+")
-        return str(int(a) + int(b))
-
-    @property
-    def max_source_len(self) -> int:
-        return 2 * self.max_len + 1
-
-    @property
-    def max_target_len(self) -> int:
-        return self.max_len + 1
-
-
-TASKS: dict[str, Task] = {
-    "reverse": Reverse("reverse", "reverse a string of 1-12 digits", 1, 12),
-    "sort": Sort("sort", "sort a string of 1-12 digits", 1, 12),
-    "add": Add("add", "add two numbers of 1-5 digits", 1, 5),
-}
-
-
-def get_task(name: str | None) -> Task:
-    if name is None or name not in TASKS:
-        known = ", ".join(f"{k} ({t.description})" for k, t in TASKS.items())
-        raise ConfigError(f"{'--task is required' if name is None else f'unknown task {name!r}'}; tasks: {known}")
-    return TASKS[name]
-
-
-def task_tokenizer() -> Tokenizer:
-    """The char tokenizer of every task: bos 0, eos 1, pad 2, then the characters of ALPHABET."""
-    from tinyformer.data.tokenizer import Tokenizer
-
-    return Tokenizer.train_char(ALPHABET)
 
 
 def make_batch(examples: Sequence[Example], tokenizer: Tokenizer) -> Batch:
@@ -143,37 +51,6 @@ def make_batch(examples: Sequence[Example], tokenizer: Tokenizer) -> Batch:
         tgt_out[i, : len(t) + 1] = torch.tensor([*t, eos])
     return {"src_ids": src_ids, "src_mask": src_mask, "tgt_in": tgt_in, "tgt_out": tgt_out,
             "tokens": int((tgt_out != IGNORE).sum())}
-
-
-class TaskData:
-    """Training examples drawn on the fly, and a fixed held-out set kept out of them.
-
-    A held-out source with at least ``MIN_EXCLUDED_DIGITS`` digits is never trained on (10^4 or more
-    strings share its length, so excluding the held-out ones leaves the rest of the distribution
-    intact). Shorter sources are so few (10 strings of length 1) that holding them out would remove
-    most of their length from training, so they are trained on like any other; for them, held-out
-    exact match measures recall.
-    """
-
-    MIN_EXCLUDED_DIGITS = 4
-
-    def __init__(self, task: Task, n_heldout: int = 1000, seed: int = 0) -> None:
-        self.task = task
-        g = torch.Generator().manual_seed(10_000 + seed)
-        self.heldout: list[Example] = [task.example(g) for _ in range(n_heldout)]
-        self._excluded = {s for s, _ in self.heldout if _digits(s) >= self.MIN_EXCLUDED_DIGITS}
-
-    def train_examples(self, n: int, generator: torch.Generator) -> list[Example]:
-        out: list[Example] = []
-        while len(out) < n:
-            ex = self.task.example(generator)
-            if ex[0] not in self._excluded:
-                out.append(ex)
-        return out
-
-
-def _digits(source: str) -> int:
-    return sum(c.isdigit() for c in source)
 
 
 @torch.no_grad()
@@ -272,6 +149,3 @@ class Seq2SeqObjective(Objective):
         for (src, tgt), got in zip(examples[:3], outputs[:3]):
             lines.append(f"  {src} -> {got}" + ("" if got == tgt else f"   (expected {tgt})"))
         return "\n".join(lines)
-
-
-OBJECTIVES["seq2seq"] = Seq2SeqObjective

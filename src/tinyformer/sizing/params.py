@@ -7,7 +7,7 @@ Per decoder layer (d = d_model, H / H_kv = query / key-value heads, d_h = head_d
              d E + k 3 d f + 3 d f_s (k = experts_per_token)
   norms:     2 d (RMSNorm), 4 d (LayerNorm with bias); twice that with sandwich norms
 
-``sizing.py`` (decoders) and ``sizing_classic.py`` (encoder, encoder-decoder) assemble them per stack.
+``sizing/__init__.py`` (decoders) and ``sizing/classic.py`` (encoder, encoder-decoder) assemble them per stack.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class TrainConfig:
     # objective
     objective: str = "clm"
     task: str | None = None
-    dpo_beta: float = 0.1  # objective dpo: strength of the pull towards the reference (training/dpo.py)
+    dpo_beta: float = 0.1  # objective dpo: strength of the pull towards the reference (training/objectives/dpo.py)
     # batch
     max_steps: int = 400
     batch_size: int = 16  # sequences per micro-step, per rank

@@ -4,7 +4,7 @@
 
 averaged over the pairs of a batch, with pi the model being trained, ref the frozen reference (the
 ``--init-from`` model), y_w the chosen and y_l the rejected reply, log p(y|x) summed over the reply's
-tokens (:mod:`tinyformer.training.preference`), beta = ``--dpo-beta`` (default 0.1).
+tokens (:func:`sequence_logps`), beta = ``--dpo-beta`` (default 0.1).
 
 The reference never changes, so its log-probabilities are computed once per pair, in eval mode,
 before the first update, and kept (2 floats per pair): no second model stays in memory. With LoRA
@@ -24,26 +24,27 @@ Rows that cannot be used are skipped and counted: chosen == rejected, a prompt t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tinyformer.components.lora import has_lora, lora_disabled
 from tinyformer.errors import DataError
-from tinyformer.training.objectives import OBJECTIVES, Batch
-from tinyformer.training.preference import Row, dpo_loss, pair_batch, score_pairs, sequence_logps
-from tinyformer.training.sft import ChatObjective, first_user_text
+from tinyformer.training.objectives.base import Batch
+from tinyformer.training.objectives.sft import IGNORE, ChatObjective, first_user_text, pad_rows
 
 if TYPE_CHECKING:
     from tinyformer.data.chat_data import PreferencePair
     from tinyformer.data.dataset import TokenDataset
     from tinyformer.data.tokenizer import Tokenizer
-    from tinyformer.training.config import TrainConfig
+    from tinyformer.training.train_config import TrainConfig
 
 SPLITS = ("train", "val")
+Row = tuple[list[int], list[int]]  # (input ids, targets with -100 outside the reply)
 
 
 def plain_module(model: nn.Module) -> nn.Module:
@@ -63,7 +64,6 @@ class DPOObjective(ChatObjective):
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
         super().__init__(cfg, tokenizer, dataset)
         from tinyformer.data.chat_data import describe_skipped
-        from tinyformer.training.preference import encode_pair
 
         pairs, self.source, skipped = load_pairs(cfg.data)
         self.skipped.update(skipped)
@@ -238,4 +238,76 @@ def load_pairs(data: str | None) -> tuple[list[PreferencePair], str, dict[str, i
     return prefs.pairs, data, prefs.skipped
 
 
-OBJECTIVES["dpo"] = DPOObjective
+# ------------------------------------------------------------------ sequence log-probs and the DPO loss
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-pair losses, chosen rewards r_w, rejected rewards r_l), all (B,), from (B,) sequence log-probs."""
+    chosen_rewards = beta * (policy_chosen - ref_chosen)
+    rejected_rewards = beta * (policy_rejected - ref_rejected)
+    return -F.logsigmoid(chosen_rewards - rejected_rewards), chosen_rewards, rejected_rewards
+
+
+def sequence_logps(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B,) sum over the targets that are not -100 of log p(target | prefix); input_ids, targets (B, T)."""
+    logits = model(input_ids).float()
+    mask = targets != IGNORE
+    token_logps = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return (token_logps * mask).sum(-1)
+
+
+def reply_row(ids: list[int], mask: list[int], block_size: int) -> tuple[Row | None, bool]:
+    """(the (inputs, targets) row of an encoded reply cut to ``block_size + 1`` tokens, whether it was cut);
+    the row is None when the prompt alone fills the context (no reply token left)."""
+    cut = len(ids) > block_size + 1
+    ids, mask = ids[: block_size + 1], mask[: block_size + 1]
+    targets = [t if m else IGNORE for t, m in zip(ids[1:], mask[1:])]
+    if all(t == IGNORE for t in targets):
+        return None, cut
+    return (ids[:-1], targets), cut
+
+
+def encode_pair(tokenizer: Tokenizer, pair: PreferencePair, block_size: int,
+                render: Callable[[Sequence[dict[str, str]], bool], str] | None = None
+                ) -> tuple[tuple[Row, Row] | None, bool]:
+    """((chosen row, rejected row) or None when the prompt is longer than the context, whether a reply was cut)."""
+    from tinyformer.data.chat_template import encode_reply
+
+    rows = []
+    cut = False
+    for reply in (pair.chosen, pair.rejected):
+        try:
+            ids, mask = encode_reply(tokenizer, pair.prompt, reply, render)
+        except DataError as exc:
+            raise DataError(f"{pair.source}: {exc}") from None
+        row, was_cut = reply_row(ids, mask, block_size)
+        if row is None:
+            return None, was_cut
+        rows.append(row)
+        cut = cut or was_cut
+    return (rows[0], rows[1]), cut
+
+
+def pair_batch(pairs: Sequence[tuple[Row, Row]], pad_id: int) -> dict[str, torch.Tensor]:
+    """B pairs -> one padded batch of 2B rows: the B chosen replies, then the B rejected ones."""
+    return pad_rows([c for c, _ in pairs] + [r for _, r in pairs], pad_id)
+
+
+@torch.no_grad()
+def score_pairs(model: nn.Module, pairs: Sequence[tuple[Row, Row]], pad_id: int, batch_size: int,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(chosen|x), log pi(rejected|x)), each (N,) float32 on the CPU, in eval mode."""
+    was_training = model.training
+    model.eval()
+    chosen, rejected = [], []
+    try:
+        for start in range(0, len(pairs), batch_size):
+            batch = pair_batch(pairs[start : start + batch_size], pad_id)
+            logps = sequence_logps(model, batch["input_ids"].to(device), batch["targets"].to(device)).cpu()
+            c, r = logps.chunk(2)
+            chosen.append(c)
+            rejected.append(r)
+    finally:
+        model.train(was_training)
+    return torch.cat(chosen), torch.cat(rejected)

@@ -5,7 +5,7 @@ against ``sum(p.numel())`` of the model built on the meta device.
 
 Encoder (d = d_model, V = vocab, f = d_ff, N = n_layer):
   embedding   V d + type_vocab_size d          positions   max_seq_len d (learned only)
-  per layer   attention + FFN + 2 norms        (param_counts.attention_params / ffn_params / norm_params)
+  per layer   attention + FFN + 2 norms        (params.attention_params / ffn_params / norm_params)
   extra       embed_norm: a norm;  pooler: d^2 + d;  mlm_head: d^2 + d + a norm + V (the output bias)
   head        the MLM decoder V d, 0 when tied to the token table (only with mlm_head)
   bert-base: 23,442,432 + 393,216 + 1,536 + 12 x 7,087,872 + 590,592 = 109,482,240 (BertModel with pooler)
@@ -22,7 +22,7 @@ Encoder-decoder (N_e encoder layers, N decoder layers):
 from __future__ import annotations
 
 from tinyformer.config import ModelConfig
-from tinyformer.param_counts import ParamCount, attention_params, cross_attention_params, ffn_params, norm_params
+from tinyformer.sizing.params import ParamCount, attention_params, cross_attention_params, ffn_params, norm_params
 
 
 def count_params_classic(cfg: ModelConfig) -> ParamCount:

@@ -28,12 +28,12 @@ from torch import nn
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.training.objectives import OBJECTIVES, Batch, Objective
+from tinyformer.training.objectives.base import Batch, Objective
 
 if TYPE_CHECKING:
     from tinyformer.data.dataset import TokenDataset
     from tinyformer.data.tokenizer import Tokenizer
-    from tinyformer.training.config import TrainConfig
+    from tinyformer.training.train_config import TrainConfig
 
 IGNORE = -100
 MASK_NAMES = ("[MASK]", "<mask>", "<|mask|>")
@@ -136,6 +136,3 @@ class MaskedLM(Objective):
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         return model.loss(batch["input_ids"], batch["targets"])
-
-
-OBJECTIVES["mlm"] = MaskedLM

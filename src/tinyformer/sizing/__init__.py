@@ -4,7 +4,7 @@ Everything here is computed from the config by formula (no model is built), and 
 each parameter count against ``sum(p.numel())`` of the real model built on the ``meta`` device.
 
 The per-layer parameter formulas (attention, FFN, norms) and the ``ParamCount`` breakdown are in
-``param_counts.py``; the encoder and encoder-decoder stacks are counted in ``sizing_classic.py``.
+``sizing/params.py``; the encoder and encoder-decoder stacks are counted in ``sizing/classic.py``.
 Training FLOPs per token (Kaplan et al. 2020; PaLM appendix B):
   6 N_matmul + 12 n_layer H d_h T
 where N_matmul counts the weights that take part in matrix multiplies (every matrix, the LM head
@@ -20,8 +20,8 @@ from typing import Any
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.param_counts import ParamCount, attention_params, ffn_params, norm_params
-from tinyformer.sizing_classic import count_params_classic
+from tinyformer.sizing.classic import count_params_classic
+from tinyformer.sizing.params import ParamCount, attention_params, ffn_params, norm_params
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "int8": 1, "fp8": 1}
 

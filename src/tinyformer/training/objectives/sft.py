@@ -24,7 +24,6 @@ generator only, so ``--resume`` continues the exact stream.
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, ClassVar
@@ -33,25 +32,21 @@ import torch
 from torch import nn
 
 from tinyformer.config import ModelConfig
+from tinyformer.data.chat_data import is_heldout
 from tinyformer.errors import ConfigError, DataError
-from tinyformer.training.objectives import OBJECTIVES, Batch, Objective, lm_loss
+from tinyformer.training.objectives.base import Batch, Objective
+from tinyformer.training.objectives.lm import lm_loss
 
 if TYPE_CHECKING:
     from tinyformer.data.chat_data import Conversation
     from tinyformer.data.dataset import TokenDataset
     from tinyformer.data.tokenizer import Tokenizer
-    from tinyformer.training.config import TrainConfig
+    from tinyformer.training.train_config import TrainConfig
 
 IGNORE = -100
 SAMPLE_QUESTIONS = 3
 SAMPLE_TOKENS = 64
 REPORT_QUESTIONS = 5
-
-
-def is_heldout(key: str, fraction: float) -> bool:
-    """Whether the example keyed by ``key`` is in the held-out split: sha1(key) as a fraction of 2^32 < fraction.
-    A hash, not a position, so the same question is held out by SFT and DPO and in any file order."""
-    return int(hashlib.sha1(key.encode("utf-8")).hexdigest()[:8], 16) / 2**32 < fraction
 
 
 def first_user_text(messages: Sequence[dict[str, str]]) -> str:
@@ -284,6 +279,3 @@ def load_conversations(data: str | None) -> tuple[list[Conversation], str, Count
         return builtin_conversations(), "the built-in instruction set", Counter()
     chat = read_chat_file(data)
     return chat.conversations, data, chat.skipped
-
-
-OBJECTIVES["sft"] = SFTObjective
