@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tinyformer.cli.common import add_no_verify_flag
+from tinyformer.cli.common import add_no_verify_flag, compile_notice
 from tinyformer.devices import resolve_device, resolve_dtype
 from tinyformer.errors import GenerationError
 from tinyformer.generation.beam import DEFAULT_EARLY_STOPPING, DEFAULT_LENGTH_PENALTY
@@ -191,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
     # Impossible sampler values are reported before the (slow) model load.
     sampling_params(args, 0 if args.max_new_tokens is None else args.max_new_tokens)
     gen = load_generator(args)
+    if args.compile:
+        print(compile_notice("the decode step"), file=sys.stderr, flush=True)
     if args.ignore_eos:
         gen.eos_token_id = None
     echo = (not args.chat) if args.echo is None else args.echo
