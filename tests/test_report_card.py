@@ -7,12 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
+import test_train_cli
 import torch
 from test_post_training import make_base_run, synthetic_preferences, write_jsonl
 
 from tinyformer.cli.main import main
 from tinyformer.training.config import read_run_file
 from tinyformer.training.metrics import read_metrics
+
+corpus = test_train_cli.corpus  # the fixture: a small corpus file
 
 TINY = ["--model.d_model", "32", "--model.n_layer", "1", "--model.n_head", "2", "--model.n_kv_head", "2",
         "--model.d_ff", "64", "--model.max_seq_len", "32", "--batch-size", "4", "--block-size", "32",
@@ -25,15 +28,6 @@ def _token_cache_and_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def corpus(tmp_path: Path) -> Path:
-    lines = [f"The {a} cat sat on the {b} mat, and the dog ran {c}.\n" for a in ("big", "small", "red", "old")
-             for b in ("blue", "green", "warm") for c in ("away", "home", "fast", "far", "out")]
-    path = tmp_path / "corpus.txt"
-    path.write_text("".join(lines * 6), encoding="utf-8")
-    return path
 
 
 def card_figures(run: Path) -> list[str]:
