@@ -124,7 +124,8 @@ def build_spec(args: argparse.Namespace):  # -> RunSpec
 def schedule_text(cfg: TrainConfig, chosen: str | None = None) -> str:
     """'lr 0.002, cosine to 0.0002 at step 400, warm-up 40 steps': the learning-rate schedule the run uses (and
     ``chosen``, how the objective chose its warm-up when the user did not, see training/runner.py)."""
-    warmup = f"warm-up {cfg.warmup_steps} steps" + (f" ({chosen}; --warmup-steps to change)" if chosen else "")
+    warmup = f"warm-up {cfg.warmup_steps} step{'' if cfg.warmup_steps == 1 else 's'}"
+    warmup += f" ({chosen}; --warmup-steps to change)" if chosen else ""
     if cfg.lr_schedule == "constant":
         return f"lr {cfg.lr:g}, constant after {warmup}"
     return f"lr {cfg.lr:g}, {cfg.lr_schedule} to {cfg.lr_floor:g} at step {cfg.total_decay_steps}, {warmup}"
