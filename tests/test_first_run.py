@@ -78,3 +78,51 @@ def test_attention_memory_refuses_to_overwrite_without_being_asked(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--overwrite" in done.stderr
     assert figure.read_bytes() == b"tracked figure"
+
+
+def test_the_kernel_build_says_it_is_compiling_and_where_it_is_cached_only_when_it_is(tmp_path, monkeypatch, capsys):
+    from torch.utils import cpp_extension
+
+    from tinyformer.components import quant_kernels
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / name))
+    assert quant_kernels.announce_build("kernels_abc") is True
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "compiling the int8/int4 CPU kernels" in err
+    assert f"cached in {tmp_path / 'kernels_abc'}" in err
+    (tmp_path / "kernels_abc").mkdir()
+    (tmp_path / "kernels_abc" / "kernels_abc.so").write_bytes(b"")  # built before: loading it is quick
+    assert quant_kernels.announce_build("kernels_abc") is False
+    assert capsys.readouterr().err == ""
+
+
+def test_the_compile_notice_names_inductors_cache(monkeypatch, tmp_path):
+    from tinyformer.cli.common import compile_notice
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    line = compile_notice("the decode step")
+    assert "torch.compile builds the decode step" in line and f"cached in {tmp_path / 'inductor'}" in line
+
+
+README_OUTPUT_FLAGS = re.compile(r"--(?:out|to-hf|to-peft|to-gguf) (\S+)")
+
+
+def test_readme_examples_write_under_runs_which_git_ignores():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+    commands = [line.split("  #")[0] for block in blocks for line in block.splitlines()]  # comments left out
+    outputs = [m for command in commands for m in README_OUTPUT_FLAGS.findall(command)]
+    assert len(outputs) >= 15
+    assert all(out.startswith("runs/") for out in outputs), [o for o in outputs if not o.startswith("runs/")]
+    assert "runs/" in (ROOT / ".gitignore").read_text(encoding="utf-8").splitlines()
+
+
+def test_readme_says_how_to_get_the_cpu_build_of_torch_without_changing_the_set_up_commands():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in readme
+    assert "pulls the CUDA build" in readme
+    assert ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e . && "
+            "tinyformer train --out runs/default && tinyformer generate --model runs/default --prompt "
+            '"The function returns"') in readme
+    assert ('python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[test]" '
+            "&& python -m pytest -q") in readme

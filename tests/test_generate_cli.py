@@ -133,3 +133,35 @@ def test_num_beams_prints_the_best_num_samples_hypotheses_of_the_library_search(
     want = gen.beam_search("the fox", 4, 10, 0.5, early_stopping="never", num_return_sequences=3)
     assert [line["token_ids"] for line in lines] == [r.token_ids for r in want]
     assert [line["text"] for line in lines] == [r.text for r in want]
+
+
+def test_human_output_is_the_prompt_then_its_continuation_and_no_echo_leaves_the_prompt_out(run_dir, cli_env):
+    common = ["generate", "--model", str(run_dir), "--prompt", "the fox", "--max-new-tokens", "12",
+              "--temperature", "0"]
+    want = api_result(run_dir, "the fox", temperature=0, max_new_tokens=12).text
+    echoed = cli(*common, env=cli_env)
+    plain = cli(*common, "--no-echo", env=cli_env)
+    as_json = cli(*common, "--json", env=cli_env)
+    assert echoed.returncode == plain.returncode == as_json.returncode == 0, echoed.stderr + plain.stderr
+    assert echoed.stdout == "the fox" + want + "\n"  # as llama.cpp prints it: the text reads from its start
+    assert plain.stdout == want + "\n"
+    assert json.loads(as_json.stdout)["text"] == want  # --json: the generated text alone, as before
+
+
+def test_verbose_timings_are_on_stderr_on_a_line_of_their_own(run_dir, cli_env):
+    # stdout and stderr into one pipe, as `2>&1` or a terminal shows them
+    out = subprocess.run([PYTHON, "-m", "tinyformer", "generate", "--model", str(run_dir), "--prompt", "the fox",
+                          "--max-new-tokens", "8", "--temperature", "0", "--verbose"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=cli_env, timeout=120, encoding="utf-8")
+    assert out.returncode == 0, out.stdout
+    lines = out.stdout.splitlines()
+    timing = [line for line in lines if "prefill:" in line]
+    assert len(timing) == 1 and timing[0].startswith("prefill:"), out.stdout
+    assert lines[lines.index(timing[0]) - 1].startswith("the fox")
+
+
+def test_chat_replies_do_not_echo_the_user_turn(run_dir, cli_env):
+    out = cli("chat", "--model", str(run_dir), "--temperature", "0", "--max-new-tokens", "6", "--separator", "",
+              env=cli_env, stdin="the fox\n")
+    assert out.returncode == 0, out.stderr
+    assert not out.stdout.startswith("the fox"), out.stdout

@@ -250,7 +250,8 @@ def test_sft_run_resumes_exactly_and_writes_samples_and_report(tmp_path: Path) -
     report = (tmp_path / "full" / "report.md").read_text()
     last_eval = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
                  if '"eval"' in line][-1]
-    assert f"held-out assistant-token loss (step 4): {last_eval['val_loss']:.4f}" in report
+    assert (f"held-out assistant-token loss (step 4, {last_eval['val_batches']} held-out batches): "
+            f"{last_eval['val_loss']:.4f}") in report
     assert report.count("**Q:**") == 5
 
 
@@ -499,7 +500,7 @@ def test_pretraining_run_writes_a_report_card_with_its_validation_loss(tmp_path:
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in records if r["kind"] == "eval"][-1]["val_loss"]
     report = (tmp_path / "run" / "report.md").read_text()
-    assert f"validation loss (step 2): {val:.4f} (perplexity {math.exp(val):.2f})" in report
+    assert f"validation loss (step 2, 1 held-out batches): {val:.4f} (perplexity {math.exp(val):.2f})" in report
 
 
 # ---------------------------------------------------------------------------- with LoRA (components/lora.py)

@@ -138,3 +138,52 @@ def test_a_reserve_leaves_cores_to_the_commands_other_threads(monkeypatch):
     assert threads.choose_threads(2, reserve=1) == (2, "flag")
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert threads.choose_threads(reserve=1) == (2, "OMP_NUM_THREADS")
+
+
+def test_resample_raises_the_count_when_the_cores_free_up_and_leaves_a_fixed_one(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 4)
+    before = torch.get_num_threads()
+    try:
+        assert threads.configure_threads(None) is not None  # a real choice first, then the state under test
+        torch.set_num_threads(1)
+        monkeypatch.setattr(threads, "_configured", (1, "load"))  # started with 3 of 4 cores busy
+        assert threads.resample_threads(lambda: 0.2) == (1, 4) and torch.get_num_threads() == 4
+        assert threads.resample_threads(lambda: 0.1) is None  # no change: nothing to do
+        assert threads.resample_threads(lambda: 2.0) == (4, 2) and torch.get_num_threads() == 2
+        assert threads.resample_threads(lambda: None) is None  # nothing measured: the count stays
+        monkeypatch.setattr(threads, "_configured", (2, "flag"))  # --threads: the user's count stays
+        assert threads.resample_threads(lambda: 0.0) is None and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_training_takes_the_freed_cores_at_its_evaluations(monkeypatch, tmp_path, capsys):
+    """A run started while 3 of 4 cores are busy trains on 1 thread, and on 4 once they are free: the busy
+    cores are measured again at each evaluation (a fake sampler stands for /proc/stat)."""
+    import torch
+
+    from tinyformer.cli.main import main
+
+    readings = iter([3.0] + [0.0] * 10)  # busy at start-up, idle afterwards
+    monkeypatch.setattr(threads, "usable_cores", lambda: 4)
+    monkeypatch.setattr(threads, "busy_cores", lambda interval=0.1: next(readings))
+    monkeypatch.setattr(threads, "_busy_sample", None)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("TINYFORMER_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat. the dog ran home.\n" * 200, encoding="utf-8")
+    before = torch.get_num_threads()
+    try:
+        assert main(["train", "--data", str(corpus), "--tokenizer", "char", "--out", str(tmp_path / "run"),
+                     "--steps", "4", "--eval-interval", "2", "--eval-iters", "1", "--model.d_model", "32",
+                     "--model.n_layer", "1", "--model.n_head", "2", "--model.n_kv_head", "2", "--model.d_ff", "64",
+                     "--model.max_seq_len", "16", "--batch-size", "2", "--sample-tokens", "0", "--warmup-steps",
+                     "1", "--no-progress"]) == 0
+        out = capsys.readouterr().out
+        assert "device cpu, float32, 1 thread (4 cores, 3.0 busy; --threads to change)" in out
+        assert "threads: 1 -> 4 threads" in out
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)

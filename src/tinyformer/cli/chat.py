@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tinyformer.cli.common import compile_notice
 from tinyformer.cli.generate import (
     add_model_args,
     add_sampling_args,
@@ -63,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     if args.prefix_cache_mb < 0:
         raise ConfigError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     gen = load_generator(args)
+    if args.compile:
+        print(compile_notice("the decode step"), file=sys.stderr, flush=True)
     gen.prefix_cache = new_prefix_cache(gen.model, args.prefix_cache_mb)  # each turn reuses the history's K/V
     session = ChatSession(gen, system=args.system)
     interactive = sys.stdin.isatty()

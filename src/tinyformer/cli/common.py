@@ -31,3 +31,19 @@ def add_no_verify_flag(p: Any) -> None:
     """``--no-verify`` of every command that loads a run's weights (see integrity.py)."""
     p.add_argument("--no-verify", action="store_true",
                    help="load the weights without checking them against the run's manifest.json checksums")
+
+
+def compile_notice(what: str) -> str:
+    """The line a command prints to stderr before ``torch.compile`` builds ``what`` (the first call waits
+    for it): how long, and where inductor caches the result for the next process."""
+    import getpass
+    import os
+    import tempfile
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "user"
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(Path(tempfile.gettempdir()) / f"torchinductor_{user}")
+    return (f"tinyformer: --compile: torch.compile builds {what} at the first step (tens of seconds; the kernels are "
+            f"cached in {cache}, so later runs start faster) ...")

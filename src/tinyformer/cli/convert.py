@@ -130,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
             report = import_gguf(args.from_gguf, args.out, **kwargs)
     cfg = report.cfg
     dtype = str(report.dtype).removeprefix("torch.")
+    if args.merge_lora or args.from_hf or args.from_gguf:  # a run folder: it gets its own report card
+        write_card(args, report)
     print(f"wrote {report.out}  ({report.n_params / 1e6:.2f}M parameters, {dtype}, "
           f"{time.perf_counter() - started:.1f}s)")
     print(f"  model: {cfg.arch}, {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads ({cfg.n_kv_head} "
@@ -138,3 +140,36 @@ def run(args: argparse.Namespace) -> int:
     for note in report.notes:
         print(f"  note: {note}")
     return 0
+
+
+def write_card(args: argparse.Namespace, report) -> None:
+    """The written run folder's own report.md (evaluation/report.py): what it is, from what, with which
+    settings, and where the parent's card is (a LoRA run's; an HF folder or a GGUF file has none)."""
+    from tinyformer.evaluation.report import write_derived_card
+
+    cfg = report.cfg
+    dtype = str(report.dtype).removeprefix("torch.")
+    if args.merge_lora:
+        what, parent = "a LoRA run with its adapter merged into the base weights (a plain run)", args.model
+    elif args.from_hf:
+        what, parent = "a Hugging Face model folder imported into a run folder (no training here)", args.from_hf
+    else:
+        kept = "its Q8_0 / Q4_0 / Q4_1 matrices kept as int8 / int4" if args.keep_quant else "dequantized"
+        what, parent = f"a GGUF file imported into a run folder ({kept}; no training here)", args.from_gguf
+    model = (f"{cfg.arch}, {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads ({cfg.n_kv_head} kv), "
+             f"vocab {cfg.vocab_size}, context {cfg.max_seq_len}, {position_summary(cfg)}")
+    settings = [("model", model), ("parameters", f"{report.n_params:,}"), ("stored as", f"`{dtype}`"),
+                ("command", f"`tinyformer convert {' '.join(_given_flags(args))}`")]
+    write_derived_card(report.out, what, parent, settings, [f"- note: {n}" for n in report.notes])
+
+
+def _given_flags(args: argparse.Namespace) -> list[str]:
+    """The flags of this conversion as typed (those that differ from their defaults), for its report card."""
+    flags = []
+    for name in ("from_hf", "from_gguf", "model", "out", "dtype", "max_shard_size", "keep_quant", "merge_lora"):
+        value = getattr(args, name)
+        if value in (None, False) or (name == "max_shard_size" and value == "2GiB"):
+            continue
+        flag = "--" + name.replace("_", "-")
+        flags.append(flag if value is True else f"{flag} {value}")
+    return flags

@@ -2,7 +2,10 @@
 
     tinyformer generate --model RUN --prompt "Once upon a time" --temperature 0.8 --top-k 50 --seed 1
 
-``--temperature 0`` is greedy decoding. ``--json`` prints one JSON object per sample, one per line,
+The human-readable output is the prompt followed by its continuation (as llama.cpp's command line prints
+it), so that the text reads from its start; ``--no-echo`` prints the continuation alone (the default with
+``--chat``, whose prompt is a rendered conversation). ``--verbose`` timings go to stderr on a line of their
+own. ``--temperature 0`` is greedy decoding. ``--json`` prints one JSON object per sample, one per line,
 instead of streaming text. ``--chat`` renders the prompt as one user message with the model's chat
 template (as ``tinyformer chat`` does) and stops at the end of the assistant's turn.
 Sample i of ``--num-samples N`` uses seed ``--seed + i``; the samples are
@@ -20,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tinyformer.cli.common import add_no_verify_flag
+from tinyformer.cli.common import add_no_verify_flag, compile_notice
 from tinyformer.devices import resolve_device, resolve_dtype
 from tinyformer.errors import GenerationError
 from tinyformer.generation.beam import DEFAULT_EARLY_STOPPING, DEFAULT_LENGTH_PENALTY
@@ -143,7 +146,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--early-stopping", choices=["false", "true", "never"], default=str(DEFAULT_EARLY_STOPPING).lower(),
                    help="beam search: stop at K finished beams (true), when the best open beam scored at its "
                         "length cannot win (false, the default), or when no longer beam can win (never)")
-    p.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
+    p.add_argument("--echo", action=argparse.BooleanOptionalAction, default=None,
+                   help="print the prompt before the generated text (default: on, off with --chat; --no-echo: "
+                        "the generated text alone; --json never echoes)")
     p.add_argument("--chat", action="store_true",
                    help="the prompt is one user message: render it with the model's chat template (as `chat` "
                         "does) and stop at the end of the assistant's turn")
@@ -186,8 +191,11 @@ def run(args: argparse.Namespace) -> int:
     # Impossible sampler values are reported before the (slow) model load.
     sampling_params(args, 0 if args.max_new_tokens is None else args.max_new_tokens)
     gen = load_generator(args)
+    if args.compile:
+        print(compile_notice("the decode step"), file=sys.stderr, flush=True)
     if args.ignore_eos:
         gen.eos_token_id = None
+    echo = (not args.chat) if args.echo is None else args.echo
     if args.chat:
         from tinyformer.generation.chat import ChatSession
 
@@ -217,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps(line, ensure_ascii=False), flush=True)
             else:
                 header(args, i)
-                print((prompt if args.echo else "") + result.text, flush=True)
+                print((prompt if echo else "") + result.text, flush=True)
         if args.verbose and args.num_beams == 1:
             print_timings(gen)
         return 0
@@ -225,11 +233,12 @@ def run(args: argparse.Namespace) -> int:
     for i in range(args.num_samples):
         seed = None if params.seed is None else (params.seed + i) % 2**64
         header(args, i)
-        if args.echo:
-            sys.stdout.write(prompt)
+        pending = prompt if echo else ""  # written with the first piece: a prompt the engine refuses is not shown
         for piece in gen.stream(ids, dataclasses.replace(params, seed=seed), logprobs=False):
-            sys.stdout.write(piece)
+            sys.stdout.write(pending + piece)
             sys.stdout.flush()
+            pending = ""
+        sys.stdout.write(pending)
         sys.stdout.write("\n")
         sys.stdout.flush()
         if args.verbose:
@@ -238,6 +247,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_timings(gen: Generator) -> None:
+    """The timings of the last sample on stderr, on a line of their own: stdout is flushed first (it ends
+    with a newline), so that a terminal or a ``2>&1`` file shows them under the text, never glued to it."""
+    sys.stdout.flush()
     t = gen.timings
     prefill_rate = t.prompt_tokens / (t.prefill_ms / 1e3) if t.prefill_ms > 0 else 0.0
     print(f"prefill: {t.prompt_tokens} tokens in {t.prefill_ms:.1f} ms ({prefill_rate:.1f} tokens/s); decode: "

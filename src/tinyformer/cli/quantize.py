@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     report = quantize_run(args.model, args.out, spec, force=args.force, layer_errors=args.report)
     seconds = time.perf_counter() - started
+    write_card(args, spec, report)
     if args.json:
         out = {"out": str(report.out), "quantization": spec.to_dict(), "float_bytes": report.float_bytes,
                "quantized_bytes": report.quantized_bytes, "seconds": round(seconds, 3)}
@@ -61,3 +62,21 @@ def run(args: argparse.Namespace) -> int:
         for e in report.layers:
             print(f"  {e.name:<32} {str(tuple(e.shape)):>14} {e.max_abs:12.3e} {e.relative:11.3e}")
     return 0
+
+
+def write_card(args: argparse.Namespace, spec: QuantSpec, report) -> None:
+    """The quantized run's own report.md (evaluation/report.py): what it is, from which run, the settings,
+    the weight sizes and, with --report, each layer's error; the float run's card stays in the float run."""
+    from tinyformer.evaluation.report import write_derived_card
+
+    g = "one scale per output row" if spec.group_size == 0 else f"groups of {spec.group_size} input values per scale"
+    settings = [("type", f"`{spec.type}`, weight-only, float32 scales ({g})"), ("kernel", f"`{spec.kernel}`"),
+                ("weights", f"{report.float_bytes / 2**20:.2f} MiB -> {report.quantized_bytes / 2**20:.2f} MiB")]
+    extra: list[str] = []
+    if args.report:
+        extra = ["## Quantization error per layer", "", "the error of each dequantized weight W' against the "
+                 "float weight W: max |W' - W| and ||W' - W|| / ||W||", "",
+                 "| layer | shape | max abs error | relative error |", "|---|---|---|---|"]
+        extra += [f"| {e.name} | {tuple(e.shape)} | {e.max_abs:.3e} | {e.relative:.3e} |" for e in report.layers]
+    write_derived_card(report.out, f"{spec.type} weight-only quantization of a float run", args.model, settings,
+                       extra)

@@ -121,6 +121,16 @@ def build_spec(args: argparse.Namespace):  # -> RunSpec
                    train_overrides=overrides["train"], out=out, resume=resume, force=args.force)
 
 
+def schedule_text(cfg: TrainConfig, chosen: str | None = None) -> str:
+    """'lr 0.002, cosine to 0.0002 at step 400, warm-up 40 steps': the learning-rate schedule the run uses (and
+    ``chosen``, how the objective chose its warm-up when the user did not, see training/runner.py)."""
+    warmup = f"warm-up {cfg.warmup_steps} step{'' if cfg.warmup_steps == 1 else 's'}"
+    warmup += f" ({chosen}; --warmup-steps to change)" if chosen else ""
+    if cfg.lr_schedule == "constant":
+        return f"lr {cfg.lr:g}, constant after {warmup}"
+    return f"lr {cfg.lr:g}, {cfg.lr_schedule} to {cfg.lr_floor:g} at step {cfg.total_decay_steps}, {warmup}"
+
+
 def _fmt_count(n: float) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= size:
@@ -197,12 +207,15 @@ def _train(prepared: Any) -> int:
               f"{_fmt_count(total)} ({100 * trainable / total:.2f}%); the base weights are frozen")
     for note in prepared.notes:
         print(note)
-    tokens_per_step = f" x {cfg.block_size} = {global_batch * cfg.block_size:,} tokens" if cfg.block_size else ""
+    per_step = trainer.objective.tokens_per_step(global_batch)
+    if per_step is None:
+        per_step = f"{global_batch} sequences" + (f" x {cfg.block_size} = {global_batch * cfg.block_size:,} tokens"
+                                                  if cfg.block_size else "")
     amp = str(trainer.amp_dtype).replace("torch.", "") if trainer.amp_dtype else "float32"
     threads = f", {configured_threads()}" if trainer.device.type == "cpu" else ""
-    print(f"objective {cfg.objective}; {cfg.max_steps} steps of {global_batch} sequences{tokens_per_step}; "
-          f"lr {cfg.lr:g} ({cfg.lr_schedule}, warm-up {cfg.warmup_steps}); device {trainer.device.type}, {amp}"
-          f"{threads}")
+    schedule = schedule_text(cfg, prepared.schedule_source)
+    print(f"objective {cfg.objective}; {cfg.max_steps} steps of {per_step}; {schedule}; device {trainer.device.type}, "
+          f"{amp}{threads}")
     if cfg.warmup_steps >= cfg.max_steps:
         from tinyformer.training.optim import lr_at
 
@@ -217,19 +230,20 @@ def _train(prepared: Any) -> int:
         print(f"the run is already at step {trainer.step} of {cfg.max_steps}; nothing to train (its files are up "
               "to date with that checkpoint; raise --steps to train further)")
         return 0
+    if cfg.compile and trainer.is_main:
+        from tinyformer.cli.common import compile_notice
+
+        print(compile_notice("each layer's forward and backward"), file=sys.stderr)
     sys.stdout.flush()
     summary = _fit(prepared)
     if summary is None or summary.interrupted:
         return 130
     rate = summary.tokens / summary.train_seconds if summary.train_seconds else 0.0
-    print(f"done: {summary.steps} steps, {summary.tokens:,} tokens in {summary.train_seconds:.1f} s of training "
-          f"({rate:,.0f} tokens/s)")
-    if summary.val_loss is not None and not trainer.objective.loss_is_nll:
-        print(f"final val loss {summary.val_loss:.4f}")
-    elif summary.val_loss is not None:
-        import math
-
-        print(f"final val loss {summary.val_loss:.4f} (perplexity {math.exp(min(summary.val_loss, 700)):.2f})")
+    kind = trainer.objective.token_kind
+    print(f"done: {summary.steps} steps, {summary.tokens:,} {kind} trained on in {summary.train_seconds:.1f} s of "
+          f"training ({rate:,.0f} {kind}/s)")
+    for line in trainer.final_figures():  # as report.md words them, from the same metrics.jsonl record
+        print(line)
     if summary.plot_note:
         print(summary.plot_note)
     if summary.sample:

@@ -59,14 +59,33 @@ def _build() -> None:
     _ninja_on_path()
 
     digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    name = f"tinyformer_quant_kernels_{digest}"
+    announce_build(name)
     # ``load`` of the file (not ``load_inline``, which adds the Python headers) keeps the build short
-    load(name=f"tinyformer_quant_kernels_{digest}", sources=[str(_SOURCE)], is_python_module=False,
+    load(name=name, sources=[str(_SOURCE)], is_python_module=False,
          extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
     for name in ("int8_linear", "int8_linear_act8"):
         torch.library.register_fake(f"tinyformer::{name}")(_fake_int8)
     for name in ("int4_linear", "int4_linear_act8"):
         torch.library.register_fake(f"tinyformer::{name}")(_fake_int4)
+
+
+def announce_build(name: str) -> bool:
+    """One line on stderr before the extension ``name`` is compiled (its library is not in torch's extensions
+    folder yet): the first quantized run waits seconds for the compiler, later ones load the cached build.
+    Returns whether it printed."""
+    from torch.utils import cpp_extension
+
+    try:  # torch's own rule (the root, then a python / CUDA version folder); private, hence the fallback
+        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+    except (AttributeError, TypeError, OSError):
+        folder = Path(cpp_extension.get_default_build_root()) / name
+    if (folder / f"{name}.so").is_file():
+        return False
+    print(f"tinyformer: compiling the int8/int4 CPU kernels (once, about a minute; cached in {folder}) ...",
+          file=sys.stderr, flush=True)
+    return True
 
 
 def _fake_int8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

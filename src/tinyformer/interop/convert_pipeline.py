@@ -114,7 +114,7 @@ def _umask() -> int:
 #: only these, and refuses one holding anything else (it would be deleted with the folder).
 CONVERT_OUTPUTS = frozenset({
     "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
-    "generation_config.json", "manifest.json",
+    "generation_config.json", "manifest.json", "report.md",
 })
 
 

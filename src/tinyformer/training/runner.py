@@ -91,6 +91,17 @@ def _fresh_configs(spec: RunSpec) -> tuple[ModelConfig | None, dict[str, Any], T
     return build_model_config(model_fields), model_fields, train
 
 
+def _objective_schedule(spec: RunSpec, objective_cls: type[Objective], train: TrainConfig
+                        ) -> tuple[TrainConfig, str | None]:
+    """``train`` with the schedule fields the objective chooses for its own run length
+    (:meth:`Objective.default_schedule`) in place of those the user did not give; and a phrase saying so."""
+    given = {*spec.sections.get("train", {}), *spec.train_overrides}
+    chosen = {k: v for k, v in objective_cls.default_schedule(train).items() if k not in given}
+    if not chosen:
+        return train, None
+    return train.replace(**chosen), f"{train.objective}'s default for {train.max_steps} steps"
+
+
 def _check_block_size(model_cfg: ModelConfig, train: TrainConfig) -> TrainConfig:
     if train.block_size is None:
         return train.replace(block_size=model_cfg.max_seq_len)
@@ -152,6 +163,7 @@ def _resume_configs(spec: RunSpec, run_dir: Path, latest: Path | None) -> tuple[
     model_cfg, train = _saved_configs(run_dir, latest)
     if spec.config_file is not None:  # the whole file is the request
         asked_train = TrainConfig.from_dict({**spec.sections.get("train", {}), **spec.train_overrides})
+        asked_train = _objective_schedule(spec, get_objective(asked_train.objective), asked_train)[0]
         model_fields = {**spec.sections.get("model", {}), **spec.model_overrides}
         asked_model = model_cfg if asked_train.init_from is not None else build_model_config(model_fields)
     else:  # only what was given on the command line
@@ -186,6 +198,7 @@ class PreparedRun:
     notes: list[str]
     created: bool = False  # this invocation made the run folder (it did not exist or was empty)
     fresh: bool = False  # this invocation wrote the run's first files (a new run, not a resume)
+    schedule_source: str | None = None  # how the objective chose schedule fields the user left unset
 
 
 def _run_file_bytes(model_cfg: ModelConfig, train: TrainConfig, tokenizer: Tokenizer) -> dict[str, bytes]:
@@ -319,6 +332,9 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
     if train.lora_rank is not None and world_size > 1:
         raise ConfigError("LoRA runs train in one process; drop --nproc (the adapters are small enough)")
     objective_cls = get_objective(train.objective)
+    schedule_source = None
+    if not spec.resume:
+        train, schedule_source = _objective_schedule(spec, objective_cls, train)
     autocast_dtype(train.dtype, resolve_device(train.device))  # an impossible device/dtype fails before any data work
     uses_block = objective_cls.uses_corpus or objective_cls.uses_block_size
     train = _check_block_size(model_cfg, train) if uses_block else train
@@ -397,4 +413,5 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
     if dataset is not None and is_main:
         n_train, n_val = len(dataset.splits["train"]), len(dataset.splits["val"])
         notes.append(f"data: {len(dataset):,} tokens ({n_train:,} train / {n_val:,} val) from {corpus_name(train)}")
-    return PreparedRun(trainer, run_dir, tokenizer, latest, notes, created=created, fresh=not spec.resume)
+    return PreparedRun(trainer, run_dir, tokenizer, latest, notes, created=created, fresh=not spec.resume,
+                       schedule_source=schedule_source)

@@ -115,6 +115,7 @@ class Trainer:
         self.train_seconds = 0.0
         self.last_checkpoint: Path | None = None
         self.window = RunningWindow()
+        self.last_eval_batches = 0
         # the run folder's files (train.yaml, config.json, tokenizer files) stored with every checkpoint;
         # set by runner.prepare_run
         self.run_files: dict[str, bytes] = {}
@@ -273,15 +274,18 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, split: str = "val") -> float | None:
-        """Mean loss per target token over the objective's fixed evaluation batches of ``split``."""
+        """Mean loss over the objective's fixed evaluation batches of ``split``, each batch weighted by
+        ``objective.eval_weight`` (its target tokens; DPO: its pairs); ``last_eval_batches`` counts them."""
         if not self.objective.has_split(split):
             return None
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.last_eval_batches = 0
         for batch in self.eval_batches(split):
             batch = self._to_device(batch)
-            n = self.objective.num_tokens(batch)
+            n = self.objective.eval_weight(batch)
+            self.last_eval_batches += 1
             with self.autocast():
                 loss = self.objective.loss(self.model, batch)
             total += loss.double() * n
@@ -370,7 +374,8 @@ class Trainer:
                     pbar.set_postfix(postfix, refresh=False)
                     win.reset_log()
                 if self.step % cfg.eval_interval == 0 or last:
-                    val_loss, sample = self._evaluate_and_log(pbar, win.eval_loss / win.eval_steps)
+                    self._resample_threads(pbar)
+                    val_loss, sample = self._evaluate_and_log(pbar, win.eval_loss / win.eval_steps, win.eval_steps)
                     win.reset_eval()
                 if self.step % cfg.save_every == 0 or last:
                     self.save()
@@ -385,10 +390,12 @@ class Trainer:
                             interrupted)
 
     def write_report(self) -> None:
-        """Write report.md (:mod:`tinyformer.training.report`) for the model as it is now."""
-        from tinyformer.training.report import write_report
+        """Write report.md (:mod:`tinyformer.evaluation.report`) for the model as it is now."""
+        from tinyformer.evaluation.report import write_training_card
+        from tinyformer.training.metrics import read_metrics
 
-        write_report(self.run_dir, self.objective, self.model, self.device)
+        write_training_card(self.run_dir, read_metrics(self.metrics.path), self.objective,
+                            self.objective.report(self.model, self.device))
         if self.objective.scores_builtin_task and self.objective.cfg.data is None:
             # a model of the built-in corpus: its report card gains the built-in task's accuracy
             from tinyformer.errors import TinyformerError
@@ -399,6 +406,17 @@ class Trainer:
             except TinyformerError as exc:  # e.g. a context too short for the questions: the run still stands
                 print(f"report.md: the built-in question task was not scored: {exc}", file=sys.stderr)
 
+    def _resample_threads(self, pbar: Any) -> None:
+        """On the CPU, with the thread count chosen from the busy cores (not --threads), choose it again
+        (utils/threads.py): a run started on a busy machine takes the cores that have freed up since."""
+        from tinyformer.utils.threads import describe_threads, resample_threads
+
+        if self.device.type != "cpu" or self.cfg.threads or self.world_size > 1:
+            return
+        changed = resample_threads()
+        if changed is not None:
+            self._log(pbar, f"threads: {changed[0]} -> {describe_threads(changed[1], 'load')}")
+
     def _stop_and_save(self) -> str:
         """Checkpoint the current step (unless it is step 0 or already saved); returns the signal's name."""
         saved = self.last_checkpoint is not None and self.last_checkpoint.name == f"step-{self.step:06d}"
@@ -406,22 +424,26 @@ class Trainer:
             self.save()
         return self.stop_request.signal_name
 
-    def _evaluate_and_log(self, pbar: Any, train_loss: float) -> tuple[float | None, str | None]:
+    def _evaluate_and_log(self, pbar: Any, train_loss: float, train_steps: int) -> tuple[float | None, str | None]:
+        """Evaluate, log the eval record and print it: the figures as report.md words them
+        (:mod:`tinyformer.evaluation.report`), from the same record."""
+        from tinyformer.evaluation.report import heldout_line, train_loss_line
+
         val_loss = self.evaluate("val")
-        record: dict[str, Any] = {"kind": "eval", "step": self.step, "train_loss": train_loss}
-        line = f"step {self.step}: train loss {train_loss:.4f}"
-        if val_loss is not None and not self.objective.loss_is_nll:  # e.g. DPO: no perplexity
-            record.update(val_loss=val_loss)
-            line += f", val loss {val_loss:.4f}"
-        elif val_loss is not None:
-            record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 700.0)))
-            line += f", val loss {val_loss:.4f} (perplexity {record['val_ppl']:.2f})"
+        record: dict[str, Any] = {"kind": "eval", "step": self.step, "train_loss": train_loss,
+                                  "train_loss_steps": train_steps}
+        if val_loss is not None:
+            record.update(val_loss=val_loss, val_batches=self.last_eval_batches)
+            if self.objective.loss_is_nll:  # not so for DPO: no perplexity
+                record["val_ppl"] = math.exp(min(val_loss, 700.0))
+        extra: dict[str, float] = {}
         if self.is_main:
             extra = self.objective.eval_metrics(self.model, self.device)
             record.update(extra)
-            line += "".join(f", {k} {v:.4f}" for k, v in extra.items())
+        figures = [train_loss_line(record), heldout_line(record, self.objective)]
+        figures += [f"{k} {v:.4f}" for k, v in extra.items() if k != self.objective.val_loss_key]
         self.metrics.log(record)
-        self._log(pbar, line)
+        self._log(pbar, f"step {self.step}: " + "; ".join(f for f in figures if f))
         sample = self.draw_sample()
         if sample is not None:
             self._append_sample(val_loss, sample)
@@ -431,6 +453,16 @@ class Trainer:
         loss = f", val loss {val_loss:.4f}" if val_loss is not None else ""
         with open(self.run_dir / SAMPLES_FILE, "a", encoding="utf-8") as f:
             f.write(f"===== step {self.step}{loss} =====\n{sample}\n\n")
+
+    def final_figures(self) -> list[str]:
+        """The figures of the last evaluation as report.md words them (console lines at the end of a run)."""
+        from tinyformer.evaluation.report import heldout_line, train_loss_line
+        from tinyformer.training.metrics import read_metrics
+
+        evals = [r for r in read_metrics(self.metrics.path) if r.get("kind") == "eval"] if self.is_main else []
+        if not evals:
+            return []
+        return [line for line in (train_loss_line(evals[-1]), heldout_line(evals[-1], self.objective)) if line]
 
     def _last_train_loss(self) -> float | None:
         from tinyformer.training.metrics import read_metrics

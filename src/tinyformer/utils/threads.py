@@ -20,6 +20,8 @@ is every core, as before. Not the load average first: it decays over a minute, s
 right after another one ended (``train --objective sft`` after ``train``, or after ``pip install``)
 would see 0.6-1.3 "runnable processes" that are gone, and hold back a core for its whole run; the
 README's main command ran 1.6x slower that way.
+A long command chooses again at its pauses (:func:`resample_threads`: training at every evaluation), so that
+a run started while the cores were busy takes them once they are free; a count the user fixed stays.
 The OpenMP wait policy becomes ``passive`` (idle threads sleep instead of spinning) when other processes
 keep a core busy at start-up, unless ``$OMP_WAIT_POLICY`` is set; on an idle machine OpenMP's own default
 stays (libgomp: spin for a while, then sleep), because a decode step is hundreds of small parallel regions
@@ -32,6 +34,7 @@ when the command line is imported; its measurement of the busy cores is reused b
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 #: Where the chosen count came from, for the message a command prints.
 SOURCES = ("flag", "OMP_NUM_THREADS", "load", "cores", "reserved")
@@ -161,6 +164,28 @@ def configure_threads(requested: int | None = None, reserve: int = 0) -> tuple[i
         torch.set_num_threads(n)
     _configured = (n, source)
     return n, source
+
+
+def resample_threads(sampler: Callable[[], float | None] | None = None) -> tuple[int, int] | None:
+    """Choose the thread count again at a pause of a long command (training's evaluations): when the count in
+    effect was chosen from the busy cores (not --threads, not $OMP_NUM_THREADS, not a reserve), measure them
+    again with ``sampler`` (default :func:`busy_cores`) and set the count they leave now, so that a run started
+    while the cores were busy takes them once they are free (and gives them back when they are busy again).
+    Returns (old, new) when the count changed, else None."""
+    global _configured
+    import torch
+
+    if _configured is None or _configured[1] not in ("load", "cores") or torch.get_num_threads() != _configured[0]:
+        return None
+    busy = (sampler or busy_cores)()
+    if busy is None:
+        return None
+    old, new = _configured[0], idle_cores(None, busy)
+    if new == old:
+        return None
+    torch.set_num_threads(new)
+    _configured = (new, "load" if new < usable_cores() else "cores")
+    return old, new
 
 
 def configured_threads() -> str:

@@ -45,6 +45,8 @@ class Objective:
     #: how report.md names the validation figure, and the metrics.jsonl field that holds it
     loss_label: ClassVar[str] = "validation loss"
     val_loss_key: ClassVar[str] = "val_loss"
+    #: what :meth:`num_tokens` counts, for the console and report.md ("tokens trained on: N assistant tokens")
+    token_kind: ClassVar[str] = "tokens"
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
         self.cfg = cfg
@@ -102,6 +104,22 @@ class Objective:
 
     def num_tokens(self, batch: Batch) -> int:
         return int(batch["tokens"]) if "tokens" in batch else batch["input_ids"].numel()
+
+    def eval_weight(self, batch: Batch) -> int:
+        """The weight of ``batch``'s mean loss in the held-out mean (default: its tokens, so the mean is per
+        token; a loss per pair weighs pairs)."""
+        return self.num_tokens(batch)
+
+    def tokens_per_step(self, sequences: int) -> str | None:
+        """How many tokens a step of ``sequences`` sequences trains on, for the start-up line, when that is
+        not ``sequences * block_size`` (padded or masked batches); None by default."""
+        return None
+
+    @classmethod
+    def default_schedule(cls, cfg: TrainConfig) -> dict[str, int]:
+        """Schedule fields (``warmup_steps``) this objective sets when the user gave none, from the run's own
+        length; none by default (the config's defaults stay)."""
+        return {}
 
     def has_split(self, split: str) -> bool:
         return self.dataset is not None and len(self.dataset.splits.get(split, range(0))) > 0

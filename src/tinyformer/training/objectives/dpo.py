@@ -59,7 +59,8 @@ class DPOObjective(ChatObjective):
     name = "dpo"
     loss_label = "held-out DPO loss"
     loss_is_nll = False  # a pairwise loss: exp(loss) is no perplexity
-    val_loss_key = "val_dpo_loss"  # the mean over pairs (the trainer's val_loss weights batches by tokens)
+    val_loss_key = "val_dpo_loss"  # the mean over pairs, as the trainer's val_loss (eval_weight: pairs)
+    token_kind = "reply tokens"
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
         super().__init__(cfg, tokenizer, dataset)
@@ -140,6 +141,16 @@ class DPOObjective(ChatObjective):
     # ------------------------------------------------------------------ batches and loss
     def has_split(self, split: str) -> bool:
         return bool(self.pairs.get(split))
+
+    def eval_weight(self, batch: Batch) -> int:
+        return batch["pair_index"].numel()  # the loss is a mean over pairs: so is the held-out loss
+
+    def tokens_per_step(self, sequences: int) -> str | None:
+        # the chosen and rejected reply tokens (those that carry the loss), on average over the training pairs
+        pairs = self.pairs["train"]
+        mean = sum(sum(t != IGNORE for t in c[1]) + sum(t != IGNORE for t in r[1]) for c, r in pairs) / len(pairs)
+        return (f"{sequences} preference pairs (~{mean:,.0f} chosen + rejected reply tokens each carry the loss: "
+                f"~{sequences * mean:,.0f} tokens per step)")
 
     def _batch(self, split: str, index: list[int]) -> Batch:
         batch = pair_batch([self.pairs[split][i] for i in index], self.pad_id)

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 IGNORE = -100
 MASK_NAMES = ("[MASK]", "<mask>", "<|mask|>")
 CLS_NAMES = ("[CLS]", "<s>", "<|cls|>")
+MASK_PROB = 0.15  # the share of ordinary tokens selected for prediction
 
 
 def mask_tokens(
@@ -47,7 +48,7 @@ def mask_tokens(
     random_ids: torch.Tensor,
     special_ids: Iterable[int] = (),
     generator: torch.Generator | None = None,
-    mask_prob: float = 0.15,
+    mask_prob: float = MASK_PROB,
     replace_prob: float = 0.8,
     random_prob: float = 0.1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,6 +86,8 @@ class MaskedLM(Objective):
     """BERT's masked-LM objective on windows of the corpus (see the module docstring)."""
 
     name = "mlm"
+    loss_label = "validation masked-token loss"
+    token_kind = "masked tokens"
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
         super().__init__(cfg, tokenizer, dataset)
@@ -121,6 +124,12 @@ class MaskedLM(Objective):
         inputs, labels = mask_tokens(x.cpu(), mask_id=self.mask_id, random_ids=self.random_ids,
                                      special_ids=self.special_ids, generator=generator)
         return {"input_ids": inputs, "targets": labels, "tokens": int((labels != IGNORE).sum())}
+
+    def tokens_per_step(self, sequences: int) -> str | None:
+        block = self._block()
+        return (f"{sequences} sequences x {block} = {sequences * block:,} tokens, of which ~{MASK_PROB:.0%} "
+                f"(~{MASK_PROB * sequences * block:,.0f}) are masked: those carry the loss and are what the token "
+                "counts count")
 
     def get_batch(self, split: str, generator: torch.Generator, rank: int = 0, world_size: int = 1) -> Batch:
         x, _ = self.dataset.get_batch(split, self.cfg.batch_size, self._block(), generator, rank, world_size)

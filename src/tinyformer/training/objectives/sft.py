@@ -20,6 +20,9 @@ no attention crosses conversations and no attention mask is needed. A conversati
 window is skipped (counted). A fixed fraction (``val_fraction``) of conversations, chosen by a hash
 of the first user message, is held out for validation. Batches are drawn with the trainer's seeded
 generator only, so ``--resume`` continues the exact stream.
+
+Schedule: unless ``--warmup-steps`` is given, a chat objective warms up for ``WARMUP_FRACTION`` of its
+own ``--steps`` (the pretraining default of a fixed 40 steps would fill most of a 100-step DPO run).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ IGNORE = -100
 SAMPLE_QUESTIONS = 3
 SAMPLE_TOKENS = 64
 REPORT_QUESTIONS = 5
+#: a chat objective's default warm-up, as a fraction of its --steps
+WARMUP_FRACTION = 0.1
 
 
 def first_user_text(messages: Sequence[dict[str, str]]) -> str:
@@ -112,6 +117,11 @@ class ChatObjective(Objective):
     def adapt_pretrained(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return grow_vocab(tensors, self.tokenizer.vocab_size)
 
+    @classmethod
+    def default_schedule(cls, cfg: TrainConfig) -> dict[str, int]:
+        # a fine-tuning run is short: the pretraining default's fixed warm-up would fill most of it
+        return {"warmup_steps": max(1, round(WARMUP_FRACTION * cfg.max_steps))}
+
     def _block(self) -> int:
         assert self.cfg.block_size is not None, "block_size is resolved before the objective is used"
         return self.cfg.block_size
@@ -159,6 +169,7 @@ class SFTObjective(ChatObjective):
 
     name = "sft"
     loss_label = "held-out assistant-token loss"
+    token_kind = "assistant tokens"
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
         super().__init__(cfg, tokenizer, dataset)
@@ -212,6 +223,12 @@ class SFTObjective(ChatObjective):
 
     def has_split(self, split: str) -> bool:
         return bool(self.examples.get(split))
+
+    def tokens_per_step(self, sequences: int) -> str | None:
+        # the assistant tokens that carry the loss, on average over the training conversations
+        mean = sum(sum(t != IGNORE for t in tgt) for _, tgt in self.examples["train"]) / len(self.examples["train"])
+        return (f"{sequences} conversations (~{mean:,.0f} assistant tokens each carry the loss: "
+                f"~{sequences * mean:,.0f} tokens per step)")
 
     def get_batch(self, split: str, generator: torch.Generator, rank: int = 0, world_size: int = 1) -> Batch:
         examples = self.examples[split]
