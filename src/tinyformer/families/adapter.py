@@ -1,4 +1,5 @@
-"""The weight-adapter interface and its registry, keyed by Hugging Face ``model_type``.
+"""The weight-adapter interface: how one family's Hugging Face config and tensor names map onto tinyformer
+(torchtitan calls it a state-dict adapter).
 
 An adapter is four pure functions plus two predicates; it knows names and layouts, never files:
 
@@ -17,16 +18,16 @@ conversion runs each adapter twice: once on meta tensors (to plan, validate shap
 or missing names before anything is written) and once on real ones; so adapters must only use torch
 operations that work on the meta device (cat, split, reshape, transpose, ...).
 
-Registering a new architecture (e.g. in ``interop/gpt2.py``)::
+A family folder builds its adapter (e.g. ``families/gpt2/hf.py``)::
 
     ADAPTER = Adapter(name="gpt2", model_types=("gpt2",), config_from_hf=..., ...)
 
-and list the module in ``BUILTIN_ADAPTER_MODULES`` below, or call ``register_adapter(ADAPTER)`` from your own code.
+and the registry (``families/__init__.py``) looks it up by ``model_type``; ``register_adapter`` there adds one
+from your own code.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,6 @@ from typing import Any
 import torch
 
 from tinyformer.config import ModelConfig
-from tinyformer.errors import ConfigError
 
 TensorMap = Mapping[str, torch.Tensor]
 TensorStream = Iterator[tuple[str, torch.Tensor]]
@@ -61,68 +61,3 @@ class Adapter:
     export_problem: Callable[[ModelConfig], str | None]
     ignorable_hf_tensor: Callable[[ModelConfig, str], bool] = field(default=_never)
     align_config: Callable[[Mapping[str, Any], Iterable[str]], dict[str, Any]] = field(default=_as_is)
-
-
-# model_type -> Adapter (several model types may share one adapter)
-ADAPTERS: dict[str, Adapter] = {}
-# modules whose ADAPTER is registered on first use, in export-preference order
-BUILTIN_ADAPTER_MODULES = ("tinyformer.interop.llama", "tinyformer.interop.gpt2", "tinyformer.interop.bert",
-                           "tinyformer.interop.gemma")
-_loaded = False
-
-
-def register_adapter(adapter: Adapter) -> None:
-    """Make ``adapter`` handle each of its ``model_types`` (a later registration replaces an earlier one)."""
-    for model_type in adapter.model_types:
-        ADAPTERS[model_type] = adapter
-
-
-def _load_builtins() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    for module_name in BUILTIN_ADAPTER_MODULES:
-        module = importlib.import_module(module_name)
-        adapter = getattr(module, "ADAPTER", None)
-        if isinstance(adapter, Adapter):
-            for model_type in adapter.model_types:
-                ADAPTERS.setdefault(model_type, adapter)
-
-
-def adapters() -> list[Adapter]:
-    """Registered adapters, each once, in registration order."""
-    _load_builtins()
-    seen: dict[str, Adapter] = {}
-    for adapter in ADAPTERS.values():
-        seen.setdefault(adapter.name, adapter)
-    return list(seen.values())
-
-
-def adapter_for_hf(hf_config: Mapping[str, Any]) -> Adapter:
-    """The adapter for a Hugging Face config.json, or ConfigError naming the unsupported architecture."""
-    _load_builtins()
-    model_type = hf_config.get("model_type")
-    if model_type in ADAPTERS:
-        return ADAPTERS[model_type]
-    archs = ", ".join(hf_config.get("architectures") or []) or "no architectures listed"
-    raise ConfigError(f"model_type {model_type!r} ({archs}) is not supported; supported model types: "
-                      f"{', '.join(sorted(ADAPTERS))}")
-
-
-def adapter_for_model(cfg: ModelConfig) -> Adapter:
-    """The adapter that can export ``cfg``: the one it was imported with when that still fits, else the
-    first registered one that can express it; ConfigError listing every adapter's reason otherwise."""
-    _load_builtins()
-    original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
-    if isinstance(original, dict) and original.get("model_type") in ADAPTERS:
-        adapter = ADAPTERS[original["model_type"]]
-        if adapter.export_problem(cfg) is None:
-            return adapter
-    reasons = []
-    for adapter in adapters():
-        problem = adapter.export_problem(cfg)
-        if problem is None:
-            return adapter
-        reasons.append(f"{adapter.name}: {problem}")
-    raise ConfigError("no Hugging Face architecture can express this model (" + "; ".join(reasons) + ")")

@@ -1,4 +1,6 @@
-"""Weight adapter: Hugging Face Gemma 2 and Gemma 3 (text) <-> tinyformer.
+"""The gemma family's Hugging Face adapter: Gemma 2 and Gemma 3 (text) <-> tinyformer.
+
+RoPE: half-split pairs in Hugging Face, in llama.cpp's gemma2 / gemma3 and in tinyformer: q/k rows are never permuted.
 
 Gemma is a Llama-layout decoder with these options (each a ModelConfig field):
   RMSNorm gain (1 + g)                           norm_gain_offset = 1
@@ -11,7 +13,7 @@ Gemma is a Llama-layout decoder with these options (each a ModelConfig field):
                                                  qk_norm, rope_local_theta
   Gemma 2: scores c tanh(s/c), logits c tanh(l/c) attn_logit_softcap, final_logit_softcap
 
-Names are the Llama ones (see ``interop/llama.py``) except the norms of a layer i:
+Names are the Llama ones (see ``families/llama/hf.py``) except the norms of a layer i:
   model.layers.i.input_layernorm            blocks.i.attn_norm        (before attention)
   model.layers.i.post_attention_layernorm   blocks.i.attn_post_norm   (after attention: not Llama's meaning)
   model.layers.i.pre_feedforward_layernorm  blocks.i.ffn_norm
@@ -27,8 +29,8 @@ import torch
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.interop import llama
-from tinyformer.interop.adapter import Adapter
+from tinyformer.families.adapter import Adapter
+from tinyformer.families.llama import hf as llama
 
 MODEL_TYPES = ("gemma2", "gemma3_text")
 ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
@@ -71,11 +73,11 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         full, local = dict(params["full_attention"] or {}), dict(params.get("sliding_attention") or {})
         if local.get("rope_type", "default") != "default":
             raise ConfigError(f"RoPE scaling of the sliding layers ({local.get('rope_type')!r}) is not supported")
-        theta, rope_scaling = llama._rope_from_hf({"rope_parameters": full,
+        theta, rope_scaling = llama.rope_from_hf({"rope_parameters": full,
                                                    "max_position_embeddings": hf["max_position_embeddings"]})
         local_theta = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
     else:
-        theta, rope_scaling = llama._rope_from_hf(hf)
+        theta, rope_scaling = llama.rope_from_hf(hf)
     types = _layer_types(hf, model_type)
     window = hf.get("sliding_window") if "sliding" in types else None
     if window is None:
