@@ -2,7 +2,7 @@
 
 The shape is built offline from SmolLM2-135M's config values (hidden 576, 30 layers, 9 heads, 3 K/V heads,
 intermediate 1536, vocab 49152, tied embeddings, RoPE theta 1e5); weights are random but identical on both
-sides (mapped with tinyformer.interop.llama), and so are the LoRA A matrices (mapped with
+sides (mapped with tinyformer.families), and so are the LoRA A matrices (mapped with
 tinyformer.interop.peft), so both sides compute the same losses: the benchmark checks that the step-0 and
 step-1 losses agree before it times anything. One step = causal-LM loss on the same (B, T) token batch,
 backward, AdamW (foreach, the same on both sides) over the trainable tensors: rank-8 adapters on every

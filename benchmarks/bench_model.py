@@ -1,6 +1,6 @@
 """Training step and single-token decode: tinyformer vs transformers.LlamaForCausalLM, same weights.
 
-For each shape, both models hold identical weights (mapped with tinyformer.interop.llama). Timings
+For each shape, both models hold identical weights (mapped with tinyformer.families). Timings
 alternate between the two implementations (A, B, A, B, ...) so that load from other processes hits
 both alike, and the median is reported. Peak memory is measured in a fresh subprocess per
 (implementation, shape): the peak resident set size during the training steps.
@@ -39,7 +39,7 @@ def build_pair_from_config(cfg):
     """(cfg, tinyformer DecoderLM, transformers LlamaForCausalLM) holding the same random weights."""
     import transformers
 
-    from tinyformer.interop.llama import config_to_hf, tinyformer_to_hf
+    from tinyformer.families import config_to_hf, tinyformer_to_hf
     from tinyformer.models.decoder import DecoderLM
 
     torch.manual_seed(0)

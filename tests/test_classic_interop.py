@@ -214,7 +214,7 @@ def test_legacy_sentence_transformers_layout_with_cls_pooling(sentence_transform
     """Older folders: the BERT under 0_Transformer/, pooling as pooling_mode_*_tokens flags."""
     st = pytest.importorskip("sentence_transformers")
     from tinyformer.cli.embed import embed
-    from tinyformer.interop.bert import import_sentence_transformers
+    from tinyformer.interop.hf_folder import import_sentence_transformers
 
     st_model, root = sentence_transformer
     legacy = tmp_path / "legacy"

@@ -197,7 +197,7 @@ def test_input_major_weights_keep_values_shapes_and_outputs(tie):
 
 def hf_llama(model: DecoderLM):
     transformers = pytest.importorskip("transformers")
-    from tinyformer.interop.llama import config_to_hf, tinyformer_to_hf
+    from tinyformer.families import config_to_hf, tinyformer_to_hf
 
     hf_cfg = config_to_hf(model.cfg)
     config = transformers.LlamaConfig(**{k: v for k, v in hf_cfg.items() if k != "architectures"})

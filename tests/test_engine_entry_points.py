@@ -16,12 +16,12 @@ import torch
 
 from tinyformer.config import ModelConfig
 from tinyformer.data.tokenizer import build_tokenizer
+from tinyformer.families import config_to_hf, tinyformer_to_hf
 from tinyformer.generation.batch_engine import BatchEngine, EngineRow
 from tinyformer.generation.chat import ChatSession
 from tinyformer.generation.engine import Generator
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.generation.streaming import TextState
-from tinyformer.interop.llama import config_to_hf, tinyformer_to_hf
 from tinyformer.models.decoder import DecoderLM
 from tinyformer.run_folder import save_model
 from tinyformer.serve.scheduler import GenerationRequest, Scheduler, StepEvent

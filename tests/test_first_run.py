@@ -43,7 +43,7 @@ def test_serve_accepts_dtype_auto_like_generate():
 
 
 def test_convert_help_lists_every_supported_family(capsys):
-    from tinyformer.interop.adapter import adapters
+    from tinyformer.families import adapters
 
     assert {"llama", "mistral", "qwen2", "gpt2", "bert"} <= {t for a in adapters() for t in a.model_types}
     with pytest.raises(SystemExit):

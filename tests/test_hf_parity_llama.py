@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tinyformer.config import ModelConfig
-from tinyformer.interop.llama import config_to_hf, tinyformer_to_hf
+from tinyformer.families import config_to_hf, tinyformer_to_hf
 from tinyformer.models.decoder import DecoderLM
 
 transformers = pytest.importorskip("transformers")

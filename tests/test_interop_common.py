@@ -365,8 +365,9 @@ def test_safetensors_reader_matches_the_library_and_rejects_truncation(tmp_path)
 
 def test_a_registered_adapter_handles_its_model_type(tmp_path):
     """The registry is pluggable: an adapter registered for a new model_type is picked for import."""
-    from tinyformer.interop import llama
-    from tinyformer.interop.adapter import ADAPTERS, Adapter, register_adapter
+    from tinyformer.families import ADAPTERS, register_adapter
+    from tinyformer.families.adapter import Adapter
+    from tinyformer.families.llama.hf import LAYOUT as llama
     from tinyformer.interop.hf_folder import import_hf
     from tinyformer.run_folder import load_model
 

@@ -27,8 +27,8 @@ from test_interop_common import (
 )
 
 from tinyformer.errors import CheckpointError, ConfigError
+from tinyformer.families import tinyformer_to_hf
 from tinyformer.interop.gguf import import_gguf
-from tinyformer.interop.llama import tinyformer_to_hf
 from tinyformer.run_folder import iter_tensors, load_config, load_model, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -196,7 +196,7 @@ def test_llama3_scaling_is_fitted_to_any_rope_freqs(low, high, old_context, tmp_
     frequencies as llama.cpp applies: theta_i / rope_freqs[i]."""
     from tinyformer.components.rope import default_inv_freq, rope_inv_freq
     from tinyformer.config import ModelConfig
-    from tinyformer.interop.gguf import llama3_scaling
+    from tinyformer.families.llama.gguf import llama3_scaling
 
     freqs = llama_cpp_rope_freqs(128, 500000.0, 8.0, low, high, old_context)
     scaling = llama3_scaling(freqs, 128, 500000.0, tmp_path / "x.gguf")

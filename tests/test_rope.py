@@ -58,7 +58,7 @@ def test_rope_scaling_matches_hugging_face(scaling):
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from tinyformer.interop.llama import config_to_hf
+    from tinyformer.families import config_to_hf
 
     cfg = _cfg(d_model=128, n_head=2, rope_theta=50000.0, rope_scaling=dict(scaling))
     hf_cfg = transformers.LlamaConfig(**{k: v for k, v in config_to_hf(cfg).items() if k != "architectures"})

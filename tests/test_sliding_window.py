@@ -149,12 +149,13 @@ def test_slide_policy_past_the_window_equals_transformers(tmp_path):
 
 
 def test_fresh_windowed_models_export_as_mistral_or_qwen2(tmp_path):
-    from tinyformer.interop.llama import config_to_hf, export_problem
+    from tinyformer.families import config_to_hf
+    from tinyformer.families.llama.hf import layout_problem
 
     assert config_to_hf(tiny().cfg)["model_type"] == "mistral"
     qwen2 = config_to_hf(tiny(attn_bias=True, layer_types=["full", "sliding"]).cfg)
     assert (qwen2["model_type"], qwen2["layer_types"]) == ("qwen2", ["full_attention", "sliding_attention"])
-    assert "per-layer pattern" in export_problem(tiny(layer_types=["full", "sliding"]).cfg)
+    assert "per-layer pattern" in layout_problem(tiny(layer_types=["full", "sliding"]).cfg)
 
 
 @pytest.mark.slow

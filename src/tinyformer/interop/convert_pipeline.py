@@ -15,7 +15,7 @@ failed or interrupted conversion never leaves a half-written folder; a non-empty
 unless ``force`` is given.
 
 The sources are ``interop/tensor_sources.py``; the Hugging Face folder entry points ``interop/hf_folder.py``,
-GGUF ``interop/gguf.py``, sentence-transformers ``interop/bert.py``.
+GGUF ``interop/gguf.py``, sentence-transformers ``interop/hf_folder.py``; the adapters come from ``families/``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import torch
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import CheckpointError, ConfigError, DataError
+from tinyformer.families import adapter_for_hf
 from tinyformer.integrity import write_manifest
-from tinyformer.interop.adapter import adapter_for_hf
 from tinyformer.interop.safetensors_io import TensorSpec, write_planned
 from tinyformer.interop.tensor_sources import MetaStateDict, TensorSource, TensorView, name_list, read_json
 from tinyformer.utils.io import atomic_write_bytes, atomic_write_text

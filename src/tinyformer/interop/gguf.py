@@ -1,48 +1,33 @@
-"""Import GGUF files (llama.cpp's format) of the Llama family (and Mixtral), Qwen2/3, Qwen3-MoE, Phi-3 and
-Gemma 2/3: weights, config and tokenizer.
+"""Import GGUF files (llama.cpp's format): weights, config and tokenizer, for the architectures the model families
+list (llama and Mixtral-style llama, qwen2, qwen3, qwen3moe, phi3, gemma2, gemma3).
 
 A GGUF file is a header of typed key/value metadata followed by tensors, each stored as float
 (F32, F16, BF16) or in one of ggml's block quantizations. This module turns one into the pair a
 Hugging Face folder would give -- a ``config.json`` dict and HF-named tensors -- and hands both to the
-same pipeline as ``hf_folder.import_hf`` (``convert_pipeline.import_checkpoint``), so the Llama adapter does the rest.
+same pipeline as ``hf_folder.import_hf`` (``convert_pipeline.import_checkpoint``), so the family's adapter does the
+rest.
 
 Weights. Quantized tensors are dequantized to float32 with ``gguf.quants.dequantize`` (the reference
 Python implementation of ggml's formats, e.g. Q8_0: x = d * q, with one float16 scale d per block of 32
 int8 values; Q4_K: 256-value super-blocks of eight 32-value blocks, x = d * s_j * q - dmin * m_j with
 6-bit block scales s_j and mins m_j). Float tensors are copied as they are.
 
-RoPE. llama.cpp rotates adjacent pairs (2i, 2i+1) for the ``llama`` architecture, so its converter
-permutes each head's rows of W_q and W_k (and their biases) from Hugging Face's half-split order:
+Architectures. What differs between llama.cpp's architectures -- the metadata that becomes the Hugging Face config,
+the layer tensors' names, which RoPE rotation the file uses, Gemma's 1 + g norm gains -- is the family's
+(``families/<family>/gguf.py``, a ``GGUFArch`` found in ``families.GGUF_ARCHS`` by ``general.architecture``).
+
+RoPE. llama.cpp rotates adjacent pairs (2i, 2i+1) for the ``llama`` architecture (``rope_interleaved``), so its
+converter permutes each head's rows of W_q and W_k (and their biases) from Hugging Face's half-split order:
 
     gguf = hf.reshape(n_head, 2, d_head / 2, d_in).swapaxes(1, 2).reshape(rows, d_in)
 
-Reading undoes it: ``hf = gguf.reshape(n_head, d_head / 2, 2, d_in).swapaxes(1, 2).reshape(rows, d_in)``
-(n_head = the key/value head count for W_k). ``qwen2`` and ``qwen3`` files use llama.cpp's half-split
-("neox") RoPE and are not permuted; ``qwen3`` adds the per-head q/k norms ``attn_q_norm``/``attn_k_norm``.
-``gemma3`` files store every norm gain as 1 + g (ggml's RMSNorm multiplies by the stored gain), which the
-import turns back into Gemma's g; llama.cpp fixes Gemma 3's layer pattern (every 6th layer global), the local
-layers' RoPE base (10000) and the score scale (head_dim^-1/2), so the import does too.
-``gemma2`` files are stored alike, with the soft-caps as ``attn_logit_softcapping`` / ``final_logit_softcapping``
-and every 2nd layer global. Where the file states them, ``attention.scale`` (the score scale s, read as
-query_pre_attn_scalar = s^-2), ``attention.sliding_window_pattern`` (every n-th layer global, or one flag per layer)
-and ``rope.freq_base_swa`` (the local layers' base) override those fixed values.
+Reading undoes it here, at the file boundary (``unpermute_rows``):
+``hf = gguf.reshape(n_head, d_head / 2, 2, d_in).swapaxes(1, 2).reshape(rows, d_in)`` (n_head = the key/value head
+count for W_k). The other architectures rotate half-split, as tinyformer does, and are not permuted.
 
-Phi-3 (``phi3``). Q, K, V are one matrix ``attn_qkv`` and ``ffn_up`` holds gate and up stacked (rows: gate, then
-up): the same fused layouts as Hugging Face's ``qkv_proj`` / ``gate_up_proj`` and tinyformer's own. Half-split RoPE.
-LongRoPE is stored as two tensors of per-frequency divisors, ``rope_factors_short`` / ``rope_factors_long``, with
-``rope.scaling.original_context_length`` (L0) and ``rope.scaling.attn_factor`` (the cos/sin scale): they become
-``rope_scaling = {"rope_type": "longrope", ...}`` (attention_factor only when it differs from sqrt(1 + ln(f) /
-ln(L0)), f = context / L0, the value Hugging Face derives). ``attention.sliding_window`` (0 = none) gives every layer
-the window, as Hugging Face's Phi-3 does (llama.cpp currently ignores it for Phi-3).
-
-Mixtures of experts. ``expert_count`` / ``expert_used_count`` give n_experts and k; the router is ``ffn_gate_inp``;
-the experts' matrices are stacked, ``ffn_{gate,up,down}_exps`` of shape (E, rows, cols), or (older files) one
-tensor per expert, ``ffn_{gate,up,down}.e``. Each expert is read as its own slice (dequantized alone). A ``llama``
-file with experts is a Mixtral (softmax, top k, renormalised); ``qwen3moe`` is Qwen3 with experts of width
-``expert_feed_forward_length``, renormalised unless ``expert_weights_norm`` is false (llama.cpp renormalises).
-Shared experts and other gating functions are refused.
-Llama 3.1 RoPE scaling is stored as a ``rope_freqs`` tensor of per-frequency divisors; it is turned back
-into ``rope_scaling = {"rope_type": "llama3", ...}`` and checked to reproduce the tensor.
+Mixtures of experts. The experts' matrices are stacked, ``ffn_{gate,up,down}_exps`` of shape (E, rows, cols), or
+(older files) one tensor per expert, ``ffn_{gate,up,down}.e``; each expert is read as its own slice (dequantized
+alone).
 
 Tokenizer. ``tokenizer.ggml.model = "gpt2"`` (byte-level BPE: tokens + merges) and ``"llama"``
 (SentencePiece BPE: tokens + scores, merges rebuilt from the scores, byte fallback) become a
@@ -52,9 +37,7 @@ tokenizer_config.json.
 
 from __future__ import annotations
 
-import math
 import mmap
-import re
 from pathlib import Path
 from typing import Any
 
@@ -63,36 +46,12 @@ import torch
 
 from tinyformer.devices import parse_dtype
 from tinyformer.errors import CheckpointError, ConfigError
-from tinyformer.interop import gemma, llama
+from tinyformer.families import GGUF_ARCHS
+from tinyformer.families.family import GGUFArch
+from tinyformer.families.llama.gguf import expert_names, hf_name
 from tinyformer.interop.convert_pipeline import DEFAULT_SHARD_BYTES, ConvertReport, import_checkpoint, write_json
 from tinyformer.interop.tensor_sources import TensorSource
 
-ARCHITECTURES = {**llama.ARCHITECTURES, **gemma.ARCHITECTURES}  # HF model_type -> its *ForCausalLM class
-
-# GGUF general.architecture -> HF model_type (a "llama" file with expert_count > 0 is a Mixtral)
-ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3",
-         "gemma2": "gemma2", "gemma3": "gemma3_text"}
-PERMUTED_ARCHS = ("llama",)  # llama.cpp's interleaved (GPT-J style) RoPE
-SLIDING_ARCHS = ("phi3", "gemma2", "gemma3")  # archs whose attention.sliding_window llama.cpp's writer sets
-GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}  # llama.cpp's fixed pattern: every n-th layer global
-
-_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
-_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-# Gemma's four norms per layer; llama.cpp stores every Gemma norm gain as 1 + g (ggml multiplies by the gain)
-_GEMMA_BLOCK = {**_BLOCK, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-                "post_ffw_norm": "post_feedforward_layernorm"}
-# Phi-3: q, k, v fused as attn_qkv; ffn_up holds gate and up stacked (Hugging Face's gate_up_proj)
-_PHI3_BLOCK = {**_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
-BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "phi3": _PHI3_BLOCK}
-NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3")
-GEMMA3_LOCAL_THETA = 10000.0  # llama.cpp's fixed RoPE base of Gemma 3's sliding-window layers
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")  # (E, rows, cols), all experts
-_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")  # one expert (older files)
 NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # -> rope_scaling
 
 
@@ -111,40 +70,6 @@ def supported_types() -> dict[Any, torch.dtype]:
     for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
         out[getattr(Q, name)] = torch.float32
     return out
-
-
-def hf_name(gguf_name: str, arch: str = "llama", model_type: str | None = None) -> str:
-    """HF name of a GGUF tensor (unknown names are returned unchanged, to be reported as unknown).
-
-    ``model_type`` (the HF one) names a mixture of experts' router and per-expert tensors; a stacked
-    ``ffn_*_exps`` tensor has no single HF name (``expert_names`` gives one per expert)."""
-    if gguf_name in _TOP:
-        return _TOP[gguf_name]
-    moe = llama.MOE_NAMES.get(model_type or "")
-    m = _EXPERT_RE.fullmatch(gguf_name)
-    if m and moe:
-        return _expert_name(moe, m.group(1), int(m.group(3)), m.group(2))
-    block = BLOCK_NAMES.get(arch, _BLOCK)
-    m = _BLOCK_RE.fullmatch(gguf_name)
-    if m and moe and m.group(2) == "ffn_gate_inp":
-        return f"model.layers.{m.group(1)}.{moe[0]}.{m.group(3)}"
-    if m and m.group(2) in block:
-        return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
-    return gguf_name
-
-
-def expert_names(gguf_name: str, n_experts: int, model_type: str) -> list[str]:
-    """The HF names of the experts stacked in ``blk.i.ffn_{gate,up,down}_exps.weight``, in stacking order."""
-    m = _EXPERTS_RE.fullmatch(gguf_name)
-    if m is None or model_type not in llama.MOE_NAMES:
-        return []
-    return [_expert_name(llama.MOE_NAMES[model_type], m.group(1), e, m.group(2)) for e in range(n_experts)]
-
-
-def _expert_name(moe: tuple[str, ...], layer: str, expert: int, which: str) -> str:
-    """HF name of expert ``expert``'s gate, up or down matrix (``which``) in layer ``layer``."""
-    _, experts, gate, up, down = moe
-    return f"model.layers.{layer}.{experts}.{expert}.{dict(gate=gate, up=up, down=down)[which]}.weight"
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -224,256 +149,41 @@ class GGUFFile:
             pass
 
 
-def _f32(value: float) -> float:
-    # GGUF stores float32: 1e-6 arrives as 9.99999997e-07; take the shortest decimal with the same float32
-    return float(str(np.float32(value)))
-
-
-def llama3_scaling(factors: np.ndarray, head_dim: int, theta: float, path: Path) -> dict[str, Any]:
-    """The llama3 ``rope_scaling`` reproducing llama.cpp's ``rope_freqs`` divisors.
-
-    llama.cpp writes, per frequency theta_i with wavelength w_i = 2 pi / theta_i: 1 when w_i < L0/high,
-    ``factor`` when w_i > L0/low, else 1 / ((1 - s)/factor + s) with s = (L0/w_i - low)/(high - low).
-    Only L0/low and L0/high matter, so L0 = 8192 (Llama 3.1's) is kept and low/high are fitted to the
-    in-between frequencies when Meta's 1 and 4 do not reproduce them; the result is checked."""
-    from tinyformer.components.rope import default_inv_freq
-
-    factors = np.asarray(factors, dtype=np.float64)
-    wavelen = (2 * math.pi / default_inv_freq(head_dim, theta).double()).numpy()
-    factor = float(factors.max())
-    l0 = 8192
-    candidates = [(1.0, 4.0)]
-    medium = (factors > 1 + 1e-4) & (factors < factor * (1 - 1e-4))
-    if medium.sum() >= 2 and factor > 1:
-        s = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
-        slope, intercept = np.polyfit(l0 / wavelen[medium], s, 1)
-        low = -intercept / slope
-        candidates.append((float(low), float(low + 1 / slope)))
-
-    def divisors(low: float, high: float) -> np.ndarray:
-        smooth = (l0 / wavelen - low) / (high - low)
-        mid = 1 / ((1 - smooth) / factor + smooth)
-        return np.where(wavelen < l0 / high, 1.0, np.where(wavelen > l0 / low, factor, mid))
-
-    for low, high in candidates:
-        if 0 < low < high and np.allclose(divisors(low, high), factors, rtol=1e-4, atol=1e-5):
-            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": round(low, 6),
-                    "high_freq_factor": round(high, 6), "original_max_position_embeddings": l0}
-    raise ConfigError(f"{path}: the rope_freqs tensor matches no llama3 RoPE scaling; other per-frequency "
-                      "scalings are not supported")
-
-
-def hf_config_from_gguf(g: GGUFFile) -> dict[str, Any]:
-    """A Hugging Face config.json dict from the GGUF metadata. The architecture string selects the key prefix
-    and llama.cpp's fixed choices for that architecture; every other option comes from a key or from which
-    tensors the file holds."""
-    arch = g.require("general.architecture")
-    if arch not in ARCHS:
-        raise ConfigError(f"{g.path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
-
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        return g.require(f"{arch}.{name}") if required else g.get(f"{arch}.{name}", default)
-
-    n_experts = int(key("expert_count", 0) or 0)
-    model_type = "mixtral" if arch == "llama" and n_experts else ARCHS[arch]
-    if n_experts and model_type not in llama.MOE_NAMES:
-        raise ConfigError(f"{g.path}: {arch}.expert_count={n_experts}: experts are supported in 'llama' (Mixtral) "
-                          "and 'qwen3moe' files only")
-    if model_type in llama.MOE_NAMES and not n_experts:
-        raise ConfigError(f"{g.path}: metadata key {arch + '.expert_count'!r} is missing")
-
-    n_head = key("attention.head_count", required=True)
-    n_kv = key("attention.head_count_kv", n_head)
-    if isinstance(n_kv, list):
-        if len(set(n_kv)) != 1:
-            raise ConfigError(f"{g.path}: a per-layer key/value head count ({sorted(set(n_kv))}) is not supported")
-        n_kv = n_kv[0]
-    hidden = key("embedding_length", required=True)
-    head_dim = key("attention.key_length") or hidden // n_head
-    if key("attention.value_length", head_dim) != head_dim:
-        raise ConfigError(f"{g.path}: attention.value_length != key_length is not supported")
-    if key("rope.dimension_count", head_dim) != head_dim:
-        raise ConfigError(f"{g.path}: rope.dimension_count={key('rope.dimension_count')} < head dim {head_dim} "
-                          "(partial rotary embedding) is not supported")
-    window = key("attention.sliding_window") or None  # Phi-3's converter writes 0 for none
-    if window and arch not in SLIDING_ARCHS:
-        raise ConfigError(f"{g.path}: attention.sliding_window is not supported for GGUF architecture {arch!r}")
-    tokens = g.reader.fields.get("tokenizer.ggml.tokens")
-    vocab = key("vocab_size") or (len(tokens.data) if tokens is not None else None)
-    if vocab is None and "token_embd.weight" in g.tensors:
-        vocab = int(g.tensors["token_embd.weight"].shape[-1])
-    ctx = key("context_length", required=True)
-    theta = _f32(key("rope.freq_base", 10000.0))
-    hf: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[model_type]],
-        "model_type": model_type,
-        "vocab_size": int(vocab),
-        "hidden_size": int(hidden),
-        "intermediate_size": int(key("feed_forward_length") or key("expert_feed_forward_length", required=True)),
-        "num_hidden_layers": int(key("block_count", required=True)),
-        "num_attention_heads": int(n_head),
-        "num_key_value_heads": int(n_kv),
-        "head_dim": int(head_dim),
-        "max_position_embeddings": int(ctx),
-        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        "hidden_act": "silu",
-        "tie_word_embeddings": "output.weight" not in g.tensors,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-    }
-    if model_type in ("llama", "qwen3", "qwen3_moe"):
-        hf["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
-    if model_type == "llama":
-        hf["mlp_bias"] = "blk.0.ffn_down.bias" in g.tensors
-    elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
-        hf["use_sliding_window"] = False
-    elif model_type in ("mixtral", "phi3"):
-        hf["sliding_window"] = int(window) if window else None
-    for name, k in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                    ("pad_token_id", "padding_token_id")):
-        value = g.get(f"tokenizer.ggml.{k}")
-        if value is not None:
-            hf[name] = int(value)
-    kind = key("rope.scaling.type")
-    if kind in (None, "none"):
-        if "rope_freqs.weight" in g.tensors:
-            factors = g.read("rope_freqs.weight").reshape(-1)
-            hf["rope_parameters"] = {**llama3_scaling(factors, head_dim, theta, g.path), "rope_theta": theta}
-    elif kind == "linear":
-        hf["rope_parameters"] = {"rope_type": "linear", "factor": _f32(key("rope.scaling.factor", required=True)),
-                                 "rope_theta": theta}
-    elif kind == "yarn":
-        for unsupported in ("rope.scaling.yarn_log_multiplier", "rope.scaling.attn_factor",
-                            "rope.scaling.yarn_attn_factor"):
-            value = key(unsupported)
-            if value not in (None, 0.0, 1.0) or (unsupported.endswith("log_multiplier") and value):
-                raise ConfigError(f"{g.path}: {arch}.{unsupported}={value} is not supported")
-        params: dict[str, Any] = {"rope_type": "yarn", "factor": _f32(key("rope.scaling.factor", required=True)),
-                                  "original_max_position_embeddings": int(key("rope.scaling.original_context_length",
-                                                                              ctx)),
-                                  "rope_theta": theta}
-        for gguf_key, hf_key in (("rope.scaling.yarn_beta_fast", "beta_fast"),
-                                 ("rope.scaling.yarn_beta_slow", "beta_slow")):
-            if key(gguf_key) is not None:
-                params[hf_key] = _f32(key(gguf_key))
-        hf["rope_parameters"] = params
-    else:
-        raise ConfigError(f"{g.path}: RoPE scaling type {kind!r} is not supported (supported: none, linear, yarn, "
-                          "and llama3 as a rope_freqs tensor)")
-    if {"rope_factors_long.weight", "rope_factors_short.weight"} & set(g.tensors):
-        if model_type != "phi3" or kind not in (None, "none"):
-            raise ConfigError(f"{g.path}: rope_factors_long/short (LongRoPE) are supported in 'phi3' files without "
-                              "another RoPE scaling type")
-        hf["rope_parameters"] = _longrope_from_gguf(g, key, theta, int(ctx), head_dim)
-    if n_experts:
-        hf.update(_experts_from_gguf(g, key, model_type, n_experts))
-    if model_type in ("gemma2", "gemma3_text"):
-        hf.update(_gemma_from_gguf(g, key, arch, hf, head_dim, window))
-    return hf
-
-
-def _longrope_from_gguf(g: GGUFFile, key: Any, theta: float, ctx: int, head_dim: int) -> dict[str, Any]:
-    """Phi-3's LongRoPE: the divisor tensors, L0, and the attention factor when it is not the derived one."""
-    factors = {}
-    for which in ("short", "long"):
-        name = f"rope_factors_{which}.weight"
-        if name not in g.tensors:
-            raise CheckpointError(f"{g.path}: LongRoPE needs both rope_factors_short and rope_factors_long; "
-                                  f"{name} is missing")
-        values = g.read(name).reshape(-1)
-        if values.size != head_dim // 2:
-            raise CheckpointError(f"{g.path}: {name} has {values.size} factors, not head_dim / 2 = {head_dim // 2}")
-        factors[which] = [float(v) for v in values]
-    l0 = int(key("rope.scaling.original_context_length", required=True))
-    params: dict[str, Any] = {"rope_type": "longrope", "rope_theta": theta, "short_factor": factors["short"],
-                              "long_factor": factors["long"], "original_max_position_embeddings": l0}
-    stored = key("rope.scaling.attn_factor")
-    f = ctx / l0
-    derived = math.sqrt(1 + math.log(f) / math.log(l0)) if f > 1 else 1.0
-    if stored is not None and abs(stored - derived) > 1e-6 * derived:
-        params["attention_factor"] = _f32(stored)
-    return params
-
-
-def _experts_from_gguf(g: GGUFFile, key: Any, model_type: str, n_experts: int) -> dict[str, Any]:
-    """The mixture-of-experts keys: llama.cpp's llama (Mixtral) and qwen3moe route by softmax, then top k."""
-    func = key("expert_gating_func")
-    if func not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
-        raise ConfigError(f"{g.path}: expert_gating_func={func} is not supported (only 1, softmax)")
-    shared = [n for n in g.tensors if "_shexp" in n]
-    if key("expert_shared_count") or shared:
-        raise ConfigError(f"{g.path}: shared experts ({shared[0] if shared else 'expert_shared_count'}) are not "
-                          "supported")
-    if key("expert_weights_scale") not in (None, 1.0):
-        raise ConfigError(f"{g.path}: expert_weights_scale={key('expert_weights_scale')} is not supported")
-    used = int(key("expert_used_count", required=True))
-    renormalise = bool(key("expert_weights_norm", True))  # llama.cpp renormalises the top-k weights of both
-    width = int(key("expert_feed_forward_length") or key("feed_forward_length", required=True))
-    if model_type == "mixtral":
-        if not renormalise:
-            raise ConfigError(f"{g.path}: expert_weights_norm=false is not supported in a 'llama' (Mixtral) file")
-        return {"num_local_experts": n_experts, "num_experts_per_tok": used, "intermediate_size": width}
-    return {"num_experts": n_experts, "num_experts_per_tok": used, "moe_intermediate_size": width,
-            "norm_topk_prob": renormalise, "decoder_sparse_step": 1, "mlp_only_layers": []}
-
-
-def _gemma_from_gguf(g: GGUFFile, key: Any, arch: str, hf: dict[str, Any], head_dim: int,
-                     window: int | None) -> dict[str, Any]:
-    """llama.cpp's Gemma 2 / 3: GELU-tanh; scores scaled by attention.scale, else head_dim^-1/2; every n-th layer
-    global (2 / 6, or attention.sliding_window_pattern); Gemma 2's soft-caps; Gemma 3's local RoPE base
-    (rope.freq_base_swa, else 10000)."""
-    for unused in ("hidden_act", "use_sliding_window"):
-        hf.pop(unused, None)
-    scale = key("attention.scale")
-    scalar: float | int = int(head_dim)
-    if scale:
-        scalar = 1.0 / _f32(scale) ** 2
-        scalar = round(scalar) if abs(scalar - round(scalar)) < 1e-4 * scalar else scalar
-    out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar,
-                           "sliding_window": int(window) if window else None}
-    pattern = key("attention.sliding_window_pattern", GEMMA_GLOBAL_EVERY[arch])
-    if isinstance(pattern, list):  # one flag per layer: true = sliding
-        if len(pattern) != hf["num_hidden_layers"]:
-            raise ConfigError(f"{g.path}: attention.sliding_window_pattern has {len(pattern)} entries for "
-                              f"{hf['num_hidden_layers']} layers")
-        out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
-    else:
-        out["sliding_window_pattern"] = int(pattern)
-    if arch == "gemma2":
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            value = key(name)
-            out[name] = _f32(value) if value else None
-    else:
-        out["rope_parameters"] = {"full_attention": hf["rope_parameters"],
-                                  "sliding_attention": {"rope_type": "default",
-                                                        "rope_theta": _f32(key("rope.freq_base_swa",
-                                                                               GEMMA3_LOCAL_THETA))}}
-    return out
+def hf_config_from_gguf(g: GGUFFile) -> tuple[GGUFArch, dict[str, Any]]:
+    """The file's architecture entry and the Hugging Face config.json dict its metadata states (the family's
+    ``config_from_gguf``: the architecture string selects the key prefix and llama.cpp's fixed choices; every other
+    option comes from a key or from which tensors the file holds)."""
+    name = g.require("general.architecture")
+    if name not in GGUF_ARCHS:
+        raise ConfigError(f"{g.path}: GGUF architecture {name!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
+    arch = GGUF_ARCHS[name]
+    return arch, arch.config_from_gguf(g)
 
 
 class GGUFSource(TensorSource):
     """The tensors of a GGUF file under their Hugging Face names, dequantized and un-permuted on read."""
 
-    def __init__(self, g: GGUFFile, hf_config: dict[str, Any], arch: str) -> None:
+    def __init__(self, g: GGUFFile, hf_config: dict[str, Any], arch: GGUFArch) -> None:
         self.g = g
         self.description = str(g.path)
-        model_type = hf_config["model_type"]
         n_experts = int(hf_config.get("num_local_experts") or hf_config.get("num_experts") or 0)
+        moe = arch.moe if n_experts else None
         self._gguf_name: dict[str, str] = {}
         self._expert: dict[str, int] = {}  # HF name -> its slice of a stacked ffn_*_exps tensor
         for n, t in g.tensors.items():
             if n in NOT_WEIGHTS:
                 continue
-            stacked = expert_names(n, n_experts, model_type)
+            stacked = expert_names(n, n_experts, moe)
             if stacked and (len(t.shape) != 3 or int(t.shape[-1]) != n_experts):
                 raise CheckpointError(f"{g.path}: {n} has shape {list(reversed(t.shape.tolist()))}, not "
                                       f"{n_experts} stacked experts (expert_count)")
             for e, name in enumerate(stacked):
                 self._gguf_name[name], self._expert[name] = n, e
             if not stacked:
-                self._gguf_name[hf_name(n, arch, model_type)] = n
-        self._norm_shift = arch in NORM_PLUS_ONE_ARCHS
+                self._gguf_name[hf_name(n, arch, moe)] = n
+        self._norm_shift = arch.norm_plus_one
         self._permute: dict[str, int] = {}
-        if arch in PERMUTED_ARCHS:
+        if arch.rope_interleaved:  # llama.cpp's adjacent pairs back to half-split
             n_head, n_kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
             for name in self._gguf_name:
                 if ".self_attn.q_proj." in name:
@@ -648,8 +358,7 @@ def import_gguf(path: str | Path, out: str | Path, *, dtype: str | torch.dtype |
     The default dtype is float16/bfloat16 when every weight matrix is stored in it, float32 otherwise
     (quantized weights are dequantized to float32)."""
     g = GGUFFile(path)
-    hf_config = hf_config_from_gguf(g)
-    arch = g.get("general.architecture")
+    arch, hf_config = hf_config_from_gguf(g)
     source = GGUFSource(g, hf_config, arch)
     dt = parse_dtype(dtype)
     if dt is None:
@@ -703,14 +412,13 @@ def import_gguf_keep_quant(path: str | Path, out: str | Path, *, max_shard_bytes
     from collections import Counter
 
     from tinyformer.components.quantized import QuantSpec, quantize_weight
-    from tinyformer.interop.adapter import adapter_for_hf
+    from tinyformer.families import adapter_for_hf
     from tinyformer.interop.convert_pipeline import staged_output
     from tinyformer.models import build_model
     from tinyformer.run_folder import QUANT_KEY, iter_tensors, linear_names, save_tensors, side_files
 
     g = GGUFFile(path)
-    hf_config = hf_config_from_gguf(g)
-    arch = g.get("general.architecture")
+    arch, hf_config = hf_config_from_gguf(g)
     kinds = Counter(t.tensor_type.name for n, t in g.tensors.items() if n.startswith("blk.") and len(t.shape) == 2)
     main = kinds.most_common(1)[0][0] if kinds else "F32"
     if main in EXACT_KEEP:

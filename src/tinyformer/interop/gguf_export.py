@@ -1,34 +1,27 @@
-"""Export a run folder of the Llama family (Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen3-MoE) or Gemma 2/3 as a GGUF
-file that llama.cpp (and transformers) load.
+"""Export a run folder as a GGUF file that llama.cpp (and transformers) load, for the families with llama.cpp
+architectures (llama: Llama, Mistral, Mixtral; qwen: Qwen2/3, Qwen3-MoE; phi3; gemma: Gemma 2/3).
 
     tinyformer convert --model RUN --to-gguf FILE [--type f32|f16|bf16|q8_0|q4_0]
 
-The inverse of ``interop/gguf.py``. The run's weights go through the Llama adapter to their Hugging Face
-names and then to llama.cpp's (``token_embd``, ``blk.i.attn_q``, ...); the hyper-parameters become the
-``llama.*`` metadata keys (context, widths, heads, RMSNorm epsilon, RoPE base, and RoPE scaling: linear and
-yarn as keys, llama3 as the ``rope_freqs`` tensor of per-frequency divisors llama.cpp reads).
+The inverse of ``interop/gguf.py``. The family registry picks the family that writes the model (as for a Hugging
+Face export) and the family the llama.cpp architecture (``families/<family>/gguf.py``); the run's weights go through
+the family's adapter to their Hugging Face names and then to llama.cpp's (``token_embd``, ``blk.i.attn_q``, ...); the
+hyper-parameters become the ``<arch>.*`` metadata keys (context, widths, heads, RMSNorm epsilon, RoPE base, and RoPE
+scaling: linear and yarn as keys, llama3 as the ``rope_freqs`` tensor of per-frequency divisors llama.cpp reads,
+LongRoPE (phi3) as the ``rope_factors_short`` / ``rope_factors_long`` tensors), the window as
+``attention.sliding_window`` where the architecture has one, and the architecture's own keys (Gemma 2's soft-caps).
+A mixture's experts are stacked per layer into ``ffn_{gate,up,down}_exps`` (E, rows, cols); its router
+``ffn_gate_inp`` stays F32 (as llama.cpp keeps it). llama.cpp renormalises a mixture's top-k weights and has no MLP
+biases: models that need otherwise are refused, and so are models that differ from an architecture's fixed choices
+(``GGUFArch.export_problem``, e.g. Gemma's layer pattern).
 
 RoPE. tinyformer (and Hugging Face) rotate the half-split pairs (i, i + d_head/2); llama.cpp's ``llama``
-architecture rotates adjacent pairs (2i, 2i+1). So, as llama.cpp's own converter does, each head's rows of
-W_q and W_k (and their biases) are permuted:
+architecture rotates adjacent pairs (2i, 2i+1) (``rope_interleaved``). So, as llama.cpp's own converter does, each
+head's rows of W_q and W_k (and their biases) are permuted here, at the file boundary:
 
     gguf = w.reshape(n_head, 2, d_head / 2, d_in).swapaxes(1, 2).reshape(rows, d_in)
 
-A model imported from ``qwen2`` is written as ``qwen2`` (half-split RoPE in llama.cpp too: not permuted), and the
-architecture the Llama adapter picks (``export_model_type``) as llama.cpp's: ``qwen3`` (q/k norms ``attn_q_norm`` /
-``attn_k_norm``), ``qwen3moe``, ``phi3`` (q/k/v fused as ``attn_qkv``, gate and up as ``ffn_up``; the window as
-``attention.sliding_window``; LongRoPE as the ``rope_factors_short`` / ``rope_factors_long`` tensors with
-``rope.scaling.original_context_length`` and ``rope.scaling.attn_factor``), and Mixtral as ``llama`` with
-``expert_count``. A mixture's experts are stacked per layer into ``ffn_{gate,up,down}_exps`` (E, rows, cols); its
-router ``ffn_gate_inp`` stays F32 (as llama.cpp keeps it). llama.cpp's llama, qwen2/3 and qwen3moe have no sliding
-window and renormalise a mixture's top-k weights: models that need otherwise are refused.
-
-Gemma 2 / 3 (``gemma2`` / ``gemma3``) go through the Gemma adapter: every norm gain is stored as 1 + g (ggml multiplies
-by the stored gain), the four norms of a layer as ``attn_norm``, ``post_attention_norm``, ``ffn_norm`` and
-``post_ffw_norm``, Gemma 2's soft-caps as ``attn_logit_softcapping`` / ``final_logit_softcapping``. llama.cpp fixes
-the rest, so a model must match it: no biases, a sliding window with every 2nd (Gemma 2) / 6th (Gemma 3) layer
-global, scores scaled by head_dim^-1/2, Gemma 2 tied and soft-capped (llama.cpp caps at 50 / 30 otherwise), Gemma 3
-uncapped with its local layers at RoPE base 10000.
+Gemma's norm gains are stored as 1 + g (``norm_plus_one``: ggml multiplies by the stored gain).
 
 Weights. 2-D matrices are stored in ``--type``; norms and biases stay F32 (as llama.cpp does). Q8_0 and
 Q4_0 are computed with ``gguf.quants.quantize`` (the reference of ggml's formats: Q8_0 x = d q per 32
@@ -53,55 +46,10 @@ import numpy as np
 import torch
 
 from tinyformer.errors import CheckpointError, ConfigError
-from tinyformer.interop.gguf import GEMMA_GLOBAL_EVERY
+from tinyformer.families.family import GGUFArch
+from tinyformer.families.llama.gguf import gguf_name
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
-
-_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight"}
-_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv",
-          "mlp.gate_up_proj": "ffn_up", "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
-# the HF model type the Llama adapter writes -> llama.cpp's architecture
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "qwen3_moe": "qwen3moe", "phi3": "phi3"}
-
-
-_GEMMA_BLOCK = {**_BLOCK, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-                "post_feedforward_layernorm": "post_ffw_norm"}
-GEMMA_ARCH = {"gemma2": "gemma2", "gemma3_text": "gemma3"}
-
-
-def gguf_name(hf_name: str, arch: str = "llama") -> str:
-    """llama.cpp's name of a Hugging Face tensor; the inverse of ``interop.gguf.hf_name``."""
-    if hf_name in _TOP:
-        return _TOP[hf_name]
-    rest = hf_name.removeprefix("model.layers.")
-    layer, rest = rest.split(".", 1)
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{(_GEMMA_BLOCK if arch in GEMMA_GLOBAL_EVERY else _BLOCK)[module]}.{kind}"
-
-
-def gemma_problem(cfg: Any, arch: str) -> str | None:
-    """Why llama.cpp's ``arch`` (gemma2 / gemma3) would compute something else than ``cfg``, or None."""
-    every = GEMMA_GLOBAL_EVERY[arch]
-    if cfg.attn_bias or cfg.attn_out_bias:
-        return "llama.cpp's Gemma has no attention biases"
-    if cfg.sliding_window is None or [cfg.layer_window(i) is None for i in range(cfg.n_layer)] != [
-            (i + 1) % every == 0 for i in range(cfg.n_layer)]:
-        return f"llama.cpp's {arch} needs a sliding window with every {every}th layer global (layer_types)"
-    if abs((cfg.attn_scale or cfg.head_dim ** -0.5) - cfg.head_dim ** -0.5) > 1e-9:
-        return f"llama.cpp's {arch} scales scores by head_dim^-1/2; attn_scale={cfg.attn_scale}"
-    caps = (cfg.attn_logit_softcap, cfg.final_logit_softcap)
-    if arch == "gemma2" and (None in caps or not cfg.tie_embeddings):
-        return "llama.cpp's gemma2 soft-caps scores and logits (both caps must be set) and ties the output head"
-    if arch == "gemma3" and (caps != (None, None) or cfg.rope_local_theta not in (None, 10000.0)
-                             or (cfg.rope_local_theta is None and cfg.rope_theta != 10000.0)):
-        return "llama.cpp's gemma3 has no soft-caps and its local layers' RoPE base is 10000"
-    return None
-
 
 def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Half-split RoPE rows -> llama.cpp's adjacent-pair order, per head (weights and biases)."""
@@ -200,8 +148,7 @@ def export_gguf(run: str | Path, out: str | Path, qtype: str = "f32", *, force: 
     """Run folder -> GGUF file (written to a temporary file, renamed into place when complete). Returns notes."""
     import gguf
 
-    from tinyformer.interop import gemma
-    from tinyformer.interop.llama import check_llama_compatible, export_model_type, tinyformer_to_hf
+    from tinyformer.families import GGUF_ARCHS, gguf_family_for
     from tinyformer.run_folder import load_config
     from tinyformer.utils.io import atomic_path
 
@@ -215,20 +162,19 @@ def export_gguf(run: str | Path, out: str | Path, qtype: str = "f32", *, force: 
     cfg = load_config(run)
     if cfg.rope_type == "dynamic":
         raise ConfigError("dynamic NTK RoPE scaling has no GGUF / llama.cpp equivalent")
-    if gemma.export_problem(cfg) is None:
-        arch, to_hf = GEMMA_ARCH[gemma.export_model_type(cfg)], gemma.tinyformer_to_hf
-        problem = gemma_problem(cfg, arch)
-        if problem:
-            raise ConfigError(problem)
-    else:
-        check_llama_compatible(cfg)
-        arch, to_hf = GGUF_ARCH[export_model_type(cfg)], tinyformer_to_hf
-    if cfg.attn_bias != cfg.attn_out_bias and arch != "qwen2":
+    family = gguf_family_for(cfg)
+    assert family.gguf_arch_for is not None, f"family {family.name} lists GGUF architectures but no choice among them"
+    spec = GGUF_ARCHS[family.gguf_arch_for(cfg)]
+    arch, to_hf = spec.name, family.adapter.tinyformer_to_hf
+    problem = spec.export_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
+    if cfg.attn_bias != cfg.attn_out_bias and not spec.split_qkv_bias:
         raise ConfigError("a model with q/k/v biases but no output bias (or the reverse) is not a llama.cpp "
                           "architecture")
     if cfg.mlp_bias:
         raise ConfigError("mlp_bias (biases on the feed-forward layers) is not supported by llama.cpp's llama")
-    if cfg.sliding_window is not None and arch not in ("phi3", *GEMMA_GLOBAL_EVERY):
+    if cfg.sliding_window is not None and not spec.sliding_window:
         raise ConfigError(f"sliding_window: llama.cpp's {arch!r} architecture has no sliding-window attention")
     if cfg.ffn == "moe" and not (cfg.router_norm_topk or cfg.router_order == "topk_softmax"):
         raise ConfigError("llama.cpp renormalises a mixture's top-k router weights; this router does not "
@@ -263,18 +209,16 @@ def export_gguf(run: str | Path, out: str | Path, qtype: str = "f32", *, force: 
         w.add_layer_norm_rms_eps(cfg.norm_eps)
         w.add_rope_freq_base(cfg.rope_theta)
         w.add_vocab_size(cfg.vocab_size)
-        if arch in ("phi3", *GEMMA_GLOBAL_EVERY):  # llama.cpp's Phi-3 converter writes 0 for no window
+        if spec.sliding_window:  # llama.cpp's Phi-3 converter writes 0 for no window
             w.add_sliding_window(cfg.sliding_window or 0)
-        if arch == "gemma2":
-            w.add_attn_logit_softcapping(float(cfg.attn_logit_softcap))
-            w.add_final_logit_softcapping(float(cfg.final_logit_softcap))
+        spec.write_metadata(w, cfg)
         if cfg.ffn == "moe":
             w.add_expert_count(cfg.n_experts)
             w.add_expert_used_count(cfg.experts_per_token)
             w.add_expert_feed_forward_length(cfg.d_ff)
-        extra = _rope_metadata(w, cfg, gguf, arch)
+        extra = _rope_metadata(w, cfg, gguf, spec)
         notes = write_tokenizer(w, run, cfg.vocab_size)
-        for gname, a in _gguf_tensors(cfg, to_hf(cfg, sd), arch):
+        for gname, a in _gguf_tensors(cfg, to_hf(cfg, sd), spec):
             if a.ndim == 1 or matrix_type == Q.F32 or ".ffn_gate_inp." in gname:
                 w.add_tensor(gname, a)
             elif matrix_type == Q.F16:
@@ -291,13 +235,11 @@ def export_gguf(run: str | Path, out: str | Path, qtype: str = "f32", *, force: 
     return notes
 
 
-def _gguf_tensors(cfg: Any, hf_tensors: Any, arch: str) -> Any:
-    """(GGUF name, float32 array) from (HF name, tensor): q/k rows permuted for llama.cpp's ``llama``, and each
-    layer's experts stacked into ``blk.i.ffn_{gate,up,down}_exps.weight`` once the last expert has arrived."""
-    from tinyformer.interop.llama import MOE_NAMES
-    from tinyformer.interop.llama import export_model_type as model_type_of
-
-    moe = MOE_NAMES.get(model_type_of(cfg)) if cfg.ffn == "moe" else None  # (Gemma has no experts)
+def _gguf_tensors(cfg: Any, hf_tensors: Any, arch: GGUFArch) -> Any:
+    """(GGUF name, float32 array) from (HF name, tensor): norm gains as 1 + g where the architecture stores them so,
+    q/k rows permuted where it rotates adjacent pairs (llama), and each layer's experts stacked into
+    ``blk.i.ffn_{gate,up,down}_exps.weight`` once the last expert has arrived."""
+    moe = arch.moe if cfg.ffn == "moe" else None
     kinds = dict(zip(moe[2:], ("gate", "up", "down"))) if moe else {}
     pending: dict[tuple[str, str], list[np.ndarray]] = {}
     for name, tensor in hf_tensors:
@@ -311,24 +253,25 @@ def _gguf_tensors(cfg: Any, hf_tensors: Any, arch: str) -> Any:
                 yield f"blk.{layer}.ffn_{kind}_exps.weight", np.stack(pending.pop((layer, kind)))
             continue
         gname = gguf_name(name, arch)
-        if arch in GEMMA_GLOBAL_EVERY and name.endswith("norm.weight"):  # ggml multiplies by the stored 1 + g
+        if arch.norm_plus_one and name.endswith("norm.weight"):  # ggml multiplies by the stored 1 + g
             a = a + np.float32(1)
-        if arch == "llama" and ".attn_q." in gname:
+        if arch.rope_interleaved and ".attn_q." in gname:
             a = np.ascontiguousarray(permute_rows(a, cfg.n_head))
-        elif arch == "llama" and ".attn_k." in gname:
+        elif arch.rope_interleaved and ".attn_k." in gname:
             a = np.ascontiguousarray(permute_rows(a, cfg.n_kv_head))
         yield gname, a
 
 
-def _rope_metadata(w: Any, cfg: Any, gguf: Any, arch: str) -> dict[str, np.ndarray]:
+def _rope_metadata(w: Any, cfg: Any, gguf: Any, spec: GGUFArch) -> dict[str, np.ndarray]:
     """RoPE scaling keys, and the tensors some scalings are stored as (returned by name): llama3's ``rope_freqs``
     divisors, Phi-3's LongRoPE ``rope_factors_short`` / ``rope_factors_long``."""
+    arch = spec.name
     rs = cfg.rope_scaling
     kind = cfg.rope_type
     if kind == "default":
         return {}
     if kind == "longrope":
-        if arch != "phi3":
+        if not spec.longrope:
             raise ConfigError(f"LongRoPE is stored in GGUF for llama.cpp's phi3 only, not {arch!r}")
         from tinyformer.components.rope import rope_inv_freq
 
@@ -337,8 +280,8 @@ def _rope_metadata(w: Any, cfg: Any, gguf: Any, arch: str) -> dict[str, np.ndarr
         w.add_rope_scaling_orig_ctx_len(int(rs["original_max_position_embeddings"]))
         return {f"rope_factors_{which}.weight": np.array(rs[f"{which}_factor"], dtype=np.float32)
                 for which in ("long", "short")}
-    if arch == "phi3":
-        raise ConfigError(f"RoPE scaling {kind!r} has no GGUF equivalent for phi3 (LongRoPE only)")
+    if spec.longrope:
+        raise ConfigError(f"RoPE scaling {kind!r} has no GGUF equivalent for {arch} (LongRoPE only)")
     if kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rs["factor"]))

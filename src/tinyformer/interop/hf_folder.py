@@ -11,8 +11,9 @@
       generation_config.json       <->            generation_config.json
 
 Both directions run the check / plan / write steps of ``interop/convert_pipeline.py`` on the tensor
-sources of ``interop/tensor_sources.py``. The adapter registry (``ADAPTERS``, ``register_adapter``,
-``Adapter``) lives in ``interop/adapter.py``.
+sources of ``interop/tensor_sources.py``. The adapters come from the family registry (``families/__init__.py``:
+``adapter_for_hf``, ``adapter_for_model``, ``register_adapter``). A sentence-transformers folder (``modules.json``)
+is read with the bert family's ``read_sentence_transformers`` and imported here.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import torch
 
 from tinyformer.config import ModelConfig
 from tinyformer.devices import DTYPE_NAMES, parse_dtype
-from tinyformer.errors import CheckpointError
-from tinyformer.interop.adapter import adapter_for_hf, adapter_for_model
-from tinyformer.interop.bert import import_sentence_transformers
+from tinyformer.errors import CheckpointError, ConfigError
+from tinyformer.families import adapter_for_hf, adapter_for_model
+from tinyformer.families.bert.sentence_transformers import read_sentence_transformers
 from tinyformer.interop.convert_pipeline import (
     DEFAULT_SHARD_BYTES,
     ConvertReport,
@@ -78,7 +79,6 @@ def _export_tokenizer(run: Path, dst: Path, cfg: ModelConfig, hf: dict[str, Any]
     return notes
 
 
-
 def import_hf(src: str | Path, out: str | Path, *, dtype: str | torch.dtype | None = None,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> ConvertReport:
     """Hugging Face model folder -> tinyformer run folder (see the module docstring). A
@@ -94,6 +94,26 @@ def import_hf(src: str | Path, out: str | Path, *, dtype: str | torch.dtype | No
     dt = parse_dtype(dtype)
     return import_checkpoint(hf_config, source, out, write_tokenizer=lambda dst: copy_hf_tokenizer(src, dst),
                              dtype=dt, max_shard_bytes=max_shard_bytes, force=force, inputs=(src,))
+
+
+def import_sentence_transformers(src: str | Path, out: str | Path, *, dtype: str | torch.dtype | None = None,
+                                 max_shard_bytes: int | None = None, force: bool = False) -> ConvertReport:
+    """A sentence-transformers folder -> a tinyformer run folder (``families/bert/sentence_transformers.py``)."""
+    src = Path(src)
+    transformer_dir, info = read_sentence_transformers(src, read_json)
+    hf_config = read_json(transformer_dir / "config.json", "model config")
+    if hf_config.get("model_type") != "bert":
+        raise ConfigError(f"{transformer_dir}: model_type {hf_config.get('model_type')!r} is not supported in a "
+                          "sentence-transformers folder (supported: bert)")
+    source = open_hf_weights(transformer_dir)
+    hf_config = adapter_for_hf(hf_config).align_config(hf_config, source.names())
+    dt = parse_dtype(dtype)
+    return import_checkpoint(
+        hf_config, source, out,
+        write_tokenizer=lambda dst: copy_hf_tokenizer(transformer_dir, dst),
+        dtype=dt, max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES, force=force, inputs=(src,),
+        extra={"sentence_transformers": info},
+    )
 
 
 def export_hf(run: str | Path, out: str | Path, *, dtype: str | torch.dtype | None = None,

@@ -14,7 +14,7 @@ LoRA run's base run. Name mapping, per layer i and target (components/lora.py):
 
 RoPE convention: an adapter's B rows are output rows of W_q / W_k, so they must be permuted exactly as the
 base weights are at the export boundary. tinyformer and Hugging Face Llama both pair dimension i with
-i + d_head/2 (interop/llama.py copies q/k rows unpermuted; a GGUF import permutes them once, on the way in),
+i + d_head/2 (families/llama/hf.py copies q/k rows unpermuted; a GGUF import permutes them once, on the way in),
 so B_q and B_k are copied unpermuted too. PEFT scales by lora_alpha / r, as tinyformer does (no rsLoRA).
 """
 
@@ -76,7 +76,7 @@ def export_peft(run: str | Path, out: str | Path, *, dtype: str | None = None, f
     from safetensors.torch import save_file
 
     from tinyformer import run_folder
-    from tinyformer.interop.llama import check_llama_compatible
+    from tinyformer.families.llama.hf import check_llama_compatible
 
     lora, base, cfg, tensors = _adapter_run(run)
     if run_folder.is_adapter_run(base):

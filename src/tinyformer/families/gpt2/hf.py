@@ -1,7 +1,8 @@
-"""Weight adapter: Hugging Face GPT-2 (``GPT2LMHeadModel`` / ``GPT2Model``) <-> tinyformer decoder.
+"""The gpt2 family's Hugging Face adapter: GPT-2 (``GPT2LMHeadModel`` / ``GPT2Model``) <-> tinyformer decoder.
 
 GPT-2 is the config ``norm=layernorm (eps 1e-5), norm_placement=pre, pos=learned, ffn=gelu_tanh``
-(HF's ``gelu_new``) with every bias and a tied head; attention scales scores by 1/sqrt(d_head).
+(HF's ``gelu_new``) with every bias and a tied head; attention scales scores by 1/sqrt(d_head). No RoPE (learned
+positions), so there is no rotation convention to convert; GPT-2 has no GGUF mapping here.
 
 GPT-2's projections are ``Conv1D`` modules whose weight is stored as (in, out), the transpose of a
 ``torch.nn.Linear`` (out, in): every matrix is transposed on the way in and on the way out.
@@ -33,7 +34,7 @@ import torch
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.interop.adapter import Adapter
+from tinyformer.families.adapter import Adapter
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                "gelu": "gelu", "relu": "relu"}

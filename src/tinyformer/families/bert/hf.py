@@ -1,5 +1,5 @@
-"""Weight adapter: Hugging Face BERT (``BertModel``, ``BertForMaskedLM``, ``BertForPreTraining``) <-> tinyformer
-encoder, and import of sentence-transformers folders.
+"""The bert family's Hugging Face adapter: BERT (``BertModel``, ``BertForMaskedLM``, ``BertForPreTraining``) <->
+tinyformer encoder. Learned positions (no RoPE, no rotation convention); no GGUF mapping here.
 
 BERT is the config ``arch=encoder, norm=layernorm (eps 1e-12), norm_placement=post, final_norm=false,
 pos=learned, ffn=gelu, type_vocab_size=2, embed_norm=true`` with every bias; ``BertModel`` adds the
@@ -23,26 +23,19 @@ Name mapping, per layer i (HF, after the ``bert.`` prefix of the *For* classes  
 
 The next-sentence head of BertForPreTraining (``cls.seq_relationship``) is not imported.
 
-A sentence-transformers folder (``modules.json``) is a Transformer module (a BERT folder at the root or in
-``0_Transformer/``), a Pooling module (``1_Pooling/config.json``: cls, mean or max) and optionally a
-Normalize module; ``import_sentence_transformers`` writes a run folder whose config records the pooling in
-``extra["sentence_transformers"]``, which ``tinyformer embed`` follows.
+Sentence-transformers folders (a BERT plus pooling) are ``families/bert/sentence_transformers.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from tinyformer.config import ModelConfig
-from tinyformer.devices import parse_dtype
-from tinyformer.errors import CheckpointError, ConfigError
-from tinyformer.interop.adapter import Adapter
-from tinyformer.interop.convert_pipeline import DEFAULT_SHARD_BYTES, copy_hf_tokenizer, import_checkpoint
-from tinyformer.interop.tensor_sources import open_hf_weights, read_json
+from tinyformer.errors import ConfigError
+from tinyformer.families.adapter import Adapter
 
 PREFIX = "bert."
 # architecture -> (tensor-name prefix, pooler, masked-LM head)
@@ -269,92 +262,3 @@ ADAPTER = Adapter(
     export_problem=export_problem,
     ignorable_hf_tensor=ignorable_hf_tensor,
 )
-
-
-# --------------------------------------------------------------------------------------------- sentence-transformers
-
-POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_max_tokens": "max"}
-UNSUPPORTED_POOLING = ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens",
-                       "pooling_mode_lasttoken")
-
-
-def read_sentence_transformers(folder: str | Path) -> tuple[Path, dict[str, Any]]:
-    """(the folder of the Transformer module, {"pooling", "normalize", "max_seq_length"}) of a
-    sentence-transformers folder; ConfigError naming any module or pooling mode that is not supported."""
-    folder = Path(folder)
-    modules = read_json_list(folder / "modules.json")
-    transformer_dir: Path | None = None
-    pooling: str | None = None
-    normalize = False
-    for module in modules:
-        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
-        path = folder / str(module.get("path", ""))
-        if kind == "Transformer":
-            transformer_dir = path
-        elif kind == "Pooling":
-            pooling = _pooling_mode(read_json(path / "config.json", "sentence-transformers pooling config"))
-        elif kind == "Normalize":
-            normalize = True
-        else:
-            raise ConfigError(f"{folder / 'modules.json'}: module {module.get('type')!r} is not supported "
-                              "(supported: Transformer, Pooling, Normalize)")
-    if transformer_dir is None:
-        raise CheckpointError(f"{folder / 'modules.json'} lists no Transformer module")
-    info: dict[str, Any] = {"pooling": pooling or "mean", "normalize": normalize}
-    # the truncation length: sentence_bert_config.json (older versions), else the tokenizer's model_max_length
-    for name, key in (("sentence_bert_config.json", "max_seq_length"), ("tokenizer_config.json", "model_max_length")):
-        path = transformer_dir / name
-        max_len = read_json(path, "sentence-transformers config").get(key) if path.is_file() else None
-        if isinstance(max_len, int) and 0 < max_len < 1_000_000:  # HF writes a huge sentinel when unset
-            info["max_seq_length"] = max_len
-            break
-    return transformer_dir, info
-
-
-def read_json_list(path: Path) -> list[dict[str, Any]]:
-    """The modules of a sentence-transformers ``modules.json``, in their ``idx`` order."""
-    data = read_json(path, "the module list of a sentence-transformers folder", kind=list)
-    if not all(isinstance(m, dict) for m in data):
-        raise CheckpointError(f"{path} must hold a list of modules")
-    return sorted(data, key=lambda m: m.get("idx", 0))
-
-
-def _pooling_mode(config: Mapping[str, Any]) -> str:
-    """The pooling of a ``1_Pooling/config.json``: ``"pooling_mode": "mean"`` (sentence-transformers >= 6) or
-    one ``pooling_mode_*_tokens: true`` flag (older versions)."""
-    mode = config.get("pooling_mode")
-    if isinstance(mode, (list, tuple)) and len(mode) == 1:
-        mode = mode[0]
-    if mode is not None:
-        if mode not in POOLING_KEYS.values():
-            raise ConfigError(f"sentence-transformers pooling_mode {mode!r} is not supported (supported: cls, mean, "
-                              "max)")
-        return str(mode)
-    for key in UNSUPPORTED_POOLING:
-        if config.get(key):
-            raise ConfigError(f"sentence-transformers pooling {key} is not supported (supported: cls, mean, max)")
-    modes = [mode for key, mode in POOLING_KEYS.items() if config.get(key)]
-    if len(modes) != 1:
-        raise ConfigError("sentence-transformers pooling must use exactly one of cls, mean, max; "
-                          f"got {modes or 'none'}")
-    return modes[0]
-
-
-def import_sentence_transformers(src: str | Path, out: str | Path, *, dtype: str | torch.dtype | None = None,
-                                 max_shard_bytes: int | None = None, force: bool = False):
-    """A sentence-transformers folder -> a tinyformer run folder (-> ``convert_pipeline.ConvertReport``)."""
-    src = Path(src)
-    transformer_dir, info = read_sentence_transformers(src)
-    hf_config = read_json(transformer_dir / "config.json", "model config")
-    if hf_config.get("model_type") != "bert":
-        raise ConfigError(f"{transformer_dir}: model_type {hf_config.get('model_type')!r} is not supported in a "
-                          "sentence-transformers folder (supported: bert)")
-    source = open_hf_weights(transformer_dir)
-    hf_config = align_config(hf_config, source.names())
-    dt = parse_dtype(dtype)
-    return import_checkpoint(
-        hf_config, source, out,
-        write_tokenizer=lambda dst: copy_hf_tokenizer(transformer_dir, dst),
-        dtype=dt, max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES, force=force, inputs=(src,),
-        extra={"sentence_transformers": info},
-    )

@@ -1,9 +1,9 @@
-"""Weight adapter: Hugging Face Llama and the models that share its layout <-> tinyformer: Mistral, Qwen2,
-Qwen3, and the mixtures of experts Mixtral and Qwen3-MoE.
+"""The Llama layout, shared by the llama, qwen and phi3 families (and, for its names, gemma), and the llama family's
+Hugging Face model types: Llama 1/2/3, Mistral and the mixture of experts Mixtral.
 
 RoPE convention: both sides use the half-split pairing (dimension i rotates with i + d_head/2),
 so q/k rows are copied unpermuted. (Meta's original checkpoints and GGUF files pair adjacent
-dimensions; their importers permute W_q and W_k rows before calling this adapter, see ``interop/gguf.py``.)
+dimensions; the GGUF reader and writer permute W_q and W_k rows at the file boundary, see ``interop/gguf.py``.)
 
 Name mapping, per layer i (HF  ->  tinyformer):
   model.embed_tokens.weight                        tok_emb.weight
@@ -35,6 +35,11 @@ the layers from ``max_window_layers`` on). The context stays ``max_position_embe
 Mixtral is Mistral with routed experts (softmax, top k, renormalised); Qwen3-MoE is Qwen3 with routed experts
 of width ``moe_intermediate_size`` (renormalised when ``norm_topk_prob``) in every layer.
 
+Each Hugging Face model type of the layout is a ``LayoutType``: what its config.json states (biases, sliding window,
+q/k norms, experts), how its tensors are stored (fused or not, the experts' names), and ``writes(cfg, imported_as)``,
+whether a model is written as that type. A family's ``Layout`` is its types in export-preference order; the registry
+(``families/__init__.py``) prefers the family a model was imported with, then the first whose layout writes it.
+
 An imported config remembers the Hugging Face ``config.json`` it came from (``extra["hf_config"]``).
 Exporting a model whose shape still equals that config writes the original back unchanged, so an
 import/export round trip gives identical config fields; a changed model gets a freshly built config.
@@ -42,41 +47,58 @@ import/export round trip gives identical config fields; a changed model gets a f
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tinyformer.config import ROPE_SCALING_KEYS, ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.interop.adapter import Adapter
+from tinyformer.families.adapter import Adapter
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
-WINDOW_IN_EVERY_LAYER = ("mistral", "mixtral", "phi3")  # the others slide only with use_sliding_window
-PER_LAYER_WINDOW = ("qwen2", "qwen3")  # layer_types / max_window_layers choose the sliding layers
-QK_NORM = ("qwen3", "qwen3_moe")
-MOE_NAMES = {  # model_type -> (router, expert prefix, gate, up, down) under model.layers.i.
-    "mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2"),
-    "qwen3_moe": ("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
-}
 HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
+MoENames = tuple[str, str, str, str, str]  # (router, expert prefix, gate, up, down) under model.layers.i.
 
 
-def window_from_hf(hf: Mapping[str, Any], model_type: str) -> tuple[int | None, list[str] | None]:
+@dataclass(frozen=True)
+class LayoutType:
+    """One Hugging Face model type of the Llama layout.
+
+    biases: "config" (``attention_bias`` for q/k/v and o, ``mlp_bias``), "qkv" (q/k/v always, nothing else),
+    "none". window: "none" (never slides), "always" (every layer slides when ``sliding_window`` is set), "flag"
+    (every layer, only with ``use_sliding_window``), "flag_per_layer" (with ``use_sliding_window``, the layers
+    ``layer_types`` / ``max_window_layers`` mark). ``hf_keys``: the config.json keys of this type, in order, after
+    the ones every type spells alike. ``writes(cfg, imported_as)``: whether a model that the layout can express
+    is written as this type (``imported_as``: the model_type it was imported from, or None)."""
+
+    model_type: str
+    architecture: str
+    gguf_arch: str
+    biases: str
+    window: str
+    writes: Callable[[ModelConfig, str | None], bool]
+    hf_keys: tuple[Callable[[ModelConfig], dict[str, Any]], ...] = ()
+    qk_norm: bool = False
+    moe: MoENames | None = None
+    router_always_renormalises: bool = False
+    check_hf: Callable[[Mapping[str, Any]], None] | None = None
+    fused: bool = False
+    all_four_biases: bool = False
+    d_ff_key: str = "intermediate_size"
+
+
+def window_from_hf(hf: Mapping[str, Any], kind: LayoutType) -> tuple[int | None, list[str] | None]:
     """(sliding_window, layer_types) from a HF config, as transformers' config classes decide: Mistral and
     Mixtral slide in every layer whenever ``sliding_window`` is set; Qwen2/3/3-MoE only with
     ``use_sliding_window``, Qwen3-MoE then in every layer, Qwen2/3 in the layers ``layer_types`` names
     "sliding_attention" (by default those from ``max_window_layers`` on)."""
     window = hf.get("sliding_window")
-    if model_type == "llama" or window is None or (model_type not in WINDOW_IN_EVERY_LAYER
-                                                   and not hf.get("use_sliding_window")):
+    if kind.window == "none" or window is None or (kind.window != "always" and not hf.get("use_sliding_window")):
         return None, None
     n = int(hf["num_hidden_layers"])
     hf_types = hf.get("layer_types")
-    if model_type not in PER_LAYER_WINDOW:
+    if kind.window != "flag_per_layer":
         types = ["sliding"] * n
     elif hf_types:
         unknown = sorted(set(hf_types) - set(HF_LAYER_TYPES))
@@ -91,7 +113,7 @@ def window_from_hf(hf: Mapping[str, Any], model_type: str) -> tuple[int | None, 
     return int(window), None if set(types) == {"sliding"} else types
 
 
-def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from HF's ``rope_parameters`` (transformers 5) or ``rope_scaling``/``rope_theta``
     (transformers 4)."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -123,92 +145,21 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), {"rope_type": kind, **params}
 
 
-def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
-    """A tinyformer ModelConfig from a Hugging Face Llama/Mistral/Qwen2 ``config.json`` dict.
-
-    Raises ConfigError naming the option that tinyformer cannot represent exactly."""
-    model_type = hf.get("model_type", "llama")
-    arch = (hf.get("architectures") or [ARCHITECTURES.get(model_type, "?")])[0]
-    if model_type not in MODEL_TYPES:
-        raise ConfigError(f"model_type {model_type!r} ({arch}) is not supported by the Llama adapter")
-    if not str(arch).endswith("ForCausalLM") and arch != "LlamaModel":
-        raise ConfigError(f"architecture {arch!r} is not supported (only *ForCausalLM language models)")
-    if hf.get("quantization_config"):
-        method = hf["quantization_config"].get("quant_method", "?")
-        raise ConfigError(f"quantization_config (quant_method {method!r}): pre-quantized checkpoints are not "
-                          "supported; convert the unquantized model")
-    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise ConfigError(f"hidden_act {act!r} is not supported (Llama/Mistral/Qwen2 use 'silu')")
-    d_ff_key = "moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                           d_ff_key, "max_position_embeddings") if k not in hf]
-    if missing:
-        raise ConfigError(f"config.json lacks {', '.join(missing)}")
-    theta, rope_scaling = _rope_from_hf(hf)
-    max_seq_len = int(hf["max_position_embeddings"])
-    window, layer_types = window_from_hf(hf, model_type)
-    n_head = hf["num_attention_heads"]
-    pad = hf.get("pad_token_id")
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
-    if model_type == "qwen2":
-        qkv_bias, out_bias, mlp_bias = True, False, False
-    elif model_type in ("mistral", "mixtral"):
-        qkv_bias = out_bias = mlp_bias = False
-    else:  # llama, qwen3, qwen3_moe
-        qkv_bias = out_bias = bool(hf.get("attention_bias", False))
-        mlp_bias = bool(hf.get("mlp_bias", False))
-    return ModelConfig(
-        arch="decoder",
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layer=hf["num_hidden_layers"],
-        n_head=n_head,
-        n_kv_head=hf.get("num_key_value_heads") or n_head,
-        head_dim=head_dim,
-        d_ff=hf[d_ff_key],
-        max_seq_len=max_seq_len,
-        norm="rmsnorm",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        pos="rope",
-        rope_theta=theta,
-        rope_scaling=rope_scaling,
-        attn_bias=qkv_bias,
-        attn_out_bias=out_bias,
-        mlp_bias=mlp_bias,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attn_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
-        qk_norm=model_type in QK_NORM,
-        **_moe_from_hf(hf, model_type),
-        sliding_window=window,
-        layer_types=layer_types,
-        pad_token_id=pad if isinstance(pad, int) and 0 <= pad < hf["vocab_size"] else None,
-        extra={"source": model_type, "hf_config": dict(hf)},
-    )
+BIASES = {  # LayoutType.biases -> (q/k/v, o, mlp) biases of a config.json
+    "qkv": lambda hf: (True, False, False),
+    "none": lambda hf: (False, False, False),
+    "config": lambda hf: (bool(hf.get("attention_bias", False)),) * 2 + (bool(hf.get("mlp_bias", False)),),
+}
 
 
-def _moe_from_hf(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
-    """The FFN fields: dense SwiGLU, or routed experts (Mixtral: softmax, top k, renormalised; Qwen3-MoE:
-    renormalised only with norm_topk_prob)."""
-    if model_type not in MOE_NAMES:
-        return {"ffn": "swiglu"}
-    if model_type == "qwen3_moe":
-        if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
-            raise ConfigError("Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step != 1) is not "
-                              "supported: every layer must be a MoE layer")
-        if hf.get("shared_expert_intermediate_size"):
-            raise ConfigError("shared_expert_intermediate_size (a gated shared expert) is not supported")
-    n_experts = hf.get("num_local_experts") or hf.get("num_experts")
-    if not n_experts:
-        raise ConfigError("config.json lacks num_local_experts / num_experts")
-    return {"ffn": "moe", "n_experts": int(n_experts), "experts_per_token": int(hf.get("num_experts_per_tok", 2)),
-            "router_order": "softmax_topk",
-            "router_norm_topk": model_type == "mixtral" or bool(hf.get("norm_topk_prob", False)),
-            "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001))}
+def imported_as(cfg: ModelConfig) -> str | None:
+    """The Hugging Face model_type ``cfg`` was imported from, or None."""
+    original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
+    return original.get("model_type") if isinstance(original, dict) else None
 
 
-def export_problem(cfg: ModelConfig) -> str | None:
-    """Why ``cfg`` cannot be written as Llama/Mistral/Qwen2, or None when it can."""
+def layout_problem(cfg: ModelConfig) -> str | None:
+    """Why ``cfg`` cannot be written in the Llama layout by any of its model types, or None when it can."""
     wanted = {"arch": "decoder", "norm": "rmsnorm", "norm_placement": "pre", "pos": "rope",
               "final_norm": True, "embed_scale": False, "type_vocab_size": 0, "norm_gain_offset": 0.0,
               "attn_scale": None, "attn_logit_softcap": None, "final_logit_softcap": None, "rope_local_theta": None}
@@ -236,34 +187,9 @@ def export_problem(cfg: ModelConfig) -> str | None:
     return None
 
 
-def export_model_type(cfg: ModelConfig) -> str:
-    """The HF architecture a model is written as: the one it was imported from when it can still express
-    it (Qwen2 = q/k/v biases only; Mistral = no biases), Llama otherwise.
-
-    A new model with q/k/v biases is written as Llama with ``attention_bias`` (and an all-zero o_proj
-    bias, which changes nothing) rather than as Qwen2, because transformers 5 ignores the
-    tokenizer.json pre-tokenizer of any model whose model_type is qwen2 and imposes Qwen2's."""
-    original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
-    wanted = original.get("model_type") if isinstance(original, dict) else None
-    if cfg.ffn == "moe":
-        return "qwen3_moe" if cfg.qk_norm else "mixtral"
-    if wanted == "phi3" and not (cfg.qk_norm or cfg.attn_bias or cfg.attn_out_bias or cfg.mlp_bias
-                                 or cfg.layer_types is not None):
-        return "phi3"
-    if cfg.qk_norm:
-        return "qwen3"
-    if cfg.sliding_window is not None:  # Llama has no window: Qwen2 for q/k/v biases, else Mistral
-        return "qwen2" if cfg.attn_bias else "mistral"
-    if wanted == "qwen2" and cfg.attn_bias and not cfg.attn_out_bias and not cfg.mlp_bias:
-        return "qwen2"
-    if wanted == "mistral" and not (cfg.attn_bias or cfg.attn_out_bias or cfg.mlp_bias):
-        return "mistral"
-    return "llama"
-
-
 def check_llama_compatible(cfg: ModelConfig) -> None:
-    """Raise ConfigError naming the first option Hugging Face's Llama/Qwen2 cannot express."""
-    problem = export_problem(cfg)
+    """Raise ConfigError naming the first option the Llama layout (Llama, Mistral, Qwen2, ...) cannot express."""
+    problem = layout_problem(cfg)
     if problem:
         raise ConfigError(problem)
 
@@ -338,44 +264,168 @@ def shape_to_hf(cfg: ModelConfig, model_type: str, architecture: str, rope_param
     return hf
 
 
-def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
-    """A Hugging Face config dict: the imported original when the model is unchanged, else a fresh one for
-    the architecture ``export_model_type`` picks."""
-    check_llama_compatible(cfg)
-    kept = original_if_unchanged(cfg, config_from_hf, torch_dtype)
-    if kept is not None:
-        return kept
-    model_type = export_model_type(cfg)
-    rope_parameters, max_positions = rope_to_hf(cfg)
-    hf = shape_to_hf(cfg, model_type, ARCHITECTURES[model_type], rope_parameters, max_positions, torch_dtype)
-    hf.update({
-        "hidden_act": "silu",
-        "rope_theta": cfg.rope_theta,
-    })
-    if cfg.rope_scaling:
-        hf["rope_scaling"] = dict(rope_parameters)  # the transformers 4 spelling, for older readers
-    if model_type in ("llama", "qwen3", "qwen3_moe"):
-        hf["attention_bias"] = cfg.attn_bias or cfg.attn_out_bias
-    if model_type == "llama":
-        hf["mlp_bias"] = cfg.mlp_bias
-    else:
-        hf["sliding_window"] = cfg.sliding_window
-        hf["use_sliding_window"] = cfg.sliding_window is not None
-    if cfg.ffn == "moe":
-        hf.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
-                  router_aux_loss_coef=cfg.router_aux_loss_coef)
-    if model_type == "qwen3_moe":
-        hf.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.d_ff, decoder_sparse_step=1, mlp_only_layers=[],
-                  norm_topk_prob=cfg.router_norm_topk or cfg.router_order == "topk_softmax")
-    if model_type in PER_LAYER_WINDOW:
-        types = [("sliding_attention" if cfg.layer_window(i) else "full_attention") for i in range(cfg.n_layer)]
-        hf["layer_types"] = types
-        hf["max_window_layers"] = types.index("sliding_attention") if "sliding_attention" in types else cfg.n_layer
-    return hf
+def moe_from_hf(hf: Mapping[str, Any], kind: LayoutType) -> dict[str, Any]:
+    """The FFN fields: dense SwiGLU, or routed experts (Mixtral: softmax, top k, renormalised; Qwen3-MoE:
+    renormalised only with norm_topk_prob)."""
+    if kind.moe is None:
+        return {"ffn": "swiglu"}
+    if kind.check_hf is not None:
+        kind.check_hf(hf)
+    n_experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if not n_experts:
+        raise ConfigError("config.json lacks num_local_experts / num_experts")
+    return {"ffn": "moe", "n_experts": int(n_experts), "experts_per_token": int(hf.get("num_experts_per_tok", 2)),
+            "router_order": "softmax_topk",
+            "router_norm_topk": kind.router_always_renormalises or bool(hf.get("norm_topk_prob", False)),
+            "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001))}
 
 
-def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+# config.json keys some types write, each a small function of the config (LayoutType.hf_keys)
+def attention_bias_key(cfg: ModelConfig) -> dict[str, Any]:
+    return {"attention_bias": cfg.attn_bias or cfg.attn_out_bias}
+
+
+def window_keys(cfg: ModelConfig) -> dict[str, Any]:
+    return {"sliding_window": cfg.sliding_window, "use_sliding_window": cfg.sliding_window is not None}
+
+
+def expert_keys(cfg: ModelConfig) -> dict[str, Any]:
+    return {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
+            "router_aux_loss_coef": cfg.router_aux_loss_coef}
+
+
+def per_layer_window_keys(cfg: ModelConfig) -> dict[str, Any]:
+    types = [("sliding_attention" if cfg.layer_window(i) else "full_attention") for i in range(cfg.n_layer)]
+    return {"layer_types": types,
+            "max_window_layers": types.index("sliding_attention") if "sliding_attention" in types else cfg.n_layer}
+
+
+class Layout:
+    """The Llama layout restricted to a family's model types (in export-preference order)."""
+
+    def __init__(self, name: str, types: tuple[LayoutType, ...], unclaimed: str) -> None:
+        self.name, self.types, self.unclaimed = name, {t.model_type: t for t in types}, unclaimed
+
+    def config_from_hf(self, hf: Mapping[str, Any]) -> ModelConfig:
+        """A tinyformer ModelConfig from a Hugging Face ``config.json`` dict of one of the layout's types.
+
+        Raises ConfigError naming the option that tinyformer cannot represent exactly."""
+        model_type = hf.get("model_type", "llama")
+        kind = self.types.get(model_type)
+        arch = (hf.get("architectures") or [kind.architecture if kind else "?"])[0]
+        if kind is None:
+            raise ConfigError(f"model_type {model_type!r} ({arch}) is not supported by the Llama adapter")
+        if not str(arch).endswith("ForCausalLM") and arch != "LlamaModel":
+            raise ConfigError(f"architecture {arch!r} is not supported (only *ForCausalLM language models)")
+        if hf.get("quantization_config"):
+            method = hf["quantization_config"].get("quant_method", "?")
+            raise ConfigError(f"quantization_config (quant_method {method!r}): pre-quantized checkpoints are not "
+                              "supported; convert the unquantized model")
+        act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+        if act != "silu":
+            raise ConfigError(f"hidden_act {act!r} is not supported (Llama/Mistral/Qwen2 use 'silu')")
+        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                               kind.d_ff_key, "max_position_embeddings") if k not in hf]
+        if missing:
+            raise ConfigError(f"config.json lacks {', '.join(missing)}")
+        theta, rope_scaling = rope_from_hf(hf)
+        window, layer_types = window_from_hf(hf, kind)
+        n_head = hf["num_attention_heads"]
+        pad = hf.get("pad_token_id")
+        qkv_bias, out_bias, mlp_bias = BIASES[kind.biases](hf)
+        return ModelConfig(
+            arch="decoder",
+            vocab_size=hf["vocab_size"],
+            d_model=hf["hidden_size"],
+            n_layer=hf["num_hidden_layers"],
+            n_head=n_head,
+            n_kv_head=hf.get("num_key_value_heads") or n_head,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
+            d_ff=hf[kind.d_ff_key],
+            max_seq_len=int(hf["max_position_embeddings"]),
+            norm="rmsnorm",
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            pos="rope",
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            attn_bias=qkv_bias,
+            attn_out_bias=out_bias,
+            mlp_bias=mlp_bias,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attn_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
+            qk_norm=kind.qk_norm,
+            **moe_from_hf(hf, kind),
+            sliding_window=window,
+            layer_types=layer_types,
+            pad_token_id=pad if isinstance(pad, int) and 0 <= pad < hf["vocab_size"] else None,
+            extra={"source": model_type, "hf_config": dict(hf)},
+        )
+
+    def written_type(self, cfg: ModelConfig) -> LayoutType | None:
+        """The first of the layout's types that writes ``cfg`` (None: none of them does)."""
+        if layout_problem(cfg) is not None:
+            return None
+        wanted = imported_as(cfg)
+        return next((t for t in self.types.values() if t.writes(cfg, wanted)), None)
+
+    def tensor_type(self, cfg: ModelConfig) -> LayoutType:
+        """The type whose tensor names ``cfg``'s are: the written one, else the one it was imported from."""
+        kind = self.written_type(cfg) or self.types.get(imported_as(cfg) or "")
+        if kind is None:
+            raise ConfigError(self.export_problem(cfg) or f"no {self.name} model type writes this model")
+        return kind
+
+    def export_problem(self, cfg: ModelConfig) -> str | None:
+        """Why ``cfg`` cannot be written as one of the layout's types, or None when it can."""
+        return layout_problem(cfg) or (None if self.written_type(cfg) else self.unclaimed)
+
+    def config_to_hf(self, cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+        """A Hugging Face config dict: the imported original when the model is unchanged, else a fresh one for
+        the type ``written_type`` picks."""
+        problem = self.export_problem(cfg)
+        if problem:
+            raise ConfigError(problem)
+        kept = original_if_unchanged(cfg, self.config_from_hf, torch_dtype)
+        if kept is not None:
+            return kept
+        kind = self.tensor_type(cfg)
+        rope_parameters, max_positions = rope_to_hf(cfg)
+        hf = shape_to_hf(cfg, kind.model_type, kind.architecture, rope_parameters, max_positions, torch_dtype)
+        hf.update({
+            "hidden_act": "silu",
+            "rope_theta": cfg.rope_theta,
+        })
+        if cfg.rope_scaling:
+            hf["rope_scaling"] = dict(rope_parameters)  # the transformers 4 spelling, for older readers
+        for keys in kind.hf_keys:
+            hf.update(keys(cfg))
+        return hf
+
+    def hf_to_tinyformer(self, cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+        kind = self.tensor_type(cfg)
+        return hf_to_tinyformer(cfg, hf_sd, fused=kind.fused, moe=kind.moe)
+
+    def tinyformer_to_hf(self, cfg: ModelConfig, sd: Mapping[str, torch.Tensor]
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+        kind = self.tensor_type(cfg)
+        return tinyformer_to_hf(cfg, sd, fused=kind.fused, moe=kind.moe, all_four_biases=kind.all_four_biases)
+
+    def adapter(self) -> Adapter:
+        return Adapter(name=self.name, model_types=tuple(self.types), config_from_hf=self.config_from_hf,
+                       config_to_hf=self.config_to_hf, hf_to_tinyformer=self.hf_to_tinyformer,
+                       tinyformer_to_hf=self.tinyformer_to_hf, export_problem=self.export_problem,
+                       ignorable_hf_tensor=ignorable_hf_tensor)
+
+    def gguf_arch_for(self, cfg: ModelConfig) -> str:
+        """llama.cpp's architecture of the type ``cfg`` is written as."""
+        return self.tensor_type(cfg).gguf_arch
+
+
+def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor], *, fused: bool = False,
+                     moe: MoENames | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (tinyformer name, tensor), one tensor at a time, from a HF state dict (or lazy mapping).
+    ``fused``: q/k/v and gate/up stored as one matrix each (Phi-3); ``moe``: the experts' names.
 
     Raises ConfigError naming a missing tensor. Callers check that every HF tensor was consumed.
     At most one layer's q/k/v (or gate/up) tensors exist twice at any time (the concatenation)."""
@@ -385,7 +435,6 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Ite
             raise ConfigError(f"tensor {name!r} is missing from the checkpoint")
         return hf_sd[name]
 
-    fused = export_model_type(cfg) == "phi3"
     yield "tok_emb.weight", get("model.embed_tokens.weight")
     for i in range(cfg.n_layer):
         p, a = f"model.layers.{i}.", f"blocks.{i}."
@@ -404,7 +453,8 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Ite
             yield a + "attn.k_norm.weight", get(p + "self_attn.k_norm.weight")
         yield a + "ffn_norm.weight", get(p + "post_attention_layernorm.weight")
         if cfg.ffn == "moe":
-            router, experts, gate, up, down = MOE_NAMES[export_model_type(cfg)]
+            assert moe is not None, "a mixture of experts needs its tensor names"
+            router, experts, gate, up, down = moe
             yield a + "ffn.router.weight", get(p + router + ".weight")
             yield a + "ffn.gate_up", torch.stack([torch.cat([get(f"{p}{experts}.{e}.{gate}.weight"),
                                                              get(f"{p}{experts}.{e}.{up}.weight")])
@@ -425,14 +475,14 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Ite
         yield "lm_head.weight", get("lm_head.weight")
 
 
-def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *, fused: bool = False,
+                     moe: MoENames | None = None, all_four_biases: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) from a tinyformer state dict; the inverse of ``hf_to_tinyformer``.
 
-    Llama has either all four attention biases or none: a model with only some of them gets the others
-    as zeros (adding zero changes nothing)."""
+    With ``all_four_biases`` (Llama's ``attention_bias``: q, k, v and o biases, or none), a model with only some of
+    them gets the others as zeros (adding zero changes nothing)."""
     q, kv, f = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.d_ff
-    llama_bias = export_model_type(cfg) in ("llama", "qwen3") and (cfg.attn_bias or cfg.attn_out_bias)
-    fused = export_model_type(cfg) == "phi3"
+    llama_bias = all_four_biases and (cfg.attn_bias or cfg.attn_out_bias)
     yield "model.embed_tokens.weight", sd["tok_emb.weight"]
     for i in range(cfg.n_layer):
         p, a = f"model.layers.{i}.", f"blocks.{i}."
@@ -459,7 +509,8 @@ def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterat
             yield p + "self_attn.k_norm.weight", sd[a + "attn.k_norm.weight"]
         yield p + "post_attention_layernorm.weight", sd[a + "ffn_norm.weight"]
         if cfg.ffn == "moe":
-            router, experts, gate_name, up_name, down_name = MOE_NAMES[export_model_type(cfg)]
+            assert moe is not None, "a mixture of experts needs its tensor names"
+            router, experts, gate_name, up_name, down_name = moe
             yield p + router + ".weight", sd[a + "ffn.router.weight"]
             for e, (expert_gate_up, expert_down) in enumerate(zip(sd[a + "ffn.gate_up"], sd[a + "ffn.down"])):
                 expert_gate, expert_up = expert_gate_up.split((f, f))
@@ -491,13 +542,43 @@ def ignorable_hf_tensor(cfg: ModelConfig, name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
 
 
-ADAPTER = Adapter(
-    name="llama",
-    model_types=MODEL_TYPES,
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
-    hf_to_tinyformer=hf_to_tinyformer,
-    tinyformer_to_hf=tinyformer_to_hf,
-    export_problem=export_problem,
-    ignorable_hf_tensor=ignorable_hf_tensor,
-)
+
+# ------------------------------------------------------------------ the llama family's types
+
+
+def _writes_mixtral(cfg: ModelConfig, imported: str | None) -> bool:
+    return cfg.ffn == "moe" and not cfg.qk_norm
+
+
+def _writes_mistral(cfg: ModelConfig, imported: str | None) -> bool:
+    """A window without q/k/v biases (Llama has no window), or a model imported from Mistral without biases."""
+    if cfg.ffn == "moe" or cfg.qk_norm:
+        return False
+    if cfg.sliding_window is not None:
+        return not cfg.attn_bias
+    return imported == "mistral" and not (cfg.attn_bias or cfg.attn_out_bias or cfg.mlp_bias)
+
+
+def _writes_llama(cfg: ModelConfig, imported: str | None) -> bool:
+    """Every dense model without q/k norms or a window. A new model with q/k/v biases is written as Llama with
+    ``attention_bias`` (and an all-zero o_proj bias, which changes nothing) rather than as Qwen2, because
+    transformers 5 ignores the tokenizer.json pre-tokenizer of any model whose model_type is qwen2."""
+    return cfg.ffn != "moe" and not cfg.qk_norm and cfg.sliding_window is None
+
+
+def _llama_keys(cfg: ModelConfig) -> dict[str, Any]:
+    return {**attention_bias_key(cfg), "mlp_bias": cfg.mlp_bias}
+
+
+MIXTRAL_MOE: MoENames = ("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")
+MIXTRAL = LayoutType("mixtral", "MixtralForCausalLM", "llama", biases="none", window="always",
+                     writes=_writes_mixtral, hf_keys=(window_keys, expert_keys), moe=MIXTRAL_MOE,
+                     router_always_renormalises=True)
+MISTRAL = LayoutType("mistral", "MistralForCausalLM", "llama", biases="none", window="always",
+                     writes=_writes_mistral, hf_keys=(window_keys,))
+LLAMA = LayoutType("llama", "LlamaForCausalLM", "llama", biases="config", window="none", writes=_writes_llama,
+                   hf_keys=(_llama_keys,), all_four_biases=True)
+LAYOUT = Layout("llama", (MIXTRAL, MISTRAL, LLAMA),
+                unclaimed="Llama, Mistral and Mixtral have no q/k norms (qk_norm) and no sliding window with q/k/v "
+                          "biases (Qwen2/Qwen3 have)")
+ADAPTER = LAYOUT.adapter()

@@ -1,4 +1,6 @@
-"""Weight adapter: Hugging Face Gemma 2 and Gemma 3 (text) <-> tinyformer.
+"""The gemma family's Hugging Face adapter: Gemma 2 and Gemma 3 (text) <-> tinyformer.
+
+RoPE: half-split pairs in Hugging Face, in llama.cpp's gemma2 / gemma3 and in tinyformer: q/k rows are never permuted.
 
 Gemma is a Llama-layout decoder with these options (each a ModelConfig field):
   RMSNorm gain (1 + g)                           norm_gain_offset = 1
@@ -11,7 +13,7 @@ Gemma is a Llama-layout decoder with these options (each a ModelConfig field):
                                                  qk_norm, rope_local_theta
   Gemma 2: scores c tanh(s/c), logits c tanh(l/c) attn_logit_softcap, final_logit_softcap
 
-Names are the Llama ones (see ``interop/llama.py``) except the norms of a layer i:
+Names are the Llama ones (see ``families/llama/hf.py``) except the norms of a layer i:
   model.layers.i.input_layernorm            blocks.i.attn_norm        (before attention)
   model.layers.i.post_attention_layernorm   blocks.i.attn_post_norm   (after attention: not Llama's meaning)
   model.layers.i.pre_feedforward_layernorm  blocks.i.ffn_norm
@@ -21,26 +23,39 @@ Names are the Llama ones (see ``interop/llama.py``) except the norms of a layer 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.interop import llama
-from tinyformer.interop.adapter import Adapter
-
-MODEL_TYPES = ("gemma2", "gemma3_text")
-ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
-# the default local/global pattern when layer_types is absent: every n-th layer is global
-DEFAULT_PATTERN = {"gemma2": 2, "gemma3_text": 6}
+from tinyformer.families.adapter import Adapter
+from tinyformer.families.llama import hf as llama
 
 
-def _layer_types(hf: Mapping[str, Any], model_type: str) -> list[str]:
+@dataclass(frozen=True)
+class GemmaType:
+    """One Gemma model type: ``global_every``, the default local/global pattern when layer_types is absent (every
+    n-th layer is global); ``gemma3`` Gemma 3's q/k norms and RoPE per layer type (the local layers' own base)."""
+
+    model_type: str
+    architecture: str
+    global_every: int
+    gemma3: bool
+
+
+TYPES = {t.model_type: t for t in (GemmaType("gemma2", "Gemma2ForCausalLM", 2, gemma3=False),
+                                   GemmaType("gemma3_text", "Gemma3ForCausalLM", 6, gemma3=True))}
+MODEL_TYPES = tuple(TYPES)
+ARCHITECTURES = {t.model_type: t.architecture for t in TYPES.values()}
+
+
+def _layer_types(hf: Mapping[str, Any], kind: GemmaType) -> list[str]:
     n = int(hf["num_hidden_layers"])
     hf_types = hf.get("layer_types")
     if not hf_types:
-        every = int(hf.get("sliding_window_pattern") or DEFAULT_PATTERN[model_type])
+        every = int(hf.get("sliding_window_pattern") or kind.global_every)
         hf_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
     unknown = sorted(set(hf_types) - set(llama.HF_LAYER_TYPES))
     if unknown:
@@ -71,12 +86,12 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         full, local = dict(params["full_attention"] or {}), dict(params.get("sliding_attention") or {})
         if local.get("rope_type", "default") != "default":
             raise ConfigError(f"RoPE scaling of the sliding layers ({local.get('rope_type')!r}) is not supported")
-        theta, rope_scaling = llama._rope_from_hf({"rope_parameters": full,
+        theta, rope_scaling = llama.rope_from_hf({"rope_parameters": full,
                                                    "max_position_embeddings": hf["max_position_embeddings"]})
         local_theta = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
     else:
-        theta, rope_scaling = llama._rope_from_hf(hf)
-    types = _layer_types(hf, model_type)
+        theta, rope_scaling = llama.rope_from_hf(hf)
+    types = _layer_types(hf, TYPES[model_type])
     window = hf.get("sliding_window") if "sliding" in types else None
     if window is None:
         types, local_theta = ["full"] * len(types), None
@@ -109,7 +124,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
         embed_scale=True,
         attn_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
-        qk_norm=model_type == "gemma3_text",
+        qk_norm=TYPES[model_type].gemma3,
         attn_scale=float(scalar) ** -0.5,
         attn_logit_softcap=hf.get("attn_logit_softcapping"),
         final_logit_softcap=hf.get("final_logit_softcapping"),
@@ -134,7 +149,7 @@ def export_problem(cfg: ModelConfig) -> str | None:
             return f"{key}={getattr(cfg, key)!r} cannot be exported as Gemma (needs {value!r})"
     if cfg.attn_bias != cfg.attn_out_bias:
         return "Gemma has all four attention biases or none"
-    if export_model_type(cfg) == "gemma2" and cfg.qk_norm:
+    if cfg.qk_norm and not TYPES[export_model_type(cfg)].gemma3:
         return "qk_norm needs Gemma 3"
     return None
 
@@ -149,7 +164,7 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         return kept
     model_type = export_model_type(cfg)
     rope_parameters, max_positions = llama.rope_to_hf(cfg)
-    if model_type == "gemma3_text":
+    if TYPES[model_type].gemma3:  # a RoPE per layer type
         local = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
         rope_parameters = {"full_attention": rope_parameters,
                            "sliding_attention": {"rope_type": "default", "rope_theta": local}}

@@ -1,0 +1,63 @@
+"""The weight-adapter interface: how one family's Hugging Face config and tensor names map onto tinyformer
+(torchtitan calls it a state-dict adapter).
+
+An adapter is four pure functions plus two predicates; it knows names and layouts, never files:
+
+    config_from_hf(hf_config: dict) -> ModelConfig          raises ConfigError naming what it cannot express
+    config_to_hf(cfg: ModelConfig) -> dict                  the config.json to write
+    hf_to_tinyformer(cfg, hf_tensors: Mapping) -> Iterator[(tinyformer name, tensor)]
+    tinyformer_to_hf(cfg, tensors: Mapping) -> Iterator[(HF name, tensor)]
+    export_problem(cfg) -> str | None                       why cfg cannot be written in this format (None: it can)
+    ignorable_hf_tensor(cfg, hf_name) -> bool               checkpoint entries that are not weights (e.g. RoPE tables)
+    align_config(hf_config, hf_names) -> dict               optional: the config adjusted to the tensor names
+                                                            actually stored (e.g. with or without a name prefix)
+
+The tensor mappings are lazy (a tensor is read when indexed) and the iterators are consumed one item at
+a time, so an adapter should index a tensor only when it is about to yield what it builds from it. The
+conversion runs each adapter twice: once on meta tensors (to plan, validate shapes and find unknown
+or missing names before anything is written) and once on real ones; so adapters must only use torch
+operations that work on the meta device (cat, split, reshape, transpose, ...).
+
+A family folder builds its adapter (e.g. ``families/gpt2/hf.py``)::
+
+    ADAPTER = Adapter(name="gpt2", model_types=("gpt2",), config_from_hf=..., ...)
+
+and the registry (``families/__init__.py``) looks it up by ``model_type``; ``register_adapter`` there adds one
+from your own code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tinyformer.config import ModelConfig
+
+TensorMap = Mapping[str, torch.Tensor]
+TensorStream = Iterator[tuple[str, torch.Tensor]]
+
+
+def _never(cfg: ModelConfig, name: str) -> bool:
+    return False
+
+
+def _as_is(hf_config: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
+    return dict(hf_config)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """How one family of Hugging Face architectures maps onto tinyformer (see the module docstring)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    config_from_hf: Callable[[Mapping[str, Any]], ModelConfig]
+    config_to_hf: Callable[[ModelConfig], dict[str, Any]]
+    hf_to_tinyformer: Callable[[ModelConfig, TensorMap], TensorStream]
+    tinyformer_to_hf: Callable[[ModelConfig, TensorMap], TensorStream]
+    export_problem: Callable[[ModelConfig], str | None]
+    ignorable_hf_tensor: Callable[[ModelConfig, str], bool] = field(default=_never)
+    align_config: Callable[[Mapping[str, Any], Iterable[str]], dict[str, Any]] = field(default=_as_is)

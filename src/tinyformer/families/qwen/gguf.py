@@ -1,0 +1,57 @@
+"""The qwen family's llama.cpp architectures: ``qwen2``, ``qwen3`` (q/k norms ``attn_q_norm`` / ``attn_k_norm``) and
+``qwen3moe`` (Qwen3 with experts of width ``expert_feed_forward_length``, renormalised unless ``expert_weights_norm``
+is false). The names and shared keys are the Llama layout's (``families/llama/gguf.py``). RoPE: llama.cpp rotates
+these half-split ("neox"), as tinyformer does: q/k rows are not permuted. llama.cpp has no sliding window for them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tinyformer.families.family import GGUFArch
+from tinyformer.families.llama.gguf import (
+    BLOCK,
+    EXPORT_BLOCK,
+    Key,
+    expert_count,
+    experts_from_gguf,
+    has_attention_bias,
+    layout_config,
+    metadata,
+)
+from tinyformer.families.qwen.hf import QWEN2, QWEN3, QWEN3_MOE, QWEN3_MOE_NAMES
+
+
+def _qwen2_keys(g: Any, key: Key, window: int | None) -> dict[str, Any]:
+    return {"use_sliding_window": False}
+
+
+def _qwen3_keys(g: Any, key: Key, window: int | None) -> dict[str, Any]:
+    return {**has_attention_bias(g), "use_sliding_window": False}
+
+
+def _qwen2_config(g: Any) -> dict[str, Any]:
+    key = metadata(g, "qwen2")
+    expert_count(g, key, "qwen2", allowed=False)
+    return layout_config(g, key, QWEN2_ARCH, QWEN2.model_type, QWEN2.architecture, _qwen2_keys)[0]
+
+
+def _qwen3_config(g: Any) -> dict[str, Any]:
+    key = metadata(g, "qwen3")
+    expert_count(g, key, "qwen3", allowed=False)
+    return layout_config(g, key, QWEN3_ARCH, QWEN3.model_type, QWEN3.architecture, _qwen3_keys)[0]
+
+
+def _qwen3moe_config(g: Any) -> dict[str, Any]:
+    key = metadata(g, "qwen3moe")
+    n_experts = expert_count(g, key, "qwen3moe", allowed=True, required=True)
+    hf = layout_config(g, key, QWEN3MOE_ARCH, QWEN3_MOE.model_type, QWEN3_MOE.architecture, _qwen3_keys)[0]
+    used, renormalise, width = experts_from_gguf(g, key)
+    hf.update({"num_experts": n_experts, "num_experts_per_tok": used, "moe_intermediate_size": width,
+               "norm_topk_prob": renormalise, "decoder_sparse_step": 1, "mlp_only_layers": []})
+    return hf
+
+
+QWEN2_ARCH = GGUFArch("qwen2", _qwen2_config, BLOCK, EXPORT_BLOCK, split_qkv_bias=True)
+QWEN3_ARCH = GGUFArch("qwen3", _qwen3_config, BLOCK, EXPORT_BLOCK)
+QWEN3MOE_ARCH = GGUFArch("qwen3moe", _qwen3moe_config, BLOCK, EXPORT_BLOCK, moe=QWEN3_MOE_NAMES)
