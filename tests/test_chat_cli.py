@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tinyformer.config import ModelConfig
+from tinyformer.data.chat_template import ChatTemplate
 from tinyformer.data.tokenizer import build_tokenizer
-from tinyformer.generation.chat import render_template
 from tinyformer.generation.engine import Generator
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.models.decoder import DecoderLM
@@ -135,13 +135,14 @@ def test_a_turn_with_bad_input_reports_it_and_the_chat_goes_on(runs, sessions):
 ])
 def test_render_template_equals_transformers(tmp_path, template):
     transformers = pytest.importorskip("transformers")
-    tok = build_tokenizer("char", CORPUS)
+    tok = build_tokenizer("char", CORPUS)  # bos_token <|bos|>, eos_token <|eos|>
     tok.save(tmp_path / "tokenizer.json")
+    tok.chat_template = template
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"),
                                                   bos_token="<|bos|>", eos_token="<|eos|>", chat_template=template)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " hi "},
                 {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}]
     for gen_prompt in (True, False):
         want = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
-        got = render_template(template, messages, gen_prompt, bos_token="<|bos|>", eos_token="<|eos|>")
+        got = ChatTemplate(tok).render(messages, gen_prompt)
         assert got == want

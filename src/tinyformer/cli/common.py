@@ -31,3 +31,23 @@ def add_no_verify_flag(p: Any) -> None:
     """``--no-verify`` of every command that loads a run's weights (see integrity.py)."""
     p.add_argument("--no-verify", action="store_true",
                    help="load the weights without checking them against the run's manifest.json checksums")
+
+
+def add_template_timeout_flag(p: Any) -> None:
+    """``--template-timeout`` of every command that renders a chat template (chat, generate, serve)."""
+    from tinyformer.data.chat_template import DEFAULT_MAX_CHARS, DEFAULT_TIMEOUT_S
+
+    p.add_argument("--template-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help=f"stop rendering the model's chat template after this long (default {DEFAULT_TIMEOUT_S:g}; "
+                        f"its output is limited to {DEFAULT_MAX_CHARS:,} characters)")
+
+
+def template_timeout(args: Any) -> float:
+    """``--template-timeout``, checked: a positive, finite number of seconds."""
+    import math
+
+    if not (math.isfinite(args.template_timeout) and args.template_timeout > 0):
+        from tinyformer.errors import ConfigError
+
+        raise ConfigError(f"--template-timeout must be a positive number of seconds, got {args.template_timeout}")
+    return float(args.template_timeout)

@@ -71,7 +71,7 @@ class DPOObjective(ChatObjective):
         self.pairs: dict[str, list[tuple[Row, Row]]] = {s: [] for s in SPLITS}
         self.raw: dict[str, list[PreferencePair]] = {s: [] for s in SPLITS}
         for pair in pairs:
-            encoded, cut = encode_pair(tokenizer, pair, self._block(), self.render)
+            encoded, cut = encode_pair(pair, self._block(), self.template)
             if encoded is None:
                 self.skipped["prompt longer than the context"] += 1
                 continue

@@ -20,7 +20,7 @@ prefs.jsonl`` prints. On a chat file it prints the assistant-token loss: the mea
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,7 @@ from tinyformer.errors import DataError
 
 if TYPE_CHECKING:
     from tinyformer.data.chat_data import PreferencePair
+    from tinyformer.data.chat_template import ChatTemplate
     from tinyformer.data.tokenizer import Tokenizer
 
 IGNORE = -100
@@ -65,17 +66,14 @@ def reply_row(ids: list[int], mask: list[int], block_size: int) -> tuple[Row | N
     return (ids[:-1], targets), cut
 
 
-def encode_pair(tokenizer: Tokenizer, pair: PreferencePair, block_size: int,
-                render: Callable[[Sequence[dict[str, str]], bool], str] | None = None
+def encode_pair(pair: PreferencePair, block_size: int, template: ChatTemplate
                 ) -> tuple[tuple[Row, Row] | None, bool]:
     """((chosen row, rejected row) or None when the prompt is longer than the context, whether a reply was cut)."""
-    from tinyformer.data.chat_template import encode_reply
-
     rows = []
     cut = False
     for reply in (pair.chosen, pair.rejected):
         try:
-            ids, mask = encode_reply(tokenizer, pair.prompt, reply, render)
+            ids, mask = template.encode_reply(pair.prompt, reply)
         except DataError as exc:
             raise DataError(f"{pair.source}: {exc}") from None
         row, was_cut = reply_row(ids, mask, block_size)
@@ -123,14 +121,14 @@ def _load(run: Path, device: str) -> tuple[nn.Module, Tokenizer, torch.device]:
 def evaluate_preferences(run: Path, data: str, *, batch_size: int = 8, device: str = "auto") -> dict[str, Any]:
     """Preference accuracy and mean log-prob margin of the model in ``run`` on a preference JSONL file."""
     from tinyformer.data.chat_data import describe_skipped, read_preference_file
-    from tinyformer.data.chat_template import renderer
+    from tinyformer.data.chat_template import ChatTemplate
 
     model, tokenizer, dev = _load(run, device)
     prefs = read_preference_file(data)
-    render = renderer(tokenizer)
+    template = ChatTemplate(tokenizer)
     rows, skipped = [], prefs.skipped.copy()
     for pair in prefs.pairs:
-        encoded, _ = encode_pair(tokenizer, pair, model.cfg.max_seq_len, render)
+        encoded, _ = encode_pair(pair, model.cfg.max_seq_len, template)
         if encoded is None:
             skipped["prompt longer than the context"] += 1
         else:
@@ -148,16 +146,16 @@ def evaluate_preferences(run: Path, data: str, *, batch_size: int = 8, device: s
 def evaluate_chat(run: Path, data: str, *, batch_size: int = 8, device: str = "auto") -> dict[str, Any]:
     """Assistant-token loss (and perplexity) of the model in ``run`` on a chat JSONL file."""
     from tinyformer.data.chat_data import describe_skipped, read_chat_file
-    from tinyformer.data.chat_template import encode_conversation, renderer
+    from tinyformer.data.chat_template import ChatTemplate
     from tinyformer.training.sft import pad_rows
 
     model, tokenizer, dev = _load(run, device)
     chat = read_chat_file(data)
-    render = renderer(tokenizer)
+    template = ChatTemplate(tokenizer)
     rows, skipped = [], chat.skipped.copy()
     for conv in chat.conversations:
         try:
-            ids, mask = encode_conversation(tokenizer, conv.messages, render)
+            ids, mask = template.encode_conversation(conv.messages)
         except DataError as exc:
             raise DataError(f"{conv.source}: {exc}") from None
         row, _ = reply_row(ids, mask, model.cfg.max_seq_len)
