@@ -150,6 +150,10 @@ SIZE_BOMBS = {
                        "{% endfor %}{{ ns.s | length }}",
     "doubling with +": "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}"
                        "{% endfor %}{{ ns.s | length }}",
+    "doubling safe text with +": "{% set ns = namespace(s='ab' | safe) %}{% for i in range(60) %}"
+                                 "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s | length }}",
+    "text built with + in a set block": "{% set big = 'a' * 900000 %}{% set s %}{% for i in range(100000) %}"
+                                        "{{ big + '' }}{% endfor %}{% endset %}{{ s | length }}",
     "squaring a number": "{% set ns = namespace(x=3) %}{% for i in range(100) %}{% set ns.x = ns.x * ns.x %}"
                          "{% endfor %}{{ 1 }}",
     "a padding filter": "{{ 'a' | center(10**10) }}",

@@ -216,6 +216,19 @@ class ChatTemplate:
 _WIDTH = re.compile(r"\d+")  # the widths and precisions of a %-format or str.format string
 # A number with max_chars decimal digits has about max_chars * log2(10) bits.
 _BITS_PER_DIGIT = math.log2(10)
+_SEQUENCE_TYPES = (str, list, tuple)
+_SEQUENCES = frozenset(_SEQUENCE_TYPES)  # a set lookup of the exact type first: the hot path of "+"
+CLOCK_EVERY = 32  # checks between two readings of the clock (a reading can be a system call on a VM)
+
+
+class _RenderState(threading.local):
+    """The render in progress in this thread: its deadline (None: no render, e.g. compile-time folding of
+    constants), its time limit, the characters of text built so far, the checks since the last clock."""
+
+    deadline: float | None = None
+    timeout_s = 0.0
+    built = 0
+    ticks = 0
 
 
 def _sandbox_class() -> type:
@@ -231,22 +244,24 @@ def _sandbox_class() -> type:
         def __init__(self, max_chars: int, **options: Any) -> None:
             super().__init__(**options)
             self.max_chars = max_chars
-            self.state = threading.local()
+            self.state = _RenderState()
 
         # -------------------------------------------------------------- budget
         def tick(self) -> None:
-            """Stop the render once past its deadline (no render in progress: compile-time folding)."""
-            deadline = getattr(self.state, "deadline", None)
-            if deadline is not None and time.monotonic() > deadline:
-                raise TemplateLimitError(f"the chat template ran past its time limit of {self.state.timeout_s:g} s "
+            """Stop the render once past its deadline; the clock is read every CLOCK_EVERY checks."""
+            state = self.state
+            state.ticks += 1
+            if state.ticks % CLOCK_EVERY == 0 and state.deadline is not None and time.monotonic() > state.deadline:
+                raise TemplateLimitError(f"the chat template ran past its time limit of {state.timeout_s:g} s "
                                          "(rendering stopped)")
 
         def built(self, size: int) -> None:
             """Count ``size`` characters of text built; stop past the build budget."""
-            if getattr(self.state, "deadline", None) is None:
+            state = self.state
+            if state.deadline is None:
                 return
-            self.state.built += size
-            if self.state.built > BUILD_FACTOR * self.max_chars:
+            state.built += size
+            if state.built > BUILD_FACTOR * self.max_chars:
                 raise TemplateLimitError(f"the chat template built more than {BUILD_FACTOR * self.max_chars:,} "
                                          f"characters of text while rendering (its size limit is "
                                          f"{self.max_chars:,} characters)")
@@ -299,6 +314,17 @@ def _sandbox_class() -> type:
             return result
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "+":  # the common case first, kept short: string concatenation in every template
+                if (type(left) in _SEQUENCES or isinstance(left, _SEQUENCE_TYPES)) and \
+                        (type(right) in _SEQUENCES or isinstance(right, _SEQUENCE_TYPES)):  # (clock: loops, output)
+                    size = len(left) + len(right)
+                    if size > self.max_chars:
+                        self.too_big("a string or list", size)
+                    state = self.state
+                    state.built += size  # (reset when a render starts)
+                    if state.built > BUILD_FACTOR * self.max_chars:
+                        self.built(0)
+                return left + right
             self.tick()
             if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
                 self.too_big("a number", right * math.log2(abs(left)) / _BITS_PER_DIGIT)
@@ -309,8 +335,6 @@ def _sandbox_class() -> type:
                     self.too_big("a string or list", len(left) * right)
                 elif isinstance(right, (str, list, tuple)) and isinstance(left, int):
                     self.too_big("a string or list", len(right) * left)
-            elif operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
-                self.too_big("a string or list", len(left) + len(right))
             elif operator == "%" and isinstance(left, str):
                 self.check_format(left)
             result = super().call_binop(context, operator, left, right)
@@ -350,13 +374,14 @@ def _sandbox_class() -> type:
             @functools.wraps(func)
             def guarded(*args: Any, **kwargs: Any) -> Any:
                 self.tick()
-                self.check_int_args(args[skip:])
-                self.check_int_args(kwargs.values())
-                value, rest = (args[skip - 1] if len(args) >= skip else None), args[skip:]
-                if name == "replace" and isinstance(value, str) and len(rest) >= 2:
-                    self.predict(str(value).replace, (str(rest[0]), str(rest[1])))
-                elif name == "format" and isinstance(value, str):
-                    self.check_format(value)
+                if len(args) > skip or kwargs:  # arguments besides the value (most filters get none)
+                    self.check_int_args(args[skip:])
+                    self.check_int_args(kwargs.values())
+                    value, rest = args[skip - 1], args[skip:]
+                    if name == "replace" and isinstance(value, str) and len(rest) >= 2:
+                        self.predict(value.replace, (str(rest[0]), str(rest[1])))
+                    elif name == "format" and isinstance(value, str):
+                        self.check_format(value)
                 result = func(*args, **kwargs)
                 if isinstance(result, str):
                     self.built(len(result))
@@ -369,6 +394,7 @@ def _sandbox_class() -> type:
             """Render through ``template.generate`` with the limits on, checking the output per chunk."""
             state = self.state
             state.deadline, state.timeout_s, state.built = time.monotonic() + timeout_s, timeout_s, 0
+            state.ticks = CLOCK_EVERY - 1  # the first check reads the clock
             try:
                 pieces, size = [], 0
                 for piece in template.generate(**variables):
@@ -424,10 +450,11 @@ def _compile(source: str, max_chars: int) -> tuple[Any, Any]:
                sort_keys: bool = False) -> str:
         encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                                    sort_keys=sort_keys)
-        pieces, size = [], 0
-        for piece in encoder.iterencode(value):  # chunk by chunk, so a huge indent stops early
+        pieces, size, limit = [], 0, env.max_chars
+        for piece in encoder.iterencode(value):  # chunk by chunk, so a huge indent or value stops early
             size += len(piece)
-            env.too_big("a JSON text", size)
+            if size > limit:
+                env.too_big("a JSON text", size)
             pieces.append(piece)
         return "".join(pieces)
 
