@@ -146,3 +146,30 @@ def test_render_template_equals_transformers(tmp_path, template):
         want = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
         got = ChatTemplate(tok).render(messages, gen_prompt)
         assert got == want
+
+
+LOOPING = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+def test_a_looping_template_stops_at_template_timeout_with_one_line(tmp_path, capsys, monkeypatch):
+    import io
+
+    from tinyformer.cli.main import main
+
+    run = make_run(tmp_path / "looping", LOOPING)
+    assert main(["generate", "--model", str(run), "--chat", "--prompt", "the fox", "--template-timeout", "0.2"]) == 2
+    err = capsys.readouterr().err
+    assert "ran past its time limit of 0.2 s" in err and "Traceback" not in err and err.count("\n") == 1
+    # chat reports the turn and goes on to the next one (which fails the same way), then ends normally
+    monkeypatch.setattr(sys, "stdin", io.StringIO("the fox\na lazy dog\n"))
+    assert main(["chat", "--model", str(run), "--template-timeout", "0.2"]) == 0
+    assert capsys.readouterr().err.count("ran past its time limit of 0.2 s") == 2
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_a_template_timeout_that_is_no_positive_number_is_exit_2(runs, capsys, command):
+    from tinyformer.cli.main import main
+
+    argv = [command, "--model", str(runs["template"]), "--template-timeout", "0"]
+    assert main(argv + (["--prompt", "x"] if command == "generate" else [])) == 2
+    assert "--template-timeout must be a positive number of seconds, got 0.0" in capsys.readouterr().err

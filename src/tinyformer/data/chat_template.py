@@ -42,19 +42,21 @@ machine but not from looping or allocating without end. Rendering therefore has 
 limit* (``max_chars``, default 1,000,000 characters): the output, and any one string, list or number
 the template builds (about ``max_chars`` decimal digits), may not exceed it, and all the text it builds
 along the way (operators, filters, calls, macros, ``{% set %}`` blocks) may total at most
-``BUILD_FACTOR`` x ``max_chars``. The checks are cooperative, in the rendering thread: the clock is read
-at every loop step, call, filter, operator and output chunk; sizes are checked before the operations
-that can blow up in one step (``**``, ``*``, ``+``, ``~``, ``%``, ``str.replace``/``join``, width
-arguments, ``tojson``'s indent). Either limit stops the render with a :class:`TemplateLimitError` that
-names it. On a normal chat render the checks cost about a tenth of the render's time.
+``BUILD_FACTOR`` (16) x ``max_chars``. The checks are cooperative, in the rendering thread: the time is
+checked at every loop step, call, filter, operator but ``+``, and output chunk (the clock read at every
+``CLOCK_EVERY``-th check); sizes are checked before the operations that can blow up in one step (``**``,
+``*``, ``+``, ``~``, ``%``, ``str.replace``/``join``, width arguments, ``tojson``'s indent), since one
+such step runs in C and no check interrupts it. Either limit stops the render with a
+:class:`TemplateLimitError` that names it. The checks cost an ordinary render a few microseconds per ``+``, loop step, call and filter
+(each goes through a hook); ``benchmarks/bench_chat_template.py`` measures it against the plain sandbox.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import math
 import re
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -221,14 +223,21 @@ _SEQUENCES = frozenset(_SEQUENCE_TYPES)  # a set lookup of the exact type first:
 CLOCK_EVERY = 32  # checks between two readings of the clock (a reading can be a system call on a VM)
 
 
-class _RenderState(threading.local):
-    """The render in progress in this thread: its deadline (None: no render, e.g. compile-time folding of
-    constants), its time limit, the characters of text built so far, the checks since the last clock."""
+class _RenderState:
+    """A render in progress: its deadline and time limit, the characters of text built so far, the checks
+    since the clock was last read (the first check reads it)."""
 
-    deadline: float | None = None
-    timeout_s = 0.0
-    built = 0
-    ticks = 0
+    __slots__ = ("deadline", "timeout_s", "built", "ticks")
+
+    def __init__(self, deadline: float, timeout_s: float) -> None:
+        self.deadline, self.timeout_s, self.built, self.ticks = deadline, timeout_s, 0, CLOCK_EVERY - 1
+
+
+# The render in progress in this thread, None outside one (e.g. when Jinja folds constants at compile
+# time: nothing is counted then). A context variable is per thread, so one compiled template renders in
+# several threads at once (serve's pool), and it is cheaper to read than a threading.local.
+_RENDER: contextvars.ContextVar[_RenderState | None] = contextvars.ContextVar("tinyformer_chat_render",
+                                                                              default=None)
 
 
 def _sandbox_class() -> type:
@@ -244,21 +253,22 @@ def _sandbox_class() -> type:
         def __init__(self, max_chars: int, **options: Any) -> None:
             super().__init__(**options)
             self.max_chars = max_chars
-            self.state = _RenderState()
 
         # -------------------------------------------------------------- budget
         def tick(self) -> None:
             """Stop the render once past its deadline; the clock is read every CLOCK_EVERY checks."""
-            state = self.state
+            state = _RENDER.get()
+            if state is None:
+                return
             state.ticks += 1
-            if state.ticks % CLOCK_EVERY == 0 and state.deadline is not None and time.monotonic() > state.deadline:
+            if state.ticks % CLOCK_EVERY == 0 and time.monotonic() > state.deadline:
                 raise TemplateLimitError(f"the chat template ran past its time limit of {state.timeout_s:g} s "
                                          "(rendering stopped)")
 
         def built(self, size: int) -> None:
             """Count ``size`` characters of text built; stop past the build budget."""
-            state = self.state
-            if state.deadline is None:
+            state = _RENDER.get()
+            if state is None:
                 return
             state.built += size
             if state.built > BUILD_FACTOR * self.max_chars:
@@ -320,10 +330,11 @@ def _sandbox_class() -> type:
                     size = len(left) + len(right)
                     if size > self.max_chars:
                         self.too_big("a string or list", size)
-                    state = self.state
-                    state.built += size  # (reset when a render starts)
-                    if state.built > BUILD_FACTOR * self.max_chars:
-                        self.built(0)
+                    state = _RENDER.get()
+                    if state is not None:
+                        state.built += size
+                        if state.built > BUILD_FACTOR * self.max_chars:
+                            self.built(0)
                 return left + right
             self.tick()
             if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
@@ -392,9 +403,7 @@ def _sandbox_class() -> type:
         # -------------------------------------------------------------- rendering
         def render_limited(self, template: Any, variables: dict[str, Any], timeout_s: float) -> str:
             """Render through ``template.generate`` with the limits on, checking the output per chunk."""
-            state = self.state
-            state.deadline, state.timeout_s, state.built = time.monotonic() + timeout_s, timeout_s, 0
-            state.ticks = CLOCK_EVERY - 1  # the first check reads the clock
+            token = _RENDER.set(_RenderState(time.monotonic() + timeout_s, timeout_s))
             try:
                 pieces, size = [], 0
                 for piece in template.generate(**variables):
@@ -406,7 +415,7 @@ def _sandbox_class() -> type:
                     pieces.append(piece)
                 return "".join(pieces)
             finally:
-                state.deadline = None
+                _RENDER.reset(token)
 
     return LimitedSandbox
 
