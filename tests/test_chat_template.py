@@ -160,6 +160,9 @@ SIZE_BOMBS = {
     "a padding method": "{{ 'a'.ljust(10**10) }}",
     "replace that multiplies": "{% set s = 'a' * 1000000 %}{{ s.replace('a', s) }}",
     "a wide format field": "{{ '%9999999999d' % 1 }}",
+    "a width given to %": "{{ '%*d' % (10**10, 1) }}",
+    "a wide str.format field": "{{ '{:>9999999999}'.format('x') }}",
+    "a wide format filter field": "{{ '%-9999999999s' | format('x') }}",
     "text built in a set block": "{% set s %}{% for i in range(100000) %}{{ 'a' * 900000 }}{% endfor %}{% endset %}"
                                  "{{ s | length }}",
     "long output": "{% for i in range(100000) %}{{ 'a' * 100 }}{% endfor %}",
@@ -174,9 +177,24 @@ def test_a_template_that_loops_for_ever_stops_at_the_time_limit(source):
 
 @pytest.mark.parametrize("source", SIZE_BOMBS.values(), ids=SIZE_BOMBS.keys())
 def test_a_template_that_grows_without_bound_stops_at_the_size_limit(source):
-    # a generous time limit: the size checks must stop these (they would take gigabytes first)
-    with pytest.raises(TemplateLimitError, match="size limit of 1,000,000|size limit is 1,000,000"):
-        ChatTemplate(tokenizer(source), timeout_s=60).render(MESSAGES)
+    import tracemalloc
+
+    template = ChatTemplate(tokenizer(source), timeout_s=60)  # the size checks must stop these, not the clock
+    tracemalloc.start()
+    try:
+        with pytest.raises(TemplateLimitError, match="size limit of 1,000,000|size limit is 1,000,000"):
+            template.render(MESSAGES)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 100 * 2**20  # stopped before the gigabytes, not after
+
+
+def test_long_numbers_in_text_that_is_formatted_are_no_widths():
+    template = ("{{ 'order 123456789012: %s' % messages[0]['content'] }} {{ 'id 98765432101 {}'.format('x') }} "
+                "{{ '%5.2f of 10000000000' | format(3.14159) }}")
+    assert ChatTemplate(tokenizer(template)).render(MESSAGES) == \
+        "order 123456789012:   Hello there!   id 98765432101 x  3.14 of 10000000000"
 
 
 def test_the_limits_leave_an_ordinary_render_and_its_size_alone():

@@ -215,7 +215,8 @@ class ChatTemplate:
 
 
 # ---------------------------------------------------------------------- the limited sandbox
-_WIDTH = re.compile(r"\d+")  # the widths and precisions of a %-format or str.format string
+_PERCENT_FIELD = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\d*)(?:\.(\d*))?[hlL]?[diouxXeEfFgGcrsa]")  # width, precision
+_DIGITS = re.compile(r"\d+")  # the numbers in a str.format field's spec: width, precision
 # A number with max_chars decimal digits has about max_chars * log2(10) bits.
 _BITS_PER_DIGIT = math.log2(10)
 _SEQUENCE_TYPES = (str, list, tuple)
@@ -288,14 +289,27 @@ def _sandbox_class() -> type:
                     raise TemplateLimitError(f"the chat template passes {arg:,} as a width or count, over its "
                                              f"size limit of {self.max_chars:,} characters")
 
-        def check_format(self, fmt: str) -> None:
-            for width in _WIDTH.findall(fmt):
-                if len(width) > len(str(self.max_chars)) or int(width) > self.max_chars:
-                    self.too_big("a formatted field", float(width) if len(width) < 300 else math.inf)
+        def check_format(self, fmt: str, style: str) -> None:
+            """The widths and precisions of a ``%`` (printf) or ``{}`` (str.format) format string: a field
+            padded to a width over the size limit is that many characters in one step."""
+            import string
+
+            if style == "%":
+                numbers = [n for field in _PERCENT_FIELD.finditer(fmt) for n in field.groups() if n]
+            else:
+                try:
+                    numbers = [n for _, _, spec, _ in string.Formatter().parse(fmt) if spec
+                               for n in _DIGITS.findall(spec)]
+                except ValueError:  # not a format string: the call itself will say so
+                    return
+            for n in numbers:
+                if len(n) > len(str(self.max_chars)) or int(n) > self.max_chars:
+                    self.too_big("a formatted field", float(n) if len(n) < 300 else math.inf)
 
         def predict(self, func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
             """Sizes of the str methods that can multiply their input in one step, checked before the call
             (the arguments come back, an iterable given to join as a list)."""
+            func = getattr(func, "__wrapped__", func)  # the sandbox hands out str.format wrapped
             owner = getattr(func, "__self__", None)
             name = getattr(func, "__name__", "")
             if isinstance(owner, str) and name == "replace" and len(args) >= 2 and \
@@ -308,7 +322,7 @@ def _sandbox_class() -> type:
                              sum(len(i) for i in items if isinstance(i, str)))
                 args = (items, *args[1:])
             elif isinstance(owner, str) and name in ("format", "format_map"):
-                self.check_format(owner)
+                self.check_format(owner, "{}")
             return args
 
         # -------------------------------------------------------------- jinja2 hooks
@@ -347,7 +361,9 @@ def _sandbox_class() -> type:
                 elif isinstance(right, (str, list, tuple)) and isinstance(left, int):
                     self.too_big("a string or list", len(right) * left)
             elif operator == "%" and isinstance(left, str):
-                self.check_format(left)
+                self.check_format(left, "%")
+                if "*" in left:  # a width given as an argument: '%*d' % (width, value)
+                    self.check_int_args(right if isinstance(right, tuple) else (right,))
             result = super().call_binop(context, operator, left, right)
             if isinstance(result, str):
                 self.built(len(result))
@@ -392,7 +408,7 @@ def _sandbox_class() -> type:
                     if name == "replace" and isinstance(value, str) and len(rest) >= 2:
                         self.predict(value.replace, (str(rest[0]), str(rest[1])))
                     elif name == "format" and isinstance(value, str):
-                        self.check_format(value)
+                        self.check_format(value, "%")
                 result = func(*args, **kwargs)
                 if isinstance(result, str):
                     self.built(len(result))
