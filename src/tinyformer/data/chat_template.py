@@ -47,8 +47,9 @@ checked at every loop step, call, filter, operator but ``+``, and output chunk (
 ``CLOCK_EVERY``-th check); sizes are checked before the operations that can blow up in one step (``**``,
 ``*``, ``+``, ``~``, ``%``, ``str.replace``/``join``, width arguments, ``tojson``'s indent), since one
 such step runs in C and no check interrupts it. Either limit stops the render with a
-:class:`TemplateLimitError` that names it. The checks cost an ordinary render a few microseconds per ``+``, loop step, call and filter
-(each goes through a hook); ``benchmarks/bench_chat_template.py`` measures it against the plain sandbox.
+:class:`TemplateLimitError` that names it. The checks cost an ordinary render a few microseconds per
+``+``, loop step, call and filter (each goes through a hook); ``benchmarks/bench_chat_template.py``
+measures it against the plain sandbox.
 """
 
 from __future__ import annotations
