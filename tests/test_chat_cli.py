@@ -173,3 +173,20 @@ def test_a_template_timeout_that_is_no_positive_number_is_exit_2(runs, capsys, c
     argv = [command, "--model", str(runs["template"]), "--template-timeout", "0"]
     assert main(argv + (["--prompt", "x"] if command == "generate" else [])) == 2
     assert "--template-timeout must be a positive number of seconds, got 0.0" in capsys.readouterr().err
+
+
+def test_a_chat_session_compiles_its_template_once_not_every_turn(runs, monkeypatch):
+    import jinja2
+
+    from tinyformer.generation.chat import ChatSession
+
+    session = ChatSession(Generator.from_run(runs["template"]))
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("the template was compiled again")
+
+    monkeypatch.setattr(jinja2.Environment, "compile", no_compiling)
+    monkeypatch.setattr(jinja2.Environment, "from_string", no_compiling)
+    for text in ("the fox", "a lazy dog"):
+        "".join(session.send(text, SamplingParams(temperature=0), max_new_tokens=4))
+    assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]
