@@ -41,14 +41,14 @@ def write_pairs(run: Path, n: int, out: Path) -> dict:
     """The first ``n`` training pairs of the built-in preference set, as tinyformer reads them (prompt, chosen,
     rejected) and as TRL reads them (the prompt rendered with the run's template, replies + end-of-turn)."""
     from tinyformer.data.chat_data import is_heldout
-    from tinyformer.data.chat_template import renderer
+    from tinyformer.data.chat_template import ChatTemplate
     from tinyformer.data.instructions import builtin_preferences
     from tinyformer.run_folder import load_tokenizer
 
     tok = load_tokenizer(run)
     if tok.chat_template is None:
         raise SystemExit(f"{run} has no chat template: give an SFT run (tinyformer train --objective sft)")
-    render = renderer(tok)
+    render = ChatTemplate(tok).render
     end = render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], False)
     end_of_turn = end[end.rindex("y") + 1 :]  # what the template puts after a reply ("<|im_end|>\n" for ChatML)
     pairs = [p for p in builtin_preferences() if not is_heldout(p.prompt[0]["content"], 0.1)][:n]

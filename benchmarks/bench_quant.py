@@ -55,7 +55,7 @@ def tinyformer_worker(run: str, threads: int, new_tokens: int, prompt_tokens: in
     sys.path.insert(0, str(ROOT / "src"))
     import torch
 
-    from tinyformer.generation.chat import render_template
+    from tinyformer.data.chat_template import ChatTemplate
     from tinyformer.generation.engine import Generator
     from tinyformer.generation.sampling import SamplingParams
 
@@ -73,8 +73,7 @@ def tinyformer_worker(run: str, threads: int, new_tokens: int, prompt_tokens: in
     gen.generate([long_prompt], SamplingParams(temperature=0.0, max_new_tokens=1), logprobs=False)
     prefill = prompt_tokens / (gen.timings.prefill_ms / 1e3)
     tok = gen.tokenizer
-    chat_ids = tok.encode(render_template(tok.chat_template, [{"role": "user", "content": CHAT_PROMPT}],
-                                          bos_token=tok.bos_token or "", eos_token=tok.eos_token or ""))
+    chat_ids = tok.encode(ChatTemplate(tok).render([{"role": "user", "content": CHAT_PROMPT}]))
     gen.eos_token_id = gen.tokenizer.eos_id
     reply = gen.generate([chat_ids], SamplingParams(temperature=0.0, max_new_tokens=30), logprobs=False)[0]
     now, peak = rss()
@@ -108,7 +107,7 @@ def llama_worker(path: str, threads: int, new_tokens: int, prompt_tokens: int) -
     started = time.perf_counter()
     llm.eval(long_prompt)
     prefill = prompt_tokens / (time.perf_counter() - started)
-    # this venv has no torch (so no tinyformer): render the template as tinyformer's chat.render_template does
+    # this venv has no torch (so no tinyformer): render the template as tinyformer's ChatTemplate does
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)

@@ -1,7 +1,7 @@
 """The fault matrix: what a hostile user (or a damaged disk) can throw at tinyformer, and how it answers.
 
     python benchmarks/fault_matrix.py              # ~2-4 minutes on 2 cores; prints a markdown table
-    python benchmarks/fault_matrix.py --only cli   # one group: files, cli, http, load
+    python benchmarks/fault_matrix.py --only cli   # one group: files, cli, http, load, templates
 
 Every row counts k/N trials that ended as the README promises:
 
@@ -17,6 +17,9 @@ Every row counts k/N trials that ended as the README promises:
          never a 5xx), and the server must still answer /health afterwards.
   load   the same server: C concurrent streaming requests all end with [DONE]; W waves of streams that
          the client abandons mid-way leave no slot busy (/health: 0 active, 0 waiting).
+  templates  the run's chat template replaced by hostile ones (loops for ever, a huge power, a huge
+         tojson indent, a huge string repetition, ...): `generate --chat` exits 2 with one line naming the
+         limit hit; `serve` answers each chat request 400 with the reason while /health keeps answering.
 
 The CLI rows run the commands in this process through ``tinyformer.cli.main.main`` (an exception that
 is not a user error escapes as a traceback and counts as a failure); the server rows talk real HTTP.
@@ -349,6 +352,67 @@ def load(run: Path, concurrent: int, waves: int) -> list[Row]:
 # ------------------------------------------------------------------------------------------------ report
 
 
+HOSTILE_TEMPLATES = {  # what each does unchecked: minutes of CPU or gigabytes of memory
+    "nested range(100000) loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "(n+8)**99999999": "{% set n = messages | length %}{{ (n + 8) ** 99999999 }}",
+    "tojson(indent=10**9)": "{{ messages | tojson(indent=10**9) }}",
+    "'a'*10**10": "{{ 'a' * 10**10 }}",
+    "doubling a string 60 times": "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
+                                  "{% endfor %}{{ ns.s }}",
+    "text piled up in a set block": "{% set s %}{% for i in range(100000) %}{{ 'a' * 900000 }}{% endfor %}{% endset %}"
+                                    "{{ s }}",
+}
+
+
+def with_template(root: Path, run: Path, index: int, template: str) -> Path:
+    """A copy of ``run`` whose tokenizer carries ``template`` as its chat template."""
+    folder = root / f"template-{index}"
+    shutil.copytree(run, folder)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
+    config_file.write_text(json.dumps({**config, "chat_template": template}), encoding="utf-8")
+    return folder
+
+
+def hostile_templates(root: Path, run: Path) -> list[Row]:
+    import httpx
+
+    cli = Row("templates", "hostile chat templates, `generate --chat --template-timeout 2`",
+              "exit 2, one line naming the limit")
+    for index, (name, template) in enumerate(HOSTILE_TEMPLATES.items()):
+        rc, err = run_cli(["generate", "--model", str(with_template(root, run, index, template)), "--chat",
+                           "--prompt", "line", "--max-new-tokens", "2", "--template-timeout", "2"])
+        cli.add(one_line_error(rc, err) and "limit" in err, f"{name}: exit {rc}: {err.strip()[-300:]}")
+    http = Row("templates", "serve, looping template: 4 chat requests at once, /health polled meanwhile",
+               "400 naming the limit; /health 200 within 1 s")
+    folder = with_template(root, run, len(HOSTILE_TEMPLATES), HOSTILE_TEMPLATES["nested range(100000) loops"])
+    srv = ServeProcess(folder, "--template-timeout", "3")
+    body = {"model": folder.resolve().name, "max_tokens": 2, "messages": [{"role": "user", "content": "line"}]}
+    answers: list[httpx.Response] = []
+
+    def chat() -> None:
+        answers.append(httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120))
+
+    try:
+        clients = [threading.Thread(target=chat) for _ in range(4)]
+        for c in clients:
+            c.start()
+        latencies = []  # each render holds a thread for the 3 s of its limit; the event loop must not wait
+        while any(c.is_alive() for c in clients):
+            started = time.monotonic()
+            health = httpx.get(srv.url + "/health", timeout=30)
+            latencies.append((health.status_code, time.monotonic() - started))
+            time.sleep(0.2)
+        slow = [(code, round(t, 2)) for code, t in latencies if code != 200 or t > 1.0]
+        http.add(bool(latencies) and not slow, f"/health during the renders: {slow}")
+        for r in answers:
+            http.add(r.status_code == 400 and "time limit" in r.json()["error"]["message"],
+                     f"chat: {r.status_code} {r.text[:200]}")
+    finally:
+        srv.close()
+    return [cli, http]
+
+
 def table(rows: list[Row]) -> str:
     lines = ["| group | trial | expected | result |", "|---|---|---|---|"]
     for r in rows:
@@ -358,12 +422,12 @@ def table(rows: list[Row]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=["files", "cli", "http", "load"], action="append",
+    parser.add_argument("--only", choices=["files", "cli", "http", "load", "templates"], action="append",
                         help="run only these groups (repeatable; default all)")
     parser.add_argument("--concurrent", type=int, default=16)
     parser.add_argument("--waves", type=int, default=3)
     args = parser.parse_args()
-    groups = args.only or ["files", "cli", "http", "load"]
+    groups = args.only or ["files", "cli", "http", "load", "templates"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     started = time.monotonic()
     rows: list[Row] = []
@@ -379,6 +443,8 @@ def main() -> None:
             rows += bad_http(run)
         if "load" in groups:
             rows += load(run, args.concurrent, args.waves)
+        if "templates" in groups:
+            rows += hostile_templates(root, run)
     load_avg = os.getloadavg()
     print(table(rows))
     print(f"\n{sum(r.n for r in rows)} trials in {time.monotonic() - started:.0f} s; load average "

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tinyformer.config import ModelConfig
+from tinyformer.data.chat_template import ChatTemplate
 from tinyformer.data.tokenizer import build_tokenizer
-from tinyformer.generation.chat import render_template
 from tinyformer.generation.engine import Generator
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.models.decoder import DecoderLM
@@ -135,13 +135,58 @@ def test_a_turn_with_bad_input_reports_it_and_the_chat_goes_on(runs, sessions):
 ])
 def test_render_template_equals_transformers(tmp_path, template):
     transformers = pytest.importorskip("transformers")
-    tok = build_tokenizer("char", CORPUS)
+    tok = build_tokenizer("char", CORPUS)  # bos_token <|bos|>, eos_token <|eos|>
     tok.save(tmp_path / "tokenizer.json")
+    tok.chat_template = template
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"),
                                                   bos_token="<|bos|>", eos_token="<|eos|>", chat_template=template)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " hi "},
                 {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}]
     for gen_prompt in (True, False):
         want = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
-        got = render_template(template, messages, gen_prompt, bos_token="<|bos|>", eos_token="<|eos|>")
+        got = ChatTemplate(tok).render(messages, gen_prompt)
         assert got == want
+
+
+LOOPING = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+def test_a_looping_template_stops_at_template_timeout_with_one_line(tmp_path, capsys, monkeypatch):
+    import io
+
+    from tinyformer.cli.main import main
+
+    run = make_run(tmp_path / "looping", LOOPING)
+    assert main(["generate", "--model", str(run), "--chat", "--prompt", "the fox", "--template-timeout", "0.2"]) == 2
+    err = capsys.readouterr().err
+    assert "ran past its time limit of 0.2 s" in err and "Traceback" not in err and err.count("\n") == 1
+    # chat reports the turn and goes on to the next one (which fails the same way), then ends normally
+    monkeypatch.setattr(sys, "stdin", io.StringIO("the fox\na lazy dog\n"))
+    assert main(["chat", "--model", str(run), "--template-timeout", "0.2"]) == 0
+    assert capsys.readouterr().err.count("ran past its time limit of 0.2 s") == 2
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_a_template_timeout_that_is_no_positive_number_is_exit_2(runs, capsys, command):
+    from tinyformer.cli.main import main
+
+    argv = [command, "--model", str(runs["template"]), "--template-timeout", "0"]
+    assert main(argv + (["--prompt", "x"] if command == "generate" else [])) == 2
+    assert "--template-timeout must be a positive number of seconds, got 0.0" in capsys.readouterr().err
+
+
+def test_a_chat_session_compiles_its_template_once_not_every_turn(runs, monkeypatch):
+    import jinja2
+
+    from tinyformer.generation.chat import ChatSession
+
+    session = ChatSession(Generator.from_run(runs["template"]))
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("the template was compiled again")
+
+    monkeypatch.setattr(jinja2.Environment, "compile", no_compiling)
+    monkeypatch.setattr(jinja2.Environment, "from_string", no_compiling)
+    for text in ("the fox", "a lazy dog"):
+        "".join(session.send(text, SamplingParams(temperature=0), max_new_tokens=4))
+    assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]

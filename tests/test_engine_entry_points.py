@@ -284,7 +284,7 @@ def test_chat_session_first_turn_equals_transformers(char_run):
     folder, model = char_run
     gen = Generator.from_run(folder)
     session = ChatSession(gen)
-    ids = gen.encode(session.render([{"role": "user", "content": "the fox"}]))
+    ids = gen.encode(session.template.render([{"role": "user", "content": "the fox"}]))
     stream = gen.stream(ids, session.stop_params(greedy(24)), logprobs=False)
     list(stream)
     got = stream.result.token_ids

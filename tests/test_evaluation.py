@@ -117,7 +117,7 @@ def test_exact_answer_rows_score_greedy_text(run: Path, tmp_path: Path, capsys: 
 
 def test_chat_exact_answer_rows_render_the_question_with_the_template(run: Path, tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    from tinyformer.generation.chat import render_plain
+    from tinyformer.data.chat_template import render_plain
 
     model, tok = load_model(run), load_tokenizer(run)
     question = "which fox?"

@@ -32,11 +32,6 @@ ALLOWED: dict[tuple[str, str], str] = {
         "build_ffn picks MoE, whose experts are ffn.SwiGLU: the choice belongs to the block or model",
     ("tinyformer.components.quant_kernels", "tinyformer.components.quantized"):
         "the PyTorch fallbacks call quantized.dequantize_weight / unpack_int4: those formulas belong below both",
-    # data/ -> higher layers: the chat template is split over three modules
-    ("tinyformer.data.chat_template", "tinyformer.generation.chat"):
-        "renderer/stop ids come from generation/chat.py: one chat template object in data/ is to hold them",
-    ("tinyformer.data.chat_template", "tinyformer.serve.chat"):
-        "serve/chat.py renders messages again: it merges into the chat template object in data/",
     # run_folder.py -> interop/: the generic safetensors reader sits in interop/
     ("tinyformer.run_folder", "tinyformer.interop.safetensors_io"):
         "run folders read safetensors through interop/safetensors_io.py: the reader belongs below run_folder.py",

@@ -15,7 +15,7 @@ import torch
 
 from tinyformer.cli.main import main
 from tinyformer.data.chat_data import read_chat_file, read_preference_file
-from tinyformer.data.chat_template import CHATML_TEMPLATE, encode_conversation, with_chatml
+from tinyformer.data.chat_template import CHATML_TEMPLATE, ChatTemplate, with_chatml
 from tinyformer.data.tokenizer import Tokenizer
 from tinyformer.errors import DataError
 from tinyformer.presets import get_preset
@@ -80,7 +80,7 @@ def test_three_formats_give_the_same_tokens_and_mask(tmp_path: Path) -> None:
                                                  "output": reply}])
     tok = with_chatml(char_tokenizer())
     files = (openai, sharegpt, alpaca)
-    encoded = [encode_conversation(tok, read_chat_file(p).conversations[0].messages) for p in files]
+    encoded = [ChatTemplate(tok).encode_conversation(read_chat_file(p).conversations[0].messages) for p in files]
     assert [read_chat_file(p).format for p in files] == ["openai", "sharegpt", "alpaca"]
     assert encoded[0] == encoded[1] == encoded[2]
     ids, mask = encoded[0]
@@ -100,7 +100,7 @@ def test_mask_equals_hugging_face_assistant_tokens_mask_on_chatml() -> None:
     hf = PreTrainedTokenizerFast(tokenizer_object=tok.backend)
     hf.chat_template = HF_CHATML_WITH_GENERATION
     out = hf.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    ids, mask = encode_conversation(tok, CONVERSATION)
+    ids, mask = ChatTemplate(tok).encode_conversation(CONVERSATION)
     assert tok.chat_template == CHATML_TEMPLATE
     assert ids == list(out["input_ids"])
     assert mask == list(out["assistant_masks"])
@@ -132,8 +132,8 @@ def test_bad_rows_are_one_line_errors_or_counted_skips(tmp_path: Path) -> None:
     tok = with_chatml(char_tokenizer())
     long_prompt = read_preference_file(write_jsonl(tmp_path / "l.jsonl", [{"prompt": "x" * 40, "chosen": "yes",
                                                                           "rejected": "no"}])).pairs[0]
-    assert encode_pair(tok, long_prompt, 40)[0] is None  # the prompt fills the context: skipped by the caller
-    (chosen, rejected), cut = encode_pair(tok, long_prompt, 60)
+    assert encode_pair(long_prompt, 40, ChatTemplate(tok))[0] is None  # the prompt fills the context: skipped
+    (chosen, rejected), cut = encode_pair(long_prompt, 60, ChatTemplate(tok))
     assert cut and len(chosen[0]) == 60 and chosen[1][-1] != -100  # cut to the context, reply tokens left
 
 
@@ -218,7 +218,7 @@ def test_sft_loss_is_the_mean_over_assistant_tokens_by_hand(tmp_path: Path) -> N
     # by hand: each conversation alone, log-softmax of its own logits, summed over its assistant tokens
     total, count = 0.0, 0
     for row in rows:
-        ids, mask = encode_conversation(objective.tokenizer, row["messages"])
+        ids, mask = objective.template.encode_conversation(row["messages"])
         with torch.no_grad():
             logp = torch.log_softmax(model(torch.tensor([ids[:-1]]))[0], -1)
         for t in range(len(ids) - 1):

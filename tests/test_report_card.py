@@ -100,7 +100,7 @@ def sft_rows() -> list[dict]:
 
 
 def test_sft_prints_the_assistant_tokens_it_trains_on_and_warms_up_for_a_tenth_of_its_steps(tmp_path, capsys):
-    from tinyformer.data.chat_template import encode_conversation, with_chatml
+    from tinyformer.data.chat_template import ChatTemplate, with_chatml
     from tinyformer.data.tokenizer import Tokenizer
 
     base = make_base_run(tmp_path / "base")
@@ -111,7 +111,7 @@ def test_sft_prints_the_assistant_tokens_it_trains_on_and_warms_up_for_a_tenth_o
                  "--sample-tokens", "0", "--out", str(run)]) == 0
     console = capsys.readouterr().out
     tok = with_chatml(Tokenizer.load(base))
-    _, mask = encode_conversation(tok, sft_rows()[0]["messages"])
+    _, mask = ChatTemplate(tok).encode_conversation(sft_rows()[0]["messages"])
     per_conversation = sum(mask[1:])  # the targets that carry the loss: assistant tokens after the first position
     start = next(line for line in console.splitlines() if line.startswith("objective sft"))
     assert f"4 conversations (~{per_conversation} assistant tokens each" in start

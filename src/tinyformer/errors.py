@@ -28,6 +28,10 @@ class GenerationError(TinyformerError, ValueError):
     """A prompt or sampler value cannot be used for generation."""
 
 
+class TemplateLimitError(GenerationError):
+    """A chat template ran past its time limit or its size limit while rendering; the message names which."""
+
+
 class NonFiniteOutputError(TinyformerError):
     """The model's outputs (logits, loss) hold NaN or inf: its weights are corrupt or overflow in this dtype."""
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tinyformer.cli.common import compile_notice
+from tinyformer.cli.common import add_template_timeout_flag, compile_notice, template_timeout
 from tinyformer.cli.generate import (
     add_model_args,
     add_sampling_args,
@@ -23,6 +23,7 @@ from tinyformer.cli.generate import (
     sampling_params,
     use_replacement_on_output,
 )
+from tinyformer.data.chat_template import ChatTemplate
 from tinyformer.errors import ConfigError, TinyformerError
 from tinyformer.generation.batch_engine import new_prefix_cache
 from tinyformer.generation.chat import ChatSession
@@ -42,6 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=64, metavar="MB",
                    help="keep the conversation's keys/values between turns in a prefix cache of this size, so each "
                         "turn prefills only what is new (default 64; 0: off)")
+    add_template_timeout_flag(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
 
@@ -63,11 +65,12 @@ def run(args: argparse.Namespace) -> int:
     sampling_params(args, 0 if args.max_new_tokens is None else args.max_new_tokens)  # bad values: exit 2 now
     if args.prefix_cache_mb < 0:
         raise ConfigError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    timeout_s = template_timeout(args)
     gen = load_generator(args)
     if args.compile:
         print(compile_notice("the decode step"), file=sys.stderr, flush=True)
     gen.prefix_cache = new_prefix_cache(gen.model, args.prefix_cache_mb)  # each turn reuses the history's K/V
-    session = ChatSession(gen, system=args.system)
+    session = ChatSession(gen, system=args.system, template=ChatTemplate(gen.tokenizer, timeout_s=timeout_s))
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"chatting with {args.model} ({HELP})", file=sys.stderr)

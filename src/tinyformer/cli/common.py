@@ -47,3 +47,23 @@ def compile_notice(what: str) -> str:
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(Path(tempfile.gettempdir()) / f"torchinductor_{user}")
     return (f"tinyformer: --compile: torch.compile builds {what} at the first step (tens of seconds; the kernels are "
             f"cached in {cache}, so later runs start faster) ...")
+
+
+def add_template_timeout_flag(p: Any) -> None:
+    """``--template-timeout`` of every command that renders a chat template (chat, generate, serve)."""
+    from tinyformer.data.chat_template import DEFAULT_MAX_CHARS, DEFAULT_TIMEOUT_S
+
+    p.add_argument("--template-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help=f"stop rendering the model's chat template after this long (default {DEFAULT_TIMEOUT_S:g}; "
+                        f"its output is limited to {DEFAULT_MAX_CHARS:,} characters)")
+
+
+def template_timeout(args: Any) -> float:
+    """``--template-timeout``, checked: a positive, finite number of seconds."""
+    import math
+
+    if not (math.isfinite(args.template_timeout) and args.template_timeout > 0):
+        from tinyformer.errors import ConfigError
+
+        raise ConfigError(f"--template-timeout must be a positive number of seconds, got {args.template_timeout}")
+    return float(args.template_timeout)

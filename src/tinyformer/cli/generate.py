@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tinyformer.cli.common import add_no_verify_flag, compile_notice
+from tinyformer.cli.common import add_no_verify_flag, add_template_timeout_flag, compile_notice, template_timeout
 from tinyformer.devices import resolve_device, resolve_dtype
 from tinyformer.errors import GenerationError
 from tinyformer.generation.beam import DEFAULT_EARLY_STOPPING, DEFAULT_LENGTH_PENALTY
@@ -152,6 +152,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true",
                    help="the prompt is one user message: render it with the model's chat template (as `chat` "
                         "does) and stop at the end of the assistant's turn")
+    add_template_timeout_flag(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per sample and line: text, token_ids (generated), logprobs, "
                         "timings (prompt_tokens, prefill_ms, completion_tokens, decode_tokens_per_s)")
@@ -190,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         raise GenerationError("the prompt is empty")
     # Impossible sampler values are reported before the (slow) model load.
     sampling_params(args, 0 if args.max_new_tokens is None else args.max_new_tokens)
+    timeout_s = template_timeout(args)
     gen = load_generator(args)
     if args.compile:
         print(compile_notice("the decode step"), file=sys.stderr, flush=True)
@@ -197,10 +199,11 @@ def run(args: argparse.Namespace) -> int:
         gen.eos_token_id = None
     echo = (not args.chat) if args.echo is None else args.echo
     if args.chat:
+        from tinyformer.data.chat_template import ChatTemplate
         from tinyformer.generation.chat import ChatSession
 
-        session = ChatSession(gen)
-        prompt = session.render([{"role": "user", "content": prompt}])
+        session = ChatSession(gen, template=ChatTemplate(gen.tokenizer, timeout_s=timeout_s))
+        prompt = session.template.render([{"role": "user", "content": prompt}])
     ids = gen.encode(prompt)
     params = sampling_params(args, budget(args, gen, len(ids)))
     if args.chat:

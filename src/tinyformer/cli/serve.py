@@ -9,7 +9,7 @@ import socket
 import sys
 from pathlib import Path
 
-from tinyformer.cli.common import add_no_verify_flag
+from tinyformer.cli.common import add_no_verify_flag, add_template_timeout_flag, template_timeout
 from tinyformer.errors import CheckpointError, ConfigError, TinyformerError
 from tinyformer.serve import DEFAULT_MAX_BODY_BYTES
 
@@ -57,6 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the cores not busy at start, less one for the HTTP event loop; "
                         "see utils/threads.py)")
+    add_template_timeout_flag(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_no_verify_flag(p)
     p.set_defaults(func=run)
@@ -109,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be <= 65535, got {args.port}")
     if args.request_timeout < 0:
         raise ConfigError(f"--request-timeout must be >= 0, got {args.request_timeout}")
+    timeout_s = template_timeout(args)
     device = resolve_device(args.device or "auto")
     dtype = resolve_dtype(args.dtype or "auto", device)
     dtype_name = str(dtype).removeprefix("torch.")
@@ -136,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
                          request_timeout=args.request_timeout or None, api_key=args.api_key,
                          max_len=args.max_context, max_body_bytes=args.max_body_bytes, bind_host=args.host,
                          allowed_origins=tuple(args.allow_origin), compile=args.compile,
-                         prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb)
+                         prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb,
+                         template_timeout=timeout_s)
         logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host

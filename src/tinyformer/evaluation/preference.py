@@ -38,14 +38,14 @@ def _load(run: Path, device: str) -> tuple[nn.Module, Tokenizer, torch.device]:
 def evaluate_preferences(run: Path, data: str, *, batch_size: int = 8, device: str = "auto") -> dict[str, Any]:
     """Preference accuracy and mean log-prob margin of the model in ``run`` on a preference JSONL file."""
     from tinyformer.data.chat_data import describe_skipped, read_preference_file
-    from tinyformer.data.chat_template import renderer
+    from tinyformer.data.chat_template import ChatTemplate
 
     model, tokenizer, dev = _load(run, device)
     prefs = read_preference_file(data)
-    render = renderer(tokenizer)
+    template = ChatTemplate(tokenizer)
     rows, skipped = [], prefs.skipped.copy()
     for pair in prefs.pairs:
-        encoded, _ = encode_pair(tokenizer, pair, model.cfg.max_seq_len, render)
+        encoded, _ = encode_pair(pair, model.cfg.max_seq_len, template)
         if encoded is None:
             skipped["prompt longer than the context"] += 1
         else:
@@ -63,15 +63,15 @@ def evaluate_preferences(run: Path, data: str, *, batch_size: int = 8, device: s
 def evaluate_chat(run: Path, data: str, *, batch_size: int = 8, device: str = "auto") -> dict[str, Any]:
     """Assistant-token loss (and perplexity) of the model in ``run`` on a chat JSONL file."""
     from tinyformer.data.chat_data import describe_skipped, read_chat_file
-    from tinyformer.data.chat_template import encode_conversation, renderer
+    from tinyformer.data.chat_template import ChatTemplate
 
     model, tokenizer, dev = _load(run, device)
     chat = read_chat_file(data)
-    render = renderer(tokenizer)
+    template = ChatTemplate(tokenizer)
     rows, skipped = [], chat.skipped.copy()
     for conv in chat.conversations:
         try:
-            ids, mask = encode_conversation(tokenizer, conv.messages, render)
+            ids, mask = template.encode_conversation(conv.messages)
         except DataError as exc:
             raise DataError(f"{conv.source}: {exc}") from None
         row, _ = reply_row(ids, mask, model.cfg.max_seq_len)

@@ -242,7 +242,7 @@ def _exact_match(model: Any, tokenizer: Any, items: Sequence[ExactAnswer], batch
                  max_new_tokens: int) -> list[float]:
     """Greedy answers, batched by stop strings; the prompt keeps its last max_seq_len - max_new_tokens
     tokens (as lm-eval's ``generate_until`` cuts it)."""
-    from tinyformer.data.chat_template import encode_prompt, renderer, stop_token_ids
+    from tinyformer.data.chat_template import ChatTemplate
     from tinyformer.generation.engine import Generator
     from tinyformer.generation.sampling import GREEDY_TEMPERATURE, SamplingParams
 
@@ -251,17 +251,17 @@ def _exact_match(model: Any, tokenizer: Any, items: Sequence[ExactAnswer], batch
     if room < 1:
         raise DataError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context "
                         f"of {gen.max_seq_len} tokens")
-    render = renderer(tokenizer) if any(it.chat for it in items) else None
+    template = ChatTemplate(tokenizer) if any(it.chat for it in items) else None
     hits = [0.0] * len(items)
     by_stop: dict[tuple[tuple[str, ...], bool], list[int]] = {}
     for i, it in enumerate(items):
         by_stop.setdefault((it.stop, it.chat), []).append(i)
     for (stop, chat), members in by_stop.items():
         params = SamplingParams(temperature=GREEDY_TEMPERATURE, max_new_tokens=max_new_tokens, stop_strings=stop,
-                                stop_token_ids=stop_token_ids(tokenizer) if chat else ()).validate()
+                                stop_token_ids=template.stop_token_ids if template and chat else ()).validate()
         for j in range(0, len(members), batch_size):
             part = members[j : j + batch_size]
-            prompts = [(encode_prompt(tokenizer, [{"role": "user", "content": items[i].prompt}], render) if chat
+            prompts = [(template.encode_prompt([{"role": "user", "content": items[i].prompt}]) if template and chat
                         else gen.encode(items[i].prompt))[-room:] for i in part]
             for i, res in zip(part, gen.generate(prompts, params, logprobs=False)):
                 hits[i] = float(res.text.strip() == items[i].answer.strip())

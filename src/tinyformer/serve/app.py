@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tinyformer.errors import TinyformerError
+from tinyformer.data.chat_template import DEFAULT_TIMEOUT_S
 from tinyformer.serve import protocol as P
 from tinyformer.serve.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard, is_loopback_host
 from tinyformer.serve.protocol import APIError
@@ -69,7 +69,8 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
                request_timeout: float | None = 600.0, api_key: str | None = None,
                max_len: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                bind_host: str = "127.0.0.1", allowed_origins: tuple[str, ...] = (), compile: bool = False,
-               prefill_chunk: int | None = 256, prefix_cache_mb: float = 0) -> FastAPI:
+               prefill_chunk: int | None = 256, prefix_cache_mb: float = 0,
+               template_timeout: float = DEFAULT_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving ``model`` (a decoder LM, eval mode) with ``tokenizer``.
 
     The scheduler thread starts with the app (lifespan) and stops with it. ``app.state.server`` is the
@@ -78,11 +79,12 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
     an ``api_key``, cross-site browser requests (and, bound to loopback ``bind_host``, foreign Host names)
     get 403. ``compile`` decodes with the compiled step; ``prefill_chunk`` is the most prompt tokens a request
     feeds per step, ``prefix_cache_mb`` the prefix cache's size (0: none); see
-    :class:`~tinyformer.serve.scheduler.Scheduler`.
+    :class:`~tinyformer.serve.scheduler.Scheduler`. ``template_timeout`` is the chat template's time limit
+    (:class:`~tinyformer.data.chat_template.ChatTemplate`); templates render off the event loop.
     """
     server = Server(model, tokenizer, model_name=model_name, max_batch=max_batch, max_queue=max_queue,
                     request_timeout=request_timeout, api_key=api_key, max_len=max_len, compile=compile,
-                    prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb)
+                    prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb, template_timeout=template_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -91,6 +93,7 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
             yield
         finally:
             server.scheduler.stop()
+            server.template_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="tinyformer", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.server = server
@@ -201,15 +204,11 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in req.messages]
-        try:
-            prompt = server.template.render(messages, add_generation_prompt=True)
-        except TinyformerError as exc:
-            raise APIError(400, str(exc), param="messages") from None
-        ids = server.encode(prompt, "messages")
+        ids = server.encode(await server.render_chat(messages), "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else 0
         reqs, inbox = server.build(req, [ids], max_tokens, None, top, extra_stop=server.template.stop_strings,
-                                   extra_stop_ids=server.template.stop_token_ids(server.tokenizer.token_to_id),
+                                   extra_stop_ids=server.template.stop_token_ids,
                                    logprobs=bool(req.logprobs))
         prompt_lengths = [len(reqs[0].prompt_ids)]
         rid, created = P.new_id("chatcmpl"), P.now()

@@ -5,7 +5,9 @@ come back to the event loop.
 Each API request becomes one :class:`GenerationRequest` per choice (``n`` per prompt). The handler
 submits them to the scheduler thread and awaits their :class:`StepEvent`s on an ``asyncio.Queue`` that
 the scheduler feeds through ``loop.call_soon_threadsafe`` (one wake-up per step, see ``_Mailbox``); the
-event loop never runs torch.
+event loop never runs torch, nor a chat template: templates render in a small thread pool of their own
+(``render_chat``), under the template's time and size limits, so a template that loops or grows holds
+one of those threads until its limit and the loop keeps answering everything else.
 """
 
 from __future__ import annotations
@@ -14,20 +16,23 @@ import asyncio
 import hmac
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 
+from tinyformer.data.chat_template import DEFAULT_TIMEOUT_S, ChatTemplate
 from tinyformer.errors import TinyformerError
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.generation.streaming import TokenBytes
 from tinyformer.serve import protocol as P
-from tinyformer.serve.chat import ChatTemplate
 from tinyformer.serve.protocol import APIError
 from tinyformer.serve.scheduler import GenerationRequest, QueueFull, Scheduler, StepEvent, TokenInfo
 
 __all__ = ["Choice", "Server", "add_event", "collect", "event_error"]
+
+TEMPLATE_THREADS = 4  # chat templates rendering at once; more requests wait for a thread
 
 
 @dataclass
@@ -77,7 +82,7 @@ class Server:
     def __init__(self, model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 16, max_queue: int = 64,
                  request_timeout: float | None = 600.0, api_key: str | None = None,
                  max_len: int | None = None, compile: bool = False, prefill_chunk: int | None = 256,
-                 prefix_cache_mb: float = 0) -> None:
+                 prefix_cache_mb: float = 0, template_timeout: float = DEFAULT_TIMEOUT_S) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.created = P.now()
@@ -90,8 +95,8 @@ class Server:
                                    max_len=max_len, compile=compile, prefill_chunk=prefill_chunk,
                                    prefix_cache_mb=prefix_cache_mb)
         self.context = self.scheduler.max_len
-        self.template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token,
-                                     tokenizer.pad_token)
+        self.template = ChatTemplate(tokenizer, timeout_s=template_timeout)
+        self.template_pool = ThreadPoolExecutor(max_workers=TEMPLATE_THREADS, thread_name_prefix="tinyformer-template")
         self._token_text: dict[int, str] = {}
         self._box: _Mailbox | None = None
 
@@ -131,6 +136,15 @@ class Server:
                 text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
             self._token_text[token_id] = text
         return text
+
+    async def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The chat prompt of ``messages``, rendered off the event loop; a template that rejects them or
+        hits a render limit is a 400 naming the reason."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.template_pool, self.template.render, messages, True)
+        except TinyformerError as exc:
+            raise APIError(400, str(exc), param="messages") from None
 
     # ------------------------------------------------------------------ building scheduler requests
     def build(self, req: P._SamplingRequest, prompts: list[list[int]], max_tokens: int | None, default_max: int | None,

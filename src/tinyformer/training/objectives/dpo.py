@@ -24,7 +24,7 @@ Rows that cannot be used are skipped and counted: chosen == rejected, a prompt t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,6 +39,7 @@ from tinyformer.training.objectives.sft import IGNORE, ChatObjective, first_user
 
 if TYPE_CHECKING:
     from tinyformer.data.chat_data import PreferencePair
+    from tinyformer.data.chat_template import ChatTemplate
     from tinyformer.data.dataset import TokenDataset
     from tinyformer.data.tokenizer import Tokenizer
     from tinyformer.training.train_config import TrainConfig
@@ -72,7 +73,7 @@ class DPOObjective(ChatObjective):
         self.pairs: dict[str, list[tuple[Row, Row]]] = {s: [] for s in SPLITS}
         self.raw: dict[str, list[PreferencePair]] = {s: [] for s in SPLITS}
         for pair in pairs:
-            encoded, cut = encode_pair(tokenizer, pair, self._block(), self.render)
+            encoded, cut = encode_pair(pair, self._block(), self.template)
             if encoded is None:
                 self.skipped["prompt longer than the context"] += 1
                 continue
@@ -279,17 +280,14 @@ def reply_row(ids: list[int], mask: list[int], block_size: int) -> tuple[Row | N
     return (ids[:-1], targets), cut
 
 
-def encode_pair(tokenizer: Tokenizer, pair: PreferencePair, block_size: int,
-                render: Callable[[Sequence[dict[str, str]], bool], str] | None = None
+def encode_pair(pair: PreferencePair, block_size: int, template: ChatTemplate
                 ) -> tuple[tuple[Row, Row] | None, bool]:
     """((chosen row, rejected row) or None when the prompt is longer than the context, whether a reply was cut)."""
-    from tinyformer.data.chat_template import encode_reply
-
     rows = []
     cut = False
     for reply in (pair.chosen, pair.rejected):
         try:
-            ids, mask = encode_reply(tokenizer, pair.prompt, reply, render)
+            ids, mask = template.encode_reply(pair.prompt, reply)
         except DataError as exc:
             raise DataError(f"{pair.source}: {exc}") from None
         row, was_cut = reply_row(ids, mask, block_size)

@@ -28,7 +28,7 @@ own ``--steps`` (the pretraining default of a fixed 40 steps would fill most of 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -42,6 +42,7 @@ from tinyformer.training.objectives.lm import lm_loss
 
 if TYPE_CHECKING:
     from tinyformer.data.chat_data import Conversation
+    from tinyformer.data.chat_template import ChatTemplate
     from tinyformer.data.dataset import TokenDataset
     from tinyformer.data.tokenizer import Tokenizer
     from tinyformer.training.train_config import TrainConfig
@@ -92,9 +93,9 @@ class ChatObjective(Objective):
         super().__init__(cfg, tokenizer, dataset)
         if cfg.task is not None:
             raise ConfigError(f"--task {cfg.task!r} does not apply to objective {self.name!r} (it reads chat data)")
-        from tinyformer.data.chat_template import renderer
+        from tinyformer.data.chat_template import ChatTemplate
 
-        self.render = renderer(tokenizer)
+        self.template = ChatTemplate(tokenizer)
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else (tokenizer.eos_id or 0)
         self.skipped: Counter = Counter()
 
@@ -132,32 +133,32 @@ class ChatObjective(Objective):
     def answer(self, model: nn.Module, prompts: Sequence[Sequence[dict[str, str]]], device: torch.device | str,
                max_new_tokens: int = SAMPLE_TOKENS) -> list[str]:
         """Greedy replies of ``model`` to each prompt (messages ending with a user turn)."""
-        return answer_prompts(model, self.tokenizer, prompts, device, max_new_tokens, self.render)
+        return answer_prompts(model, self.tokenizer, prompts, device, max_new_tokens, self.template)
 
 
 @torch.no_grad()
 def answer_prompts(model: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[dict[str, str]]],
                    device: torch.device | str, max_new_tokens: int = SAMPLE_TOKENS,
-                   render: Callable[[Sequence[dict[str, str]], bool], str] | None = None) -> list[str]:
+                   template: ChatTemplate | None = None) -> list[str]:
     """Greedy replies (stopping at an end-of-turn token or EOS) to each prompt, rendered with the template."""
-    from tinyformer.data.chat_template import encode_prompt, stop_token_ids
+    from tinyformer.data.chat_template import ChatTemplate
     from tinyformer.generation.engine import Generator
     from tinyformer.generation.sampling import GREEDY_TEMPERATURE, SamplingParams
 
     model = getattr(model, "_orig_mod", model)  # a compiled wrapper's module
     was_training = model.training
     gen = Generator(model, tokenizer)
-    stops = stop_token_ids(tokenizer)
+    template = template or ChatTemplate(tokenizer)
     replies = []
     try:
         for messages in prompts:
-            ids = encode_prompt(tokenizer, messages, render)
+            ids = template.encode_prompt(messages)
             room = model.cfg.max_seq_len - len(ids)
             if room <= 0:
                 replies.append("(the prompt is longer than the context)")
                 continue
             params = SamplingParams(temperature=GREEDY_TEMPERATURE, max_new_tokens=min(max_new_tokens, room),
-                                    stop_token_ids=stops).validate()
+                                    stop_token_ids=template.stop_token_ids).validate()
             replies.append(gen.generate([ids], params)[0].text.strip())
     finally:
         model.train(was_training)
@@ -196,10 +197,8 @@ class SFTObjective(ChatObjective):
     def encode(self, conv: Conversation) -> tuple[list[int], list[int]] | None:
         """(input ids, targets) of a conversation cut to the context, or None (counted) when no assistant
         token is left."""
-        from tinyformer.data.chat_template import encode_conversation
-
         try:
-            ids, mask = encode_conversation(self.tokenizer, conv.messages, self.render)
+            ids, mask = self.template.encode_conversation(conv.messages)
         except DataError as exc:
             raise DataError(f"{conv.source}: {exc}") from None
         if len(ids) > self._block() + 1:
