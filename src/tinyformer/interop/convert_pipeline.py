@@ -39,6 +39,7 @@ from tinyformer.integrity import write_manifest
 from tinyformer.interop.adapter import adapter_for_hf
 from tinyformer.interop.safetensors_io import TensorSpec, write_planned
 from tinyformer.interop.tensor_sources import MetaStateDict, TensorSource, TensorView, name_list, read_json
+from tinyformer.sizing import check_buildable
 from tinyformer.utils.io import atomic_write_bytes, atomic_write_text
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
@@ -188,6 +189,9 @@ def import_checkpoint(hf_config: Mapping[str, Any], source: TensorSource, out: s
     cfg = adapter.config_from_hf(hf_config)
     if extra:
         cfg = cfg.replace(extra={**cfg.extra, **extra})
+    # the check `generate` makes before it builds the model, made before even the meta-device plan: a
+    # config.json declaring 10^6 layers or 10^12 positions is refused here, not built for minutes
+    check_buildable(cfg, torch.empty(0, dtype=dtype).element_size() if dtype is not None else 2)
     expected = MetaStateDict(cfg)
     implied = _Planned(list(adapter.tinyformer_to_hf(cfg, expected.sd)))
     check_tensors(source, implied, lambda n: adapter.ignorable_hf_tensor(cfg, n), "config.json")
