@@ -12,14 +12,38 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from tinyformer.errors import DataError, TinyformerError
+from tinyformer.errors import DataError, OutputError, TinyformerError
+
+
+def make_folder(folder: str | Path) -> Path:
+    """``mkdir -p folder``, with a one-line :class:`OutputError` when a file stands where a folder is needed
+    (``--out notes.txt/run``) or the disk refuses (read-only, full)."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), folder)
+        raise OutputError(f"cannot create the folder {folder}: {blocker} is a file, not a folder") from None
+    except OSError as exc:
+        raise OutputError(f"cannot create the folder {folder}: {exc.strerror or exc}") from None
+    return folder
+
+
+def _write_failure(target: Path, exc: BaseException) -> OutputError | None:
+    """A one-line error for a write that the disk refused, raised by a library that hides the errno
+    (numpy's ``tofile``: "8192 requested and 4928 written"; safetensors' ``SafetensorError``)."""
+    if type(exc).__name__ == "SafetensorError" or (isinstance(exc, OSError) and exc.errno is None):
+        return OutputError(f"cannot write {target}: {' '.join(str(exc).split())} (is the disk full?); what was "
+                           "on disk is unchanged")
+    return None
 
 
 @contextlib.contextmanager
 def atomic_path(target: str | Path) -> Iterator[Path]:
     """Yield a temporary path next to ``target``; on success it is fsynced and renamed onto it."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(target.parent)
+    remove_stale_temporaries(target, ".tmp")
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp_path = Path(tmp)
@@ -33,10 +57,48 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
             os.fsync(f.fileno())
         os.replace(tmp_path, target)
         fsync_dir(target.parent)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
+        failure = _write_failure(target, exc)
+        if failure is not None:
+            raise failure from None
         raise
+
+
+def remove_stale_temporaries(target: Path, suffix: str) -> None:
+    """Remove the hidden temporaries ``.NAME.<random>SUFFIX`` that an earlier write of ``target`` left when it
+    was killed (SIGKILL runs no cleanup). Only those untouched for ``STALE_AFTER_S``: a temporary written
+    to in the last minute (a staging folder: it or a file in it) may belong to a write in progress."""
+    import shutil
+    import time
+
+    try:
+        leftovers = list(target.parent.glob(f".{glob_escape(target.name)}.*{suffix}"))
+    except OSError:
+        return
+    for path in leftovers:
+        try:
+            touched = max([path.lstat().st_mtime, *(p.lstat().st_mtime for p in path.iterdir())]
+                          if path.is_dir() and not path.is_symlink() else [path.lstat().st_mtime])
+            if time.time() - touched < STALE_AFTER_S:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink()
+        except OSError:
+            continue
+
+
+#: a temporary untouched this long belongs to no live writer (each writer touches its own as it writes)
+STALE_AFTER_S = 60.0
+
+
+def glob_escape(name: str) -> str:
+    import glob
+
+    return glob.escape(name)
 
 
 def fsync_dir(folder: Path) -> None:
