@@ -8,15 +8,22 @@ propagates and fails the test with its traceback.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import shutil
 import struct
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
-from test_cli_errors import fails_in_one_line, run, trained  # noqa: F401 - fixtures: a tiny finished run
+from test_cli_errors import fails_in_one_line, run, trained
 
 from tinyformer.cli.main import main
+
+SHARED_FIXTURES = (trained, run)  # test_cli_errors' tiny finished run (char tokenizer, 2 steps) and a copy
 
 
 def _gguf_string(b: bytes) -> bytes:
@@ -71,3 +78,179 @@ def test_hf_config_no_machine_can_build_is_refused_before_import(tmp_path, capsy
     fails_in_one_line(["convert", "--from-hf", str(src), "--out", str(tmp_path / "out")], capsys,
                       "would allocate", "8.0 GB of memory")
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------- full and read-only disks
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(folder: Path, options: str):
+    """A tmpfs mounted at ``folder`` (``size=32k`` for a full disk, ``ro`` for a read-only one); the test is
+    skipped where mounting is not allowed (not root, no CAP_SYS_ADMIN in a container). Root ignores file
+    permission bits, so a chmod-ed folder would not be read-only for these tests."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+WRITERS = {  # argv writing to OUT, for each command that writes a run folder or a file
+    "train": lambda run, out: ["train", "--data", str(run.parent / "corpus.txt"), "--tokenizer", "char",
+                               "--out", str(out), "--model.d_model", "16", "--model.n_layer", "1", "--model.n_head",
+                               "2", "--model.max_seq_len", "16", "--steps", "1", "--batch-size", "2",
+                               "--eval-interval", "1", "--eval-iters", "1", "--sample-tokens", "2", "--threads", "1",
+                               "--no-progress"],
+    "to-hf": lambda run, out: ["convert", "--model", str(run), "--to-hf", str(out)],
+    "quantize": lambda run, out: ["quantize", "--type", "int8", "--model", str(run), "--out", str(out)],
+    "to-gguf": lambda run, out: ["convert", "--model", str(run), "--to-gguf", str(out) + ".gguf"],
+}
+
+
+@pytest.mark.parametrize("command", ["to-hf", "quantize", "to-gguf"])
+def test_a_full_disk_is_one_line_and_leaves_no_partial_output(trained, tmp_path, capsys, command):
+    with mounted_tmpfs(tmp_path / "small", "size=32k") as disk:
+        fails_in_one_line(WRITERS[command](trained, disk / "out"), capsys, "No space left on device")
+        assert sorted(p.name for p in disk.iterdir()) == []  # no partial folder, no temporary file
+
+
+@pytest.mark.parametrize("command", sorted(WRITERS))
+def test_a_read_only_output_is_one_line(trained, tmp_path, capsys, command):
+    with mounted_tmpfs(tmp_path / "ro", "ro") as disk:
+        fails_in_one_line(WRITERS[command](trained, disk / "out"), capsys, "Read-only file system", str(disk))
+
+
+def test_resume_of_a_run_on_a_read_only_disk_is_one_line(trained, tmp_path, capsys):
+    with mounted_tmpfs(tmp_path / "ro", "size=1m") as disk:
+        shutil.copytree(trained, disk / "run")
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        fails_in_one_line(["train", "--resume", str(disk / "run"), "--steps", "3", "--no-progress"], capsys,
+                          "Read-only file system")
+
+
+def test_a_disk_that_fills_while_a_weight_file_is_written_keeps_the_old_output(trained, tmp_path, capsys,
+                                                                                 monkeypatch):
+    out = tmp_path / "q"
+    assert main(WRITERS["quantize"](trained, out)) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    fails_in_one_line([*WRITERS["quantize"](trained, out), "--force"], capsys, "No space left on device")
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize("command", sorted(WRITERS))
+def test_out_below_a_file_is_one_line_naming_the_file(trained, tmp_path, capsys, command):
+    (tmp_path / "notes.txt").write_text("keep me")
+    fails_in_one_line(WRITERS[command](trained, tmp_path / "notes.txt" / "sub"), capsys, "notes.txt",
+                      "is a file, not a folder")
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_to_gguf_into_a_folder_says_it_is_a_folder_even_without_force(trained, tmp_path, capsys):
+    fails_in_one_line(["convert", "--model", str(trained), "--to-gguf", str(tmp_path)], capsys, "is a folder")
+
+
+def test_eval_prints_its_figures_and_warns_when_the_report_card_cannot_be_written(trained, run, capsys,
+                                                                                    monkeypatch):
+    import tinyformer.evaluation.report
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(run / "report.md"))
+
+    monkeypatch.setattr(tinyformer.evaluation.report, "merge_eval_table", read_only)
+    capsys.readouterr()
+    assert main(["eval", "--model", str(run), "--data", str(trained.parent / "corpus.txt"),
+                 "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "loss" in out and "perplexity" in out
+    assert "warning: the report card was not updated" in err and "Read-only file system" in err
+
+
+def test_eval_task_file_that_is_not_utf8_is_one_line(run, tmp_path, capsys):
+    path = tmp_path / "task.jsonl"
+    path.write_bytes(b'{"question": "caf\xe9", "choices": ["a", "b"], "answer": 0}\n')
+    fails_in_one_line(["eval", "--model", str(run), "--task", str(path)], capsys, "task.jsonl", "not UTF-8",
+                      "0xe9")
+
+
+def test_an_argument_with_a_byte_that_is_not_utf8_is_refused_before_training(trained, tmp_path, capsys):
+    data = os.fsdecode(bytes(tmp_path) + b"/corpus\xff.txt")
+    shutil.copyfile(trained.parent / "corpus.txt", data)
+    fails_in_one_line(["train", "--data", data, "--out", str(tmp_path / "out"), "--steps", "1"], capsys,
+                      "not UTF-8", "0xff")
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------- nesting 10^5 deep
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json", "manifest.json",
+                                  "model.safetensors.index.json"])
+def test_json_nested_100000_deep_in_a_run_file_is_one_line(run, capsys, name):
+    (run / name).write_text(DEEP)
+    fails_in_one_line(["generate", "--model", str(run), "--prompt", "the", "--max-new-tokens", "2"], capsys,
+                      "nested too deeply" if name in ("config.json", "tokenizer_config.json") else name)
+
+
+def test_safetensors_header_nested_a_million_deep_is_one_line(run, capsys):
+    header = b'{"a":' + b"[" * 10**6 + b"]" * 10**6 + b"}"
+    header += b" " * (-len(header) % 8)
+    (run / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    fails_in_one_line(["convert", "--model", str(run), "--to-hf", str(run.parent / "hf"), "--no-verify"], capsys,
+                      "model.safetensors")
+
+
+def test_sft_row_nested_100000_deep_is_one_line(run, tmp_path, capsys):
+    path = tmp_path / "chats.jsonl"
+    path.write_text('{"messages": ' + DEEP + "}\n")
+    fails_in_one_line(["train", "--init-from", str(run), "--objective", "sft", "--data", str(path), "--out",
+                       str(tmp_path / "sft"), "--steps", "1", "--threads", "1", "--no-progress"], capsys,
+                      "nested too deeply")
+
+
+# ---------------------------------------------------------------------------- --force and leftovers
+
+
+def test_quantize_force_replaces_its_own_earlier_output(trained, tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main(WRITERS["quantize"](trained, out)) == 0
+    assert (out / "loss.png").is_file()  # a side file of the training run, copied
+    (out / "model.safetensors").write_bytes(b"stale")
+    assert main([*WRITERS["quantize"](trained, out), "--force"]) == 0
+    assert (out / "model.safetensors").read_bytes() != b"stale"
+    (out / "mine.txt").write_text("not written by quantize")
+    fails_in_one_line([*WRITERS["quantize"](trained, out), "--force"], capsys, "mine.txt")
+
+
+@pytest.mark.parametrize("command,suffix", [("to-hf", ".partial"), ("to-gguf", ".tmp")])
+def test_stale_temporaries_of_the_same_target_are_removed_by_the_next_run(trained, tmp_path, command, suffix):
+    out = tmp_path / "out"
+    name = out.name + (".gguf" if command == "to-gguf" else "")
+    stale, fresh, other = (tmp_path / f".{name}.dead1234{suffix}", tmp_path / f".{name}.live5678{suffix}",
+                           tmp_path / f".other.dead1234{suffix}")
+    for path in (stale, fresh, other):
+        if suffix == ".partial":
+            path.mkdir()
+            (path / "model.safetensors").write_bytes(b"half")
+        else:
+            path.write_bytes(b"half")
+    old = time.time() - 3600  # a SIGKILL-ed conversion an hour ago
+    for path in (stale, other, *(stale.iterdir() if stale.is_dir() else ())):
+        os.utime(path, (old, old))
+    assert main(WRITERS[command](trained, out)) == 0
+    assert not stale.exists()
+    assert fresh.exists()  # may belong to a conversion still running
+    assert other.exists()  # another target's

@@ -71,5 +71,5 @@ def environment_error_message(exc: OSError) -> str | None:
     verb = "write" if name in ("ENOSPC", "EDQUOT", "EROFS", "EFBIG", "EIO") else "access"
     hint = {"ENOSPC": "; free some space and run the command again (what was on disk is unchanged)",
             "EDQUOT": "; free some space and run the command again (what was on disk is unchanged)",
-            "EROFS": "; choose a writable folder with --out"}.get(name, "")
+            "EROFS": " (the disk or folder is mounted read-only)"}.get(name, "")
     return f"cannot {verb}{where}: {exc.strerror or exc} ({name}){hint}"

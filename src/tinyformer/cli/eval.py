@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -174,16 +176,31 @@ def run(args: argparse.Namespace) -> int:
                           batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
                           dtype=args.dtype, cache_dir=args.cache_dir, progress=not args.no_progress,
                           per_token=args.per_token, verify=not args.no_verify)
-    report = _report_text(args, result)
+    if not args.json:  # the figures first: a report card that cannot be written must not lose them
+        bpb = f", {result['bits_per_byte']:.4f} bits/byte" if result["bits_per_byte"] is not None else ""
+        print(f"{result['model']} on {result['data']}: loss {result['loss']:.4f}, perplexity "
+              f"{result['perplexity']:.2f}{bpb} ({result['tokens']:,} tokens, block size {result['block_size']})",
+              flush=True)
+    report = report_or_warning(lambda: _report_text(args, result))
     if args.json:
         print(json.dumps({**result, "report": report}))
-        return 0
-    bpb = f", {result['bits_per_byte']:.4f} bits/byte" if result["bits_per_byte"] is not None else ""
-    print(f"{result['model']} on {result['data']}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}"
-          f"{bpb} ({result['tokens']:,} tokens, block size {result['block_size']})")
-    if report is not None:
+    elif report is not None:
         print(f"updated {report}")
     return 0
+
+
+def report_or_warning(write: Callable[[], object]) -> str | None:
+    """``write()`` the report card and return its path; a card that cannot be written (a read-only or full
+    disk) is a warning on stderr, not an error: the figures are printed already."""
+    from tinyformer.errors import OutputError, environment_error_message
+
+    try:
+        path = write()
+    except (OSError, OutputError) as exc:
+        reason = (environment_error_message(exc) if isinstance(exc, OSError) else None) or str(exc)
+        print(f"warning: the report card was not updated: {reason}", file=sys.stderr)
+        return None
+    return None if path is None else str(path)
 
 
 def _report_text(args: argparse.Namespace, result: dict) -> str | None:

@@ -14,6 +14,7 @@ import sys
 from typing import NoReturn
 
 from tinyformer.errors import TinyformerError, environment_error_message
+from tinyformer.utils.io import check_utf8_arguments
 from tinyformer.utils.threads import configure_threads, set_wait_policy
 
 set_wait_policy()  # before torch (and its OpenMP runtime) loads with a subcommand: idle threads sleep
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        check_utf8_arguments(sys.argv[1:] if argv is None else argv)
         if args.command in COMPUTE_COMMANDS:
             configure_threads(getattr(args, "threads", None), reserve=RESERVED_CORES.get(args.command, 0))
         return int(args.func(args) or 0)

@@ -33,8 +33,15 @@ def _write_failure(target: Path, exc: BaseException) -> OutputError | None:
     """A one-line error for a write that the disk refused, raised by a library that hides the errno
     (numpy's ``tofile``: "8192 requested and 4928 written"; safetensors' ``SafetensorError``)."""
     if type(exc).__name__ == "SafetensorError" or (isinstance(exc, OSError) and exc.errno is None):
-        return OutputError(f"cannot write {target}: {' '.join(str(exc).split())} (is the disk full?); what was "
-                           "on disk is unchanged")
+        import shutil
+
+        try:
+            full = shutil.disk_usage(target.parent).free < 2**20
+        except OSError:
+            full = False
+        reason = "No space left on device (ENOSPC)" if full else "is the disk full?"
+        return OutputError(f"cannot write {target}: {' '.join(str(exc).split())} ({reason}); what was on disk "
+                           "is unchanged")
     return None
 
 
@@ -142,3 +149,17 @@ def read_utf8(path: str | Path, error: type[TinyformerError] = DataError, what: 
     except UnicodeDecodeError as exc:
         raise error(f"{label} is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset {exc.start} "
                     f"({exc.reason}); is it the right file?") from None
+
+
+def check_utf8_arguments(argv: list[str]) -> None:
+    """Refuse a command-line argument holding a byte that is not UTF-8 (a file name in Latin-1: Python
+    carries it as a lone surrogate): it would be accepted, trained on for hours, and then fail to be
+    written into report.md or a plot title. One line naming the argument and the byte, before any work."""
+    for arg in argv:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raw = arg.encode("utf-8", "surrogateescape")
+            shown = raw.decode("utf-8", "replace")
+            raise DataError(f"the argument {shown!r} is not UTF-8 text (byte 0x{raw[exc.start]:02x}): "
+                            "rename the file or folder, or choose another name") from None
