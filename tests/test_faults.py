@@ -254,3 +254,34 @@ def test_stale_temporaries_of_the_same_target_are_removed_by_the_next_run(traine
     assert not stale.exists()
     assert fresh.exists()  # may belong to a conversion still running
     assert other.exists()  # another target's
+
+
+# ---------------------------------------------------------------------------- a char corpus without a newline
+
+
+def _train_args(data: Path, out: Path, steps: int = 2) -> list[str]:
+    return ["train", "--data", str(data), "--tokenizer", "char", "--out", str(out), "--model.d_model", "16",
+            "--model.n_layer", "1", "--model.n_head", "2", "--model.max_seq_len", "16", "--steps", str(steps),
+            "--batch-size", "2", "--eval-interval", "1", "--eval-iters", "1", "--sample-tokens", "4",
+            "--threads", "1", "--no-progress"]
+
+
+def test_a_char_corpus_without_a_newline_trains_and_samples_from_the_default_prompt(tmp_path):
+    from tinyformer.run_folder import load_tokenizer
+
+    corpus = tmp_path / "one_line.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)  # no "\n" anywhere
+    assert main(_train_args(corpus, tmp_path / "run")) == 0
+    assert load_tokenizer(tmp_path / "run").encode("\n")  # the sampler's default prompt is in the vocabulary
+    assert (tmp_path / "run" / "samples.txt").is_file()
+
+
+def test_a_sample_prompt_the_tokenizer_cannot_encode_is_refused_before_step_1(tmp_path, capsys):
+    from tinyformer.data.tokenizer import Tokenizer
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("abc cab bca " * 200)
+    Tokenizer.train_char("abc ").save(tmp_path / "tok.json")  # a tokenizer made elsewhere: no "\n"
+    fails_in_one_line([*_train_args(corpus, tmp_path / "run"), "--tokenizer", str(tmp_path / "tok.json")], capsys,
+                      "sample prompt", "--sample-tokens 0")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
