@@ -285,3 +285,39 @@ def test_a_sample_prompt_the_tokenizer_cannot_encode_is_refused_before_step_1(tm
     fails_in_one_line([*_train_args(corpus, tmp_path / "run"), "--tokenizer", str(tmp_path / "tok.json")], capsys,
                       "sample prompt", "--sample-tokens 0")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------- one writer per run folder
+
+
+def test_a_second_writer_of_a_run_folder_gets_one_line_naming_the_holder(trained, run, capsys):
+    from tinyformer.utils.io import folder_lock
+
+    metrics = (run / "metrics.jsonl").read_bytes()
+    with folder_lock(run):  # another `train` writing this run
+        line = fails_in_one_line(["train", "--resume", str(run), "--steps", "4", "--no-progress"], capsys,
+                                 "is being written by process", str(os.getpid()))
+        assert "lock file" in line
+        fails_in_one_line([*_train_args(trained.parent / "corpus.txt", run), "--force"], capsys,
+                          "is being written by process")
+    assert (run / "metrics.jsonl").read_bytes() == metrics  # neither wrote a record
+    assert main(["train", "--resume", str(run), "--steps", "3", "--no-progress"]) == 0  # released on exit
+    assert not (run.parent / f".{run.name}.lock").exists()
+
+
+def test_the_lock_of_a_killed_writer_is_taken_over(run, capsys, cli_env):
+    import signal
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom tinyformer.utils.io import folder_lock\n"
+                               f"with folder_lock({str(run)!r}):\n    print('locked', flush=True)\n"
+                               "    time.sleep(60)"], env=cli_env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        fails_in_one_line(["train", "--resume", str(run), "--steps", "3", "--no-progress"], capsys,
+                          f"process {holder.pid}")
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+    assert (run.parent / f".{run.name}.lock").exists()  # SIGKILL ran no cleanup: the file names a dead process
+    assert main(["train", "--resume", str(run), "--steps", "3", "--no-progress"]) == 0

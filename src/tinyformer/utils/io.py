@@ -163,3 +163,53 @@ def check_utf8_arguments(argv: list[str]) -> None:
             shown = raw.decode("utf-8", "replace")
             raise DataError(f"the argument {shown!r} is not UTF-8 text (byte 0x{raw[exc.start]:02x}): "
                             "rename the file or folder, or choose another name") from None
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | Path, what: str = "run folder") -> Iterator[Path]:
+    """Hold an advisory lock on ``folder`` (which need not exist yet) while a process writes it: the lock
+    file ``.NAME.lock`` next to it holds the writer's pid and host, and a second writer gets a one-line
+    :class:`~tinyformer.errors.CheckpointError` naming them instead of interleaving its records with theirs.
+
+    The lock is an ``flock`` on that file, so the kernel releases it when the holder dies however it dies
+    (SIGKILL included): a lock file left by a dead process is simply taken over. It is removed on exit.
+    (Platforms without ``fcntl``, i.e. Windows, run unlocked.)"""
+    import socket
+
+    from tinyformer.errors import CheckpointError
+
+    folder = Path(folder)
+    try:
+        import fcntl
+    except ModuleNotFoundError:
+        yield folder
+        return
+    make_folder(folder.parent)
+    lock = folder.parent / f".{folder.name}.lock"
+    for _ in range(10):  # retried only if the file was removed between our open and our flock
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode("utf-8", "replace").split()
+            os.close(fd)
+            who = f"process {holder[0]} on {holder[1]}" if len(holder) >= 2 else "another process"
+            raise CheckpointError(f"{what} {folder} is being written by {who} (lock file {lock}); wait for it to "
+                                  "finish or stop it, then run this again") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    else:
+        raise CheckpointError(f"cannot lock {what} {folder}: its lock file {lock} keeps changing")
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        yield folder
+    finally:
+        with contextlib.suppress(OSError):
+            lock.unlink()  # before the unlock: a writer that opens the path next gets a fresh file
+        os.close(fd)  # releases the flock
