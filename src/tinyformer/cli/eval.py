@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +30,7 @@ import torch
 from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import ConfigError
 from tinyformer.training.config import DTYPES
+from tinyformer.utils.io import report_or_warning
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -187,20 +186,6 @@ def run(args: argparse.Namespace) -> int:
     elif report is not None:
         print(f"updated {report}")
     return 0
-
-
-def report_or_warning(write: Callable[[], object]) -> str | None:
-    """``write()`` the report card and return its path; a card that cannot be written (a read-only or full
-    disk) is a warning on stderr, not an error: the figures are printed already."""
-    from tinyformer.errors import OutputError, environment_error_message
-
-    try:
-        path = write()
-    except (OSError, OutputError) as exc:
-        reason = (environment_error_message(exc) if isinstance(exc, OSError) else None) or str(exc)
-        print(f"warning: the report card was not updated: {reason}", file=sys.stderr)
-        return None
-    return None if path is None else str(path)
 
 
 def _report_text(args: argparse.Namespace, result: dict) -> str | None:

@@ -108,7 +108,7 @@ def run_modes(args: argparse.Namespace) -> int:
     from tinyformer.evaluation.report import merge_eval_table
 
     _check(args)
-    from tinyformer.cli.eval import report_or_warning
+    from tinyformer.utils.io import report_or_warning
 
     result, rows = _task(args) if args.task else _harness(args)
     if not args.json:  # the figures before the report card, which may fail to be written

@@ -209,6 +209,9 @@ class Server:
 def event_error(event: StepEvent) -> APIError:
     if event.finish_reason == "timeout":
         return APIError(504, event.error or "the request timed out", type="timeout", code="timeout")
+    if event.finish_reason == "shutdown":
+        return APIError(503, event.error or "the server is shutting down", type="server_error",
+                        code="server_shutting_down")
     if event.finish_reason == "model_error":  # the model, not the server, failed: no 500 and no garbage text
         return APIError(503, event.error or "the model's output is not usable", type="server_error",
                         code="model_error")

@@ -213,3 +213,19 @@ def folder_lock(folder: str | Path, what: str = "run folder") -> Iterator[Path]:
         with contextlib.suppress(OSError):
             lock.unlink()  # before the unlock: a writer that opens the path next gets a fresh file
         os.close(fd)  # releases the flock
+
+
+def report_or_warning(write: Callable[[], object]) -> str | None:
+    """``write()`` a report card and return its path; a card that cannot be written (a read-only or full
+    disk) is a warning on stderr, not an error: the command has printed its figures already."""
+    import sys
+
+    from tinyformer.errors import environment_error_message
+
+    try:
+        path = write()
+    except (OSError, OutputError) as exc:
+        reason = (environment_error_message(exc) if isinstance(exc, OSError) else None) or str(exc)
+        print(f"warning: the report card was not updated: {reason}", file=sys.stderr)
+        return None
+    return None if path is None else str(path)
