@@ -239,21 +239,26 @@ def test_quantize_force_replaces_its_own_earlier_output(trained, tmp_path, capsy
 def test_stale_temporaries_of_the_same_target_are_removed_by_the_next_run(trained, tmp_path, command, suffix):
     out = tmp_path / "out"
     name = out.name + (".gguf" if command == "to-gguf" else "")
-    stale, fresh, other = (tmp_path / f".{name}.dead1234{suffix}", tmp_path / f".{name}.live5678{suffix}",
-                           tmp_path / f".other.dead1234{suffix}")
-    for path in (stale, fresh, other):
+    dead_pid = subprocess.Popen(["true"])  # a pid that no process has any more, once it is waited for
+    dead_pid.wait()
+    paths = {
+        "killed": tmp_path / f".{name}.{dead_pid.pid}-x1{suffix}",  # its writer is gone: SIGKILL-ed
+        "old": tmp_path / f".{name}.y2{suffix}",  # names no writer, untouched for an hour
+        "running": tmp_path / f".{name}.{os.getppid()}-z3{suffix}",  # its writer is alive
+        "fresh": tmp_path / f".{name}.w4{suffix}",  # names no writer, but written to just now
+        "other": tmp_path / f".other.{dead_pid.pid}-v5{suffix}",  # another target's
+    }
+    for path in paths.values():
         if suffix == ".partial":
             path.mkdir()
             (path / "model.safetensors").write_bytes(b"half")
         else:
             path.write_bytes(b"half")
-    old = time.time() - 3600  # a SIGKILL-ed conversion an hour ago
-    for path in (stale, other, *(stale.iterdir() if stale.is_dir() else ())):
+    old = time.time() - 3600
+    for path in (paths["old"], *(paths["old"].iterdir() if paths["old"].is_dir() else ())):
         os.utime(path, (old, old))
     assert main(WRITERS[command](trained, out)) == 0
-    assert not stale.exists()
-    assert fresh.exists()  # may belong to a conversion still running
-    assert other.exists()  # another target's
+    assert {k for k, p in paths.items() if p.exists()} == {"running", "fresh", "other"}
 
 
 # ---------------------------------------------------------------------------- a char corpus without a newline

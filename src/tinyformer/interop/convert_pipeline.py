@@ -40,7 +40,13 @@ from tinyformer.interop.adapter import adapter_for_hf
 from tinyformer.interop.safetensors_io import TensorSpec, write_planned
 from tinyformer.interop.tensor_sources import MetaStateDict, TensorSource, TensorView, name_list, read_json
 from tinyformer.sizing import check_buildable
-from tinyformer.utils.io import atomic_write_bytes, atomic_write_text, make_folder, remove_stale_temporaries
+from tinyformer.utils.io import (
+    atomic_write_bytes,
+    atomic_write_text,
+    make_folder,
+    remove_stale_temporaries,
+    temporary_prefix,
+)
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
 
@@ -153,7 +159,7 @@ def staged_output(out: str | Path, force: bool = False, inputs: tuple[Path, ...]
                                   "choose another folder")
     make_folder(out.parent)
     remove_stale_temporaries(out, ".partial")  # left by a conversion that was killed
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    staging = Path(tempfile.mkdtemp(prefix=temporary_prefix(out), suffix=".partial", dir=out.parent))
     try:
         os.chmod(staging, 0o777 & ~_umask())
         yield staging

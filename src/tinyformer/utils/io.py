@@ -51,7 +51,7 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
     target = Path(target)
     make_folder(target.parent)
     remove_stale_temporaries(target, ".tmp")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(target), suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     # mkstemp makes the file private (0600); give it the mode a plain open() would (0666 minus umask)
@@ -73,10 +73,31 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
         raise
 
 
+def temporary_prefix(target: Path) -> str:
+    """``.NAME.PID-``: the start of a temporary's name next to ``target``, naming the process writing it."""
+    return f".{target.name}.{os.getpid()}-"
+
+
+def _writer_alive(path: Path, target: Path) -> bool | None:
+    """Whether the process named in a temporary's name (``.NAME.PID-...``) still runs; None if none is named."""
+    pid = path.name[len(target.name) + 2:].partition("-")[0]
+    if not pid.isdigit():
+        return None
+    if int(pid) == os.getpid():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: alive, another user's
+        return True
+    return True
+
+
 def remove_stale_temporaries(target: Path, suffix: str) -> None:
-    """Remove the hidden temporaries ``.NAME.<random>SUFFIX`` that an earlier write of ``target`` left when it
-    was killed (SIGKILL runs no cleanup). Only those untouched for ``STALE_AFTER_S``: a temporary written
-    to in the last minute (a staging folder: it or a file in it) may belong to a write in progress."""
+    """Remove the hidden temporaries ``.NAME.PID-<random>SUFFIX`` that an earlier write of ``target`` left
+    when it was killed (SIGKILL runs no cleanup): those whose process is gone, and those that name no process
+    and are untouched for ``STALE_AFTER_S`` (a staging folder: it and the files in it)."""
     import shutil
     import time
 
@@ -86,9 +107,10 @@ def remove_stale_temporaries(target: Path, suffix: str) -> None:
         return
     for path in leftovers:
         try:
+            alive = _writer_alive(path, target)
             touched = max([path.lstat().st_mtime, *(p.lstat().st_mtime for p in path.iterdir())]
                           if path.is_dir() and not path.is_symlink() else [path.lstat().st_mtime])
-            if time.time() - touched < STALE_AFTER_S:
+            if alive or (alive is None and time.time() - touched < STALE_AFTER_S):
                 continue
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
@@ -98,7 +120,7 @@ def remove_stale_temporaries(target: Path, suffix: str) -> None:
             continue
 
 
-#: a temporary untouched this long belongs to no live writer (each writer touches its own as it writes)
+#: a temporary that names no writer and is untouched this long is left over (writers touch theirs as they write)
 STALE_AFTER_S = 60.0
 
 
