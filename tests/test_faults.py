@@ -69,7 +69,7 @@ def _tiny_hf_folder(folder: Path, **config) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("field,value", [("num_hidden_layers", 10**6), ("max_position_embeddings", 10**12)])
+@pytest.mark.parametrize("field,value", [("intermediate_size", 10**9), ("max_position_embeddings", 10**12)])
 def test_hf_config_no_machine_can_build_is_refused_before_import(tmp_path, capsys, monkeypatch, field, value):
     import tinyformer.sizing
 
@@ -78,6 +78,13 @@ def test_hf_config_no_machine_can_build_is_refused_before_import(tmp_path, capsy
     fails_in_one_line(["convert", "--from-hf", str(src), "--out", str(tmp_path / "out")], capsys,
                       "would allocate", "8.0 GB of memory")
     assert not (tmp_path / "out").exists()
+
+
+def test_hf_config_declaring_more_layers_than_its_tensors_is_refused_before_planning(tmp_path, capsys):
+    # 10^6 layers of width 64 may fit a large machine's memory, but building even their plan takes minutes
+    src = _tiny_hf_folder(tmp_path / "hf", num_hidden_layers=10**6)
+    fails_in_one_line(["convert", "--from-hf", str(src), "--out", str(tmp_path / "out")], capsys,
+                      "1,000,000 layers", "tensors")
 
 
 # ---------------------------------------------------------------------------- full and read-only disks

@@ -205,6 +205,10 @@ def import_checkpoint(hf_config: Mapping[str, Any], source: TensorSource, out: s
         cfg = cfg.replace(extra={**cfg.extra, **extra})
     # the check `generate` makes before it builds the model, made before even the meta-device plan: a
     # config.json declaring 10^6 layers or 10^12 positions is refused here, not built for minutes
+    n_tensors = len(source.names())
+    if cfg.n_layer > n_tensors:  # every layer has a tensor of its own: 10^6 small layers may fit the memory
+        raise CheckpointError(f"{source.description}: the config declares {cfg.n_layer:,} layers, but the "
+                              f"checkpoint holds only {n_tensors:,} tensors; check num_hidden_layers")
     check_buildable(cfg, torch.empty(0, dtype=dtype).element_size() if dtype is not None else 2)
     expected = MetaStateDict(cfg)
     implied = _Planned(list(adapter.tinyformer_to_hf(cfg, expected.sd)))
