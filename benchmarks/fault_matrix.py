@@ -445,9 +445,15 @@ def main() -> None:
             rows += load(run, args.concurrent, args.waves)
         if "templates" in groups:
             rows += hostile_templates(root, run)
+    print_report(rows, started)
+
+
+def print_report(rows: list[Row], started: float, load_before: tuple[float, ...] | None = None) -> None:
+    """The table, the trial count, time and load, and the failures; exit 1 if any trial failed."""
     load_avg = os.getloadavg()
+    before = f"{load_before[0]:.2f}, {load_before[1]:.2f}, {load_before[2]:.2f} before and " if load_before else ""
     print(table(rows))
-    print(f"\n{sum(r.n for r in rows)} trials in {time.monotonic() - started:.0f} s; load average "
+    print(f"\n{sum(r.n for r in rows)} trials in {time.monotonic() - started:.0f} s; load average {before}"
           f"{load_avg[0]:.2f}, {load_avg[1]:.2f}, {load_avg[2]:.2f} at the end")
     failed = [r for r in rows if r.ok < r.n]
     for r in failed:

@@ -42,6 +42,8 @@ def read_structured_file(path: str | Path) -> dict[str, Any]:
             data = toml_loads(text)
         else:
             data = json.loads(text)
+    except RecursionError:
+        raise ConfigError(f"cannot parse {p}: nested too deeply (thousands of levels of brackets)") from None
     except Exception as exc:  # parse errors of three libraries: report them the same way
         raise ConfigError(f"cannot parse {_parse_error(p, exc)}") from None
     if not isinstance(data, dict):

@@ -41,3 +41,39 @@ def non_finite_message(where: str) -> str:
     return (f"the model produced non-finite logits (NaN or inf) {where}: its weights are corrupt or overflow in "
             "this dtype; check the run folder (a training run: tinyformer train --resume RUN republishes its "
             "checkpoint) or try --dtype float32")
+
+
+class OutputError(TinyformerError):
+    """A file or folder cannot be written: the disk is full or read-only, a file stands where a folder is
+    needed, permission is denied. The message names the path and the system's reason."""
+
+
+#: errno values that describe the machine (its disks, its limits), not a bug: the CLI prints them on one line
+ENVIRONMENT_ERRNOS = frozenset({
+    "ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "ENOTDIR", "EEXIST", "EISDIR", "ENAMETOOLONG", "EMFILE",
+    "ENFILE", "EIO", "EFBIG", "ELOOP", "EXDEV", "ENOENT",
+})
+
+
+def environment_error_message(exc: OSError) -> str | None:
+    """One line for an OSError that the disk or the system caused (``[Errno 28] No space left on device``
+    while writing a run folder), naming the path; None for any other OSError (a bug: keep its traceback)."""
+    import errno
+
+    name = errno.errorcode.get(exc.errno or -1)
+    if name not in ENVIRONMENT_ERRNOS:
+        return None
+    paths = " -> ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None)
+    where = f" {paths}" if paths else ""
+    if name in ("EEXIST", "ENOTDIR") and exc.filename is not None:
+        from pathlib import Path
+
+        path = Path(str(exc.filename))
+        blocker = next((p for p in (path, *path.parents) if p.is_file()), None)
+        if blocker is not None:
+            return f"cannot create a folder at {path}: {blocker} is a file, not a folder"
+    verb = "write" if name in ("ENOSPC", "EDQUOT", "EROFS", "EFBIG", "EIO") else "access"
+    hint = {"ENOSPC": "; free some space and run the command again (what was on disk is unchanged)",
+            "EDQUOT": "; free some space and run the command again (what was on disk is unchanged)",
+            "EROFS": " (the disk or folder is mounted read-only)"}.get(name, "")
+    return f"cannot {verb}{where}: {exc.strerror or exc} ({name}){hint}"

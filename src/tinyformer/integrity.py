@@ -77,7 +77,7 @@ def read_manifest(folder: str | Path) -> dict[str, dict[str, object]] | None:
         files = data["files"]
         if data.get("algorithm") != ALGORITHM or not isinstance(files, dict):
             raise ValueError(f"unknown algorithm {data.get('algorithm')!r}")
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CheckpointError(f"{path} is not a readable weight manifest ({exc}); pass --no-verify to load "
                               "the weights unchecked") from None
     return files

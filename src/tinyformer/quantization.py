@@ -106,9 +106,11 @@ def quantize_run(model_dir: str | Path, out: str | Path, spec: QuantSpec, *, for
             raise ConfigError(f"layer {name}: {exc}") from None
     float_bytes = tensor_bytes(src, verify=False)  # load_model checked the files
     errors: list[LayerError] = []
-    with staged_output(out, force, (src,)) as staging:
+    copied = side_files(src)
+    # --force replaces an earlier quantize of this run: it holds the same copied side files
+    with staged_output(out, force, (src,), also_written=frozenset(p.name for p in copied)) as staging:
         save_tensors(staging, quantized_tensors(model, spec, errors if layer_errors else None))
-        for item in side_files(src):
+        for item in copied:
             shutil.copy2(item, staging / item.name)
         cfg.replace(extra={**cfg.extra, QUANT_KEY: spec.to_dict()}).save(staging / "config.json")
         quantized_bytes = tensor_bytes(staging, verify=False)

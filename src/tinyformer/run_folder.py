@@ -130,7 +130,7 @@ def weight_files(run_dir: str | Path) -> list[Path]:
         try:
             index = json.loads((run / INDEX).read_text(encoding="utf-8"))
             files = checked_shard_names(run / INDEX, index["weight_map"].values())
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise CheckpointError(f"{run / INDEX} is not a valid safetensors index: {exc}") from None
         return [run / f for f in files]
     if (run / WEIGHTS).is_file():

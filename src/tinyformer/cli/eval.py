@@ -18,6 +18,7 @@ from pathlib import Path
 from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import ConfigError
 from tinyformer.training.train_config import DTYPES
+from tinyformer.utils.io import report_or_warning
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -75,14 +76,15 @@ def run(args: argparse.Namespace) -> int:
                               cache_dir=args.cache_dir, progress=not args.no_progress, per_token=args.per_token,
                               verify=not args.no_verify)
     result = evaluate_text(Path(args.model), args.data, options)
-    report = _report_text(args, result)
+    if not args.json:  # the figures first: a report card that cannot be written must not lose them
+        bpb = f", {result['bits_per_byte']:.4f} bits/byte" if result["bits_per_byte"] is not None else ""
+        print(f"{result['model']} on {result['data']}: loss {result['loss']:.4f}, perplexity "
+              f"{result['perplexity']:.2f}{bpb} ({result['tokens']:,} tokens, block size {result['block_size']})",
+              flush=True)
+    report = report_or_warning(lambda: _report_text(args, result))
     if args.json:
         print(json.dumps({**result, "report": report}))
-        return 0
-    bpb = f", {result['bits_per_byte']:.4f} bits/byte" if result["bits_per_byte"] is not None else ""
-    print(f"{result['model']} on {result['data']}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}"
-          f"{bpb} ({result['tokens']:,} tokens, block size {result['block_size']})")
-    if report is not None:
+    elif report is not None:
         print(f"updated {report}")
     return 0
 

@@ -13,7 +13,8 @@ import importlib
 import sys
 from typing import NoReturn
 
-from tinyformer.errors import TinyformerError
+from tinyformer.errors import TinyformerError, environment_error_message
+from tinyformer.utils.io import check_utf8_arguments
 from tinyformer.utils.threads import configure_threads, set_wait_policy
 
 set_wait_policy()  # before torch (and its OpenMP runtime) loads with a subcommand: idle threads sleep
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        check_utf8_arguments(sys.argv[1:] if argv is None else argv)
         if args.command in COMPUTE_COMMANDS:
             configure_threads(getattr(args, "threads", None), reserve=RESERVED_CORES.get(args.command, 0))
         return int(args.func(args) or 0)
@@ -74,11 +76,21 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(exc).split())  # one line, whatever the message's source put in it
         print(f"tinyformer {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `tinyformer generate ... | head`
+        return 0
+    except OSError as exc:  # a full or read-only disk, a file where a folder should be: one line, not a bug
+        message = environment_error_message(exc)
+        if message is None:
+            raise
+        print(f"tinyformer {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except RecursionError:  # json/yaml parsers recurse once per level: a file nested 10^5 deep
+        print(f"tinyformer {args.command}: error: an input file is nested too deeply to read (thousands of "
+              "levels of brackets: it is corrupt or hostile)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `tinyformer generate ... | head`
-        return 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,12 @@ from pathlib import Path
 
 from tinyformer.cli.common import add_no_verify_flag, add_template_timeout_flag, template_timeout
 from tinyformer.errors import CheckpointError, ConfigError, TinyformerError
-from tinyformer.serve import DEFAULT_MAX_BODY_BYTES
+from tinyformer.serve import (
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,6 +42,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "only Host: localhost / 127.0.0.1 is served")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"largest request body; larger ones get 413 unread (default {DEFAULT_MAX_BODY_BYTES:,})")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="S",
+                   help="on SIGTERM / Ctrl-C, seconds before the process exits: running requests may finish "
+                        "for S - 1 s, then every open stream ends with a 'shutting down' error event "
+                        f"(default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT, metavar="S",
+                   help="seconds a connection may take to send its request head (408 after that), and a request "
+                        f"to send each part of its body (default {DEFAULT_HEADER_TIMEOUT:g})")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="open connections at most: one more closes the oldest that has not sent a request yet "
+                        f"(default {DEFAULT_MAX_CONNECTIONS}, lowered to fit the open-file limit)")
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="a web origin (e.g. http://localhost:3000) whose pages may call the API without a key "
                         "(repeatable)")
@@ -93,23 +108,27 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def run(args: argparse.Namespace) -> int:
     _require_serve_extra()
-    import uvicorn
 
     from tinyformer.devices import resolve_device, resolve_dtype
     from tinyformer.generation.weight_layout import store_input_major
     from tinyformer.run_folder import load_config, load_model, load_tokenizer
     from tinyformer.serve.app import create_app
     from tinyformer.serve.guard import is_loopback_host
+    from tinyformer.serve.http_server import make_server
 
     for flag, value, low in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
                              ("--prefill-chunk", args.prefill_chunk, 1), ("--prefix-cache-mb", args.prefix_cache_mb, 0),
-                             ("--port", args.port, 0), ("--max-body-bytes", args.max_body_bytes, 1)):
+                             ("--port", args.port, 0), ("--max-body-bytes", args.max_body_bytes, 1),
+                             ("--max-connections", args.max_connections, 1)):
         if value < low:
             raise ConfigError(f"{flag} must be >= {low}, got {value}")
     if args.port > 65535:
         raise ConfigError(f"--port must be <= 65535, got {args.port}")
     if args.request_timeout < 0:
         raise ConfigError(f"--request-timeout must be >= 0, got {args.request_timeout}")
+    for flag, value in (("--shutdown-timeout", args.shutdown_timeout), ("--header-timeout", args.header_timeout)):
+        if not 0 < value < float("inf"):
+            raise ConfigError(f"{flag} must be a number of seconds > 0, got {value}")
     timeout_s = template_timeout(args)
     device = resolve_device(args.device or "auto")
     dtype = resolve_dtype(args.dtype or "auto", device)
@@ -139,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                          max_len=args.max_context, max_body_bytes=args.max_body_bytes, bind_host=args.host,
                          allowed_origins=tuple(args.allow_origin), compile=args.compile,
                          prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb,
-                         template_timeout=timeout_s)
+                         template_timeout=timeout_s, body_timeout=args.header_timeout)
         logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
@@ -149,8 +168,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"serving {name!r} ({model.num_params() / 1e6:.1f}M parameters, {device}, {dtype_name}) on "
               f"http://{shown}:{port}  (playground: http://{shown}:{port}/ , API: http://{shown}:{port}/v1)",
               flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
-                                               timeout_graceful_shutdown=3))
+        server = make_server(app, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
+                             header_timeout=args.header_timeout, max_connections=args.max_connections)
         try:
             server.run(sockets=[sock])
         except KeyboardInterrupt:  # Ctrl-C is how a server is stopped: after a clean shutdown, not an error

@@ -8,6 +8,7 @@ Config precedence, lowest first: built-in defaults < --config FILE < --set secti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 from typing import Any
@@ -171,9 +172,18 @@ def _fit(prepared: Any):  # -> TrainSummary | None
 
 
 def run(args: argparse.Namespace) -> int:
-    from tinyformer.training.distributed import launch, launched_by_torchrun, prepare_distributed_run
+    from tinyformer.training.distributed import launched_by_torchrun
+    from tinyformer.utils.io import folder_lock
 
     spec = build_spec(args)
+    # one writer per run folder (the launcher holds it for its ranks; runs/<time> needs none)
+    with folder_lock(spec.out) if spec.out and not launched_by_torchrun() else contextlib.nullcontext():
+        return _locked_run(args, spec)
+
+
+def _locked_run(args: argparse.Namespace, spec: Any) -> int:
+    from tinyformer.training.distributed import launch, launched_by_torchrun, prepare_distributed_run
+
     if args.nproc is not None and args.nproc != 1 and not launched_by_torchrun():
         # a bad value must be one line here, not an error in each of N worker processes
         TrainConfig.from_dict({**spec.sections.get("train", {}), **spec.train_overrides})

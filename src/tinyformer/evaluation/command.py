@@ -108,15 +108,18 @@ def run_modes(args: argparse.Namespace) -> int:
     from tinyformer.evaluation.report import merge_eval_table
 
     _check(args)
+    from tinyformer.utils.io import report_or_warning
+
     result, rows = _task(args) if args.task else _harness(args)
-    report = None if args.no_report else merge_eval_table(args.model, rows)
+    if not args.json:  # the figures before the report card, which may fail to be written
+        for name, metric, value, n in rows:
+            count = f" ({n} questions)" if n is not None else ""
+            print(f"{name}: {metric} {value:.4f}{count}", flush=True)
+    report = None if args.no_report else report_or_warning(lambda: merge_eval_table(args.model, rows))
     if args.json:
         # default=str: lm-eval's results may hold numpy integers, which json cannot write
-        print(json.dumps({**result, "report": None if report is None else str(report)}, default=str))
+        print(json.dumps({**result, "report": report}, default=str))
         return 0
-    for name, metric, value, n in rows:
-        count = f" ({n} questions)" if n is not None else ""
-        print(f"{name}: {metric} {value:.4f}{count}")
     if report is not None:
         print(f"updated {report}")
     return 0

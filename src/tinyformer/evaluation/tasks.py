@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from tinyformer.errors import DataError
+from tinyformer.utils.io import read_utf8
 
 __all__ = ["BUILTIN", "INSTRUCTIONS", "ExactAnswer", "MultipleChoice", "builtin_task", "encode_pair", "evaluate_items",
            "instruction_task", "mc_context", "read_task_file"]
@@ -111,15 +112,14 @@ def read_task_file(path: str | Path) -> list[MultipleChoice | ExactAnswer]:
     if not p.is_file():
         raise DataError(f"task file {p} does not exist")
     items: list[MultipleChoice | ExactAnswer] = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                raise DataError(f"{p}:{n}: not valid JSON ({exc})") from None
-            items.append(_row(obj, f"{p}:{n}"))
+    for n, line in enumerate(read_utf8(p, DataError, "task file").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError) as exc:
+            raise DataError(f"{p}:{n}: not valid JSON ({exc})") from None
+        items.append(_row(obj, f"{p}:{n}"))
     if not items:
         raise DataError(f"task file {p} has no questions")
     return items

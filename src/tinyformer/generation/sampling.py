@@ -124,11 +124,21 @@ def _real(name: str, x: object) -> float:
     return float(x)  # type: ignore[arg-type]
 
 
+#: The ranges outside which the processors' arithmetic overflows float32 logits (``logits / 1e-40`` is inf,
+#: ``0 * 1e308`` is NaN) and sampling fails on an all-NaN distribution: far beyond any useful setting.
+MIN_TEMPERATURE = 1e-6
+PENALTY_FACTOR_RANGE = (1e-2, 1e2)  # repetition_penalty: a factor on the logits
+MAX_ADDITIVE_PENALTY = 100.0  # |frequency_penalty|, |presence_penalty|: subtracted from the logits
+
+
 def _check_temperature(t: object, *, allow_zero: bool) -> float:
     t = _real("temperature", t)
     if t < 0 or (t == 0 and not allow_zero):
         need = ">= 0 (0 means greedy)" if allow_zero else "> 0 (temperature 0 is greedy, done by sample_next)"
         raise GenerationError(f"temperature must be {need}, got {t!r}")
+    if 0 < t < MIN_TEMPERATURE:
+        raise GenerationError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r} "
+                              "(smaller ones overflow the logits)")
     return t
 
 
@@ -154,9 +164,18 @@ def _check_min_p(p: object) -> float:
 
 def _check_repetition_penalty(r: object) -> float:
     r = _real("repetition_penalty", r)
-    if r <= 0:
-        raise GenerationError(f"repetition_penalty must be > 0 (1 disables), got {r!r}")
+    low, high = PENALTY_FACTOR_RANGE
+    if not low <= r <= high:
+        raise GenerationError(f"repetition_penalty must be in [{low:g}, {high:g}] (1 disables), got {r!r}")
     return r
+
+
+def _check_additive_penalty(name: str, f: object) -> float:
+    f = _real(name, f)
+    if abs(f) > MAX_ADDITIVE_PENALTY:
+        raise GenerationError(f"{name} must be in [-{MAX_ADDITIVE_PENALTY:g}, {MAX_ADDITIVE_PENALTY:g}] "
+                              f"(0 disables), got {f!r}")
+    return f
 
 
 def _prob_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -417,7 +436,7 @@ class FrequencyPenalty:
     """
 
     def __init__(self, penalty: float) -> None:
-        self.penalty = _real("frequency_penalty", penalty)
+        self.penalty = _check_additive_penalty("frequency_penalty", penalty)
 
     def __call__(self, logits: Tensor, generated: Tensor | PenaltyHistory | None) -> Tensor:
         generated = _seen(generated, with_prompt=False)
@@ -439,7 +458,7 @@ class PresencePenalty:
     """
 
     def __init__(self, penalty: float) -> None:
-        self.penalty = _real("presence_penalty", penalty)
+        self.penalty = _check_additive_penalty("presence_penalty", penalty)
 
     def __call__(self, logits: Tensor, generated: Tensor | PenaltyHistory | None) -> Tensor:
         generated = _seen(generated, with_prompt=False)
@@ -465,13 +484,13 @@ class SamplingParams:
 
     Valid ranges (checked by :meth:`validate`, which raises :class:`GenerationError` naming the field):
 
-    * ``temperature``: finite, ``>= 0``; ``0`` means greedy (argmax), ``1`` leaves the logits as is.
+    * ``temperature``: ``0`` (greedy: argmax) or in ``[1e-6, inf)``; ``1`` leaves the logits as is.
     * ``top_k``: integer ``>= 0``; ``0`` disables.
     * ``top_p``: in ``(0, 1]``; ``1`` disables. (``0`` is rejected: an empty nucleus is meaningless; use
       ``temperature=0`` or ``top_k=1`` for greedy.)
     * ``min_p``: in ``[0, 1]``; ``0`` disables.
-    * ``repetition_penalty``: finite, ``> 0``; ``1`` disables.
-    * ``frequency_penalty``, ``presence_penalty``: finite (any sign); ``0`` disables.
+    * ``repetition_penalty``: in ``[0.01, 100]``; ``1`` disables.
+    * ``frequency_penalty``, ``presence_penalty``: in ``[-100, 100]``; ``0`` disables.
     * ``max_new_tokens``: integer ``>= 0``. ``0`` is allowed and means "generate nothing", which is
       what scoring or echoing a prompt needs; there is nothing ambiguous about it.
     * ``seed``: ``None`` (nondeterministic) or an integer in ``[0, 2**64)`` (``torch.Generator`` range).
@@ -498,8 +517,8 @@ class SamplingParams:
         _check_top_p(self.top_p)
         _check_min_p(self.min_p)
         _check_repetition_penalty(self.repetition_penalty)
-        _real("frequency_penalty", self.frequency_penalty)
-        _real("presence_penalty", self.presence_penalty)
+        _check_additive_penalty("frequency_penalty", self.frequency_penalty)
+        _check_additive_penalty("presence_penalty", self.presence_penalty)
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):

@@ -39,7 +39,14 @@ from tinyformer.families import adapter_for_hf
 from tinyformer.integrity import write_manifest
 from tinyformer.interop.safetensors_io import TensorSpec, write_planned
 from tinyformer.interop.tensor_sources import MetaStateDict, TensorSource, TensorView, name_list, read_json
-from tinyformer.utils.io import atomic_write_bytes, atomic_write_text
+from tinyformer.sizing import check_buildable
+from tinyformer.utils.io import (
+    atomic_write_bytes,
+    atomic_write_text,
+    make_folder,
+    remove_stale_temporaries,
+    temporary_prefix,
+)
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
 
@@ -123,14 +130,20 @@ def _written_by_convert(name: str) -> bool:
 
 
 @contextlib.contextmanager
-def staged_output(out: str | Path, force: bool = False, inputs: tuple[Path, ...] = ()) -> Iterator[Path]:
+def staged_output(out: str | Path, force: bool = False, inputs: tuple[Path, ...] = (),
+                  also_written: frozenset[str] = frozenset()) -> Iterator[Path]:
     """Yield an empty hidden folder next to ``out``; on success it replaces ``out`` by a rename.
 
     Refuses a non-empty ``out`` unless ``force``, an ``out`` holding files a conversion does not write
-    (even with ``force``: the swap would delete them), and an ``out`` that is (or contains) one of ``inputs``."""
+    (even with ``force``: the swap would delete them; ``also_written`` names the files this one writes besides
+    ``CONVERT_OUTPUTS``, such as the side files quantize copies), and an ``out`` that is (or contains) one of
+    ``inputs``. Staging folders of the same ``out`` left by a killed conversion are removed first."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"output {out} exists and is not a folder")
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise CheckpointError(f"output {out} cannot be created: {blocker} is a file, not a folder")
     for src in inputs:
         src_r, out_r = Path(src).resolve(), out.resolve()
         if src_r == out_r or out_r in src_r.parents:
@@ -138,13 +151,15 @@ def staged_output(out: str | Path, force: bool = False, inputs: tuple[Path, ...]
     if out.is_dir() and any(out.iterdir()):
         if not force:
             raise CheckpointError(f"output folder {out} is not empty; pass --force to replace it")
-        foreign = sorted(p.name for p in out.iterdir() if not _written_by_convert(p.name) or not p.is_file())
+        foreign = sorted(p.name for p in out.iterdir()
+                         if not (_written_by_convert(p.name) or p.name in also_written) or not p.is_file())
         if foreign:
             raise CheckpointError(f"output folder {out} holds {name_list(foreign, 3)}, which convert did not write; "
                                   "--force only replaces a previous conversion's output: move those away or "
                                   "choose another folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    make_folder(out.parent)
+    remove_stale_temporaries(out, ".partial")  # left by a conversion that was killed
+    staging = Path(tempfile.mkdtemp(prefix=temporary_prefix(out), suffix=".partial", dir=out.parent))
     try:
         os.chmod(staging, 0o777 & ~_umask())
         yield staging
@@ -188,6 +203,13 @@ def import_checkpoint(hf_config: Mapping[str, Any], source: TensorSource, out: s
     cfg = adapter.config_from_hf(hf_config)
     if extra:
         cfg = cfg.replace(extra={**cfg.extra, **extra})
+    # the check `generate` makes before it builds the model, made before even the meta-device plan: a
+    # config.json declaring 10^6 layers or 10^12 positions is refused here, not built for minutes
+    n_tensors = len(source.names())
+    if cfg.n_layer > n_tensors:  # every layer has a tensor of its own: 10^6 small layers may fit the memory
+        raise CheckpointError(f"{source.description}: the config declares {cfg.n_layer:,} layers, but the "
+                              f"checkpoint holds only {n_tensors:,} tensors; check num_hidden_layers")
+    check_buildable(cfg, torch.empty(0, dtype=dtype).element_size() if dtype is not None else 2)
     expected = MetaStateDict(cfg)
     implied = _Planned(list(adapter.tinyformer_to_hf(cfg, expected.sd)))
     check_tensors(source, implied, lambda n: adapter.ignorable_hf_tensor(cfg, n), "config.json")

@@ -38,6 +38,7 @@ tokenizer_config.json.
 from __future__ import annotations
 
 import mmap
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,83 @@ def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+#: bytes of each fixed-size GGUF metadata value type (uint8, int8, ..., bool = 7, uint64 = 10, float64 = 12)
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def check_declared_sizes(path: Path) -> None:
+    """Walk a GGUF header and check every count it declares against the bytes that remain in the file,
+    before the gguf package's reader (which loops over a declared count, however large) sees it.
+
+    The layout (little- or big-endian, told by the version field):
+
+        magic "GGUF", version u32, tensor_count u64, kv_count u64
+        kv_count x  (key: string, value type u32, value)
+        tensor_count x  (name: string, n_dims u32, dims u64[n_dims], ggml type u32, offset u64)
+        string = length u64, bytes;  array = item type u32, count u64, items
+
+    A declared count that needs more bytes than remain (a u8 array of 10^12 items in a 133-byte file)
+    raises a CheckpointError at once; a string array is walked item by item, each item at least 8 bytes,
+    so the walk is bounded by the file's size."""
+    size = path.stat().st_size
+    if size < 24:
+        raise CheckpointError(f"{path} is not a readable GGUF file (truncated: {size} bytes)")
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as f:
+        data = f[:24]
+        order = "<" if struct.unpack("<I", data[4:8])[0] & 0xFFFF else ">"
+        pos = 24
+
+        def need(n: int, what: str) -> None:
+            if n < 0 or pos + n > size:
+                raise CheckpointError(f"{path} is not a readable GGUF file: {what} needs {n:,} bytes, "
+                                      f"only {max(size - pos, 0):,} remain (corrupt or hostile)")
+
+        def u(fmt: str, what: str) -> int:
+            nonlocal pos
+            n = struct.calcsize(fmt)
+            need(n, what)
+            pos += n
+            return struct.unpack_from(order + fmt, f, pos - n)[0]
+
+        def skip_string(what: str) -> None:
+            nonlocal pos
+            length = u("Q", what)
+            need(length, what)
+            pos += length
+
+        def skip_value(kind: int, what: str, depth: int = 0) -> None:
+            nonlocal pos
+            if kind in _GGUF_SCALAR_BYTES:
+                need(_GGUF_SCALAR_BYTES[kind], what)
+                pos += _GGUF_SCALAR_BYTES[kind]
+            elif kind == _GGUF_STRING:
+                skip_string(what)
+            elif kind == _GGUF_ARRAY and depth < 8:
+                item, count = u("I", what), u("Q", what)
+                if item in _GGUF_SCALAR_BYTES:
+                    need(count * _GGUF_SCALAR_BYTES[item], f"{what} ({count:,} items)")
+                    pos += count * _GGUF_SCALAR_BYTES[item]
+                    return
+                need(count * 8, f"{what} ({count:,} items)")  # strings and arrays take at least 8 bytes each
+                for _ in range(count):
+                    skip_value(item, what, depth + 1)
+            else:
+                raise CheckpointError(f"{path} is not a readable GGUF file: {what} has unknown value type {kind}")
+
+        n_tensors, n_kv = struct.unpack(order + "QQ", data[8:24])
+        need(n_kv * 12, f"the metadata ({n_kv:,} entries)")  # key length u64 + value type u32 at least
+        for i in range(n_kv):
+            skip_string(f"metadata key {i}")
+            skip_value(u("I", f"metadata entry {i}"), f"metadata entry {i}")
+        need(n_tensors * 24, f"the tensor directory ({n_tensors:,} tensors)")
+        for i in range(n_tensors):
+            skip_string(f"tensor {i}'s name")
+            n_dims = u("I", f"tensor {i}")
+            need(n_dims * 8 + 12, f"tensor {i}'s {n_dims:,} dimensions")
+            pos += n_dims * 8 + 12
+
+
 class GGUFFile:
     """A GGUF file's metadata and tensor directory (tensor data stays on disk until read)."""
 
@@ -89,6 +167,7 @@ class GGUFFile:
         if magic != b"GGUF":
             raise CheckpointError(f"{self.path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
         gguf = _gguf()
+        check_declared_sizes(self.path)
         try:
             self.reader = gguf.GGUFReader(str(self.path))
         except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... for bad files

@@ -155,10 +155,10 @@ def export_gguf(run: str | Path, out: str | Path, qtype: str = "f32", *, force: 
     run, out = Path(run), Path(out)
     if qtype not in GGUF_TYPES:
         raise ConfigError(f"--type {qtype!r} is not one of {', '.join(GGUF_TYPES)}")
-    if out.exists() and not force:
-        raise CheckpointError(f"{out} exists; pass --force to replace it")
     if out.is_dir():
         raise CheckpointError(f"{out} is a folder; give a file name such as model.gguf")
+    if out.exists() and not force:
+        raise CheckpointError(f"{out} exists; pass --force to replace it")
     cfg = load_config(run)
     if cfg.rope_type == "dynamic":
         raise ConfigError("dynamic NTK RoPE scaling has no GGUF / llama.cpp equivalent")

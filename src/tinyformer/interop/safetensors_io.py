@@ -87,7 +87,7 @@ class SafetensorsFile:
             raw = f.read(n)
         try:
             header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # 10^6 nested brackets
             raise CheckpointError(f"{self.path} has a corrupt safetensors header ({exc})") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path} has a corrupt safetensors header (not a JSON object)")

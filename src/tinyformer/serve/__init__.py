@@ -7,3 +7,6 @@ extra (fastapi, uvicorn), so import them only when serving.
 
 #: Largest request body the server reads (``serve --max-body-bytes``): a long prompt is ~100 KB of JSON.
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds from SIGTERM to exit (serve/http_server.py)
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds to send a request head, or each part of a body
+DEFAULT_MAX_CONNECTIONS = 512

@@ -28,6 +28,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinyformer.data.chat_template import DEFAULT_TIMEOUT_S
+from tinyformer.serve import DEFAULT_HEADER_TIMEOUT
 from tinyformer.serve import protocol as P
 from tinyformer.serve.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard, is_loopback_host
 from tinyformer.serve.protocol import APIError
@@ -70,7 +71,8 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
                max_len: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                bind_host: str = "127.0.0.1", allowed_origins: tuple[str, ...] = (), compile: bool = False,
                prefill_chunk: int | None = 256, prefix_cache_mb: float = 0,
-               template_timeout: float = DEFAULT_TIMEOUT_S) -> FastAPI:
+               template_timeout: float = DEFAULT_TIMEOUT_S,
+               body_timeout: float | None = DEFAULT_HEADER_TIMEOUT) -> FastAPI:
     """The FastAPI app serving ``model`` (a decoder LM, eval mode) with ``tokenizer``.
 
     The scheduler thread starts with the app (lifespan) and stops with it. ``app.state.server`` is the
@@ -98,7 +100,8 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
     app = FastAPI(title="tinyformer", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.server = server
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, local_only=server.api_key is None,
-                       bound_to_loopback=is_loopback_host(bind_host), allowed_origins=allowed_origins)
+                       bound_to_loopback=is_loopback_host(bind_host), allowed_origins=allowed_origins,
+                       body_timeout=body_timeout)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

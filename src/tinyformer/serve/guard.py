@@ -19,10 +19,20 @@ Browser safety, applied only when the server has no API key (a key is something 
                                  refused the same way.
 
 Clients that are not browsers (curl, the openai package) send no Origin and are unaffected.
+
+Body timeout (``body_timeout``, T): each part of a request body must arrive within T seconds of the last
+(a client that stops mid-body gets 408), so a stalled upload cannot hold a handler forever.
+
+Lingering close: an answer sent before the request body was read (the 413, a 403, a 408) would otherwise
+be followed by closing the socket while the client is still uploading, and the kernel then resets the
+connection: the client sees "connection reset" instead of the answer. So the answer's last part waits
+while the rest of the body is read and discarded, for at most ``LINGER_SECONDS`` (and ``LINGER_IDLE``
+seconds without data), as nginx's ``lingering_close`` does; the client then reads the answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 from collections.abc import Iterable
@@ -30,7 +40,7 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tinyformer.serve import DEFAULT_MAX_BODY_BYTES
+from tinyformer.serve import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_BODY_BYTES
 from tinyformer.serve.protocol import APIError, error_body
 
 
@@ -55,22 +65,43 @@ def _split_host(value: str) -> tuple[str, str]:
     return (parts.hostname or ""), port
 
 
+LINGER_SECONDS = 10.0  # the longest an answer waits for the unread rest of a request body
+LINGER_IDLE = 2.0  # ... and for each part of it
+
+
+class _Body:
+    """Whether the request body has been read to its end (or the client is gone)."""
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        self.done = "content-length" not in headers and "transfer-encoding" not in headers  # GET: no body
+
+    def saw(self, message: Message) -> None:
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            self.done = True
+
+
 class RequestGuard:
-    """ASGI middleware: the body cap for every request, and the Host/Origin checks when ``local_only``."""
+    """ASGI middleware: the body cap, the body timeout and the lingering close for every request, and the
+    Host/Origin checks when ``local_only``."""
 
     def __init__(self, app: ASGIApp, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, local_only: bool = True,
-                 bound_to_loopback: bool = True, allowed_origins: Iterable[str] = ()) -> None:
+                 bound_to_loopback: bool = True, allowed_origins: Iterable[str] = (),
+                 body_timeout: float | None = DEFAULT_HEADER_TIMEOUT) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.local_only = local_only
         self.bound_to_loopback = bound_to_loopback
         self.allowed_origins = {o.rstrip("/").lower() for o in allowed_origins}
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        body = _Body(headers)
+        send = self.lingering(send, receive, body)
+        receive = self.timed(receive, body)
         refusal = self.refusal(headers)
         if refusal is not None:
             await _answer(send, refusal)
@@ -123,6 +154,43 @@ class RequestGuard:
         got = f" ({size:,} bytes)" if size is not None else ""
         return APIError(413, f"Request body too large{got}: the limit is {self.max_body_bytes:,} bytes "
                              "(tinyformer serve --max-body-bytes).", code="request_too_large")
+
+    def timed(self, receive: Receive, body: _Body) -> Receive:
+        """``receive`` that notes the end of the body and, until then, answers 408 when a part of it takes
+        longer than ``body_timeout``; afterwards (a stream waiting for the client to go away) it waits."""
+
+        async def wrapped() -> Message:
+            if body.done or self.body_timeout is None:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
+                raise APIError(408, f"the request body stopped arriving: no data for {self.body_timeout:g} s "
+                                    "(tinyformer serve --header-timeout)", code="request_timeout") from None
+            body.saw(message)
+            return message
+
+        return wrapped
+
+    def lingering(self, send: Send, receive: Receive, body: _Body) -> Send:
+        """``send`` that holds back the last part of an answer until the request body is read (and discarded)
+        to its end, within ``LINGER_SECONDS``: see the module docstring."""
+
+        async def wrapped(message: Message) -> None:
+            if message["type"] != "http.response.body" or message.get("more_body", False) or body.done:
+                await send(message)
+                return
+            await send({**message, "more_body": True})
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + LINGER_SECONDS
+            while not body.done and (left := deadline - loop.time()) > 0:
+                try:
+                    body.saw(await asyncio.wait_for(receive(), min(left, LINGER_IDLE)))
+                except asyncio.TimeoutError:
+                    break
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        return wrapped
 
     def counting(self, receive: Receive) -> Receive:
         """``receive`` that raises a 413 APIError once the body grows past the cap (bodies without a length)."""

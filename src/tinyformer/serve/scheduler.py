@@ -46,6 +46,7 @@ log = logging.getLogger("tinyformer.serve")
 __all__ = ["GenerationRequest", "QueueFull", "Scheduler", "StepEvent", "TokenInfo", "sample_shared"]
 
 _ids = itertools.count(1)
+SHUTTING_DOWN = "the server is shutting down; retry later"
 
 
 class QueueFull(Exception):
@@ -58,7 +59,8 @@ class StepEvent:
     a stop string or half a UTF-8 character), the tokens behind it, and, on the last event, why it ended.
 
     ``finish_reason`` is "stop" (end-of-sequence token or stop string), "length" (max_tokens or the end
-    of the context), "timeout" or "error" (then ``error`` says why).
+    of the context), "timeout", "shutdown" (the server is stopping: :meth:`Scheduler.drain`) or "error" (then
+    ``error`` says why).
     """
 
     index: int
@@ -144,6 +146,7 @@ class Scheduler:
         self._cancelled: set[int] = set()
         self._running: dict[int, EngineRow] = {}  # request id -> its row; touched by the worker thread only
         self._stop = False
+        self._drain_until: float | None = None  # set by drain(): the running requests' last moment
         self._thread: threading.Thread | None = None
         # counters for /health and the tests
         self.steps = 0
@@ -173,6 +176,18 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+
+    def drain(self, grace: float) -> None:
+        """Begin a graceful shutdown: refuse new requests, end the queued ones now and the running ones
+        after ``grace`` seconds (if they have not finished by then), each with a final "shutting down" error
+        event, so that every stream ends with a proper last event instead of a cut connection."""
+        with self._cond:
+            self._drain_until = time.monotonic() + max(grace, 0.0)
+            self._cond.notify_all()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_until is not None
 
     @property
     def active_count(self) -> int:
@@ -204,7 +219,7 @@ class Scheduler:
         """Queue all of ``requests`` (the choices of one API call) or none: raises :class:`QueueFull`
         when the free slots plus ``max_queue`` cannot take them."""
         with self._cond:
-            if self._stop:
+            if self._stop or self._drain_until is not None:
                 raise QueueFull("the server is shutting down")
             free = self.max_batch - len(self._running)
             if len(self._waiting) + len(requests) > free + self.max_queue:
@@ -234,6 +249,8 @@ class Scheduler:
                 try:
                     self._drop(cancelled)
                     self._expire()
+                    if self._drain_until is not None:
+                        self._shut_down(running=time.monotonic() >= self._drain_until)
                     self.engine.compact()
                     self._admit()
                     if self._running:
@@ -242,13 +259,16 @@ class Scheduler:
                     log.exception("decode step failed")
                     for row in list(self._running.values()):
                         self._finish(row, _event(row, "", [], "error", f"internal error: {exc}"))
+        self._shut_down(running=True)
+
+    def _shut_down(self, running: bool) -> None:
+        """End the queued requests (and, with ``running``, those holding a slot) with a final error event."""
         with self._cond:
             waiting, self._waiting = list(self._waiting), deque()
-        for row in list(self._running.values()):
-            self._finish(row, _event(row, "", [], "error", "the server is shutting down"))
+        for row in list(self._running.values()) if running else []:
+            self._finish(row, _event(row, "", [], "shutdown", SHUTTING_DOWN))
         for req in waiting:
-            self._emit(req, StepEvent(req.index, "", [], "error", "the server is shutting down",
-                                      len(req.prompt_ids), 0))
+            self._emit(req, StepEvent(req.index, "", [], "shutdown", SHUTTING_DOWN, len(req.prompt_ids), 0))
 
     def _emit(self, req: GenerationRequest, event: StepEvent) -> bool:
         try:

@@ -178,10 +178,12 @@ class Server:
             room = self.context - len(ids)
             wanted = max_tokens if max_tokens is not None else min(default_max or room, room)
             if room < 1 or len(ids) + wanted > self.context:
+                asked = (f"the prompt alone has {len(ids)} tokens, which leaves no room for a completion. Please "
+                         f"reduce the prompt to at most {self.context - 1} tokens" if room < 1 else
+                         f"you requested {len(ids) + wanted} tokens ({len(ids)} in the prompt, {wanted} for the "
+                         f"completion). Please reduce the prompt, or max_tokens to at most {room}")
                 raise APIError(
-                    400, f"This model's maximum context length is {self.context} tokens. However, you requested "
-                         f"{len(ids) + wanted} tokens ({len(ids)} in the prompt, {wanted} for the completion). "
-                         "Please reduce the prompt or max_tokens.",
+                    400, f"This model's maximum context length is {self.context} tokens. However, {asked}.",
                     param="messages" if isinstance(req, P.ChatCompletionRequest) else "prompt",
                     code="context_length_exceeded")
             for j in range(req.n):
@@ -221,6 +223,9 @@ class Server:
 def event_error(event: StepEvent) -> APIError:
     if event.finish_reason == "timeout":
         return APIError(504, event.error or "the request timed out", type="timeout", code="timeout")
+    if event.finish_reason == "shutdown":
+        return APIError(503, event.error or "the server is shutting down", type="server_error",
+                        code="server_shutting_down")
     if event.finish_reason == "model_error":  # the model, not the server, failed: no 500 and no garbage text
         return APIError(503, event.error or "the model's output is not usable", type="server_error",
                         code="model_error")

@@ -84,6 +84,8 @@ def train_tokenizer(cfg: TrainConfig) -> Tokenizer:
             chars.update(doc)
         if not docs.seen_text:
             raise DataError(f"corpus {corpus_name(cfg)} is empty (no non-whitespace text)")
+        if cfg.sample_tokens > 0:  # the samples start from this prompt ("\n"): a one-line corpus lacks it
+            chars.update(cfg.sample_prompt)
         return Tokenizer.train_char("".join(sorted(chars)))
     vocab = cfg.vocab_size or DEFAULT_BPE_VOCAB_SIZE
     if vocab < BPE_MIN_VOCAB:  # before reading the corpus: the size, not the data, is the problem
@@ -102,6 +104,18 @@ def train_tokenizer(cfg: TrainConfig) -> Tokenizer:
     if not docs.seen_text:
         raise DataError(f"corpus {corpus_name(cfg)} is empty (no non-whitespace text)")
     return tok
+
+
+def check_sample_prompt(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
+    """Before step 1: the prompt the samples start from must be encodable (a char tokenizer trained
+    elsewhere, or a run resumed, may lack its characters), else the run would fail at its first sample."""
+    if cfg.sample_tokens <= 0:
+        return
+    try:
+        tokenizer.encode(cfg.sample_prompt)
+    except DataError as exc:
+        raise DataError(f"the sample prompt {cfg.sample_prompt!r} cannot be encoded: {exc}; pass --train.sample_prompt "
+                        "TEXT with characters of the corpus, or --sample-tokens 0") from None
 
 
 def build_dataset(cfg: TrainConfig, tokenizer: Tokenizer) -> TokenDataset:

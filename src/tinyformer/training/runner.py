@@ -294,7 +294,13 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
 
     ``make_trainer`` builds the trainer (called with Trainer's arguments) once the run folder is ready;
     training/distributed.py passes its DistributedTrainer."""
-    from tinyformer.training.prepare import build_dataset, check_windows, corpus_name, train_tokenizer
+    from tinyformer.training.prepare import (
+        build_dataset,
+        check_sample_prompt,
+        check_windows,
+        corpus_name,
+        train_tokenizer,
+    )
 
     run_dir = Path(spec.out) if spec.out else (None if spec.resume else default_run_dir())
     if run_dir is None:
@@ -358,6 +364,7 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
         tokenizer = objective_cls.adapt_tokenizer(tokenizer)
     dataset = None
     if objective_cls.uses_corpus:
+        check_sample_prompt(train, tokenizer)
         dataset = build_dataset(train, tokenizer)
         check_windows(dataset, train.block_size, world_size)
     objective: Objective = objective_cls(train, tokenizer, dataset)
