@@ -34,6 +34,7 @@ COMMANDS = [
     "convert",
     "quantize",
     "embed",
+    "tokenize",
     "inspect",
 ]
 
