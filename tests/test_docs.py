@@ -73,9 +73,10 @@ class Markdown:
     blocks: list[Block] = field(default_factory=list)
 
 
-def parse_markdown(path: Path) -> Markdown:
+def parse_markdown(path: Path, text: str | None = None) -> Markdown:
+    """The prose lines and fenced blocks of the markdown file ``path`` (or of ``text``, when given)."""
     md = Markdown(path)
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = (path.read_text(encoding="utf-8") if text is None else text).splitlines()
     i = 0
     last_marker: str | None = None
     while i < len(lines):
@@ -890,3 +891,119 @@ def test_a_wrong_digit_anywhere_on_a_fact_line_is_caught():
             assert fact_problems(mutated), f"changing {m.group()!r} in {section[i].strip()!r} went unnoticed"
             mutants += 1
     assert mutants > 50
+
+
+# ---------------------------------------------------------------------------------------------- section 0: tokens
+TOKEN_EXAMPLES = DOCS / "examples" / "zh"
+# the figures of section 0, per page: key -> pattern; each NUM group is recomputed by tokens_section_problems
+TOKEN_FIGURES = {
+    "walkthrough.md": {
+        "default": rf"default tokenizer on attention\.txt: {NUM} tokens per character",
+        "trained": rf"tokenizer trained on docs/examples/zh: {NUM} characters per token on attention\.txt "
+                   rf"\({NUM} tokens per character\)",
+        "measured chars": rf"\({NUM} characters, a few of them ASCII\)",
+        "corpus chars": rf"\({NUM} characters; a real corpus",
+    },
+    "walkthrough.zh.md": {
+        "default": rf"默认分词器切 attention\.txt：每字符 {NUM} 个词元",
+        "trained": rf"在 docs/examples/zh 上训练的分词器：attention\.txt 上每个词元 {NUM} 个字符"
+                   rf"（每字符 {NUM} 个词元）",
+        "measured chars": rf"（{NUM} 个字符，\s*其中少数是 ASCII）",
+        "corpus chars": rf"（{NUM} 个字符；真正的语料",
+    },
+}
+
+
+def tokens_section(text: str) -> str:
+    """Section 0 of a walkthrough, from its heading to the next level-2 heading."""
+    start = text.index("\n## 0. ")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+@cache
+def recipe_tokenizer(data: str | None, vocab_size: int | None) -> Path:
+    """A folder holding the tokenizer `tinyformer train` trains for ``--data`` and ``--vocab-size`` (the
+    trainer's own train_tokenizer)."""
+    import tempfile
+
+    from tinyformer.training.config import TrainConfig
+    from tinyformer.training.prepare import train_tokenizer
+
+    folder = Path(tempfile.mkdtemp(prefix="recipe-tokenizer-"))
+    train_tokenizer(TrainConfig(data=data, vocab_size=vocab_size)).save(folder)
+    return folder
+
+
+def section_tokenizers(text: str) -> dict[str, Path]:
+    """runs/NAME -> the tokenizer of each `tinyformer train ... --out runs/NAME` command in ``text``, trained
+    with the --data and --vocab-size the command gives."""
+    runs = {}
+    for m in re.finditer(r"^\$ tinyformer train (.*)$", text, re.M):
+        flags = dict(re.findall(r"--([\w-]+) (\S+)", m.group(1)))
+        data = str(ROOT / flags["data"]) if "data" in flags else None
+        runs[flags["out"]] = recipe_tokenizer(data, int(flags["vocab-size"]) if "vocab-size" in flags else None)
+    return runs
+
+
+def tokens_section_problems(page: str, section: str) -> list[str]:
+    """What section 0 states that the tokenizers its commands train do not give: each `tinyformer tokenize`
+    output shown, and each figure of TOKEN_FIGURES."""
+    from tinyformer.cli.tokenize import summary
+    from tinyformer.data.tokenizer import Tokenizer
+
+    problems = []
+    runs = section_tokenizers(section)
+    if set(runs) != {"runs/en", "runs/zh"}:
+        return [f"section 0 trains {sorted(runs)}, not runs/en and runs/zh"]
+    md = parse_markdown(Path(page), section)
+    shown = 0
+    for block in md.blocks:
+        for command in block_commands(md, block):
+            if command.argv[:2] != ["tinyformer", "tokenize"]:
+                continue
+            args = [str(runs[a]) if a in runs else a for a in command.argv[1:]]
+            code, out = run_in_process(args)
+            shown += 1
+            if code != 0 or not output_matches(command.expected or [], out.splitlines()):
+                problems.append(f"`{command.text}` prints\n{out}")
+    if shown < 3:
+        problems.append(f"section 0 shows {shown} tokenize outputs, not 3")
+    measured = (TOKEN_EXAMPLES / "attention.txt").read_text(encoding="utf-8")
+    corpus = sum(len(p.read_text(encoding="utf-8")) for p in sorted(TOKEN_EXAMPLES.glob("*.txt")))
+    en, zh = (summary(measured, len(Tokenizer.load(runs[r]).encode(measured))) for r in ("runs/en", "runs/zh"))
+    want = {"default": [en["tokens_per_character"]], "trained": [zh["characters_per_token"],
+                                                              zh["tokens_per_character"]],
+            "measured chars": [len(measured)], "corpus chars": [corpus]}
+    for key, pattern in TOKEN_FIGURES[Path(page).name].items():
+        m = re.search(pattern, section)
+        if not m:
+            problems.append(f"{key}: no line reads as {pattern!r}")
+        elif not all(shown_equals(s, w) for s, w in zip(m.groups(), want[key])):
+            problems.append(f"{key}: the doc states {m.groups()}, the tokenizers give {want[key]}")
+    return problems
+
+
+@pytest.mark.parametrize("path", WALKTHROUGHS, ids=lambda p: p.name)
+def test_tokens_section_shows_what_the_default_and_the_chinese_tokenizers_give(path):
+    problems = tokens_section_problems(str(path), tokens_section(path.read_text(encoding="utf-8")))
+    assert not problems, "\n".join(problems)
+
+
+def test_a_wrong_digit_in_the_tokens_section_is_caught():
+    """Each number of section 0's figures and of its tables' rows, changed in its last digit, fails."""
+    section = tokens_section((DOCS / "walkthrough.md").read_text(encoding="utf-8"))
+    page = str(DOCS / "walkthrough.md")
+    assert not tokens_section_problems(page, section)
+    lines = section.splitlines()
+    targets = [i for i, line in enumerate(lines)
+               if any(re.search(p, line) for p in TOKEN_FIGURES["walkthrough.md"].values())
+               or re.match(r"^\s+\d+\s+\d+\s+\S", line) or re.match(r"^\d+ tokens, ", line)]
+    mutants = 0
+    for i in targets:
+        for m in re.finditer(r"(?<![\w.])\d(?:[\d,.]*\d)?", lines[i]):
+            last = m.end() - 1
+            mutated = lines[:i] + [lines[i][:last] + str((int(lines[i][last]) + 1) % 10) + lines[i][last + 1 :]]
+            text = "\n".join(mutated + lines[i + 1 :])
+            assert tokens_section_problems(page, text), f"changing {m.group()!r} in {lines[i]!r} went unnoticed"
+            mutants += 1
+    assert mutants > 40
