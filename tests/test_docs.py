@@ -760,6 +760,91 @@ def _warm_up_checker(placement: str, layers: str):
     return check
 
 
+def _check_llama2_70b_layer(g: list[str], facts: dict) -> list:
+    p = count_json("--preset", "llama2-70b")["params"]
+    assert p["per_layer"] == p["attention_per_layer"] + p["ffn_per_layer"] + p["norms_per_layer"]
+    # the slip's own figure (201M a block) times the real depth
+    return [p["per_layer"], p["attention_per_layer"], p["ffn_per_layer"], p["norms_per_layer"], p["n_layer"],
+            p["all_layers"], 201, p["n_layer"], 201e6 * p["n_layer"] / 1e9]
+
+
+def _check_llama_7b_sum(g: list[str], facts: dict) -> list:
+    report = count_json("--preset", "llama-7b")
+    p = report["params"]
+    without_head = p["n_layer"] * p["per_layer"] + p["embedding"]
+    assert without_head + p["head"] + p["final_norm"] == report["total_params"]
+    return [p["n_layer"], p["per_layer"], p["embedding"], without_head, p["head"], p["final_norm"],
+            report["total_params"]]
+
+
+def _check_score_memory_128k(g: list[str], facts: dict) -> list:
+    seq = 128_000  # "128K" as the figure uses it; 2^17 = 131,072 is the other reading
+    scores = count_json("--preset", "llama-7b", "--seq-len", str(seq), "--dtype", "float32")["attention_memory"]
+    per_head = scores["naive_scores_bytes_per_layer"] // _preset("llama-7b").n_head
+    assert per_head == seq**2 * 4
+    return [seq, per_head, per_head / 2**30, per_head / 1e9, per_head / 2 / 2**30, 2**17, 2**34 * 4 / 2**30]
+
+
+@cache
+def _gpt3_banded() -> tuple[int, int]:
+    """(layers, parameters) of gpt3-175b with every other layer banded; asserts the count is the dense one."""
+    from tinyformer.sizing import count_params
+
+    cfg = _preset("gpt3-175b")
+    banded = cfg.replace(layer_types=["full", "sliding"] * (cfg.n_layer // 2), sliding_window=256)
+    total = count_params(banded).total
+    assert total == count_params(cfg).total == count_json("--preset", "gpt3-175b")["total_params"]
+    return cfg.n_layer, total
+
+
+def _check_gpt3_attention(g: list[str], facts: dict) -> list:
+    layers, total = _gpt3_banded()
+    return [layers, layers // 2, layers // 2, total, layers]
+
+
+def _check_sinusoidal_entry(g: list[str], facts: dict) -> list:
+    import inspect
+
+    from tinyformer.components.positions import sinusoidal_table
+
+    d, pos, i = (int(_number(v)) for v in g[:3])
+    base = inspect.signature(sinusoidal_table).parameters["base"].default
+    table = sinusoidal_table(pos + 1, d)
+    return [d, pos, i, pos, 2 * i, pos, base, 2 * i, d, float(table[pos, 2 * i]),
+            pos, 2 * i + 1, pos, base, 2 * i, d, float(table[pos, 2 * i + 1])]
+
+
+def _check_llama2_heads(g: list[str], facts: dict) -> list:
+    out: list = []
+    for name in ("llama2-7b", "llama2-13b", "llama2-70b"):
+        cfg = _preset(name)
+        out += [name, cfg.n_head, cfg.n_kv_head]
+    return out
+
+
+def _check_swiglu(g: list[str], facts: dict) -> list:
+    from tinyformer.param_counts import ffn_params
+
+    cfg = _preset("llama-7b")
+    assert ffn_params(cfg) == count_json("--preset", "llama-7b")["params"]["ffn_per_layer"]
+    return [3, cfg.d_model, cfg.d_ff, ffn_params(cfg), 2 * cfg.d_model * cfg.d_ff]
+
+
+@cache
+def _layer_flops(n: int, d: int, k: int) -> dict[str, int]:
+    from test_walkthrough_slips import layer_flops  # FLOPs of real modules, counted by PyTorch
+
+    return layer_flops(n, d, k)
+
+
+def _check_layer_flops(g: list[str], facts: dict) -> list:
+    n, d, k = (int(_number(v)) for v in g[:3])
+    f = _layer_flops(n, d, k)
+    assert (f["convolution"], f["recurrence"], f["self-attention"], f["projections"]) == (
+        2 * k * n * d * d, 4 * n * d * d, 4 * n * n * d, 8 * n * d * d)  # the formulas the line states
+    return [n, d, k, f["convolution"], f["recurrence"], f["self-attention"], f["projections"]]
+
+
 # key -> (the body's pattern, the values its groups must state)
 FACTS = {
     "llama2-70b": (rf"d_model {NUM}, n_head {NUM}, n_kv_head {NUM}, d_ff {NUM} \(8 d/3 x {NUM}, rounded up to "
@@ -788,6 +873,23 @@ FACTS = {
                                    _warm_up_checker("post-norm", "6")),
     "warm-up pre-norm 24 layers": (rf"lr {NUM}: {NUM} with, {NUM} without; lr {NUM}: {NUM} with, {NUM} without",
                                    _warm_up_checker("pre-norm", "24")),
+    "llama2-70b layer": (rf"{NUM} = attention {NUM} \+ FFN {NUM} \+ norms {NUM}; {NUM} layers: {NUM}; "
+                         rf"{NUM}M x {NUM} = {NUM}B", _check_llama2_70b_layer),
+    "llama-7b sum": (rf"{NUM} x {NUM} \+ embedding {NUM} = {NUM}; \+ head {NUM} \+ final norm {NUM} = {NUM}",
+                     _check_llama_7b_sum),
+    "score memory 128K": (rf"T {NUM}: T\^2 x 4 bytes = {NUM} = {NUM} GiB = {NUM} GB per head and layer; "
+                          rf"x 2 bytes \(float16\) = {NUM} GiB; T {NUM}: {NUM} GiB", _check_score_memory_128k),
+    "gpt-3 attention": (rf"{NUM} layers, {NUM} dense and {NUM} banded: {NUM} parameters, as with {NUM} dense layers",
+                        _check_gpt3_attention),
+    "sinusoidal entry": (rf"d {NUM}, pos {NUM}, pair i {NUM}: "
+                         rf"PE\[{NUM}, {NUM}\] = sin\({NUM} / {NUM}\^\({NUM}/{NUM}\)\) = {NUM}, "
+                         rf"PE\[{NUM}, {NUM}\] = cos\({NUM} / {NUM}\^\({NUM}/{NUM}\)\) = {NUM}",
+                         _check_sinusoidal_entry),
+    "llama-2 heads": (rf"{WORD} {NUM} query {NUM} kv, {WORD} {NUM} query {NUM} kv, {WORD} {NUM} query {NUM} kv",
+                      _check_llama2_heads),
+    "swiglu llama-7b": (rf"{NUM} x d {NUM} x d_ff {NUM} = {NUM}; two matrices of the same d_ff: {NUM}", _check_swiglu),
+    "layer flops": (rf"n {NUM}, d {NUM}, k {NUM}: convolution 2 k n d\^2 = {NUM}, recurrence 4 n d\^2 = {NUM}, "
+                    rf"self-attention 4 n\^2 d = {NUM}; its projections 8 n d\^2 = {NUM}", _check_layer_flops),
 }
 TOTAL = re.compile(r"^total ([\w.-]+)$")  # `    total llama2-13b: 13,015,864,320`
 
