@@ -18,6 +18,11 @@ Conventions the checker enforces in every markdown file under docs/ and in READM
 * A block preceded by ``<!-- check -->`` is also run, and the output it shows must match (a line ``...``
   matches any number of lines). Only cheap commands may be run (``RUNNABLE``); training and the like
   stay parse-only. A block preceded by ``<!-- no-check -->`` is not looked at at all.
+* Every ``python`` block of README.md and the walkthroughs is executed, the blocks of a page in order in one
+  namespace, and a comment ``name = ...  # (2, 8, 256)`` ending in a shape is checked against
+  ``name.shape``. A snippet that talks to ``http://127.0.0.1:8000`` runs against a real ``tinyformer``
+  server (a tiny model named ``default``) on a free port. A block that cannot run in the tests says why in a
+  marker before it: ``<!-- no-run: REASON -->``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 NODE_REF = re.compile(r"^([\w./-]+\.py)::([\w.:\[\]-]+)$")
 SYMBOL_TEXT = re.compile(r"^`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?:\(\))?`$")
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
+NO_RUN = re.compile(r"<!-- no-run: \S.* -->")  # `<!-- no-run: needs a GPU -->` before a ```python block
+#: the pages whose every ```python block the tests execute
+PYTHON_PAGES = [ROOT / "README.md", DOCS / "walkthrough.md", DOCS / "walkthrough.zh.md"]
 
 
 def doc_files() -> list[Path]:
@@ -95,6 +103,8 @@ def parse_markdown(path: Path, text: str | None = None) -> Markdown:
         stripped = line.strip()
         if stripped in ("<!-- check -->", "<!-- no-check -->"):
             last_marker = stripped[5:-4].strip()
+        elif NO_RUN.fullmatch(stripped):  # a python block that cannot run in the tests, and why
+            last_marker = "no-run"
         elif stripped:
             last_marker = None
         md.prose.append((i + 1, line))
@@ -1109,3 +1119,99 @@ def test_a_wrong_digit_in_the_tokens_section_is_caught():
             assert tokens_section_problems(page, text), f"changing {m.group()!r} in {lines[i]!r} went unnoticed"
             mutants += 1
     assert mutants > 40
+
+
+# ---------------------------------------------------------------------------------------------- python snippets
+SHAPE_COMMENT = re.compile(r"^(\w+) = .*#.*\(([\d, ]+)\)\s*$")  # `logits = model(ids)  # (B, T, V) = (2, 8, 256)`
+SERVED_URL = "http://127.0.0.1:8000"
+
+
+@contextlib.contextmanager
+def default_server():
+    """A served tiny random model named "default" (what the README's client snippet asks for); yields its URL."""
+    import string
+
+    import torch
+    from serve_helpers import BackgroundServer
+
+    from tinyformer.config import ModelConfig
+    from tinyformer.data.tokenizer import build_tokenizer
+    from tinyformer.models.decoder import DecoderLM
+    from tinyformer.serve.app import create_app
+
+    tok = build_tokenizer("char", string.printable)
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layer=1, n_head=2, max_seq_len=128)).eval()
+    with BackgroundServer(create_app(model, tok, model_name="default", max_batch=2)) as srv:
+        yield srv.url
+
+
+def python_block_problems(path: Path, text: str | None = None) -> list[str]:
+    """Run every ```python block of the page (or of ``text``) in order; what fails, and each shape comment
+    that does not hold."""
+    md = parse_markdown(path, text)
+    problems: list[str] = []
+    namespace: dict = {"__name__": "__doc_snippet__"}
+    for block in md.blocks:
+        if block.lang != "python" or block.marker == "no-run":
+            continue
+        code = "\n".join(block.lines)
+        where = f"{_rel(path)}:{block.start}"
+        with contextlib.ExitStack() as stack:
+            if SERVED_URL in code:
+                code = code.replace(SERVED_URL, stack.enter_context(default_server()))
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    exec(compile(code, where, "exec"), namespace)
+            except Exception as exc:
+                problems.append(f"{where}: the snippet fails: {exc!r}")
+                continue
+        for line in block.lines:
+            m = SHAPE_COMMENT.match(line.strip())
+            if m:
+                want = tuple(int(v) for v in m.group(2).split(","))
+                got = tuple(getattr(namespace.get(m.group(1)), "shape", ()))
+                if got != want:
+                    problems.append(f"{where}: {m.group(1)} has shape {got}, the comment says {want}")
+    return problems
+
+
+@pytest.mark.parametrize("path", PYTHON_PAGES, ids=lambda p: _rel(p))
+def test_every_python_snippet_runs_and_its_shape_comments_hold(path):
+    assert any(b.lang == "python" for b in parse_markdown(path).blocks)
+    problems = python_block_problems(path)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_broken_snippet_or_shape_comment_fails_and_a_no_run_marker_needs_a_reason(tmp_path):
+    page = DOCS / "walkthrough.md"
+    text = page.read_text(encoding="utf-8")
+    assert not python_block_problems(page, text)
+    broken = {
+        "a config the model refuses": text.replace("n_kv_head=2, max_seq_len=32", "n_kv_head=3, max_seq_len=32"),
+        "a name that does not exist": text.replace("logits = model(ids)", "logits = modle(ids)"),
+        "a wrong shape in a comment": text.replace("(B, T, V) = (2, 8, 256)", "(B, T, V) = (2, 8, 257)"),
+    }
+    for what, mutated in broken.items():
+        assert mutated != text, what
+        assert python_block_problems(page, mutated), f"{what} went unnoticed"
+    skipped = text.replace("```python", "<!-- no-run: shown, not run -->\n```python", 1)
+    assert not python_block_problems(page, skipped.replace("logits = model(ids)", "logits = modle(ids)"))
+    unexplained = text.replace("```python", "<!-- no-run: -->\n```python", 1)
+    assert python_block_problems(page, unexplained.replace("logits = model(ids)", "logits = modle(ids)"))
+
+
+def test_experiments_page_reads_the_post_norm_gradient_ratio_as_the_table_gives_it():
+    """docs/experiments.md's gradient figures: last / first block per placement, and Post-Norm's blocks 2-24
+    flat, block 1 the outlier (the results table of docs/experiments/norm_placement.md)."""
+    text = " ".join((DOCS / "experiments.md").read_text(encoding="utf-8").split())
+    column = "grad norm at init, blocks 1 / 2 / last"
+    pre, post = ([_number(v) for v in norm_placement_results()[(f"{p}-norm, no warm-up", "24", "0.001")][column]
+                  .split(" / ")] for p in ("pre", "post"))
+    m = re.search(rf"last block relative to the first was {NUM} in the Pre-Norm stack and {NUM} in the Post-Norm "
+                  rf"stack\. The Post-Norm ratio comes from block 1 alone: blocks 2 to 24 all get {NUM} \(last "
+                  rf"against second: {NUM}, flat across depth\), while block 1 gets {NUM}, {NUM} times as much", text)
+    assert m, "the gradient sentence of docs/experiments.md changed"
+    want = [pre[2] / pre[0], post[2] / post[0], post[1], post[2] / post[1], post[0], post[0] / post[1]]
+    wrong = [(s, w) for s, w in zip(m.groups(), want) if not shown_equals(s, w)]
+    assert not wrong, wrong
