@@ -1215,3 +1215,128 @@ def test_experiments_page_reads_the_post_norm_gradient_ratio_as_the_table_gives_
     want = [pre[2] / pre[0], post[2] / post[0], post[1], post[2] / post[1], post[0], post[0] / post[1]]
     wrong = [(s, w) for s, w in zip(m.groups(), want) if not shown_equals(s, w)]
     assert not wrong, wrong
+
+
+# ---------------------------------------------------------------------------------------------- prose figures
+PROSE_INTEGER = re.compile(r"(?<![\w.,])\d{1,3}(?:,\d{3})+(?![\d,])")  # 135,266,304
+PROSE_SIZE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?) ?(KiB|MiB|GiB|GB|%)")  # 320 KiB, 61.0 GiB, 8 %
+PROSE_RATIO = re.compile(r"\b1 : (\d+\.\d+)")  # attention : FFN = 1 : 2.02
+#: figures the prose quotes as the mistake it corrects (correction 4: "61.5 GB in FP16")
+QUOTED_SLIPS = {"61.5 GB"}
+SIZE_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "GB": 1e9}
+#: how the prose names the presets whose attention : FFN ratio it gives (the last one named on a bullet counts)
+RATIO_PRESETS = {"LLaMA-7B": "llama-7b", "Llama-2-70B": "llama2-70b", "tiny": "tiny"}
+
+
+@cache
+def computed_figures() -> tuple[frozenset, frozenset, dict[str, float]]:
+    """(integers, byte sizes and percentages, preset -> attention : FFN ratio) that the code computes for what
+    the walkthrough describes: every number `tinyformer count --json` gives for the presets and commands the
+    page uses (sizes: its byte counts only), the formulas its prose writes out, and the settings it quotes."""
+    from tinyformer.training.mlm import mask_tokens
+
+    reports = [count_json("--preset", p) for p in ("llama-7b", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b",
+                                                   "gpt2-124m", "gpt2-350m", "gpt3-175b", "tiny")]
+    reports += [count_json("--preset", "gpt2-124m", "--seq-len", "1024"),
+                count_json("--preset", "llama2-70b", "--seq-len", "4096", "--batch", "8")]
+    numbers: set = set()
+    byte_counts: set = set()
+
+    def collect(value: object, key: str = "") -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                collect(v, k)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            numbers.add(value)
+            if "bytes" in key:
+                byte_counts.add(float(value))
+
+    for report in reports:
+        collect(report)
+    llama, gpt2 = _preset("llama-7b"), _preset("gpt2-124m")
+    # the attention term of the training FLOPs, 12 L d T (section "Training FLOPs"), at T = 2048 and 1024
+    llama_term, gpt2_term = (12 * cfg.n_layer * cfg.d_model * t for cfg, t in ((llama, 2048), (gpt2, 1024)))
+    numbers |= {8 * llama.d_model**2, 12 * llama.n_layer * llama.d_model**2, llama_term}
+    numbers.add(sum(len(p.read_text(encoding="utf-8")) for p in TOKEN_EXAMPLES.glob("*.txt")))  # section 0's corpus
+    sizes = set(byte_counts)
+    long_scores = count_json("--preset", "llama-7b", "--seq-len", "128000", "--dtype", "float32")["attention_memory"]
+    sizes.add(long_scores["naive_scores_bytes_per_layer"] / llama.n_head)  # one head's scores at 128K (correction 4)
+    kv = count_json("--preset", "llama2-70b", "--seq-len", "4096", "--batch", "8")["kv_cache"]
+    sizes.add(float(kv["bytes_per_token_if_mha"] * 8 * 4096))  # the cache without GQA, the prose's 80 GiB
+    six_n = {name: 6 * count_json("--preset", name)["total_params"] for name in ("llama-7b", "gpt2-124m")}
+    percents = {100 * llama_term / six_n["llama-7b"], 100 * gpt2_term / six_n["gpt2-124m"],
+                100 * inspect_default(mask_tokens, "mask_prob"), 100 * 0.9}  # BERT's masking rate; top-p 0.9
+    ratios = {p: 1 / count_json("--preset", p)["attention_to_ffn_ratio"] for p in set(RATIO_PRESETS.values())}
+    return frozenset(numbers), frozenset(sizes | {("%", p) for p in percents}), ratios
+
+
+def inspect_default(fn: object, name: str) -> object:
+    import inspect
+
+    return inspect.signature(fn).parameters[name].default
+
+
+def prose_figure_problems(text: str) -> list[str]:
+    """The figures in the prose of a walkthrough (outside code blocks and the checked fact lines) that no
+    computation of :func:`computed_figures` gives, to the digits shown."""
+    numbers, sizes, ratios = computed_figures()
+    problems, in_block = [], False
+    lines = text.splitlines()
+    for lineno, line in enumerate(lines, 1):
+        if FENCE.match(line):
+            in_block = not in_block
+        if in_block or line.startswith("    ") or line.startswith("$ "):
+            continue
+        for m in PROSE_INTEGER.finditer(line):
+            if int(m.group().replace(",", "")) not in numbers:
+                problems.append(f"line {lineno}: {m.group()} is no figure the code computes")
+        for m in PROSE_SIZE.finditer(line):
+            shown, unit = m.groups()
+            if m.group() in QUOTED_SLIPS or m.group().replace(" ", "") in QUOTED_SLIPS:
+                continue
+            if unit == "%":
+                ok = any(shown_equals(shown, p) for kind, p in (s for s in sizes if isinstance(s, tuple)))
+            else:
+                ok = any(shown_equals(shown, b / SIZE_UNITS[unit]) for b in sizes if not isinstance(b, tuple))
+            if not ok:
+                problems.append(f"line {lineno}: {m.group()} is no size the code computes")
+        for m in PROSE_RATIO.finditer(line):
+            # the ratio of the preset its bullet names (from the bullet's first line to this one)
+            start = next((j for j in range(lineno - 1, max(-1, lineno - 6), -1) if lines[j].startswith("- ")),
+                         lineno - 1)
+            bullet = " ".join(lines[start:lineno])
+            named = [p for word, p in RATIO_PRESETS.items() if word in bullet]
+            if not named or not shown_equals(m.group(1), ratios[named[-1]]):
+                problems.append(f"line {lineno}: {m.group()} is not the attention : FFN ratio of {named} the code "
+                                "computes")
+    return problems
+
+
+@pytest.mark.parametrize("path", WALKTHROUGHS, ids=lambda p: p.name)
+def test_every_count_size_and_ratio_in_the_walkthrough_prose_is_one_the_code_computes(path):
+    text = path.read_text(encoding="utf-8")
+    assert len(PROSE_INTEGER.findall(text)) > 20
+    problems = prose_figure_problems(text)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_wrong_digit_in_a_prose_figure_is_caught():
+    text = (DOCS / "walkthrough.md").read_text(encoding="utf-8")
+    assert not prose_figure_problems(text)
+    lines = text.splitlines()
+    mutants = 0
+    for i, line in enumerate(lines):
+        if line.startswith("    ") or not (PROSE_INTEGER.search(line) or PROSE_SIZE.search(line)
+                                           or PROSE_RATIO.search(line)):
+            continue
+        spans = [m.span() for rx in (PROSE_INTEGER, PROSE_RATIO) for m in rx.finditer(line)]
+        spans += [m.span(1) for m in PROSE_SIZE.finditer(line) if m.group() not in QUOTED_SLIPS]
+        for _, end in spans:
+            last = end - 1
+            mutated = line[:last] + str((int(line[last]) + 1) % 10) + line[last + 1 :]
+            if prose_figure_problems("\n".join([*lines[:i], mutated, *lines[i + 1 :]])) == []:
+                in_block = sum(1 for x in lines[:i] if FENCE.match(x)) % 2
+                assert in_block, f"changing the last digit of {line[:end]!r} went unnoticed"
+                continue
+            mutants += 1
+    assert mutants > 30
