@@ -18,6 +18,11 @@ Conventions the checker enforces in every markdown file under docs/ and in READM
 * A block preceded by ``<!-- check -->`` is also run, and the output it shows must match (a line ``...``
   matches any number of lines). Only cheap commands may be run (``RUNNABLE``); training and the like
   stay parse-only. A block preceded by ``<!-- no-check -->`` is not looked at at all.
+* Every ``python`` block of README.md and the walkthroughs is executed, the blocks of a page in order in one
+  namespace, and a comment ``name = ...  # (2, 8, 256)`` ending in a shape is checked against
+  ``name.shape``. A snippet that talks to ``http://127.0.0.1:8000`` runs against a real ``tinyformer``
+  server (a tiny model named ``default``) on a free port. A block that cannot run in the tests says why in a
+  marker before it: ``<!-- no-run: REASON -->``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 NODE_REF = re.compile(r"^([\w./-]+\.py)::([\w.:\[\]-]+)$")
 SYMBOL_TEXT = re.compile(r"^`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?:\(\))?`$")
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
+NO_RUN = re.compile(r"<!-- no-run: \S.* -->")  # `<!-- no-run: needs a GPU -->` before a ```python block
+#: the pages whose every ```python block the tests execute
+PYTHON_PAGES = [ROOT / "README.md", DOCS / "walkthrough.md", DOCS / "walkthrough.zh.md"]
 
 
 def doc_files() -> list[Path]:
@@ -73,9 +81,10 @@ class Markdown:
     blocks: list[Block] = field(default_factory=list)
 
 
-def parse_markdown(path: Path) -> Markdown:
+def parse_markdown(path: Path, text: str | None = None) -> Markdown:
+    """The prose lines and fenced blocks of the markdown file ``path`` (or of ``text``, when given)."""
     md = Markdown(path)
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = (path.read_text(encoding="utf-8") if text is None else text).splitlines()
     i = 0
     last_marker: str | None = None
     while i < len(lines):
@@ -94,6 +103,8 @@ def parse_markdown(path: Path) -> Markdown:
         stripped = line.strip()
         if stripped in ("<!-- check -->", "<!-- no-check -->"):
             last_marker = stripped[5:-4].strip()
+        elif NO_RUN.fullmatch(stripped):  # a python block that cannot run in the tests, and why
+            last_marker = "no-run"
         elif stripped:
             last_marker = None
         md.prose.append((i + 1, line))
@@ -759,6 +770,91 @@ def _warm_up_checker(placement: str, layers: str):
     return check
 
 
+def _check_llama2_70b_layer(g: list[str], facts: dict) -> list:
+    p = count_json("--preset", "llama2-70b")["params"]
+    assert p["per_layer"] == p["attention_per_layer"] + p["ffn_per_layer"] + p["norms_per_layer"]
+    # the slip's own figure (201M a block) times the real depth
+    return [p["per_layer"], p["attention_per_layer"], p["ffn_per_layer"], p["norms_per_layer"], p["n_layer"],
+            p["all_layers"], 201, p["n_layer"], 201e6 * p["n_layer"] / 1e9]
+
+
+def _check_llama_7b_sum(g: list[str], facts: dict) -> list:
+    report = count_json("--preset", "llama-7b")
+    p = report["params"]
+    without_head = p["n_layer"] * p["per_layer"] + p["embedding"]
+    assert without_head + p["head"] + p["final_norm"] == report["total_params"]
+    return [p["n_layer"], p["per_layer"], p["embedding"], without_head, p["head"], p["final_norm"],
+            report["total_params"]]
+
+
+def _check_score_memory_128k(g: list[str], facts: dict) -> list:
+    seq = 128_000  # "128K" as the figure uses it; 2^17 = 131,072 is the other reading
+    scores = count_json("--preset", "llama-7b", "--seq-len", str(seq), "--dtype", "float32")["attention_memory"]
+    per_head = scores["naive_scores_bytes_per_layer"] // _preset("llama-7b").n_head
+    assert per_head == seq**2 * 4
+    return [seq, per_head, per_head / 2**30, per_head / 1e9, per_head / 2 / 2**30, 2**17, 2**34 * 4 / 2**30]
+
+
+@cache
+def _gpt3_banded() -> tuple[int, int]:
+    """(layers, parameters) of gpt3-175b with every other layer banded; asserts the count is the dense one."""
+    from tinyformer.sizing import count_params
+
+    cfg = _preset("gpt3-175b")
+    banded = cfg.replace(layer_types=["full", "sliding"] * (cfg.n_layer // 2), sliding_window=256)
+    total = count_params(banded).total
+    assert total == count_params(cfg).total == count_json("--preset", "gpt3-175b")["total_params"]
+    return cfg.n_layer, total
+
+
+def _check_gpt3_attention(g: list[str], facts: dict) -> list:
+    layers, total = _gpt3_banded()
+    return [layers, layers // 2, layers // 2, total, layers]
+
+
+def _check_sinusoidal_entry(g: list[str], facts: dict) -> list:
+    import inspect
+
+    from tinyformer.components.positions import sinusoidal_table
+
+    d, pos, i = (int(_number(v)) for v in g[:3])
+    base = inspect.signature(sinusoidal_table).parameters["base"].default
+    table = sinusoidal_table(pos + 1, d)
+    return [d, pos, i, pos, 2 * i, pos, base, 2 * i, d, float(table[pos, 2 * i]),
+            pos, 2 * i + 1, pos, base, 2 * i, d, float(table[pos, 2 * i + 1])]
+
+
+def _check_llama2_heads(g: list[str], facts: dict) -> list:
+    out: list = []
+    for name in ("llama2-7b", "llama2-13b", "llama2-70b"):
+        cfg = _preset(name)
+        out += [name, cfg.n_head, cfg.n_kv_head]
+    return out
+
+
+def _check_swiglu(g: list[str], facts: dict) -> list:
+    from tinyformer.param_counts import ffn_params
+
+    cfg = _preset("llama-7b")
+    assert ffn_params(cfg) == count_json("--preset", "llama-7b")["params"]["ffn_per_layer"]
+    return [3, cfg.d_model, cfg.d_ff, ffn_params(cfg), 2 * cfg.d_model * cfg.d_ff]
+
+
+@cache
+def _layer_flops(n: int, d: int, k: int) -> dict[str, int]:
+    from test_walkthrough_slips import layer_flops  # FLOPs of real modules, counted by PyTorch
+
+    return layer_flops(n, d, k)
+
+
+def _check_layer_flops(g: list[str], facts: dict) -> list:
+    n, d, k = (int(_number(v)) for v in g[:3])
+    f = _layer_flops(n, d, k)
+    assert (f["convolution"], f["recurrence"], f["self-attention"], f["projections"]) == (
+        2 * k * n * d * d, 4 * n * d * d, 4 * n * n * d, 8 * n * d * d)  # the formulas the line states
+    return [n, d, k, f["convolution"], f["recurrence"], f["self-attention"], f["projections"]]
+
+
 # key -> (the body's pattern, the values its groups must state)
 FACTS = {
     "llama2-70b": (rf"d_model {NUM}, n_head {NUM}, n_kv_head {NUM}, d_ff {NUM} \(8 d/3 x {NUM}, rounded up to "
@@ -787,6 +883,23 @@ FACTS = {
                                    _warm_up_checker("post-norm", "6")),
     "warm-up pre-norm 24 layers": (rf"lr {NUM}: {NUM} with, {NUM} without; lr {NUM}: {NUM} with, {NUM} without",
                                    _warm_up_checker("pre-norm", "24")),
+    "llama2-70b layer": (rf"{NUM} = attention {NUM} \+ FFN {NUM} \+ norms {NUM}; {NUM} layers: {NUM}; "
+                         rf"{NUM}M x {NUM} = {NUM}B", _check_llama2_70b_layer),
+    "llama-7b sum": (rf"{NUM} x {NUM} \+ embedding {NUM} = {NUM}; \+ head {NUM} \+ final norm {NUM} = {NUM}",
+                     _check_llama_7b_sum),
+    "score memory 128K": (rf"T {NUM}: T\^2 x 4 bytes = {NUM} = {NUM} GiB = {NUM} GB per head and layer; "
+                          rf"x 2 bytes \(float16\) = {NUM} GiB; T {NUM}: {NUM} GiB", _check_score_memory_128k),
+    "gpt-3 attention": (rf"{NUM} layers, {NUM} dense and {NUM} banded: {NUM} parameters, as with {NUM} dense layers",
+                        _check_gpt3_attention),
+    "sinusoidal entry": (rf"d {NUM}, pos {NUM}, pair i {NUM}: "
+                         rf"PE\[{NUM}, {NUM}\] = sin\({NUM} / {NUM}\^\({NUM}/{NUM}\)\) = {NUM}, "
+                         rf"PE\[{NUM}, {NUM}\] = cos\({NUM} / {NUM}\^\({NUM}/{NUM}\)\) = {NUM}",
+                         _check_sinusoidal_entry),
+    "llama-2 heads": (rf"{WORD} {NUM} query {NUM} kv, {WORD} {NUM} query {NUM} kv, {WORD} {NUM} query {NUM} kv",
+                      _check_llama2_heads),
+    "swiglu llama-7b": (rf"{NUM} x d {NUM} x d_ff {NUM} = {NUM}; two matrices of the same d_ff: {NUM}", _check_swiglu),
+    "layer flops": (rf"n {NUM}, d {NUM}, k {NUM}: convolution 2 k n d\^2 = {NUM}, recurrence 4 n d\^2 = {NUM}, "
+                    rf"self-attention 4 n\^2 d = {NUM}; its projections 8 n d\^2 = {NUM}", _check_layer_flops),
 }
 TOTAL = re.compile(r"^total ([\w.-]+)$")  # `    total llama2-13b: 13,015,864,320`
 
@@ -890,3 +1003,341 @@ def test_a_wrong_digit_anywhere_on_a_fact_line_is_caught():
             assert fact_problems(mutated), f"changing {m.group()!r} in {section[i].strip()!r} went unnoticed"
             mutants += 1
     assert mutants > 50
+
+
+# ---------------------------------------------------------------------------------------------- section 0: tokens
+TOKEN_EXAMPLES = DOCS / "examples" / "zh"
+# the figures of section 0, per page: key -> pattern; each NUM group is recomputed by tokens_section_problems
+TOKEN_FIGURES = {
+    "walkthrough.md": {
+        "default": rf"default tokenizer on attention\.txt: {NUM} tokens per character",
+        "trained": rf"tokenizer trained on docs/examples/zh: {NUM} characters per token on attention\.txt "
+                   rf"\({NUM} tokens per character\)",
+        "measured chars": rf"\({NUM} characters, a few of them ASCII\)",
+        "corpus chars": rf"\({NUM} characters; a real corpus",
+    },
+    "walkthrough.zh.md": {
+        "default": rf"默认分词器切 attention\.txt：每字符 {NUM} 个词元",
+        "trained": rf"在 docs/examples/zh 上训练的分词器：attention\.txt 上每个词元 {NUM} 个字符"
+                   rf"（每字符 {NUM} 个词元）",
+        "measured chars": rf"（{NUM} 个字符，\s*其中少数是 ASCII）",
+        "corpus chars": rf"（{NUM} 个字符；真正的语料",
+    },
+}
+
+
+def tokens_section(text: str) -> str:
+    """Section 0 of a walkthrough, from its heading to the next level-2 heading."""
+    start = text.index("\n## 0. ")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+@cache
+def recipe_tokenizer(data: str | None, vocab_size: int | None) -> Path:
+    """A folder holding the tokenizer `tinyformer train` trains for ``--data`` and ``--vocab-size`` (the
+    trainer's own train_tokenizer)."""
+    import tempfile
+
+    from tinyformer.training.config import TrainConfig
+
+    from tinyformer.training.prepare import train_tokenizer
+
+    folder = Path(tempfile.mkdtemp(prefix="recipe-tokenizer-"))
+    train_tokenizer(TrainConfig(data=data, vocab_size=vocab_size)).save(folder)
+    return folder
+
+
+def section_tokenizers(text: str) -> dict[str, Path]:
+    """runs/NAME -> the tokenizer of each `tinyformer train ... --out runs/NAME` command in ``text``, trained
+    with the --data and --vocab-size the command gives."""
+    runs = {}
+    for m in re.finditer(r"^\$ tinyformer train (.*)$", text, re.M):
+        flags = dict(re.findall(r"--([\w-]+) (\S+)", m.group(1)))
+        data = str(ROOT / flags["data"]) if "data" in flags else None
+        runs[flags["out"]] = recipe_tokenizer(data, int(flags["vocab-size"]) if "vocab-size" in flags else None)
+    return runs
+
+
+def tokens_section_problems(page: str, section: str) -> list[str]:
+    """What section 0 states that the tokenizers its commands train do not give: each `tinyformer tokenize`
+    output shown, and each figure of TOKEN_FIGURES."""
+    from tinyformer.cli.tokenize import summary
+    from tinyformer.data.tokenizer import Tokenizer
+
+    problems = []
+    runs = section_tokenizers(section)
+    if set(runs) != {"runs/en", "runs/zh"}:
+        return [f"section 0 trains {sorted(runs)}, not runs/en and runs/zh"]
+    md = parse_markdown(Path(page), section)
+    shown = 0
+    for block in md.blocks:
+        for command in block_commands(md, block):
+            if command.argv[:2] != ["tinyformer", "tokenize"]:
+                continue
+            args = [str(runs[a]) if a in runs else a for a in command.argv[1:]]
+            code, out = run_in_process(args)
+            shown += 1
+            if code != 0 or not output_matches(command.expected or [], out.splitlines()):
+                problems.append(f"`{command.text}` prints\n{out}")
+    if shown < 3:
+        problems.append(f"section 0 shows {shown} tokenize outputs, not 3")
+    measured = (TOKEN_EXAMPLES / "attention.txt").read_text(encoding="utf-8")
+    corpus = sum(len(p.read_text(encoding="utf-8")) for p in sorted(TOKEN_EXAMPLES.glob("*.txt")))
+    en, zh = (summary(measured, len(Tokenizer.load(runs[r]).encode(measured))) for r in ("runs/en", "runs/zh"))
+    want = {"default": [en["tokens_per_character"]], "trained": [zh["characters_per_token"],
+                                                              zh["tokens_per_character"]],
+            "measured chars": [len(measured)], "corpus chars": [corpus]}
+    for key, pattern in TOKEN_FIGURES[Path(page).name].items():
+        m = re.search(pattern, section)
+        if not m:
+            problems.append(f"{key}: no line reads as {pattern!r}")
+        elif not all(shown_equals(s, w) for s, w in zip(m.groups(), want[key])):
+            problems.append(f"{key}: the doc states {m.groups()}, the tokenizers give {want[key]}")
+    return problems
+
+
+@pytest.mark.parametrize("path", WALKTHROUGHS, ids=lambda p: p.name)
+def test_tokens_section_shows_what_the_default_and_the_chinese_tokenizers_give(path):
+    problems = tokens_section_problems(str(path), tokens_section(path.read_text(encoding="utf-8")))
+    assert not problems, "\n".join(problems)
+
+
+def test_a_wrong_digit_in_the_tokens_section_is_caught():
+    """Each number of section 0's figures and of its tables' rows, changed in its last digit, fails."""
+    section = tokens_section((DOCS / "walkthrough.md").read_text(encoding="utf-8"))
+    page = str(DOCS / "walkthrough.md")
+    assert not tokens_section_problems(page, section)
+    lines = section.splitlines()
+    targets = [i for i, line in enumerate(lines)
+               if any(re.search(p, line) for p in TOKEN_FIGURES["walkthrough.md"].values())
+               or re.match(r"^\s+\d+\s+\d+\s+\S", line) or re.match(r"^\d+ tokens, ", line)]
+    mutants = 0
+    for i in targets:
+        for m in re.finditer(r"(?<![\w.])\d(?:[\d,.]*\d)?", lines[i]):
+            last = m.end() - 1
+            mutated = lines[:i] + [lines[i][:last] + str((int(lines[i][last]) + 1) % 10) + lines[i][last + 1 :]]
+            text = "\n".join(mutated + lines[i + 1 :])
+            assert tokens_section_problems(page, text), f"changing {m.group()!r} in {lines[i]!r} went unnoticed"
+            mutants += 1
+    assert mutants > 40
+
+
+# ---------------------------------------------------------------------------------------------- python snippets
+SHAPE_COMMENT = re.compile(r"^(\w+) = .*#.*\(([\d, ]+)\)\s*$")  # `logits = model(ids)  # (B, T, V) = (2, 8, 256)`
+SERVED_URL = "http://127.0.0.1:8000"
+
+
+@contextlib.contextmanager
+def default_server():
+    """A served tiny random model named "default" (what the README's client snippet asks for); yields its URL."""
+    import string
+
+    import torch
+    from serve_helpers import BackgroundServer
+
+    from tinyformer.config import ModelConfig
+    from tinyformer.data.tokenizer import build_tokenizer
+    from tinyformer.models.decoder import DecoderLM
+    from tinyformer.serve.app import create_app
+
+    tok = build_tokenizer("char", string.printable)
+    torch.manual_seed(0)
+    model = DecoderLM(ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layer=1, n_head=2, max_seq_len=128)).eval()
+    with BackgroundServer(create_app(model, tok, model_name="default", max_batch=2)) as srv:
+        yield srv.url
+
+
+def python_block_problems(path: Path, text: str | None = None) -> list[str]:
+    """Run every ```python block of the page (or of ``text``) in order; what fails, and each shape comment
+    that does not hold."""
+    md = parse_markdown(path, text)
+    problems: list[str] = []
+    namespace: dict = {"__name__": "__doc_snippet__"}
+    for block in md.blocks:
+        if block.lang != "python" or block.marker == "no-run":
+            continue
+        code = "\n".join(block.lines)
+        where = f"{_rel(path)}:{block.start}"
+        with contextlib.ExitStack() as stack:
+            if SERVED_URL in code:
+                code = code.replace(SERVED_URL, stack.enter_context(default_server()))
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    exec(compile(code, where, "exec"), namespace)
+            except Exception as exc:
+                problems.append(f"{where}: the snippet fails: {exc!r}")
+                continue
+        for line in block.lines:
+            m = SHAPE_COMMENT.match(line.strip())
+            if m:
+                want = tuple(int(v) for v in m.group(2).split(","))
+                got = tuple(getattr(namespace.get(m.group(1)), "shape", ()))
+                if got != want:
+                    problems.append(f"{where}: {m.group(1)} has shape {got}, the comment says {want}")
+    return problems
+
+
+@pytest.mark.parametrize("path", PYTHON_PAGES, ids=lambda p: _rel(p))
+def test_every_python_snippet_runs_and_its_shape_comments_hold(path):
+    assert any(b.lang == "python" for b in parse_markdown(path).blocks)
+    problems = python_block_problems(path)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_broken_snippet_or_shape_comment_fails_and_a_no_run_marker_needs_a_reason(tmp_path):
+    page = DOCS / "walkthrough.md"
+    text = page.read_text(encoding="utf-8")
+    assert not python_block_problems(page, text)
+    broken = {
+        "a config the model refuses": text.replace("n_kv_head=2, max_seq_len=32", "n_kv_head=3, max_seq_len=32"),
+        "a name that does not exist": text.replace("logits = model(ids)", "logits = modle(ids)"),
+        "a wrong shape in a comment": text.replace("(B, T, V) = (2, 8, 256)", "(B, T, V) = (2, 8, 257)"),
+    }
+    for what, mutated in broken.items():
+        assert mutated != text, what
+        assert python_block_problems(page, mutated), f"{what} went unnoticed"
+    skipped = text.replace("```python", "<!-- no-run: shown, not run -->\n```python", 1)
+    assert not python_block_problems(page, skipped.replace("logits = model(ids)", "logits = modle(ids)"))
+    unexplained = text.replace("```python", "<!-- no-run: -->\n```python", 1)
+    assert python_block_problems(page, unexplained.replace("logits = model(ids)", "logits = modle(ids)"))
+
+
+def test_experiments_page_reads_the_post_norm_gradient_ratio_as_the_table_gives_it():
+    """docs/experiments.md's gradient figures: last / first block per placement, and Post-Norm's blocks 2-24
+    flat, block 1 the outlier (the results table of docs/experiments/norm_placement.md)."""
+    text = " ".join((DOCS / "experiments.md").read_text(encoding="utf-8").split())
+    column = "grad norm at init, blocks 1 / 2 / last"
+    pre, post = ([_number(v) for v in norm_placement_results()[(f"{p}-norm, no warm-up", "24", "0.001")][column]
+                  .split(" / ")] for p in ("pre", "post"))
+    m = re.search(rf"last block relative to the first was {NUM} in the Pre-Norm stack and {NUM} in the Post-Norm "
+                  rf"stack\. The Post-Norm ratio comes from block 1 alone: blocks 2 to 24 all get {NUM} \(last "
+                  rf"against second: {NUM}, flat across depth\), while block 1 gets {NUM}, {NUM} times as much", text)
+    assert m, "the gradient sentence of docs/experiments.md changed"
+    want = [pre[2] / pre[0], post[2] / post[0], post[1], post[2] / post[1], post[0], post[0] / post[1]]
+    wrong = [(s, w) for s, w in zip(m.groups(), want) if not shown_equals(s, w)]
+    assert not wrong, wrong
+
+
+# ---------------------------------------------------------------------------------------------- prose figures
+PROSE_INTEGER = re.compile(r"(?<![\w.,])\d{1,3}(?:,\d{3})+(?![\d,])")  # 135,266,304
+PROSE_SIZE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?) ?(KiB|MiB|GiB|GB|%)")  # 320 KiB, 61.0 GiB, 8 %
+PROSE_RATIO = re.compile(r"\b1 : (\d+\.\d+)")  # attention : FFN = 1 : 2.02
+#: figures the prose quotes as the mistake it corrects (correction 4: "61.5 GB in FP16")
+QUOTED_SLIPS = {"61.5 GB"}
+SIZE_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "GB": 1e9}
+#: how the prose names the presets whose attention : FFN ratio it gives (the last one named on a bullet counts)
+RATIO_PRESETS = {"LLaMA-7B": "llama-7b", "Llama-2-70B": "llama2-70b", "tiny": "tiny"}
+
+
+@cache
+def computed_figures() -> tuple[frozenset, frozenset, dict[str, float]]:
+    """(integers, byte sizes and percentages, preset -> attention : FFN ratio) that the code computes for what
+    the walkthrough describes: every number `tinyformer count --json` gives for the presets and commands the
+    page uses (sizes: its byte counts only), the formulas its prose writes out, and the settings it quotes."""
+    from tinyformer.training.mlm import mask_tokens
+
+    reports = [count_json("--preset", p) for p in ("llama-7b", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b",
+                                                   "gpt2-124m", "gpt2-350m", "gpt3-175b", "tiny")]
+    reports += [count_json("--preset", "gpt2-124m", "--seq-len", "1024"),
+                count_json("--preset", "llama2-70b", "--seq-len", "4096", "--batch", "8")]
+    numbers: set = set()
+    byte_counts: set = set()
+
+    def collect(value: object, key: str = "") -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                collect(v, k)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            numbers.add(value)
+            if "bytes" in key:
+                byte_counts.add(float(value))
+
+    for report in reports:
+        collect(report)
+    llama, gpt2 = _preset("llama-7b"), _preset("gpt2-124m")
+    # the attention term of the training FLOPs, 12 L d T (section "Training FLOPs"), at T = 2048 and 1024
+    llama_term, gpt2_term = (12 * cfg.n_layer * cfg.d_model * t for cfg, t in ((llama, 2048), (gpt2, 1024)))
+    numbers |= {8 * llama.d_model**2, 12 * llama.n_layer * llama.d_model**2, llama_term}
+    numbers.add(sum(len(p.read_text(encoding="utf-8")) for p in TOKEN_EXAMPLES.glob("*.txt")))  # section 0's corpus
+    sizes = set(byte_counts)
+    long_scores = count_json("--preset", "llama-7b", "--seq-len", "128000", "--dtype", "float32")["attention_memory"]
+    sizes.add(long_scores["naive_scores_bytes_per_layer"] / llama.n_head)  # one head's scores at 128K (correction 4)
+    kv = count_json("--preset", "llama2-70b", "--seq-len", "4096", "--batch", "8")["kv_cache"]
+    sizes.add(float(kv["bytes_per_token_if_mha"] * 8 * 4096))  # the cache without GQA, the prose's 80 GiB
+    six_n = {name: 6 * count_json("--preset", name)["total_params"] for name in ("llama-7b", "gpt2-124m")}
+    percents = {100 * llama_term / six_n["llama-7b"], 100 * gpt2_term / six_n["gpt2-124m"],
+                100 * inspect_default(mask_tokens, "mask_prob"), 100 * 0.9}  # BERT's masking rate; top-p 0.9
+    ratios = {p: 1 / count_json("--preset", p)["attention_to_ffn_ratio"] for p in set(RATIO_PRESETS.values())}
+    return frozenset(numbers), frozenset(sizes | {("%", p) for p in percents}), ratios
+
+
+def inspect_default(fn: object, name: str) -> object:
+    import inspect
+
+    return inspect.signature(fn).parameters[name].default
+
+
+def prose_figure_problems(text: str) -> list[str]:
+    """The figures in the prose of a walkthrough (outside code blocks and the checked fact lines) that no
+    computation of :func:`computed_figures` gives, to the digits shown."""
+    numbers, sizes, ratios = computed_figures()
+    problems, in_block = [], False
+    lines = text.splitlines()
+    for lineno, line in enumerate(lines, 1):
+        if FENCE.match(line):
+            in_block = not in_block
+        if in_block or line.startswith("    ") or line.startswith("$ "):
+            continue
+        for m in PROSE_INTEGER.finditer(line):
+            if int(m.group().replace(",", "")) not in numbers:
+                problems.append(f"line {lineno}: {m.group()} is no figure the code computes")
+        for m in PROSE_SIZE.finditer(line):
+            shown, unit = m.groups()
+            if m.group() in QUOTED_SLIPS or m.group().replace(" ", "") in QUOTED_SLIPS:
+                continue
+            if unit == "%":
+                ok = any(shown_equals(shown, p) for kind, p in (s for s in sizes if isinstance(s, tuple)))
+            else:
+                ok = any(shown_equals(shown, b / SIZE_UNITS[unit]) for b in sizes if not isinstance(b, tuple))
+            if not ok:
+                problems.append(f"line {lineno}: {m.group()} is no size the code computes")
+        for m in PROSE_RATIO.finditer(line):
+            # the ratio of the preset its bullet names (from the bullet's first line to this one)
+            start = next((j for j in range(lineno - 1, max(-1, lineno - 6), -1) if lines[j].startswith("- ")),
+                         lineno - 1)
+            bullet = " ".join(lines[start:lineno])
+            named = [p for word, p in RATIO_PRESETS.items() if word in bullet]
+            if not named or not shown_equals(m.group(1), ratios[named[-1]]):
+                problems.append(f"line {lineno}: {m.group()} is not the attention : FFN ratio of {named} the code "
+                                "computes")
+    return problems
+
+
+@pytest.mark.parametrize("path", WALKTHROUGHS, ids=lambda p: p.name)
+def test_every_count_size_and_ratio_in_the_walkthrough_prose_is_one_the_code_computes(path):
+    text = path.read_text(encoding="utf-8")
+    assert len(PROSE_INTEGER.findall(text)) > 20
+    problems = prose_figure_problems(text)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_wrong_digit_in_a_prose_figure_is_caught():
+    text = (DOCS / "walkthrough.md").read_text(encoding="utf-8")
+    assert not prose_figure_problems(text)
+    lines = text.splitlines()
+    mutants = 0
+    for i, line in enumerate(lines):
+        if line.startswith("    ") or not (PROSE_INTEGER.search(line) or PROSE_SIZE.search(line)
+                                           or PROSE_RATIO.search(line)):
+            continue
+        spans = [m.span() for rx in (PROSE_INTEGER, PROSE_RATIO) for m in rx.finditer(line)]
+        spans += [m.span(1) for m in PROSE_SIZE.finditer(line) if m.group() not in QUOTED_SLIPS]
+        for _, end in spans:
+            last = end - 1
+            mutated = line[:last] + str((int(line[last]) + 1) % 10) + line[last + 1 :]
+            if prose_figure_problems("\n".join([*lines[:i], mutated, *lines[i + 1 :]])) == []:
+                in_block = sum(1 for x in lines[:i] if FENCE.match(x)) % 2
+                assert in_block, f"changing the last digit of {line[:end]!r} went unnoticed"
+                continue
+            mutants += 1
+    assert mutants > 30

@@ -15,10 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import ConfigError, DataError
+from tinyformer.models.sentence_embeddings import embed
 from tinyformer.utils.io import read_utf8
 
 
@@ -53,43 +52,6 @@ def read_texts(args: argparse.Namespace) -> list[str]:
     if not texts:
         raise ConfigError("give at least one --text or a --file of texts")
     return texts
-
-
-def encode_texts(model, tokenizer, texts: list[str], max_length: int) -> list[list[int]]:
-    """Token ids per text: the tokenizer's own special tokens (BERT's [CLS] .. [SEP]); a model trained with
-    ``--objective mlm`` gets the [CLS] id it was trained with in front. A text longer than ``max_length``
-    loses its last content tokens, never the special tokens."""
-    cls_id = (model.cfg.extra.get("mlm") or {}).get("cls_token_id") if isinstance(model.cfg.extra, dict) else None
-    out = []
-    for text in texts:
-        ids = tokenizer.encode(text, add_special_tokens=True)
-        prefix = [cls_id] if cls_id is not None and (not ids or ids[0] != cls_id) else []
-        if len(prefix) + len(ids) > max_length:  # cut the text, keep the special tokens (as sentence-transformers)
-            ids = tokenizer.encode(text, add_special_tokens=True, max_length=max_length - len(prefix))
-        ids = prefix + ids
-        if not ids:
-            raise DataError(f"text {text!r} has no tokens")
-        out.append(ids)
-    return out
-
-
-@torch.no_grad()
-def embed(model, tokenizer, texts: list[str], pooling: str | None = None, max_length: int | None = None,
-          batch_size: int = 32) -> torch.Tensor:
-    """(N, d) L2-normalised sentence embeddings of ``texts``."""
-    st = model.cfg.extra.get("sentence_transformers") or {} if isinstance(model.cfg.extra, dict) else {}
-    pooling = pooling or st.get("pooling", "mean")
-    limit = min(x for x in (model.cfg.max_seq_len, st.get("max_seq_length"), max_length) if x)
-    ids = encode_texts(model, tokenizer, texts, limit)
-    pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    vectors = []
-    for i in range(0, len(ids), batch_size):
-        chunk = ids[i : i + batch_size]
-        L = max(map(len, chunk))
-        x = torch.tensor([row + [pad] * (L - len(row)) for row in chunk])
-        mask = torch.tensor([[1] * len(row) + [0] * (L - len(row)) for row in chunk])
-        vectors.append(model.sentence_embedding(x, mask, mode=pooling))
-    return torch.cat(vectors)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ COMMANDS = [
     "convert",
     "quantize",
     "embed",
+    "tokenize",
     "inspect",
 ]
 

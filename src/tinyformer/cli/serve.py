@@ -23,8 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server with streaming and a web playground",
         description="Serve a run folder over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health, "
-                    "and a playground at /. Requests that arrive together are decoded together (continuous "
-                    "batching). Needs the 'serve' extra: pip install 'tinyformer[serve]'.")
+                    "/tokenize, /detokenize, and a playground at /; an encoder run serves /v1/embeddings. "
+                    "Requests that arrive together are decoded together (continuous batching). "
+                    "Needs the 'serve' extra: pip install 'tinyformer[serve]'.")
     p.add_argument("--model", required=True, metavar="RUN", help="run folder (config.json, weights, tokenizer.json)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
@@ -136,8 +137,10 @@ def run(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.model)
     cfg = load_config(run_dir)
-    if cfg.arch != "decoder":
-        raise CheckpointError(f"{run_dir} holds an {cfg.arch} model; only decoder LMs generate text")
+    if cfg.arch not in ("decoder", "encoder"):  # an encoder run is served for /v1/embeddings and /tokenize
+        raise CheckpointError(f"{run_dir} holds an {cfg.arch} model; serve takes a decoder LM or an encoder")
+    if cfg.arch == "encoder" and args.compile:
+        raise ConfigError("--compile compiles the decode step; an encoder run does not decode")
     if args.max_context is not None and not 1 <= args.max_context <= cfg.max_seq_len:
         raise ConfigError(f"--max-context must be in [1, {cfg.max_seq_len}] (the model's max_seq_len)")
     tokenizer = load_tokenizer(run_dir)
@@ -150,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
               "the model (and its compute); see README 'Serving safely'", file=sys.stderr, flush=True)
     try:
         model = load_model(run_dir, device=device, dtype=dtype, cfg=cfg, verify=not args.no_verify)
-        if device.type == "cpu":  # as generate: faster batch-1 products
+        if device.type == "cpu" and cfg.arch == "decoder":  # as generate: faster batch-1 products
             store_input_major(model)
         name = args.model_name or run_dir.resolve().name
         app = create_app(model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,

@@ -5,6 +5,7 @@
     GET  /v1/models             the one model served
     POST /v1/completions        prompt -> text       (stream: server-sent events, ending with data: [DONE])
     POST /v1/chat/completions   messages -> message  (chat template from the tokenizer, or a plain default)
+    POST /tokenize, /detokenize, /v1/embeddings   tokens and embeddings (serve/tokens_embeddings.py)
 
 The handlers are thin: :class:`~tinyformer.serve.server.Server` turns a request into scheduler requests
 and :func:`~tinyformer.serve.sse.stream_choices` streams their events; the event loop never runs torch.
@@ -23,18 +24,17 @@ from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinyformer.data.chat_template import DEFAULT_TIMEOUT_S
 from tinyformer.serve import DEFAULT_HEADER_TIMEOUT
 from tinyformer.serve import protocol as P
-from tinyformer.serve.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard, is_loopback_host
+from tinyformer.serve.guard import DEFAULT_MAX_BODY_BYTES
 from tinyformer.serve.protocol import APIError
 from tinyformer.serve.scheduler import TokenInfo
 from tinyformer.serve.server import Choice, Server, collect
 from tinyformer.serve.sse import EventStream, stream_choices
+from tinyformer.serve.tokens_embeddings import add_token_routes, create_encoder_app, install_common
 
 __all__ = ["Server", "create_app"]
 
@@ -84,6 +84,9 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
     :class:`~tinyformer.serve.scheduler.Scheduler`. ``template_timeout`` is the chat template's time limit
     (:class:`~tinyformer.data.chat_template.ChatTemplate`); templates render off the event loop.
     """
+    if model.cfg.arch == "encoder":  # embeddings and tokens, no generation
+        return create_encoder_app(model, tokenizer, model_name=model_name, api_key=api_key, max_len=max_len,
+                                  max_body_bytes=max_body_bytes, bind_host=bind_host, allowed_origins=allowed_origins)
     server = Server(model, tokenizer, model_name=model_name, max_batch=max_batch, max_queue=max_queue,
                     request_timeout=request_timeout, api_key=api_key, max_len=max_len, compile=compile,
                     prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb, template_timeout=template_timeout)
@@ -99,30 +102,9 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
 
     app = FastAPI(title="tinyformer", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.server = server
-    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, local_only=server.api_key is None,
-                       bound_to_loopback=is_loopback_host(bind_host), allowed_origins=allowed_origins,
-                       body_timeout=body_timeout)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        message = f"{request.method} {request.url.path}: {exc.detail}"
-        return JSONResponse(P.error_body(message, code=code), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(P.error_body(f"Invalid request: {exc.errors()[0].get('msg')}"), status_code=400)
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse(P.error_body(f"internal server error: {type(exc).__name__}", type="server_error"),
-                            status_code=500)
+    install_common(app, server, max_body_bytes=max_body_bytes, bind_host=bind_host,  # and GET /v1/models
+                   allowed_origins=allowed_origins, body_timeout=body_timeout)
+    add_token_routes(app, server)  # /tokenize, /detokenize, /v1/embeddings (serve/tokens_embeddings.py)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def playground() -> HTMLResponse:
@@ -132,17 +114,6 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": server.model_name, **server.scheduler.stats()}
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        server.authorize(request)
-        return {"object": "list", "data": [P.model_card(server.model_name, server.created)]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model_info(model_id: str, request: Request) -> dict[str, Any]:
-        server.authorize(request)
-        server.check_model(model_id)
-        return P.model_card(server.model_name, server.created)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

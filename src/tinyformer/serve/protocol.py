@@ -167,8 +167,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def model_card(model_id: str, created: int) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "tinyformer"}
+def model_card(model_id: str, created: int, context_length: int | None = None) -> dict[str, Any]:
+    """OpenAI's model object, plus ``context_length``: the most tokens a request may hold (prompt and
+    completion together; an encoder's input)."""
+    card: dict[str, Any] = {"id": model_id, "object": "model", "created": created, "owned_by": "tinyformer"}
+    if context_length is not None:
+        card["context_length"] = context_length
+    return card
 
 
 def completion_body(rid: str, created: int, model: str, choices: list[dict[str, Any]],
@@ -187,3 +192,43 @@ def chat_body(rid: str, created: int, model: str, choices: list[dict[str, Any]],
     if usage_ is not None or not chunk:
         body["usage"] = usage_
     return body
+
+
+# ---------------------------------------------------------------------------------------------- tokens, embeddings
+class TokenizeRequest(_Strict):
+    """POST /tokenize (llama.cpp's server): ``add_special`` applies the tokenizer's post-processor."""
+
+    content: str
+    add_special: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (llama.cpp's server)."""
+
+    tokens: list[int]
+
+
+#: OpenAI's limit on the inputs of one embeddings request
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(_Strict):
+    """POST /v1/embeddings. ``input``: a string, a list of strings, token ids, or lists of token ids;
+    ``encoding_format`` "base64" sends each vector as the base64 of its little-endian float32 bytes."""
+
+    model: str
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+
+_HINTS["input"] = ("'input' must be a string, a list of strings, a list of token ids or a list of lists of "
+                   "token ids")
+
+
+def embedding_body(model: str, vectors: list[Any], prompt_tokens: int) -> dict[str, Any]:
+    """OpenAI's embeddings response: one ``{"object": "embedding", "index", "embedding"}`` per input."""
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}

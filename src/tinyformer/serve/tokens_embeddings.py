@@ -1,0 +1,217 @@
+"""The routes every served run has besides generation: tokens, embeddings, and the app around an encoder.
+
+    POST /tokenize        {"content": str, "add_special": bool} -> {"tokens": [int], "pieces": [str]}
+    POST /detokenize      {"tokens": [int]} -> {"content": str}          (the names llama.cpp's server uses)
+    POST /v1/embeddings   OpenAI's request and response (encoder runs: BERT, sentence-transformers imports)
+
+A piece is the text a token stands for (data/token_pieces.py): a special token's name, and for a token
+that is part of a UTF-8 character its bytes written ``\\xNN``. ``/detokenize`` keeps special tokens, so
+detokenizing what ``/tokenize`` gave returns the content.
+
+Embeddings are :func:`~tinyformer.models.sentence_embeddings.embed_ids` of the texts' tokens, exactly
+what ``tinyformer embed`` prints: the run's pooling, L2-normalised (unit vectors, as OpenAI's are).
+``encoding_format: "base64"`` (what the official client asks for by default) sends each vector as the
+base64 of its little-endian float32 bytes. The forward passes run in a worker thread, one request at a
+time, so the event loop keeps answering.
+
+An encoder run is served by :func:`create_encoder_app`: these routes, ``/v1/models`` and ``/health``,
+behind the same guard and error shapes as the decoder app (:func:`install_common`, which also answers
+``GET /v1/models`` with the context length); the generation routes answer 400 there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import threading
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tinyformer.data.token_pieces import token_pieces
+from tinyformer.generation.streaming import TokenBytes
+from tinyformer.serve import DEFAULT_HEADER_TIMEOUT
+from tinyformer.serve import protocol as P
+from tinyformer.serve.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard, is_loopback_host
+from tinyformer.serve.protocol import APIError
+from tinyformer.serve.server import Server
+
+__all__ = ["EncoderServer", "add_token_routes", "create_encoder_app", "install_common"]
+
+log = logging.getLogger("tinyformer.serve")
+
+
+def install_common(app: FastAPI, server: Server, *, max_body_bytes: int, bind_host: str,
+                   allowed_origins: tuple[str, ...], body_timeout: float | None = DEFAULT_HEADER_TIMEOUT) -> None:
+    """What every served app has: the request guard, the OpenAI-shaped error answers, and GET /v1/models
+    (the one model served, with its context length)."""
+    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, local_only=server.api_key is None,
+                       bound_to_loopback=is_loopback_host(bind_host), allowed_origins=allowed_origins,
+                       body_timeout=body_timeout)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(P.error_body(message, code=code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(P.error_body(f"Invalid request: {exc.errors()[0].get('msg')}"), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse(P.error_body(f"internal server error: {type(exc).__name__}", type="server_error"),
+                            status_code=500)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        server.authorize(request)
+        return {"object": "list", "data": [P.model_card(server.model_name, server.created, server.context)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_info(model_id: str, request: Request) -> dict[str, Any]:
+        server.authorize(request)
+        server.check_model(model_id)
+        return P.model_card(server.model_name, server.created, server.context)
+
+
+class EncoderServer(Server):
+    """The state behind an encoder run's handlers: the model, tokenizer, limits and authentication (the
+    checks and encoding of :class:`Server`, without a scheduler: an encoder generates nothing)."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, model_name: str, api_key: str | None = None,
+                 max_len: int | None = None) -> None:
+        from tinyformer.models.sentence_embeddings import embedding_limit
+
+        self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
+        self.created = P.now()
+        self.api_key = api_key or None
+        self.vocab_size = int(model.cfg.vocab_size)
+        self.text_bytes = TokenBytes(tokenizer)
+        self.context = embedding_limit(model, max_len)
+        self._token_text: dict[int, str] = {}
+        self._forward = threading.Lock()  # one batch of forward passes at a time
+
+    def embed(self, rows: list[list[int]]) -> Any:
+        from tinyformer.models.sentence_embeddings import embed_ids
+
+        pad = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else 0
+        with self._forward:
+            return embed_ids(self.model, rows, pad)
+
+
+def _vector(values: Any, encoding_format: str) -> Any:
+    """A (d,) float tensor as OpenAI sends it: a list of floats, or base64 of little-endian float32."""
+    if encoding_format == "base64":
+        return base64.b64encode(values.float().numpy().astype("<f4").tobytes()).decode("ascii")
+    return values.tolist()
+
+
+def _embedding_rows(server: EncoderServer, given: Any) -> list[list[int]]:
+    """Token ids per input, from any of the four accepted ``input`` shapes."""
+    from tinyformer.models.sentence_embeddings import encode_texts
+
+    inputs = [given] if isinstance(given, str) or (given and isinstance(given[0], int)) else list(given)
+    if not inputs:
+        raise APIError(400, "'input' must not be empty", param="input")
+    if len(inputs) > P.MAX_EMBEDDING_INPUTS:
+        raise APIError(400, f"'input' holds {len(inputs)} items; at most {P.MAX_EMBEDDING_INPUTS} are accepted",
+                       param="input")
+    if isinstance(inputs[0], str):
+        empty = next((i for i, text in enumerate(inputs) if not text), None)
+        if empty is not None:
+            raise APIError(400, f"'input.{empty}' is an empty string", param="input")
+        try:
+            return encode_texts(server.model, server.tokenizer, inputs, server.context)
+        except Exception as exc:  # DataError for an unknown character; `tokenizers` raises bare Exceptions
+            raise APIError(400, f"Invalid value for 'input': {exc}", param="input") from None
+    for i, ids in enumerate(inputs):
+        if not ids:
+            raise APIError(400, f"'input.{i}' is an empty list of token ids", param="input")
+        bad = next((t for t in ids if not 0 <= t < server.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} in 'input' is outside the vocabulary [0, {server.vocab_size})",
+                           param="input")
+        if len(ids) > server.context:
+            raise APIError(400, f"'input.{i}' has {len(ids)} tokens; this model reads at most {server.context}",
+                           param="input", code="context_length_exceeded")
+    return [list(ids) for ids in inputs]
+
+
+def add_token_routes(app: FastAPI, server: Server) -> None:
+    """POST /tokenize, /detokenize and /v1/embeddings on ``app`` (embeddings: an :class:`EncoderServer`)."""
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        server.authorize(request)
+        req: P.TokenizeRequest = P.parse_request(P.TokenizeRequest, await request.body())
+        ids = server.encode(req.content, "content", req.add_special)
+        return {"tokens": ids, "pieces": [p.text for p in token_pieces(server.tokenizer, ids)]}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        server.authorize(request)
+        req: P.DetokenizeRequest = P.parse_request(P.DetokenizeRequest, await request.body())
+        known = server.tokenizer.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < known), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} in 'tokens' is outside the tokenizer's vocabulary [0, {known})",
+                           param="tokens")
+        try:
+            return {"content": server.tokenizer.decode(req.tokens)}
+        except Exception as exc:  # a gap in a foreign vocabulary
+            raise APIError(400, f"Invalid value for 'tokens': {exc}", param="tokens") from None
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> dict[str, Any]:
+        server.authorize(request)
+        req: P.EmbeddingRequest = P.parse_request(P.EmbeddingRequest, await request.body())
+        server.check_model(req.model)
+        if not isinstance(server, EncoderServer):
+            raise APIError(400, f"'{server.model_name}' is a decoder language model; /v1/embeddings needs an "
+                                "encoder run (arch 'encoder': BERT, a sentence-transformers import)", param="model")
+        dim = server.model.cfg.d_model
+        if req.dimensions is not None and req.dimensions != dim:
+            raise APIError(400, f"this model's embeddings have {dim} dimensions, not {req.dimensions}",
+                           param="dimensions")
+        rows = _embedding_rows(server, req.input)
+        vectors = await asyncio.to_thread(server.embed, rows)
+        return P.embedding_body(server.model_name, [_vector(v, req.encoding_format) for v in vectors],
+                                sum(map(len, rows)))
+
+
+def create_encoder_app(model: Any, tokenizer: Any, *, model_name: str, api_key: str | None = None,
+                       max_len: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                       bind_host: str = "127.0.0.1", allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+    """The FastAPI app serving an encoder ``model`` (eval mode): embeddings, tokens, /v1/models, /health.
+    ``max_len`` caps the tokens a text keeps (default: the model's limit); ``app.state.server`` is the
+    :class:`EncoderServer`."""
+    server = EncoderServer(model, tokenizer, model_name=model_name, api_key=api_key, max_len=max_len)
+    app = FastAPI(title="tinyformer", version="0.1.0", docs_url="/docs", redoc_url=None)
+    app.state.server = server
+    install_common(app, server, max_body_bytes=max_body_bytes, bind_host=bind_host, allowed_origins=allowed_origins)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": server.model_name}
+
+    @app.post("/v1/completions")
+    @app.post("/v1/chat/completions")
+    async def no_generation(request: Request) -> None:
+        server.authorize(request)
+        raise APIError(400, f"'{server.model_name}' is an encoder: it embeds text and does not generate it; "
+                            "use POST /v1/embeddings")
+
+    add_token_routes(app, server)
+    return app
