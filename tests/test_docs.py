@@ -833,7 +833,7 @@ def _check_llama2_heads(g: list[str], facts: dict) -> list:
 
 
 def _check_swiglu(g: list[str], facts: dict) -> list:
-    from tinyformer.param_counts import ffn_params
+    from tinyformer.sizing.params import ffn_params
 
     cfg = _preset("llama-7b")
     assert ffn_params(cfg) == count_json("--preset", "llama-7b")["params"]["ffn_per_layer"]
@@ -1038,9 +1038,8 @@ def recipe_tokenizer(data: str | None, vocab_size: int | None) -> Path:
     trainer's own train_tokenizer)."""
     import tempfile
 
-    from tinyformer.training.config import TrainConfig
-
     from tinyformer.training.prepare import train_tokenizer
+    from tinyformer.training.train_config import TrainConfig
 
     folder = Path(tempfile.mkdtemp(prefix="recipe-tokenizer-"))
     train_tokenizer(TrainConfig(data=data, vocab_size=vocab_size)).save(folder)
@@ -1234,7 +1233,7 @@ def computed_figures() -> tuple[frozenset, frozenset, dict[str, float]]:
     """(integers, byte sizes and percentages, preset -> attention : FFN ratio) that the code computes for what
     the walkthrough describes: every number `tinyformer count --json` gives for the presets and commands the
     page uses (sizes: its byte counts only), the formulas its prose writes out, and the settings it quotes."""
-    from tinyformer.training.mlm import mask_tokens
+    from tinyformer.training.objectives.mlm import mask_tokens
 
     reports = [count_json("--preset", p) for p in ("llama-7b", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b",
                                                    "gpt2-124m", "gpt2-350m", "gpt3-175b", "tiny")]

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tinyformer.cli.main import main
-from tinyformer.data.token_pieces import token_pieces
 from tinyformer.data.tokenizer import Tokenizer
+from tinyformer.generation.token_pieces import token_pieces
 
 ROOT = Path(__file__).resolve().parents[1]
 CHINESE_DIR = ROOT / "docs" / "examples" / "zh"

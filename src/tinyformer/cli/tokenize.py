@@ -5,7 +5,7 @@
 
 Each row is one token: its id, its piece (the text it stands for; ``b'\\xe6\\xb3'`` when it is part of a
 character, as a byte-level BPE that never saw a Chinese character splits it into its 3 UTF-8 bytes), the
-characters it completes and its bytes (data/token_pieces.py). The totals give tokens per character and
+characters it completes and its bytes (generation/token_pieces.py). The totals give tokens per character and
 characters and bytes per token: what a text costs in context length and compute with this tokenizer.
 """
 
@@ -83,7 +83,7 @@ def _shown(piece) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tinyformer.data.token_pieces import token_pieces
+    from tinyformer.generation.token_pieces import token_pieces
 
     text = _read_text(args)
     tokenizer = _load_tokenizer(args.model)

@@ -10,7 +10,7 @@ pooled (B, d); MLM logits (B, T, vocab). ``attention_mask`` marks real tokens wi
 with 0 (right padding, as BERT uses; positions are 0 .. T-1 whatever the padding).
 
 BERT is the config ``norm=layernorm, norm_placement=post, pos=learned, ffn=gelu, type_vocab_size=2,
-embed_norm=True, final_norm=False`` plus biases (see ``presets.py``, ``interop/bert.py``).
+embed_norm=True, final_norm=False`` plus biases (see ``families/bert/``).
 
 Sentence embeddings (Reimers & Gurevych 2019) pool the hidden states over the real tokens:
 mean  e = sum_t m_t h_t / sum_t m_t;   cls  e = h_0;   max  e_i = max_{t: m_t = 1} h_{t,i};

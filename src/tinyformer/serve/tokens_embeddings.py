@@ -4,7 +4,7 @@
     POST /detokenize      {"tokens": [int]} -> {"content": str}          (the names llama.cpp's server uses)
     POST /v1/embeddings   OpenAI's request and response (encoder runs: BERT, sentence-transformers imports)
 
-A piece is the text a token stands for (data/token_pieces.py): a special token's name, and for a token
+A piece is the text a token stands for (generation/token_pieces.py): a special token's name, and for a token
 that is part of a UTF-8 character its bytes written ``\\xNN``. ``/detokenize`` keeps special tokens, so
 detokenizing what ``/tokenize`` gave returns the content.
 
@@ -32,8 +32,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tinyformer.data.token_pieces import token_pieces
 from tinyformer.generation.streaming import TokenBytes
+from tinyformer.generation.token_pieces import token_pieces
 from tinyformer.serve import DEFAULT_HEADER_TIMEOUT
 from tinyformer.serve import protocol as P
 from tinyformer.serve.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard, is_loopback_host
