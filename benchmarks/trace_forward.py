@@ -27,7 +27,7 @@ import sys
 import tokenize
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from types import CodeType, FrameType
 
@@ -87,7 +87,7 @@ def run_traced(fn: Callable[[], object]) -> Trace:
     return trace
 
 
-@lru_cache(maxsize=None)
+@cache
 def _parsed(filename: str) -> tuple[ast.Module, frozenset[int], dict[int, tuple[int, int]]]:
     """The file's syntax tree, its lines that hold code, and for each line the span of its statement."""
     source = Path(filename).read_text(encoding="utf-8")
@@ -117,7 +117,7 @@ def _parsed(filename: str) -> tuple[ast.Module, frozenset[int], dict[int, tuple[
     return tree, code, spans
 
 
-@lru_cache(maxsize=None)
+@cache
 def _functions(filename: str) -> dict[int, ast.AST]:
     """Function definitions by the line their code object starts at (the first decorator's line)."""
     tree, _, _ = _parsed(filename)

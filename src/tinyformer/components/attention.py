@@ -121,16 +121,8 @@ def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (p.unsqueeze(-1) * v.unsqueeze(2)).sum(-2).reshape(B, H, 1, d)  # sum_j p_j v_j
 
 
-def sdpa_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    is_causal: bool,
-    dropout_p: float = 0.0,
-    scale: float | None = None,
-    softcap: None = None,
-) -> torch.Tensor:
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+                   dropout_p: float = 0.0, scale: float | None = None, softcap: None = None) -> torch.Tensor:
     """softmax(s q k^T + M) v by ``torch.nn.functional.scaled_dot_product_attention`` (``is_causal``: the
     top-left causal mask, for queries and keys that both start at position 0). Under ``torch.compile`` one
     query per row takes ``single_query_attention``: eager, SDPA's one fused call is cheaper; compiled, the

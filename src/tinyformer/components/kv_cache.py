@@ -33,7 +33,9 @@ output is bitwise the same, but those slots' bytes differ.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -113,24 +115,24 @@ def ring_mask(attention_mask: Tensor | None, T: int, start: int, window: int, de
 
 
 def token_positions(T: int, start: int, device: torch.device, attention_mask: Tensor | None,
-                    position_ids: Tensor | None, limit: int | None) -> tuple[Tensor, int]:
+                    position_ids: Tensor | None, limit: float) -> tuple[Tensor, int]:
     """The positions (B|1, T) of a block call's tokens, and the sequence length they imply (max + 1):
     ``position_ids`` as given, else counted over the tokens of ``attention_mask``, else start .. start + T - 1.
-    GenerationError when a position is at or beyond ``limit`` (the model's context; None: no limit)."""
+    GenerationError when a position is at or beyond ``limit`` (the model's context, ``context_limit``)."""
     if position_ids is None and attention_mask is not None:
         position_ids = positions_from_mask(attention_mask)[:, start : start + T]
     if position_ids is None:  # contiguous: the length needs no read-back from the device
         position_ids, seen = torch.arange(start, start + T, device=device)[None], start + T
     else:
         seen = int(position_ids.max()) + 1 if position_ids.numel() else start
-    if limit is not None and seen > limit:
+    if seen > limit:
         raise GenerationError(f"position {seen - 1} is beyond the model's context (max_seq_len={limit})")
     return position_ids, seen
 
 
-def context_limit(cfg: ModelConfig) -> int | None:
-    """The positions a model may see: max_seq_len, or no bound for dynamic NTK RoPE (its base grows)."""
-    return None if cfg.rope_type == "dynamic" else cfg.max_seq_len
+def context_limit(cfg: ModelConfig) -> float:
+    """The positions a model may see: max_seq_len, or no bound (inf) for dynamic NTK RoPE (its base grows)."""
+    return math.inf if cfg.rope_type == "dynamic" else cfg.max_seq_len
 
 
 def layer_windows(cfg: ModelConfig, n_layer: int | None = None) -> list[int | None]:
@@ -149,6 +151,10 @@ class _Same:
         return self.value
 
 
+NO_ROPE = _Same(None)  # every layer: no rotary tables
+
+
+@dataclass
 class Step:
     """One forward call, as attention sees it: the new tokens' ``positions`` (B|1, T), their rotary tables
     ``rope[layer]`` ((cos, sin), each (B|1, 1, T, d_head), set by the model; None without RoPE), and
@@ -159,10 +165,10 @@ class Step:
     ``seen`` is the sequence length the positions imply (max + 1), which the length-dependent RoPE variants
     read, or None where it would need a read-back from the device."""
 
-    def __init__(self, positions: Tensor | None, masks: Sequence[Tensor | None] | _Same,
-                 seen: int | None = None) -> None:
-        self.positions, self.masks, self.seen = positions, masks, seen
-        self.rope: Sequence[tuple[Tensor, Tensor] | None] | _Same = _Same(None)
+    positions: Tensor | None
+    masks: Sequence[Tensor | None] | _Same
+    seen: int | None = None
+    rope: Sequence[tuple[Tensor, Tensor] | None] | _Same = NO_ROPE
 
     def kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         return k, v, self.masks[layer]
@@ -172,20 +178,21 @@ class Step:
               positions: Tensor | None = None) -> Step:
         """A call over whole sequences without a cache whose every layer has one ``mask`` and ``rope``
         (an encoder, a block called on its own)."""
-        step = cls(positions, _Same(mask))
-        step.rope = _Same(rope)
-        return step
+        return cls(positions, _Same(mask), rope=_Same(rope))
 
 
 # a block or attention layer called on its own: its own keys, causal (or none) masking, no positions
 WHOLE_SEQUENCE = Step.whole()
 
 
+@dataclass
 class _CachedStep(Step):
-    def __init__(self, cache: KVCache, positions: Tensor, masks: list[Tensor | None], seen: int | None,
-                 start: int | Tensor, kv_len: int = 0) -> None:
-        super().__init__(positions, masks, seen)
-        self.cache, self.start, self.kv_len = cache, start, kv_len
+    """A call on a ``KVCache``: ``start`` is where the new tokens go (an int, or (B,) per row), ``kv_len`` the
+    slots a row call attends."""
+
+    cache: KVCache | None = None
+    start: int | Tensor = 0
+    kv_len: int = 0
 
 
 class BlockStep(_CachedStep):
@@ -395,7 +402,7 @@ class KVCache:
         positions, seen = token_positions(T, start, device, attention_mask, position_ids, self.limit)
         masks = _masks_by_kind(self.store, lambda s: s.block_mask(T, start, attention_mask, device))
         self.length = start + T
-        return BlockStep(self, positions, masks, seen, start)
+        return BlockStep(positions, masks, seen, cache=self, start=start)
 
     def at(self, positions: Tensor, kv_len: int | None = None) -> RowCalls:
         """The next call feeds row b at ``positions[b]`` .. (B,), attending over slots [0, ``kv_len``): by default
@@ -469,9 +476,9 @@ class RowCalls:
             if kv_len > self.cache.max_len:
                 raise GenerationError(f"the KV cache holds {self.cache.max_len} positions; position {kv_len - 1} "
                                       "was asked")
-            if self.cache.limit is not None and kv_len > self.cache.limit:
+            if kv_len > self.cache.limit:
                 raise GenerationError(f"position {kv_len - 1} is beyond the model's context "
                                       f"(max_seq_len={self.cache.limit})")
         positions = start[:, None] + torch.arange(T, device=start.device)  # (B, T)
         masks = _masks_by_kind(self.cache.store, lambda s: s.rows_mask(start, T, kv_len))
-        return RowStep(self.cache, positions, masks, None, start, kv_len)
+        return RowStep(positions, masks, cache=self.cache, start=start, kv_len=kv_len)

@@ -116,14 +116,9 @@ class DecoderLM(nn.Module):
         init_weights(self, self.cfg.init_std, 2 * self.cfg.n_layer)
 
     # ------------------------------------------------------------------ forward
-    def hidden_states(
-        self,
-        input_ids: torch.Tensor,
-        *,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        cache: KVCache | RowCalls | None = None,
-    ) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                      position_ids: torch.Tensor | None = None,
+                      cache: KVCache | RowCalls | None = None) -> torch.Tensor:
         """input_ids (B, T) -> final hidden states Norm(h_L) (B, T, d).
 
         ``cache``: a ``KVCache`` (the T tokens continue what it holds, at positions length ..), or
@@ -131,21 +126,14 @@ class DecoderLM(nn.Module):
         step = (self.uncached if cache is None else cache).begin(input_ids, attention_mask, position_ids)
         tables = [rope.tables(step.positions, step.seen) for rope in self.ropes] + [None]
         step.rope = [tables[i] for i in self.rope_of_layer]
-        x = self.pos_emb.add_to(self.embed_scale(self.tok_emb(input_ids)), step.positions)
-        x = self.emb_drop(x)
+        x = self.emb_drop(self.pos_emb.add_to(self.embed_scale(self.tok_emb(input_ids)), step.positions))
         for block in self.blocks:
             x = block(x, step)
         return self.norm(x)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        *,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        cache: KVCache | RowCalls | None = None,
-        last_only: bool = False,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache: KVCache | RowCalls | None = None,
+                last_only: bool = False) -> torch.Tensor:
         """Logits (B, T, vocab), or (B, 1, vocab) with ``last_only`` (prefill needs only the last row:
         the head is the largest matmul of a small model, so skipping T-1 rows of it matters)."""
         h = self.hidden_states(input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache)
