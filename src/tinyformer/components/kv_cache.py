@@ -151,9 +151,6 @@ class _Same:
         return self.value
 
 
-NO_ROPE = _Same(None)  # every layer: no rotary tables
-
-
 @dataclass
 class Step:
     """One forward call, as attention sees it: the new tokens' ``positions`` (B|1, T), their rotary tables
@@ -168,7 +165,7 @@ class Step:
     positions: Tensor | None
     masks: Sequence[Tensor | None] | _Same
     seen: int | None = None
-    rope: Sequence[tuple[Tensor, Tensor] | None] | _Same = NO_ROPE
+    rope: Sequence[tuple[Tensor, Tensor] | None] | _Same | None = None  # None until the model sets it
 
     def kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         return k, v, self.masks[layer]
