@@ -168,8 +168,12 @@ class SelfAttention(nn.Module):
     matmul computes all three. ``out`` is W_o of shape (d, H d_head). ``layer`` is the index the step
     knows this layer by. The variant is chosen at construction: RoPE or none (``rotate``), the fused
     kernel or the explicit formula (``kernel``; soft-capped scores need the formula), and with QK-norm
-    the subclass ``QKNormSelfAttention`` (``build_attention`` picks).
+    the subclass ``QKNormSelfAttention``, which ``SelfAttention(cfg)`` builds when ``cfg.qk_norm``.
     """
+
+    def __new__(cls, cfg: ModelConfig | None = None, *args: object, **kwargs: object) -> SelfAttention:
+        qk_norm = cls is SelfAttention and cfg is not None and cfg.qk_norm
+        return super().__new__(QKNormSelfAttention if qk_norm else cls)
 
     def __init__(self, cfg: ModelConfig, causal: bool = True, layer: int = 0) -> None:
         super().__init__()
@@ -196,7 +200,7 @@ class SelfAttention(nn.Module):
         # the qkv rows are H query heads, then H_kv key heads, then H_kv value heads
         qkv = self.qkv(x).view(B, T, H + 2 * H_kv, self.head_dim).transpose(1, 2)  # (B, H + 2 H_kv, T, d_head)
         qk, v = qkv[:, : H + H_kv], qkv[:, H + H_kv :]
-        qk = self.rotate(self.norm_qk(qk), step.rope[self.layer])  # queries and keys alike, in one call
+        qk = self.rotate(self._norm_qk(qk), step.rope[self.layer])  # queries and keys alike, in one call
         q, k = qk.split((H, H_kv), dim=1)  # (B, H, T, d_head), (B, H_kv, T, d_head)
         k, v, mask = step.kv(self.layer, k, v)
         # no mask: causal from position 0 (a block without a prefix), or one new token that sees every key
@@ -204,7 +208,7 @@ class SelfAttention(nn.Module):
                         self.scale, self.softcap)
         return self.out(y.transpose(1, 2).reshape(B, T, self.q_size))  # merge heads: (B, T, H d_head)
 
-    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+    def _norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
         """No QK-norm: qk unchanged."""
         return qk
 
@@ -217,11 +221,11 @@ class QKNormSelfAttention(SelfAttention):
         super().__init__(cfg, causal, layer)
         self.q_norm = build_norm(cfg, cfg.head_dim)
         self.k_norm = build_norm(cfg, cfg.head_dim)
-        # both norms come from one config: RMSNorms sharing eps and offset can run as one call (norm_qk)
+        # both norms come from one config: RMSNorms sharing eps and offset can run as one call (_norm_qk)
         self._one_qk_norm = isinstance(self.q_norm, RMSNorm) and isinstance(self.k_norm, RMSNorm) \
             and self.q_norm.eps == self.k_norm.eps and self.q_norm.offset == self.k_norm.offset
 
-    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+    def _norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
         """Per-head norms of qk (B, H + H_kv, T, d_head): RMSNorm_q over the first H heads, RMSNorm_k over the
         rest, as one x / rms(x) and one multiply by the stacked gains (float32/64 RMSNorms sharing eps and offset;
         other norms and dtypes take the two norms)."""
@@ -234,8 +238,3 @@ class QKNormSelfAttention(SelfAttention):
         if q_norm.offset:
             gain = gain + q_norm.offset
         return F.rms_norm(qk, (d,), None, q_norm.eps) * gain
-
-
-def build_attention(cfg: ModelConfig, causal: bool = True, layer: int = 0) -> SelfAttention:
-    """The self-attention variant the config asks for (QK-norm or not), as layer ``layer``."""
-    return (QKNormSelfAttention if cfg.qk_norm else SelfAttention)(cfg, causal, layer)

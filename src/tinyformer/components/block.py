@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tinyformer.components.attention import build_attention
+from tinyformer.components.attention import SelfAttention
 from tinyformer.components.ffn import build_ffn
 from tinyformer.components.kv_cache import WHOLE_SEQUENCE, Step
 from tinyformer.components.norm import build_norm
@@ -41,7 +41,7 @@ class Block(nn.Module):
         # sandwich: a norm on each sub-block's output too, before it joins the residual stream
         self.attn_post_norm = build_norm(cfg) if cfg.norm_placement == "sandwich" else nn.Identity()
         self.ffn_post_norm = build_norm(cfg) if cfg.norm_placement == "sandwich" else nn.Identity()
-        self.attn = build_attention(cfg, causal, layer)
+        self.attn = SelfAttention(cfg, causal, layer)
         self.ffn_norm = build_norm(cfg)
         self.ffn = build_ffn(cfg)
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyformer.components.attention import build_attention
+from tinyformer.components.attention import SelfAttention
 from tinyformer.components.block import Block
 from tinyformer.components.cross_attention import CrossAttention, source_padding_mask
 from tinyformer.components.ffn import build_ffn
@@ -50,7 +50,7 @@ class DecoderBlock(nn.Module):
         super().__init__()
         self.pre_norm = cfg.norm_placement == "pre"
         self.attn_norm = build_norm(cfg)
-        self.attn = build_attention(cfg, causal=True, layer=layer)
+        self.attn = SelfAttention(cfg, causal=True, layer=layer)
         self.cross_norm = build_norm(cfg)
         self.cross_attn = CrossAttention(cfg)
         self.ffn_norm = build_norm(cfg)
