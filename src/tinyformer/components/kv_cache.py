@@ -200,12 +200,16 @@ class BlockStep(_CachedStep):
         return keys, values, self.masks[layer]
 
 
+@dataclass
 class RowStep(_CachedStep):
-    """A row call: row b's new keys and values go to positions start[b] .. start[b] + T - 1; attention runs
-    over slots [0, kv_len) (a ring: its R slots), masked per row."""
+    """A row call: row b's new keys and values go to positions start[b] .. start[b] + T - 1 (``positions``
+    (B, T); ``rows`` (B, 1) indexes the rows alongside); attention runs over slots [0, kv_len) (a ring: its R
+    slots), masked per row."""
+
+    rows: Tensor | None = None
 
     def kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        keys, values = self.cache.store[layer].write_rows(k, v, self.start, self.kv_len)
+        keys, values = self.cache.store[layer].write_rows(k, v, self.rows, self.positions, self.kv_len)
         return keys, values, self.masks[layer]
 
 
@@ -223,21 +227,21 @@ class DenseKV:
         self.v[:, :, start : start + T] = v
         return self.k[:, :, : start + T], self.v[:, :, : start + T]
 
-    def write_rows(self, k: Tensor, v: Tensor, start: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
-        """Row b's k, v (B, H_kv, T, d_head) to positions start[b] ..; the keys and values of slots [0, kv_len)."""
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
-        cols = start[:, None] + torch.arange(k.shape[2], device=k.device)  # (B, T)
-        self.k[rows, :, cols] = k.transpose(1, 2)  # indexed (B, T, H_kv, d_head)
-        self.v[rows, :, cols] = v.transpose(1, 2)
+    def write_rows(self, k: Tensor, v: Tensor, rows: Tensor, positions: Tensor,
+                   kv_len: int) -> tuple[Tensor, Tensor]:
+        """Row b's k, v (B, H_kv, T, d_head) to positions[b] (B, T) (``rows`` (B, 1): 0 .. B-1); the keys and
+        values of slots [0, kv_len)."""
+        self.k[rows, :, positions] = k.transpose(1, 2)  # indexed (B, T, H_kv, d_head)
+        self.v[rows, :, positions] = v.transpose(1, 2)
         return self.k[:, :, :kv_len], self.v[:, :, :kv_len]
 
     def block_mask(self, T: int, start: int, attention_mask: Tensor | None, device: torch.device) -> Tensor | None:
         return causal_mask(T, start, self.window, attention_mask, device)
 
-    def rows_mask(self, start: Tensor, T: int, kv_len: int) -> Tensor:
-        """(B, 1, T, kv_len): query t of row b (position start[b] + t) sees slot j <= its position (and within W)."""
-        q = (start[:, None] + torch.arange(T, device=start.device))[:, :, None]  # (B, T, 1)
-        keys = torch.arange(kv_len, device=start.device)
+    def rows_mask(self, positions: Tensor, kv_len: int) -> Tensor:
+        """(B, 1, T, kv_len): query t of row b (at positions[b, t]) sees slot j <= its position (and within W)."""
+        q = positions[:, :, None]  # (B, T, 1)
+        keys = torch.arange(kv_len, device=positions.device)
         allowed = keys <= q
         if self.window is not None:
             allowed = allowed & (keys > q - self.window)
@@ -280,11 +284,11 @@ class RingKV(DenseKV):
         self.v.index_copy_(2, slots, v[:, :, T - n :])
         return keys, values
 
-    def write_rows(self, k: Tensor, v: Tensor, start: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
-        """Row b's T tokens to slots (start[b] + t) mod R, written first: with R >= W + T - 1 they overwrite
+    def write_rows(self, k: Tensor, v: Tensor, rows: Tensor, positions: Tensor,
+                   kv_len: int) -> tuple[Tensor, Tensor]:
+        """Row b's T tokens to slots positions[b] mod R, written first: with R >= W + T - 1 they overwrite
         only positions that none of the T queries sees. The R slots are attended."""
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
-        slots = (start[:, None] + torch.arange(k.shape[2], device=k.device)) % self.slots  # (B, T)
+        slots = positions % self.slots  # (B, T)
         self.k[rows, :, slots] = k.transpose(1, 2)  # indexed (B, T, H_kv, d_head)
         self.v[rows, :, slots] = v.transpose(1, 2)
         return self.k, self.v
@@ -293,17 +297,18 @@ class RingKV(DenseKV):
         assert self.window is not None
         return ring_mask(attention_mask, T, start, self.window, device, self.slots)
 
-    def rows_mask(self, start: Tensor, T: int, kv_len: int) -> Tensor:
+    def rows_mask(self, positions: Tensor, kv_len: int) -> Tensor:
         """(B, 1, T, R): after the write, slot s of row b holds position c = last - ((last - s) mod R), last =
-        start[b] + T - 1; query t (position q = start[b] + t) sees it iff 0 <= c, q - W < c <= q."""
+        positions[b, -1]; query t (at q = positions[b, t]) sees it iff 0 <= c, q - W < c <= q."""
         assert self.window is not None
+        T = positions.shape[1]
         if T > self.slots - self.window + 1:
             raise GenerationError(f"a ring of {self.slots} slots for a window of {self.window} takes at most "
                                   f"{self.slots - self.window + 1} tokens per row and call, got {T} (more "
                                   "spare_slots in new_cache)")
-        last = (start + T - 1)[:, None]  # (B, 1)
-        held = (last - torch.remainder(last - torch.arange(self.slots, device=start.device), self.slots))[:, None]
-        q = (start[:, None] + torch.arange(T, device=start.device))[:, :, None]  # (B, T, 1)
+        last = positions[:, -1:]  # (B, 1)
+        held = (last - torch.remainder(last - torch.arange(self.slots, device=last.device), self.slots))[:, None]
+        q = positions[:, :, None]  # (B, T, 1)
         return ((held >= 0) & (held <= q) & (held > q - self.window))[:, None]  # (B, 1, T, R)
 
     def forget(self, row: int, length: int, old: int) -> None:
@@ -477,5 +482,6 @@ class RowCalls:
                 raise GenerationError(f"position {kv_len - 1} is beyond the model's context "
                                       f"(max_seq_len={self.cache.limit})")
         positions = start[:, None] + torch.arange(T, device=start.device)  # (B, T)
-        masks = _masks_by_kind(self.cache.store, lambda s: s.rows_mask(start, T, kv_len))
-        return RowStep(positions, masks, cache=self.cache, start=start, kv_len=kv_len)
+        masks = _masks_by_kind(self.cache.store, lambda s: s.rows_mask(positions, kv_len))
+        rows = torch.arange(start.shape[0], device=start.device)[:, None]  # (B, 1)
+        return RowStep(positions, masks, cache=self.cache, start=start, kv_len=kv_len, rows=rows)
