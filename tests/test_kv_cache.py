@@ -133,3 +133,26 @@ def test_a_row_call_of_several_tokens_equals_a_block_call(name):
         model(prompt, cache=small)
         with pytest.raises(GenerationError, match="at most 1 tokens per row"):
             model(block, cache=small.at(torch.tensor([9, 9])))
+
+
+@pytest.mark.parametrize("name", ["gqa", "ring"])
+@torch.no_grad()
+def test_rows_of_an_engine_cache_roll_back_from_their_own_lengths(name):
+    """Rows prefilled into their slots at different lengths (as the engine does) step together, then roll back
+    one token each from the lengths the caller keeps (``old``): the next step is bitwise that of a cache that
+    never took the rolled-back step."""
+    model = model_of(name)
+    prompts = [torch.randint(0, 50, (1, n)) for n in (9, 4, 7)]
+    caches = model.new_cache(3, 30, spare_slots=1), model.new_cache(3, 30, spare_slots=1)
+    for cache in caches:
+        for b, p in enumerate(prompts):
+            model(p, cache=cache.row_view(b))
+    lengths = torch.tensor([p.shape[1] for p in prompts])
+    rolled, never = caches
+    model(torch.randint(0, 50, (3, 1)), cache=rolled.at(lengths))
+    rolled.truncate(lengths.tolist(), old=(lengths + 1).tolist())
+    nxt = torch.randint(0, 50, (3, 1))
+    assert torch.equal(model(nxt, cache=rolled.at(lengths)), model(nxt, cache=never.at(lengths)))
+    for layer, ((k1, v1), (k2, v2)) in enumerate(zip(rolled.layers, never.layers)):
+        if not rolled.rolling[layer]:
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)

@@ -422,9 +422,10 @@ class KVCache:
         later ones (speculative decoding rejects draft tokens this way). ``old``: the rows' lengths now, by
         default ``length``. Raises GenerationError beyond what a ring can roll back (see the module docstring)."""
         B = self.batch_size
+        old = self.length if old is None else old
         new = [lengths] * B if isinstance(lengths, int) else [int(n) for n in lengths]
-        now = [self.length if old is None else old] * B if old is None or isinstance(old, int) else list(old)
-        if len(new) != B or len(now) != B or any(n is None for n in now):
+        now = [old] * B if old is None or isinstance(old, int) else [int(n) for n in old]
+        if len(new) != B or len(now) != B or None in now:
             raise ValueError(f"truncate needs {B} lengths and known current lengths, got {lengths!r} from {old!r}")
         for row, (n, o) in enumerate(zip(new, now)):
             if not 0 <= n <= o:
