@@ -84,14 +84,6 @@ def causal_mask(T: int, start: int, window: int | None, attention_mask: Tensor |
     return ((k_pos <= q_pos) & (k_pos > q_pos - (window or start + T)))[None, None]
 
 
-def window_mask(T: int, start: int, window: int, device: torch.device) -> Tensor:
-    """(1, 1, T, start + T) causal sliding-window mask without padding: key j visible to query i (at
-    position start + i) iff start + i - W < j <= start + i."""
-    q_pos = torch.arange(start, start + T, device=device)[:, None]
-    k_pos = torch.arange(start + T, device=device)[None, :]
-    return ((k_pos <= q_pos) & (k_pos > q_pos - window))[None, None]
-
-
 def ring_mask(attention_mask: Tensor | None, T: int, start: int, window: int, device: torch.device,
               slots: int | None = None) -> Tensor:
     """(B|1, 1, T, K) mask over the keys a ring layer attends in a block call (``RingKV.write``).
