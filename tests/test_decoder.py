@@ -101,7 +101,7 @@ def test_per_row_cache_positions_equal_separate_decoding():
         for i, p in enumerate(prompts):  # prefill each request into its own slot
             model(p[None], cache=cache.row_view(i))
         pos = torch.tensor([len(p) for p in prompts])
-        step = model(nxt[:, None], cache=cache, cache_positions=pos)
+        step = model(nxt[:, None], cache=cache.at(pos))
         for i, p in enumerate(prompts):
             alone = model(torch.cat([p, nxt[i : i + 1]])[None])[0, -1]
             torch.testing.assert_close(step[i, 0], alone, atol=1e-5, rtol=1e-5)

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from tinyformer.components.kv_cache import KVCache
 from tinyformer.config import ModelConfig
 from tinyformer.data.tokenizer import build_tokenizer
 from tinyformer.errors import GenerationError
@@ -130,8 +131,8 @@ def test_fixed_kv_len_per_row_decoding_equals_the_default():
     tokens = torch.tensor([[1], [2], [3]])
     positions = torch.tensor([len(p) for p in PROMPTS])
     for _ in range(5):
-        a = model(tokens, cache=cache_a, cache_positions=positions)
-        b = model(tokens, cache=cache_b, cache_positions=positions, kv_len=40)
+        a = model(tokens, cache=cache_a.at(positions))
+        b = model(tokens, cache=cache_b.at(positions, 40))
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
         tokens, positions = a[:, -1].argmax(-1, keepdim=True), positions + 1
 
@@ -280,10 +281,10 @@ class ScriptedLM(DecoderLM):
         super().__init__(cfg)
         self.script, self.prompt_len = script, prompt_len
 
-    def forward(self, input_ids, *, cache=None, cache_positions=None, **kwargs):
-        logits = super().forward(input_ids, cache=cache, cache_positions=cache_positions, **kwargs)
-        # positions filled after this call: per-row decoding gives them, a prefill advances cache.length
-        filled = cache.length if cache_positions is None else int(cache_positions.max()) + 1
+    def forward(self, input_ids, *, cache=None, **kwargs):
+        logits = super().forward(input_ids, cache=cache, **kwargs)
+        # positions filled after this call: per-row decoding (cache.at) gives them, a prefill advances cache.length
+        filled = cache.length if isinstance(cache, KVCache) else int(cache.positions.max()) + 1
         i = filled - self.prompt_len  # index of the token to predict next
         forced = torch.full_like(logits[:, -1:], -30.0)
         forced[..., self.script[min(i, len(self.script) - 1)]] = 30.0

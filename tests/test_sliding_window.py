@@ -73,7 +73,7 @@ def test_rolling_cache_equals_full_cache_and_full_forward_over_three_windows(lay
 
 
 def test_per_row_decoding_with_rolling_cache_equals_full_forward():
-    """The compiled decode step's path (cache_positions: every row at its own position)."""
+    """The compiled decode step's path (cache.at(positions): every row at its own position)."""
     model = tiny(layer_types=["sliding", "full"])
     T = 3 * W
     x = torch.randint(0, 64, (2, T))
@@ -84,7 +84,7 @@ def test_per_row_decoding_with_rolling_cache_equals_full_forward():
         model(x[1:, :5], cache=cache.row_view(1))
         pos = torch.tensor([3, 5])
         for _ in range(T - 5):
-            step = model(x[torch.arange(2), pos][:, None], cache=cache, cache_positions=pos)
+            step = model(x[torch.arange(2), pos][:, None], cache=cache.at(pos))
             for b in range(2):
                 torch.testing.assert_close(step[b, 0], whole[b, int(pos[b])], atol=1e-5, rtol=1e-5)
             pos = pos + 1

@@ -25,8 +25,9 @@ Shapes: x (B, T, d) -> q (B, H, T, d_head), k/v (B, H_kv, S, d_head) -> out (B, 
 where S = T plus whatever the KV cache already holds.
 
 Sliding window (``ModelConfig.sliding_window``, Beltagy et al. 2020; Mistral): M also masks keys j <= i - W,
-so query i sees keys j with i - W < j <= i. The mask comes from the model (models/decoder.py); a layer whose
-KV cache is a rolling buffer of W slots (components/kv_cache.py) writes position p into slot p mod W.
+so query i sees keys j with i - W < j <= i. The mask, the keys and the values come from the call's ``Step``
+(components/kv_cache.py), which also keeps the ring buffer of a sliding-window layer's cache (position p in
+slot p mod R).
 
 QK-norm (``ModelConfig.qk_norm``, Qwen3, Gemma 3): q and k are normalised per head over d_head (RMSNorm
 with learned gains of shape (d_head,)) before RoPE, which bounds the logits q.k / sqrt(d_head):
@@ -43,8 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyformer.components.kv_cache import WHOLE_SEQUENCE, Step
 from tinyformer.components.norm import RMSNorm, build_norm
-from tinyformer.components.rope import apply_rope
+from tinyformer.components.rope import keep_qk, rotate_qk
 from tinyformer.config import ModelConfig
 
 
@@ -119,6 +121,20 @@ def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (p.unsqueeze(-1) * v.unsqueeze(2)).sum(-2).reshape(B, H, 1, d)  # sum_j p_j v_j
 
 
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+                   dropout_p: float = 0.0, scale: float | None = None, softcap: None = None) -> torch.Tensor:
+    """softmax(s q k^T + M) v by ``torch.nn.functional.scaled_dot_product_attention`` (``is_causal``: the
+    top-left causal mask, for queries and keys that both start at position 0). Under ``torch.compile`` one
+    query per row takes ``single_query_attention``: eager, SDPA's one fused call is cheaper; compiled, the
+    written-out formula fuses into the step's own kernels (a few percent faster per decoded token)."""
+    if (q.shape[-2] == 1 and dropout_p == 0.0 and torch.compiler.is_compiling()
+            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4
+                                  and mask.shape[1] == mask.shape[2] == 1))):
+        return single_query_attention(q, k, v, mask, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                          enable_gqa=k.shape[1] != q.shape[1], scale=scale)
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -131,39 +147,38 @@ def attend(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """softmax(s q k^T + M) v (s = ``scale`` or 1/sqrt(d)) by the chosen implementation; see
-    ``reference_attention``. Soft-capped scores always take the explicit formula."""
+    ``reference_attention``. Soft-capped scores always take the explicit formula. With ``is_causal`` and
+    fewer queries than keys the causal mask is aligned bottom-right (the queries continue a prefix)."""
     if impl == "reference" or softcap is not None:
         return reference_attention(q, k, v, mask, is_causal, dropout_p, scale, softcap)
-    if (q.shape[-2] == 1 and dropout_p == 0.0 and torch.compiler.is_compiling()
-            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4
-                                  and mask.shape[1] == mask.shape[2] == 1))):
-        # eager, SDPA's one fused call is cheaper; compiled, the written-out formula fuses into the
-        # step's own kernels (a few percent faster per decoded token)
-        return single_query_attention(q, k, v, mask, scale)
-    gqa = k.shape[1] != q.shape[1]
     if is_causal and mask is None and q.shape[-2] != k.shape[-2]:
         # SDPA's is_causal aligns the mask to the top-left corner; a query block that continues a
         # cached prefix needs it aligned bottom-right, so build it explicitly.
         T, S = q.shape[-2], k.shape[-2]
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
         is_causal = False
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal and mask is None, enable_gqa=gqa,
-        scale=scale,
-    )
+    return sdpa_attention(q, k, v, mask, is_causal and mask is None, dropout_p, scale)
 
 
 class SelfAttention(nn.Module):
-    """Self-attention with fused q/k/v projection and optional KV cache.
+    """Self-attention with fused q/k/v projection; the call's ``Step`` (components/kv_cache.py) gives the
+    rotary tables, and the keys, values and mask to attend (from the KV cache, or the call's own).
 
     ``qkv`` is one (H d_head + 2 H_kv d_head, d) matrix: rows for W_q, then W_k, then W_v; one
-    matmul computes all three. ``out`` is W_o of shape (d, H d_head).
+    matmul computes all three. ``out`` is W_o of shape (d, H d_head). ``layer`` is the index the step
+    knows this layer by. The variant is chosen at construction: RoPE or none (``rotate``), the fused
+    kernel or the explicit formula (``kernel``; soft-capped scores need the formula), and with QK-norm
+    the subclass ``QKNormSelfAttention``, which ``SelfAttention(cfg)`` builds when ``cfg.qk_norm``.
     """
 
-    def __init__(self, cfg: ModelConfig, causal: bool = True) -> None:
+    def __new__(cls, cfg: ModelConfig | None = None, *args: object, **kwargs: object) -> SelfAttention:
+        qk_norm = cls is SelfAttention and cfg is not None and cfg.qk_norm
+        return super().__new__(QKNormSelfAttention if qk_norm else cls)
+
+    def __init__(self, cfg: ModelConfig, causal: bool = True, layer: int = 0) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        self.causal = causal
+        self.causal, self.layer = causal, layer
         self.impl = cfg.attn_impl
         self.dropout_p = cfg.attn_dropout
         self.scale, self.softcap = cfg.attn_scale, cfg.attn_logit_softcap
@@ -171,59 +186,44 @@ class SelfAttention(nn.Module):
         self.kv_size = cfg.n_kv_head * cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, self.q_size + 2 * self.kv_size, bias=cfg.attn_bias)
         self.out = nn.Linear(self.q_size, cfg.d_model, bias=cfg.attn_out_bias)
-        self.q_norm = build_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
-        self.k_norm = build_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
-        # both norms come from one config: RMSNorms sharing eps and offset can run as one call (_norm_qk)
-        self._one_qk_norm = isinstance(self.q_norm, RMSNorm) and isinstance(self.k_norm, RMSNorm) \
-            and self.q_norm.eps == self.k_norm.eps and self.q_norm.offset == self.k_norm.offset
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        self.rotate = rotate_qk if cfg.pos == "rope" else keep_qk
+        self.kernel = reference_attention if cfg.attn_impl == "reference" or self.softcap is not None \
+            else sdpa_attention
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        mask: torch.Tensor | None = None,
-        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-        start: int | torch.Tensor = 0,
-        kv_len: int = 0,
-        rolling: bool = False,
-    ) -> torch.Tensor:
-        """x (B, T, d); rope = (cos, sin) for these T positions; mask (B|1, 1, T, S) bool or None;
-        cache = this layer's preallocated (k, v) buffers (B, H_kv, L, d_head), filled up to ``start``.
-        ``start`` may be a (B,) tensor of per-row positions (then T must be 1, the first ``kv_len``
-        cache positions are attended and ``mask`` says which of them each row may see).
-        ``rolling``: the cache is a ring of W slots (position p in slot p mod W); then the keys are the W
-        slots (after writing, when T = 1) or the W slots followed by the T new keys (before writing), and
-        ``mask`` is over those keys."""
+    def forward(self, x: torch.Tensor, step: Step = WHOLE_SEQUENCE) -> torch.Tensor:
+        """x (B, T, d) -> (B, T, d): q, k (rotated) and v of the T new tokens; k and v go to ``step.kv``,
+        which returns the keys (B, H_kv, S, d_head), values and mask (B|1, 1, T, S) to attend."""
         B, T, _ = x.shape
         H, H_kv = self.n_head, self.n_kv_head
         # the qkv rows are H query heads, then H_kv key heads, then H_kv value heads
         qkv = self.qkv(x).view(B, T, H + 2 * H_kv, self.head_dim).transpose(1, 2)  # (B, H + 2 H_kv, T, d_head)
         qk, v = qkv[:, : H + H_kv], qkv[:, H + H_kv :]
-        if self.q_norm is not None and self.k_norm is not None:
-            qk = self._norm_qk(qk)
-        if rope is not None:  # queries and keys are rotated alike: one call for both
-            qk = apply_rope(qk, *rope)
+        qk = self.rotate(self._norm_qk(qk), step.rope[self.layer])  # queries and keys alike, in one call
         q, k = qk.split((H, H_kv), dim=1)  # (B, H, T, d_head), (B, H_kv, T, d_head)
-        if cache is not None and rolling:
-            k, v = self._write_ring(cache, k, v, start)
-        elif cache is not None and isinstance(start, torch.Tensor):
-            # per-row positions (continuous batching): row b writes its one new token at start[b]
-            k_cache, v_cache = cache
-            rows = torch.arange(B, device=x.device)
-            k_cache[rows, :, start] = k[:, :, 0]
-            v_cache[rows, :, start] = v[:, :, 0]
-            k, v = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
-        elif cache is not None:
-            k_cache, v_cache = cache
-            k_cache[:, :, start : start + T] = k
-            v_cache[:, :, start : start + T] = v
-            k, v = k_cache[:, :, : start + T], v_cache[:, :, : start + T]
-        # a single new token attends to everything cached: no mask needed at all
-        is_causal = self.causal and mask is None and T > 1
-        y = attend(q, k, v, mask, is_causal, self.impl, self.dropout_p if self.training else 0.0, self.scale,
-                   self.softcap)
-        y = y.transpose(1, 2).reshape(B, T, self.q_size)  # merge heads: (B, T, H d_head)
-        return self.out(y)
+        k, v, mask = step.kv(self.layer, k, v)
+        # no mask: causal from position 0 (a block without a prefix), or one new token that sees every key
+        y = self.kernel(q, k, v, mask, self.causal and mask is None and T > 1, self.dropout_p * self.training,
+                        self.scale, self.softcap)
+        return self.out(y.transpose(1, 2).reshape(B, T, self.q_size))  # merge heads: (B, T, H d_head)
+
+    def _norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """No QK-norm: qk unchanged."""
+        return qk
+
+
+class QKNormSelfAttention(SelfAttention):
+    """Self-attention with QK-norm: q_h <- RMSNorm_q(q_h), k_h <- RMSNorm_k(k_h) before RoPE (see the module
+    docstring)."""
+
+    def __init__(self, cfg: ModelConfig, causal: bool = True, layer: int = 0) -> None:
+        super().__init__(cfg, causal, layer)
+        self.q_norm = build_norm(cfg, cfg.head_dim)
+        self.k_norm = build_norm(cfg, cfg.head_dim)
+        # both norms come from one config: RMSNorms sharing eps and offset can run as one call (_norm_qk)
+        self._one_qk_norm = isinstance(self.q_norm, RMSNorm) and isinstance(self.k_norm, RMSNorm) \
+            and self.q_norm.eps == self.k_norm.eps and self.q_norm.offset == self.k_norm.offset
 
     def _norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
         """Per-head norms of qk (B, H + H_kv, T, d_head): RMSNorm_q over the first H heads, RMSNorm_k over the
@@ -238,30 +238,3 @@ class SelfAttention(nn.Module):
         if q_norm.offset:
             gain = gain + q_norm.offset
         return F.rms_norm(qk, (d,), None, q_norm.eps) * gain
-
-    @staticmethod
-    def _write_ring(cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
-                    start: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write new keys/values into a ring of W slots (position p -> slot p mod W); return the keys and
-        values to attend over. One new token overwrites position p - W, which it may not see anyway, so it
-        is written first and the W slots are attended; a block of T > 1 tokens attends the W old slots plus
-        its own keys (a query in the block may still see positions the block's later tokens overwrite)."""
-        k_cache, v_cache = cache
-        W = k_cache.shape[2]
-        T = k.shape[2]
-        if isinstance(start, torch.Tensor):  # one token per row, each at its own position
-            rows = torch.arange(k.shape[0], device=k.device)
-            slot = start % W
-            k_cache[rows, :, slot] = k[:, :, 0]
-            v_cache[rows, :, slot] = v[:, :, 0]
-            return k_cache, v_cache
-        if T == 1:
-            k_cache[:, :, start % W] = k[:, :, 0]
-            v_cache[:, :, start % W] = v[:, :, 0]
-            return k_cache, v_cache
-        keys, values = torch.cat([k_cache, k], dim=2), torch.cat([v_cache, v], dim=2)
-        n = min(T, W)  # only the last W positions of the block outlive it
-        slots = torch.arange(start + T - n, start + T, device=k.device) % W
-        k_cache.index_copy_(2, slots, k[:, :, T - n :])
-        v_cache.index_copy_(2, slots, v[:, :, T - n :])
-        return keys, values

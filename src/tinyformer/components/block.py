@@ -21,37 +21,40 @@ from torch import nn
 
 from tinyformer.components.attention import SelfAttention
 from tinyformer.components.ffn import build_ffn
+from tinyformer.components.kv_cache import WHOLE_SEQUENCE, Step
 from tinyformer.components.norm import build_norm
 from tinyformer.config import ModelConfig
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, causal: bool = True) -> None:
+    """A Pre-Norm (or sandwich) block, x (B, T, d) -> (B, T, d); ``step`` is the call's positions, masks and
+    cache (components/kv_cache.py). ``Block(cfg)`` with ``norm_placement="post"`` builds a ``PostNormBlock``:
+    the placement is chosen once, at construction. ``layer`` is the block's index in its stack."""
+
+    def __new__(cls, cfg: ModelConfig | None = None, *args: object, **kwargs: object) -> Block:
+        post = cls is Block and cfg is not None and cfg.norm_placement == "post"
+        return super().__new__(PostNormBlock if post else cls)
+
+    def __init__(self, cfg: ModelConfig, causal: bool = True, layer: int = 0) -> None:
         super().__init__()
-        self.pre_norm = cfg.norm_placement in ("pre", "sandwich")
         self.attn_norm = build_norm(cfg)
         # sandwich: a norm on each sub-block's output too, before it joins the residual stream
         self.attn_post_norm = build_norm(cfg) if cfg.norm_placement == "sandwich" else nn.Identity()
         self.ffn_post_norm = build_norm(cfg) if cfg.norm_placement == "sandwich" else nn.Identity()
-        self.attn = SelfAttention(cfg, causal=causal)
+        self.attn = SelfAttention(cfg, causal, layer)
         self.ffn_norm = build_norm(cfg)
         self.ffn = build_ffn(cfg)
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        mask: torch.Tensor | None = None,
-        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-        start: int | torch.Tensor = 0,
-        kv_len: int = 0,
-        rolling: bool = False,
-    ) -> torch.Tensor:
-        """x (B, T, d) -> (B, T, d)."""
-        if self.pre_norm:
-            x = x + self.drop(self.attn_post_norm(self.attn(self.attn_norm(x), rope, mask, cache, start, kv_len,
-                                                            rolling)))
-            return x + self.drop(self.ffn_post_norm(self.ffn(self.ffn_norm(x))))
-        x = self.attn_norm(x + self.drop(self.attn(x, rope, mask, cache, start, kv_len, rolling)))
+    def forward(self, x: torch.Tensor, step: Step = WHOLE_SEQUENCE) -> torch.Tensor:
+        """h = x + Attn(Norm(x)),  y = h + FFN(Norm(h))   (sandwich: each branch's output normed too)."""
+        x = x + self.drop(self.attn_post_norm(self.attn(self.attn_norm(x), step)))
+        return x + self.drop(self.ffn_post_norm(self.ffn(self.ffn_norm(x))))
+
+
+class PostNormBlock(Block):
+    """Post-Norm: h = Norm(x + Attn(x)),  y = Norm(h + FFN(h))."""
+
+    def forward(self, x: torch.Tensor, step: Step = WHOLE_SEQUENCE) -> torch.Tensor:
+        x = self.attn_norm(x + self.drop(self.attn(x, step)))
         return self.ffn_norm(x + self.drop(self.ffn(x)))

@@ -52,23 +52,33 @@ def silu_mul(gu: torch.Tensor, f: int) -> torch.Tensor:
 
 
 class SwiGLU(nn.Module):
-    """The gated FFN; ``activation`` 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU with GELU's tanh approximation)."""
+    """The gated FFN with silu (SwiGLU); ``GeGLU`` is its GELU-tanh sibling (``activation`` names which)."""
 
-    def __init__(self, d_model: int, d_ff: int, bias: bool = False, activation: str = "silu") -> None:
+    activation = "silu"
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool = False) -> None:
         super().__init__()
         self.d_ff = d_ff
-        self.activation = activation
         self.gate_up = nn.Linear(d_model, 2 * d_ff, bias=bias)
         self.down = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "silu" and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling():
             # eager: the hand-fused gradient; under torch.compile the plain ops below, which the compiler
             # fuses itself (and which it traces without a graph break)
             return self.down(silu_mul(self.gate_up(x), self.d_ff))
         gate, up = self.gate_up(x).split(self.d_ff, dim=-1)  # (B, T, d_ff) each
-        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
-        return self.down(act * up)
+        return self.down(F.silu(gate) * up)
+
+
+class GeGLU(SwiGLU):
+    """The gated FFN with GELU's tanh approximation (Gemma): W_down (gelu_tanh(W_gate x) * (W_up x))."""
+
+    activation = "gelu_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.d_ff, dim=-1)  # (B, T, d_ff) each
+        return self.down(F.gelu(gate, approximate="tanh") * up)
 
 
 class MLP(nn.Module):
@@ -94,7 +104,8 @@ def build_ffn(cfg: ModelConfig) -> nn.Module:
         from tinyformer.components.moe import MoE
 
         return MoE(cfg)
-    if cfg.ffn in ("swiglu", "geglu_tanh"):
-        activation = "silu" if cfg.ffn == "swiglu" else "gelu_tanh"
-        return SwiGLU(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias, activation=activation)
+    if cfg.ffn == "swiglu":
+        return SwiGLU(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
+    if cfg.ffn == "geglu_tanh":
+        return GeGLU(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
     return MLP(cfg.d_model, cfg.d_ff, cfg.ffn, bias=cfg.mlp_bias)

@@ -19,7 +19,13 @@ from tinyformer.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * (offset + g), with a learned gain g of shape (d,) (initially 1 - offset)."""
+    """y = x / sqrt(mean(x^2) + eps) * (offset + g), with a learned gain g of shape (d,) (initially 1 - offset).
+
+    ``RMSNorm(d, eps, offset)`` with an offset builds an ``OffsetRMSNorm`` (Gemma's (1 + g)): the variant is
+    chosen once, at construction."""
+
+    def __new__(cls, dim: int | None = None, eps: float = 1e-5, offset: float = 0.0) -> RMSNorm:
+        return super().__new__(OffsetRMSNorm if cls is RMSNorm and offset else cls)
 
     def __init__(self, dim: int, eps: float = 1e-5, offset: float = 0.0) -> None:
         super().__init__()
@@ -28,14 +34,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.offset:  # Gemma: (offset + g) applied in float32, then cast back
-            y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-            return (y * (self.offset + self.weight.float())).to(x.dtype)
         # F.rms_norm is the fused kernel of exactly this formula
         if x.dtype in (torch.float32, torch.float64):
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
         return y * self.weight
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: y = x / rms(x) * (offset + g), the gain applied in float32, then cast back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return (y * (self.offset + self.weight.float())).to(x.dtype)
 
 
 class LayerNorm(nn.Module):

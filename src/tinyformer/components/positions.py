@@ -2,7 +2,8 @@
 
 Sinusoidal (Vaswani et al. 2017):  PE(pos, 2i) = sin(pos / 10000^(2i/d)),  PE(pos, 2i+1) = cos(pos / 10000^(2i/d))
 Learned (GPT-2, BERT): a trainable table P of shape (max_seq_len, d).
-Both map positions (T,) or (B, T) to (T, d) or (B, T, d). RoPE, which rotates q and k instead, is in rope.py.
+Both map positions (T,) or (B, T) to (T, d) or (B, T, d); ``add_to(x, positions)`` is x + P[positions].
+RoPE, which rotates q and k instead, is in rope.py; a RoPE model's ``pos_emb`` is ``NoPositions``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ class SinusoidalPositions(nn.Module):
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         return self.table[positions]
 
+    def add_to(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (B, T, d) + PE[positions], positions (B|1, T)."""
+        return x + self.table[positions]
+
 
 class LearnedPositions(nn.Module):
     """A trainable position table; ``weight`` has shape (max_seq_len, d)."""
@@ -46,3 +51,14 @@ class LearnedPositions(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         return self.weight[positions]
+
+    def add_to(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (B, T, d) + P[positions], positions (B|1, T)."""
+        return x + self.weight[positions]
+
+
+class NoPositions(nn.Module):
+    """No added position encoding (RoPE models: positions enter inside attention)."""
+
+    def add_to(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return x

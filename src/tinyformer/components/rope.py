@@ -136,10 +136,19 @@ def _yarn_inv_freq(dim: int, base: float, rs: dict, max_seq_len: int) -> tuple[t
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables for positions 0 .. max_seq_len - 1, shape (max_seq_len, head_dim).
 
-    ``forward(start, length)`` returns (cos, sin), each (length, head_dim); with per-row
-    ``position_ids`` (B, T) each is (B, T, head_dim). The tables repeat each frequency twice,
-    [theta_0 .. theta_{d/2-1}, theta_0 .. theta_{d/2-1}], which is the half-split layout.
+    ``tables(positions)`` gives (cos, sin) for positions (B|1, T), each (B|1, 1, T, head_dim), ready to
+    broadcast over the heads; ``forward(start, length)`` the rows of positions start .. start + length - 1,
+    each (length, head_dim), or with per-row ``position_ids`` (B, T) each (B, T, head_dim). The tables repeat
+    each frequency twice, [theta_0 .. theta_{d/2-1}, theta_0 .. theta_{d/2-1}], which is the half-split layout.
+
+    The RoPE variants whose tables depend on the sequence length (dynamic NTK, LongRoPE) are subclasses that
+    ``RotaryEmbedding(cfg)`` picks from ``cfg.rope_type``: the choice is made once, at construction.
     """
+
+    def __new__(cls, cfg: ModelConfig | None = None, *args: object, **kwargs: object) -> RotaryEmbedding:
+        if cls is RotaryEmbedding and cfg is not None:
+            cls = {"dynamic": DynamicNTKRotaryEmbedding, "longrope": LongRotaryEmbedding}.get(cfg.rope_type, cls)
+        return super().__new__(cls)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -158,6 +167,55 @@ class RotaryEmbedding(nn.Module):
         self.cos_cached, self.sin_cached = self._tables(self.inv_freq, self.cfg.max_seq_len, self.attention_factor)
         self.__dict__.pop("_long", None)  # LongRoPE's long tables: rebuilt on the new device on first use
 
+    @staticmethod
+    def _tables(inv_freq: torch.Tensor, length: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.arange(length, dtype=torch.float32, device=inv_freq.device)
+        freqs = torch.outer(t, inv_freq.float())  # (T, d/2): angle m * theta_i
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, d): half-split layout
+        return emb.cos() * scale, emb.sin() * scale
+
+    def for_length(self, seen: int | None, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) tables (L, d) for a sequence of ``seen`` positions (max position + 1; None: read it
+        from ``positions``). Plain RoPE and the fixed scalings have one table for every length."""
+        return self.cos_cached, self.sin_cached
+
+    def tables(self, positions: torch.Tensor, seen: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for ``positions`` (B|1, T): each (B|1, 1, T, head_dim)."""
+        cos, sin = self.for_length(seen, positions)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def forward(
+        self, start: int, length: int, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions start .. start+length-1, or for explicit ``position_ids`` (B, T)."""
+        cos, sin = self.for_length(start + length if position_ids is None else None, position_ids)
+        if position_ids is None:  # contiguous positions: a slice, no gather (the common case)
+            return cos[start : start + length], sin[start : start + length]
+        return cos[position_ids], sin[position_ids]
+
+
+def _seen(seen: int | None, positions: torch.Tensor | None) -> int:
+    """The sequence length: ``seen``, else max(positions) + 1 (a read-back from the device)."""
+    return seen if seen is not None else int(positions.max()) + 1  # type: ignore[union-attr]
+
+
+class DynamicNTKRotaryEmbedding(RotaryEmbedding):
+    """Dynamic NTK: beyond the original context the base grows with the sequence seen so far (max position
+    + 1), and the tables are recomputed for that length, as Hugging Face does."""
+
+    def for_length(self, seen: int | None, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        seen = _seen(seen, positions)
+        l0 = int((self.cfg.rope_scaling or {}).get("original_max_position_embeddings") or self.cfg.max_seq_len)
+        if seen <= l0:
+            return self.cos_cached, self.sin_cached
+        inv_freq, _ = rope_inv_freq(self.cfg, seq_len=seen)
+        return self._tables(inv_freq.to(self.cos_cached.device), seen, 1.0)
+
+
+class LongRotaryEmbedding(RotaryEmbedding):
+    """LongRoPE: the long factors, for every position of the call, once the sequence (max position + 1)
+    outgrows the original context (as transformers switches)."""
+
     def long_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """LongRoPE's cos/sin tables with the long factors (built on first use)."""
         if not hasattr(self, "_long"):
@@ -166,37 +224,11 @@ class RotaryEmbedding(nn.Module):
             self._long = self._tables(inv_freq.to(self.cos_cached.device), self.cfg.max_seq_len, scale)
         return self._long
 
-    @staticmethod
-    def _tables(inv_freq: torch.Tensor, length: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        t = torch.arange(length, dtype=torch.float32, device=inv_freq.device)
-        freqs = torch.outer(t, inv_freq.float())  # (T, d/2): angle m * theta_i
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, d): half-split layout
-        return emb.cos() * scale, emb.sin() * scale
-
-    def forward(
-        self, start: int, length: int, position_ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for positions start .. start+length-1, or for explicit ``position_ids`` (B, T).
-
-        Only dynamic NTK and LongRoPE look at the length: beyond the original context the dynamic base grows
-        with the sequence seen so far (max position + 1), and LongRoPE switches to its long factors, as Hugging
-        Face recomputes them.
-        """
-        cos, sin = self.cos_cached, self.sin_cached
-        if self.cfg.rope_type == "longrope":
-            l0 = int((self.cfg.rope_scaling or {})["original_max_position_embeddings"])
-            seen = start + length if position_ids is None else int(position_ids.max()) + 1
-            if seen > l0:  # the long factors, for every position of this call (as transformers switches)
-                cos, sin = self.long_tables()
-        elif self.cfg.rope_type == "dynamic":
-            l0 = int((self.cfg.rope_scaling or {}).get("original_max_position_embeddings") or self.cfg.max_seq_len)
-            seen = start + length if position_ids is None else int(position_ids.max()) + 1
-            if seen > l0:
-                inv_freq, _ = rope_inv_freq(self.cfg, seq_len=seen)
-                cos, sin = self._tables(inv_freq.to(cos.device), seen, 1.0)
-        if position_ids is None:  # contiguous positions: a slice, no gather (the common case)
-            return cos[start : start + length], sin[start : start + length]
-        return cos[position_ids], sin[position_ids]
+    def for_length(self, seen: int | None, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        l0 = int((self.cfg.rope_scaling or {})["original_max_position_embeddings"])
+        if _seen(seen, positions) > l0:
+            return self.long_tables()
+        return self.cos_cached, self.sin_cached
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -206,7 +238,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin. x: (B, H, T, d); cos/sin: (T, d) or (B, T, d)."""
-    if cos.dim() == 3:  # per-row positions: broadcast over heads
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    """x * cos + rotate_half(x) * sin. x: (B, H, T, d); cos/sin broadcastable to it: (T, d) or (B|1, 1, T, d)
+    (``RotaryEmbedding.tables``); per-row tables (B, T, d) from ``forward`` need ``unsqueeze(1)`` first."""
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+def rotate_qk(qk: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """RoPE on the stacked query and key heads qk (B, H + H_kv, T, d): both are rotated alike, in one call."""
+    return apply_rope(qk, *tables)
+
+
+def keep_qk(qk: torch.Tensor, tables: object) -> torch.Tensor:
+    """No rotation: positions enter as added embeddings (learned, sinusoidal) instead."""
+    return qk

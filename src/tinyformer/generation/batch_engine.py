@@ -9,7 +9,7 @@ the trainer's samples, and the server's ``Scheduler``) drives a :class:`BatchEng
 
 Each :meth:`BatchEngine.step` runs **one decode step** for every decoding row together::
 
-    logits = model(tokens (R, 1), cache rows 0 .. R-1, cache_positions (R,))     # (R, V)
+    logits = model(tokens (R, 1), cache=cache rows 0 .. R-1 .at(positions (R,)))     # (R, V)
 
 (row r attends to its own cache row up to its own position, so rows of different lengths share the
 step), and then **one prefill round**: the rows still prefilling feed their next prompt tokens, at most
@@ -183,7 +183,7 @@ class CompiledStep:
         self._fns: dict[bool, Callable[..., Tensor]] = {}
 
     def logits(self, tokens: Tensor, positions: Tensor, cache: Any, span: Tensor) -> Tensor:
-        return self.model(tokens, cache=cache, cache_positions=positions, kv_len=span.shape[0])[:, -1]
+        return self.model(tokens, cache=cache.at(positions, span.shape[0]))[:, -1]
 
     def greedy(self, tokens: Tensor, positions: Tensor, cache: Any, span: Tensor) -> Tensor:
         return self.logits(tokens, positions, cache, span).argmax(dim=-1)
@@ -274,7 +274,7 @@ class BatchEngine:
         self.compiled = None if self.per_row else compiled
         self.pow2_buckets = buckets
         # right-padded batched prefill would write padding into ring slots still inside a row's window
-        self.pad_prefill = not any(self.cache.rolling) and not self.per_row
+        self.pad_prefill = self.cache.indexed_by_position and not self.per_row
         # a PrefixCache (generation/prefix_cache.py) shared by the requests of this engine, when its rows
         # hold position p at index p (no rolling ring) and keys do not depend on the sequence's length
         self.prefix_cache = prefix_cache if prefix_cache is not None and not self.per_row \
@@ -429,7 +429,7 @@ class BatchEngine:
         cache = self._view(n)
         picked: Tensor | None = None
         if compiled is None:
-            logits = self.model(t, cache=cache, cache_positions=p, kv_len=kv)[:, -1]
+            logits = self.model(t, cache=cache.at(p, kv))[:, -1]
         else:
             # greedy ids from the graph for one row (a bucket of several returns logits: one graph per bucket)
             ids_only = n == 1 and all(r.ids_only for r in rows)
@@ -524,7 +524,7 @@ class BatchEngine:
             h = self.model.hidden_states(x, cache=view)
             last = torch.tensor([len(f) - 1 for f in feeds], device=self.device)
             h = h[torch.arange(len(group), device=self.device), last]
-            logits = self.model._softcap(self.model.lm_head(h))
+            logits = self.model.logits(h)
         for r, f in zip(group, feeds):
             r.pos += len(f)
         return logits

@@ -110,7 +110,7 @@ class PrefixCache:
     def enabled_for(self, cache: KVCache) -> bool:
         """Whether this cache's rows hold position p at index p in every layer (no rolling ring) with
         this pool's shapes, so blocks can be copied in and out."""
-        if any(cache.rolling) or len(cache.layers) != self.n_layer:
+        if not cache.indexed_by_position or len(cache.layers) != self.n_layer:
             return False
         k = cache.layers[0][0]
         return k.shape[1] == self.n_kv_head and k.shape[3] == self.head_dim

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tinyformer.components.attention import SelfAttention, safe_softmax
+from tinyformer.components.kv_cache import WHOLE_SEQUENCE
 from tinyformer.components.rope import apply_rope
 from tinyformer.inspect.plotting import pyplot, save_figure, token_label
 
@@ -67,11 +68,11 @@ def attention_maps(model: nn.Module, input_ids: torch.Tensor, **forward_kwargs: 
     maps: list[torch.Tensor] = []
 
     def capture(module: SelfAttention, args: tuple, kwargs: dict) -> None:
-        names = ("x", "rope", "mask", "cache", "start", "kv_len")
-        bound = {**dict(zip(names, args)), **kwargs}
-        if bound.get("cache") is not None:
+        bound = {**dict(zip(("x", "step"), args)), **kwargs}
+        step = bound.get("step", WHOLE_SEQUENCE)
+        if getattr(step, "cache", None) is not None:
             raise ValueError("attention_maps needs a forward without a KV cache")
-        maps.append(attention_probs_of(module, bound["x"], bound.get("rope"), bound.get("mask")))
+        maps.append(attention_probs_of(module, bound["x"], step.rope[module.layer], step.masks[module.layer]))
 
     handles = [m.register_forward_pre_hook(capture, with_kwargs=True)
                for m in model.modules() if isinstance(m, SelfAttention)]

@@ -28,6 +28,7 @@ from torch import nn
 from tinyformer.components.block import Block
 from tinyformer.components.cross_attention import source_padding_mask
 from tinyformer.components.initialization import init_weights
+from tinyformer.components.kv_cache import Step
 from tinyformer.components.norm import build_norm
 from tinyformer.components.positions import LearnedPositions, SinusoidalPositions
 from tinyformer.components.rope import RotaryEmbedding
@@ -142,10 +143,12 @@ class EncoderModel(nn.Module):
                 ) -> torch.Tensor:
         """Final hidden states (B, T, d), as ``transformers.BertModel``'s ``last_hidden_state``."""
         x = self.embed(input_ids, token_type_ids, position_ids)
-        rope = self.rope(0, input_ids.shape[1], position_ids) if self.rope is not None else None
-        mask = source_padding_mask(attention_mask)  # (B, 1, 1, T): padding keys hidden from every query
+        positions = position_ids if position_ids is not None else torch.arange(input_ids.shape[1])[None]
+        rope = self.rope.tables(positions.to(input_ids.device)) if self.rope is not None else None
+        # (B, 1, 1, T): padding keys hidden from every query
+        step = Step.whole(source_padding_mask(attention_mask), rope)
         for block in self.blocks:
-            x = block(x, rope, mask)
+            x = block(x, step)
         return self.norm(x)
 
     def pooled(self, hidden: torch.Tensor) -> torch.Tensor:

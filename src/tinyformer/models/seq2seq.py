@@ -31,7 +31,7 @@ from tinyformer.components.block import Block
 from tinyformer.components.cross_attention import CrossAttention, source_padding_mask
 from tinyformer.components.ffn import build_ffn
 from tinyformer.components.initialization import init_weights
-from tinyformer.components.kv_cache import KVCache
+from tinyformer.components.kv_cache import WHOLE_SEQUENCE, KVCache, Step
 from tinyformer.components.norm import build_norm
 from tinyformer.components.positions import LearnedPositions, SinusoidalPositions
 from tinyformer.components.rope import RotaryEmbedding
@@ -46,11 +46,11 @@ class DecoderBlock(nn.Module):
 
     Post-Norm: y = Norm(x + F(x)) per sublayer; Pre-Norm: y = x + F(Norm(x)) (see components/block.py)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.pre_norm = cfg.norm_placement == "pre"
         self.attn_norm = build_norm(cfg)
-        self.attn = SelfAttention(cfg, causal=True)
+        self.attn = SelfAttention(cfg, causal=True, layer=layer)
         self.cross_norm = build_norm(cfg)
         self.cross_attn = CrossAttention(cfg)
         self.ffn_norm = build_norm(cfg)
@@ -58,15 +58,14 @@ class DecoderBlock(nn.Module):
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, memory_kv: tuple[torch.Tensor, torch.Tensor], src_mask: torch.Tensor | None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0) -> torch.Tensor:
-        """x (B, T, d) -> (B, T, d). ``src_mask`` (B, 1, 1, S) bool or None; ``cache`` this layer's
-        self-attention buffers, filled up to ``start``."""
+                step: Step = WHOLE_SEQUENCE) -> torch.Tensor:
+        """x (B, T, d) -> (B, T, d). ``src_mask`` (B, 1, 1, S) bool or None; ``step`` the call's positions and
+        self-attention cache (components/kv_cache.py)."""
         if self.pre_norm:
-            x = x + self.drop(self.attn(self.attn_norm(x), rope, None, cache, start))
+            x = x + self.drop(self.attn(self.attn_norm(x), step))
             x = x + self.drop(self.cross_attn(self.cross_norm(x), memory_kv, src_mask))
             return x + self.drop(self.ffn(self.ffn_norm(x)))
-        x = self.attn_norm(x + self.drop(self.attn(x, rope, None, cache, start)))
+        x = self.attn_norm(x + self.drop(self.attn(x, step)))
         x = self.cross_norm(x + self.drop(self.cross_attn(x, memory_kv, src_mask)))
         return self.ffn_norm(x + self.drop(self.ffn(x)))
 
@@ -96,7 +95,7 @@ class Seq2SeqModel(nn.Module):
         self.emb_drop = nn.Dropout(cfg.embd_dropout) if cfg.embd_dropout > 0 else nn.Identity()
         self.encoder = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.n_encoder_layer))
         self.encoder_norm = build_norm(cfg) if cfg.final_norm else nn.Identity()
-        self.decoder = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_layer))
+        self.decoder = nn.ModuleList(DecoderBlock(cfg, layer=i) for i in range(cfg.n_layer))
         self.norm = build_norm(cfg) if cfg.final_norm else nn.Identity()
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -127,9 +126,9 @@ class Seq2SeqModel(nn.Module):
         positions = self.src_pos_emb if self.src_pos_emb is not None else self.pos_emb
         x = self._embed(src_ids, table, positions, self.src_emb_norm)
         rope = self.rope(0, src_ids.shape[1]) if self.rope is not None else None
-        mask = source_padding_mask(src_mask)
+        step = Step.whole(source_padding_mask(src_mask), rope)
         for block in self.encoder:
-            x = block(x, rope, mask)
+            x = block(x, step)
         return self.encoder_norm(x)
 
     def cross_kv(self, memory: torch.Tensor) -> CrossKV:
@@ -143,16 +142,12 @@ class Seq2SeqModel(nn.Module):
         ``cross`` (from ``cross_kv``). With a ``cache``, the T tokens continue what it holds."""
         T = tgt_ids.shape[1]
         start = cache.length if cache is not None else 0
-        if cache is not None and start + T > cache.max_len:
-            raise GenerationError(f"the KV cache holds {cache.max_len} positions; {start} are used and "
-                                  f"{T} more were given")
         x = self._embed(tgt_ids, self.tok_emb, self.pos_emb, self.emb_norm, start)
-        rope = self.rope(start, T) if self.rope is not None else None
+        step = cache.begin(tgt_ids) if cache is not None else Step.whole()  # the cache checks its room
+        step.rope = [self.rope(start, T) if self.rope is not None else None] * len(self.decoder)
         mask = source_padding_mask(src_mask)
         for i, block in enumerate(self.decoder):
-            x = block(x, cross[i], mask, rope, cache.layers[i] if cache is not None else None, start)
-        if cache is not None:
-            cache.length = start + T
+            x = block(x, cross[i], mask, step)
         return self.norm(x)
 
     def forward(self, src_ids: torch.Tensor, tgt_ids: torch.Tensor, *, src_mask: torch.Tensor | None = None
