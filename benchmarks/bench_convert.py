@@ -61,7 +61,7 @@ def build_checkpoint(folder: Path, layers: int, dtype_name: str, shard_bytes: in
     """Write the random checkpoint tensor by tensor; returns (parameters, bytes)."""
     import torch
 
-    from tinyformer.interop.safetensors_io import TensorSpec, write_planned
+    from tinyformer.safetensors_io import TensorSpec, write_planned
 
     dtype = getattr(torch, dtype_name)
     config = llama_config(layers)

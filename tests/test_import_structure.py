@@ -28,13 +28,6 @@ ENTRY_POINTS = {"tinyformer.__main__"}
 #: is gone (so the list only shrinks) and on any edge not listed.
 ALLOWED: dict[tuple[str, str], str] = {
     # components/: one module cycle each
-    ("tinyformer.components.ffn", "tinyformer.components.moe"):
-        "build_ffn picks MoE, whose experts are ffn.SwiGLU: the choice belongs to the block or model",
-    ("tinyformer.components.quant_kernels", "tinyformer.components.quantized"):
-        "the PyTorch fallbacks call quantized.dequantize_weight / unpack_int4: those formulas belong below both",
-    # run_folder.py -> interop/: the generic safetensors reader sits in interop/
-    ("tinyformer.run_folder", "tinyformer.interop.safetensors_io"):
-        "run folders read safetensors through interop/safetensors_io.py: the reader belongs below run_folder.py",
     # training/ -> evaluation/: the report card
     ("tinyformer.training.trainer", "tinyformer.evaluation.report"):
         "the trainer adds the built-in task's accuracy to report.md: one report card writer, below training/",

@@ -328,7 +328,7 @@ def llama_cpp_rope_freqs(head_dim: int, theta: float, factor: float, low: float,
 def test_streaming_safetensors_writer_is_read_by_the_safetensors_library(tmp_path):
     from safetensors.torch import load_file
 
-    from tinyformer.interop.safetensors_io import TensorSpec, write_planned
+    from tinyformer.safetensors_io import TensorSpec, write_planned
 
     tensors = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.arange(4)),
                ("d", torch.randn(2, 2).half()), ("e", torch.tensor(1.5))]
@@ -347,7 +347,7 @@ def test_streaming_safetensors_writer_is_read_by_the_safetensors_library(tmp_pat
 def test_safetensors_reader_matches_the_library_and_rejects_truncation(tmp_path):
     from safetensors.torch import save_file
 
-    from tinyformer.interop.safetensors_io import SafetensorsFile
+    from tinyformer.safetensors_io import SafetensorsFile
 
     tensors = {"x": torch.randn(4, 8), "y": torch.randn(3).to(torch.bfloat16), "z": torch.ones(2, dtype=torch.int64)}
     save_file(tensors, tmp_path / "m.safetensors")

@@ -154,7 +154,7 @@ def checked_weight_files(run_dir: str | Path, verify: bool = True) -> list[Path]
 def tensor_bytes(run_dir: str | Path, verify: bool = True) -> int:
     """Bytes of the tensors in the run's safetensors file(s), summed from their headers (no tensor is read;
     with ``verify`` the files are checked against the manifest first)."""
-    from tinyformer.interop.safetensors_io import SafetensorsFile
+    from tinyformer.safetensors_io import SafetensorsFile
 
     total = 0
     for path in checked_weight_files(run_dir, verify):

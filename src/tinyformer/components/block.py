@@ -20,10 +20,23 @@ import torch
 from torch import nn
 
 from tinyformer.components.attention import SelfAttention
-from tinyformer.components.ffn import build_ffn
+from tinyformer.components.ffn import MLP, GeGLU, SwiGLU
 from tinyformer.components.kv_cache import WHOLE_SEQUENCE, Step
+from tinyformer.components.moe import MoE
 from tinyformer.components.norm import build_norm
 from tinyformer.config import ModelConfig
+
+
+def build_ffn(cfg: ModelConfig) -> nn.Module:
+    """The feed-forward sublayer ``cfg.ffn`` names: routed experts (components/moe.py, SwiGLU experts), SwiGLU,
+    GeGLU-tanh, or the two-matrix GELU/ReLU MLP (components/ffn.py)."""
+    if cfg.ffn == "moe":
+        return MoE(cfg)
+    if cfg.ffn == "swiglu":
+        return SwiGLU(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
+    if cfg.ffn == "geglu_tanh":
+        return GeGLU(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
+    return MLP(cfg.d_model, cfg.d_ff, cfg.ffn, bias=cfg.mlp_bias)
 
 
 class Block(nn.Module):

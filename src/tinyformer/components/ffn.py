@@ -16,8 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyformer.config import ModelConfig
-
 
 class _SiluMul(torch.autograd.Function):
     """silu(g) * u from the fused projection output gu = [g, u] (..., 2 f) -> (..., f).
@@ -98,14 +96,3 @@ class MLP(nn.Module):
             h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
         return self.down(h)
 
-
-def build_ffn(cfg: ModelConfig) -> nn.Module:
-    if cfg.ffn == "moe":  # routed experts (components/moe.py), which builds on SwiGLU
-        from tinyformer.components.moe import MoE
-
-        return MoE(cfg)
-    if cfg.ffn == "swiglu":
-        return SwiGLU(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
-    if cfg.ffn == "geglu_tanh":
-        return GeGLU(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
-    return MLP(cfg.d_model, cfg.d_ff, cfg.ffn, bias=cfg.mlp_bias)

@@ -116,17 +116,43 @@ def available() -> bool:
     return bool(_state["ok"])
 
 
+# ---------------------------------------------------------------- the formats' formulas (components/quantized.py
+# quantizes with them; the reference kernels below compute with them)
+
+
+def pack_int4(u: torch.Tensor) -> torch.Tensor:
+    """(out, in) values in [0, 15] -> (out, in/2) uint8: column 2j low nibble, 2j+1 high nibble."""
+    u = u.to(torch.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """(out, in/2) uint8 -> (out, in) uint8 values in [0, 15]; inverse of ``pack_int4``."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def dequantize_weight(t: dict[str, torch.Tensor], quant_type: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """{"qweight", "scales"[, "zeros"]} -> W (out, in): s * q (int8) or s * (u - 8) + z (int4)."""
+    q, s = t["qweight"], t["scales"].float()
+    if quant_type == "int4":
+        v = unpack_int4(q).float() - 8
+    else:
+        v = q.float()
+    out_f, in_f = v.shape
+    n_groups = s.shape[1]
+    w = v.reshape(out_f, n_groups, in_f // n_groups) * s[..., None]
+    if quant_type == "int4":
+        w = w + t["zeros"].float()[..., None]
+    return w.reshape(out_f, in_f).to(dtype)
+
+
 def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """The formula in PyTorch: x (M, K) @ (s_og q_oi)^T, computed in float32, returned in x's dtype."""
-    from tinyformer.components.quantized import dequantize_weight  # that module imports this one
-
     return (x.float() @ dequantize_weight({"qweight": q, "scales": s}, "int8").t()).to(x.dtype)
 
 
 def int4_linear_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """The formula in PyTorch: x (M, K) @ (s_og (u_oi - 8) + z_og)^T in float32, returned in x's dtype."""
-    from tinyformer.components.quantized import dequantize_weight
-
     return (x.float() @ dequantize_weight({"qweight": q, "scales": s, "zeros": z}, "int4").t()).to(x.dtype)
 
 
@@ -166,8 +192,6 @@ def int4_linear_act8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch
     group sums of x, the 4-bit values the rounded x (as the kernel computes them)."""
     if available():
         return torch.ops.tinyformer.int4_linear_act8(x, q, s, z)
-    from tinyformer.components.quantized import unpack_int4
-
     xr = round_activations(x)
     n = q.shape[0]
     g = q.shape[1] * 2 // s.shape[1]

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyformer.components import quant_kernels
+from tinyformer.components.quant_kernels import dequantize_weight, pack_int4, unpack_int4
 from tinyformer.errors import ConfigError
 
 QUANT_TYPES = ("int8", "int4")
@@ -113,17 +114,6 @@ class QuantSpec:
 # ------------------------------------------------------------------ quantize / dequantize (the formulas)
 
 
-def pack_int4(u: torch.Tensor) -> torch.Tensor:
-    """(out, in) values in [0, 15] -> (out, in/2) uint8: column 2j low nibble, 2j+1 high nibble."""
-    u = u.to(torch.uint8)
-    return u[:, 0::2] | (u[:, 1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """(out, in/2) uint8 -> (out, in) uint8 values in [0, 15]; inverse of ``pack_int4``."""
-    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
-
-
 def quantize_weight(w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
     """W (out, in) float -> {"qweight", "scales"} (+ "zeros" for int4), the module doc's formulas, computed in
     float32 whatever W's dtype."""
@@ -141,21 +131,6 @@ def quantize_weight(w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]
     u = torch.round((wg - lo[..., None]) / safe[..., None]).clamp(0, 15)
     zeros = lo + 8 * scale
     return {"qweight": pack_int4(u.reshape(out_f, in_f)), "scales": scale.contiguous(), "zeros": zeros.contiguous()}
-
-
-def dequantize_weight(t: dict[str, torch.Tensor], quant_type: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """{"qweight", "scales"[, "zeros"]} -> W (out, in): s * q (int8) or s * (u - 8) + z (int4)."""
-    q, s = t["qweight"], t["scales"].float()
-    if quant_type == "int4":
-        v = unpack_int4(q).float() - 8
-    else:
-        v = q.float()
-    out_f, in_f = v.shape
-    n_groups = s.shape[1]
-    w = v.reshape(out_f, n_groups, in_f // n_groups) * s[..., None]
-    if quant_type == "int4":
-        w = w + t["zeros"].float()[..., None]
-    return w.reshape(out_f, in_f).to(dtype)
 
 
 def int4_kernel_applies(out_features: int, group: int, device: torch.device) -> bool:

@@ -7,7 +7,6 @@ GGUF files and PEFT adapters out.
     convert_pipeline.py check / plan / write into a staging folder, shared by every conversion
     gguf.py             the GGUF reader: llama.cpp GGUF -> run folder (dequantize, undo the q/k permutation, tokenizer)
     gguf_export.py      the GGUF writer: run folder -> GGUF (metadata, q/k permutation, quantization, tokenizer)
-    safetensors_io.py   safetensors reading and planned, unbuffered writing
     peft.py             LoRA run -> merged run folder or PEFT adapter folder
 
 What differs between architectures (config keys, tensor names, GGUF metadata and names, RoPE convention) lives in

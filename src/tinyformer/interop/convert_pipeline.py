@@ -37,8 +37,8 @@ from tinyformer.config import ModelConfig
 from tinyformer.errors import CheckpointError, ConfigError, DataError
 from tinyformer.families import adapter_for_hf
 from tinyformer.integrity import write_manifest
-from tinyformer.interop.safetensors_io import TensorSpec, write_planned
 from tinyformer.interop.tensor_sources import MetaStateDict, TensorSource, TensorView, name_list, read_json
+from tinyformer.safetensors_io import TensorSpec, write_planned
 from tinyformer.sizing import check_buildable
 from tinyformer.utils.io import (
     atomic_write_bytes,

@@ -38,8 +38,8 @@ from tinyformer.interop.convert_pipeline import (
     staged_output,
     write_json,
 )
-from tinyformer.interop.safetensors_io import write_planned
 from tinyformer.interop.tensor_sources import MetaStateDict, SafetensorsSource, TensorSource, open_hf_weights, read_json
+from tinyformer.safetensors_io import write_planned
 from tinyformer.utils.io import atomic_write_bytes
 
 

@@ -25,7 +25,7 @@ from tinyformer.config import ModelConfig
 from tinyformer.devices import DTYPE_NAMES
 from tinyformer.errors import CheckpointError
 from tinyformer.integrity import checked_shard_names
-from tinyformer.interop.safetensors_io import SafetensorsFile
+from tinyformer.safetensors_io import SafetensorsFile
 
 
 class TensorSource:

@@ -27,9 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyformer.components.attention import SelfAttention
-from tinyformer.components.block import Block
+from tinyformer.components.block import Block, build_ffn
 from tinyformer.components.cross_attention import CrossAttention, source_padding_mask
-from tinyformer.components.ffn import build_ffn
 from tinyformer.components.initialization import init_weights
 from tinyformer.components.kv_cache import WHOLE_SEQUENCE, KVCache, Step
 from tinyformer.components.norm import build_norm
