@@ -214,7 +214,8 @@ def test_report_card_gains_the_eval_table(run: Path, tmp_path: Path, monkeypatch
 def test_builtin_accuracy_lands_beside_the_loss_in_the_report_card(run: Path, tmp_path: Path) -> None:
     import shutil
 
-    from tinyformer.evaluation.report import add_builtin_accuracy, merge_eval_table
+    from tinyformer.evaluation.tasks import add_builtin_accuracy
+    from tinyformer.report_card import merge_eval_table
 
     stdlib = tmp_path / "stdlib"
     for module, cls in [("alpha", "A"), ("beta", "B"), ("gamma", "C"), ("delta", "D"), ("eps", "E")]:

@@ -170,12 +170,12 @@ def test_to_gguf_into_a_folder_says_it_is_a_folder_even_without_force(trained, t
 
 def test_eval_prints_its_figures_and_warns_when_the_report_card_cannot_be_written(trained, run, capsys,
                                                                                     monkeypatch):
-    import tinyformer.evaluation.report
+    import tinyformer.report_card
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(run / "report.md"))
 
-    monkeypatch.setattr(tinyformer.evaluation.report, "merge_eval_table", read_only)
+    monkeypatch.setattr(tinyformer.report_card, "merge_eval_table", read_only)
     capsys.readouterr()
     assert main(["eval", "--model", str(run), "--data", str(trained.parent / "corpus.txt"),
                  "--no-progress"]) == 0

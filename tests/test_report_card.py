@@ -1,4 +1,4 @@
-"""report.md and the console (evaluation/report.py): one figure, one value, one label; tokens as trained on;
+"""report.md and the console (report_card.py): one figure, one value, one label; tokens as trained on;
 the chat objectives' own schedule; derived runs' own cards; the built-in task's legend."""
 
 from __future__ import annotations
@@ -192,8 +192,8 @@ def test_convert_imports_and_merges_write_their_own_cards(corpus, tmp_path, caps
 
 
 def test_the_eval_table_names_the_builtin_task_and_its_chance_level(tmp_path):
-    from tinyformer.evaluation.report import merge_eval_table
     from tinyformer.evaluation.tasks import builtin_task
+    from tinyformer.report_card import merge_eval_table
 
     stdlib = tmp_path / "stdlib"
     stdlib.mkdir()

@@ -46,7 +46,7 @@ from tinyformer.utils.io import atomic_write_text
 if TYPE_CHECKING:
     from tinyformer.training.objectives import Objective
 
-__all__ = ["BEGIN", "END", "REPORT", "add_builtin_accuracy", "derived_card", "heldout_line", "merge_eval_table",
+__all__ = ["BEGIN", "END", "REPORT", "derived_card", "heldout_line", "merge_eval_table",
            "task_rows", "train_loss_line", "training_card", "write_derived_card", "write_training_card"]
 
 REPORT = "report.md"
@@ -194,14 +194,3 @@ def task_rows(name: str, scores: dict[str, dict[str, Any]]) -> list[Row]:
     return [(name, metric, value, part["n"]) for part in scores.values() for metric, value in part.items()
             if metric != "n" and not metric.endswith("_stderr")]
 
-
-def add_builtin_accuracy(run: str | Path, model: Any, tokenizer: Any, questions: int = 100, batch_size: int = 8,
-                         stdlib_dir: str | Path | None = None) -> Path | None:
-    """Score the built-in task and put its accuracy into ``run``'s report card (if it has one): what a
-    training recipe calls at its end so that its report card shows an accuracy beside the loss."""
-    from tinyformer.evaluation.tasks import BUILTIN, builtin_task, evaluate_items
-
-    if not (Path(run) / REPORT).is_file():
-        return None
-    scores = evaluate_items(model, tokenizer, builtin_task(questions, stdlib_dir=stdlib_dir), batch_size=batch_size)
-    return merge_eval_table(run, task_rows(f"task {BUILTIN}", scores))

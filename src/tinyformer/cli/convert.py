@@ -143,9 +143,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_card(args: argparse.Namespace, report) -> None:
-    """The written run folder's own report.md (evaluation/report.py): what it is, from what, with which
+    """The written run folder's own report.md (report_card.py): what it is, from what, with which
     settings, and where the parent's card is (a LoRA run's; an HF folder or a GGUF file has none)."""
-    from tinyformer.evaluation.report import write_derived_card
+    from tinyformer.report_card import write_derived_card
 
     cfg = report.cfg
     dtype = str(report.dtype).removeprefix("torch.")

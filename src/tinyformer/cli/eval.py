@@ -101,7 +101,7 @@ def _chat_line(kind: str, result: dict) -> str:
 
 def _report_text(args: argparse.Namespace, result: dict) -> str | None:
     """Add loss, perplexity and bits per byte on ``--data`` to the run's report card, if it has one."""
-    from tinyformer.evaluation.report import merge_eval_table
+    from tinyformer.report_card import merge_eval_table
 
     if args.no_report:
         return None

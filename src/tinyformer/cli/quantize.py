@@ -65,9 +65,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_card(args: argparse.Namespace, spec: QuantSpec, report) -> None:
-    """The quantized run's own report.md (evaluation/report.py): what it is, from which run, the settings,
+    """The quantized run's own report.md (report_card.py): what it is, from which run, the settings,
     the weight sizes and, with --report, each layer's error; the float run's card stays in the float run."""
-    from tinyformer.evaluation.report import write_derived_card
+    from tinyformer.report_card import write_derived_card
 
     g = "one scale per output row" if spec.group_size == 0 else f"groups of {spec.group_size} input values per scale"
     settings = [("type", f"`{spec.type}`, weight-only, float32 scales ({g})"), ("kernel", f"`{spec.kernel}`"),

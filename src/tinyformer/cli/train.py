@@ -118,8 +118,11 @@ def build_spec(args: argparse.Namespace):  # -> RunSpec
         raise ConfigError("--resume and --force contradict each other: continue the run, or start it over")
     if resume and args.preset:
         raise ConfigError("--preset cannot change the model of a run being resumed")
+    from tinyformer.evaluation.tasks import add_builtin_accuracy
+
     return RunSpec(sections=sections, config_file=args.config, model_overrides=overrides["model"],
-                   train_overrides=overrides["train"], out=out, resume=resume, force=args.force)
+                   train_overrides=overrides["train"], out=out, resume=resume, force=args.force,
+                   builtin_task_scorer=add_builtin_accuracy)
 
 
 def schedule_text(cfg: TrainConfig, chosen: str | None = None) -> str:

@@ -4,7 +4,7 @@
 ``--harness`` runs lm-evaluation-harness tasks through the tinyformer lm-eval model
 (:mod:`tinyformer.evaluation.harness`, needs the ``eval`` extra). Both print one line per figure, or
 one JSON object with ``--json``, and add their figures to the run's report card when it has one
-(:mod:`tinyformer.evaluation.report`).
+(:mod:`tinyformer.report_card`).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _check(args: argparse.Namespace) -> None:
 def _task(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[str, str, float, int | None]]]:
     from tinyformer.devices import resolve_device
     from tinyformer.evaluation import tasks
-    from tinyformer.evaluation.report import task_rows
+    from tinyformer.report_card import task_rows
     from tinyformer.run_folder import load_model, load_tokenizer
 
     if args.task == tasks.BUILTIN:
@@ -105,7 +105,7 @@ def _harness(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[str, 
 
 def run_modes(args: argparse.Namespace) -> int:
     """`tinyformer eval --task/--harness`: evaluate, print, update the report card."""
-    from tinyformer.evaluation.report import merge_eval_table
+    from tinyformer.report_card import merge_eval_table
 
     _check(args)
     from tinyformer.utils.io import report_or_warning

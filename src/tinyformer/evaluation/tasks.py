@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from tinyformer.errors import DataError
+from tinyformer.report_card import REPORT, merge_eval_table, task_rows
 from tinyformer.utils.io import read_utf8
 
 __all__ = ["BUILTIN", "INSTRUCTIONS", "ExactAnswer", "MultipleChoice", "builtin_task", "encode_pair", "evaluate_items",
@@ -278,3 +279,13 @@ def instruction_task(fraction: float = 0.1, stdlib_dir: str | Path | None = None
 
     rows = sorted(heldout_questions(fraction, stdlib_dir), key=lambda qa: hashlib.sha1(qa[0].encode()).hexdigest())
     return [ExactAnswer(q, a, DEFAULT_STOP, True) for q, a in rows]
+
+
+def add_builtin_accuracy(run: str | Path, model: Any, tokenizer: Any, questions: int = 100, batch_size: int = 8,
+                         stdlib_dir: str | Path | None = None) -> Path | None:
+    """Score the built-in task and put its accuracy into ``run``'s report card (if it has one): what a
+    training recipe calls at its end so that its report card shows an accuracy beside the loss."""
+    if not (Path(run) / REPORT).is_file():
+        return None
+    scores = evaluate_items(model, tokenizer, builtin_task(questions, stdlib_dir=stdlib_dir), batch_size=batch_size)
+    return merge_eval_table(run, task_rows(f"task {BUILTIN}", scores))

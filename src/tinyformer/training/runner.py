@@ -74,6 +74,9 @@ class RunSpec:
     out: str | None = None
     resume: bool = False
     force: bool = False
+    #: ``Trainer.builtin_task_scorer``: what adds the built-in task's accuracy to report.md (cli/train.py
+    #: passes ``evaluation.tasks.add_builtin_accuracy``)
+    builtin_task_scorer: Callable[..., object] | None = None
 
 
 def default_run_dir() -> Path:
@@ -395,6 +398,7 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
     try:
         trainer = make_trainer(model_cfg, train, objective, run_dir, rank=rank, world_size=world_size)
         trainer.run_files = files
+        trainer.builtin_task_scorer = spec.builtin_task_scorer
         if spec.resume:
             if latest is not None:
                 trainer.restore(latest)

@@ -27,7 +27,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +119,10 @@ class Trainer:
         # the run folder's files (train.yaml, config.json, tokenizer files) stored with every checkpoint;
         # set by runner.prepare_run
         self.run_files: dict[str, bytes] = {}
+        #: scores the built-in question task into report.md at the end of a run on the built-in corpus:
+        #: ``scorer(run_dir, model, tokenizer)``; the command line passes evaluation's (training does not import
+        #: evaluation/), None leaves the card without it
+        self.builtin_task_scorer: Callable[[Path, Any, Any], object] | None = None
         # asked to stop (Ctrl-C / SIGTERM, interrupt.py): the loop saves and returns after the current step
         self.stop_request: Any = None
         self.flops_per_token = self._flops_per_token()
@@ -390,19 +394,19 @@ class Trainer:
                             interrupted)
 
     def write_report(self) -> None:
-        """Write report.md (:mod:`tinyformer.evaluation.report`) for the model as it is now."""
-        from tinyformer.evaluation.report import write_training_card
+        """Write report.md (:mod:`tinyformer.report_card`) for the model as it is now."""
+        from tinyformer.report_card import write_training_card
         from tinyformer.training.metrics import read_metrics
 
         write_training_card(self.run_dir, read_metrics(self.metrics.path), self.objective,
                             self.objective.report(self.model, self.device))
-        if self.objective.scores_builtin_task and self.objective.cfg.data is None:
+        scorer = self.builtin_task_scorer
+        if scorer is not None and self.objective.scores_builtin_task and self.objective.cfg.data is None:
             # a model of the built-in corpus: its report card gains the built-in task's accuracy
             from tinyformer.errors import TinyformerError
-            from tinyformer.evaluation.report import add_builtin_accuracy
 
             try:
-                add_builtin_accuracy(self.run_dir, self.model, self.objective.tokenizer)
+                scorer(self.run_dir, self.model, self.objective.tokenizer)
             except TinyformerError as exc:  # e.g. a context too short for the questions: the run still stands
                 print(f"report.md: the built-in question task was not scored: {exc}", file=sys.stderr)
 
@@ -426,8 +430,8 @@ class Trainer:
 
     def _evaluate_and_log(self, pbar: Any, train_loss: float, train_steps: int) -> tuple[float | None, str | None]:
         """Evaluate, log the eval record and print it: the figures as report.md words them
-        (:mod:`tinyformer.evaluation.report`), from the same record."""
-        from tinyformer.evaluation.report import heldout_line, train_loss_line
+        (:mod:`tinyformer.report_card`), from the same record."""
+        from tinyformer.report_card import heldout_line, train_loss_line
 
         val_loss = self.evaluate("val")
         record: dict[str, Any] = {"kind": "eval", "step": self.step, "train_loss": train_loss,
@@ -456,7 +460,7 @@ class Trainer:
 
     def final_figures(self) -> list[str]:
         """The figures of the last evaluation as report.md words them (console lines at the end of a run)."""
-        from tinyformer.evaluation.report import heldout_line, train_loss_line
+        from tinyformer.report_card import heldout_line, train_loss_line
         from tinyformer.training.metrics import read_metrics
 
         evals = [r for r in read_metrics(self.metrics.path) if r.get("kind") == "eval"] if self.is_main else []
