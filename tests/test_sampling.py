@@ -20,7 +20,7 @@ from tinyformer.generation.sampling import (
     TopP,
     build_processors,
     make_generator,
-    sample_next,
+    sample,
 )
 
 NEG_INF = float("-inf")
@@ -107,7 +107,7 @@ def test_sampled_frequencies_match_renormalised_distribution(temperature, top_k,
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=7)
     batch = logits.unsqueeze(0).expand(N_DRAWS, vocab)
-    tokens, _ = sample_next(batch, params, None, make_generator(params))
+    tokens, _ = sample(batch, params, None, make_generator(params))
     counts = torch.bincount(tokens, minlength=vocab).tolist()
 
     # Never outside the kept set.
@@ -121,7 +121,7 @@ def test_topk_topp_never_sample_outside_kept_set_random_rows():
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(4096, 40, generator=g) * 3
     for params in (SamplingParams(top_k=3), SamplingParams(top_p=0.5), SamplingParams(top_k=6, top_p=0.8)):
-        tokens, _ = sample_next(logits, params, None, torch.Generator().manual_seed(0))
+        tokens, _ = sample(logits, params, None, torch.Generator().manual_seed(0))
         for row, tok in zip(logits.double().tolist(), tokens.tolist()):
             ref = ref_distribution(row, 1.0, params.top_k, params.top_p, 0.0)
             assert ref[tok] > 0
@@ -323,7 +323,7 @@ def test_default_and_topk_paths_do_not_sort(monkeypatch):
         SamplingParams(min_p=0.5),
     )
     for params in cases:
-        tokens, _ = sample_next(logits, params, None, torch.Generator().manual_seed(0))
+        tokens, _ = sample(logits, params, None, torch.Generator().manual_seed(0))
         assert tokens.shape == (2,)
 
 
@@ -331,10 +331,10 @@ def test_same_seed_same_samples():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(256, 100, generator=g)
     params = SamplingParams(temperature=1.2, top_p=0.95, seed=42)
-    a, la = sample_next(logits, params, None, make_generator(params))
-    b, lb = sample_next(logits, params, None, make_generator(params))
+    a, la = sample(logits, params, None, make_generator(params))
+    b, lb = sample(logits, params, None, make_generator(params))
     assert torch.equal(a, b) and torch.equal(la, lb)
-    c, _ = sample_next(logits, params, None, torch.Generator().manual_seed(43))
+    c, _ = sample(logits, params, None, torch.Generator().manual_seed(43))
     assert not torch.equal(a, c)
     assert make_generator(SamplingParams()) is None
 
@@ -344,24 +344,24 @@ def test_temperature_zero_is_argmax_and_tiny_temperature_is_greedy():
     # Distinct values 0.02 apart stay distinct in fp16/bf16 (no ties, so the argmax is unique).
     logits = torch.stack([torch.randperm(300, generator=g) for _ in range(512)]).float() / 50 - 3
     want = logits.argmax(-1)
-    tokens, _ = sample_next(logits, SamplingParams(temperature=0.0), None, None)
+    tokens, _ = sample(logits, SamplingParams(temperature=0.0), None, None)
     assert torch.equal(tokens, want)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         x = logits.to(dtype)
         gen = torch.Generator().manual_seed(1)
-        tokens, logprobs = sample_next(x, SamplingParams(temperature=1e-6), None, gen)
+        tokens, logprobs = sample(x, SamplingParams(temperature=1e-6), None, gen)
         assert torch.equal(tokens, x.float().argmax(-1)), dtype
         assert torch.isfinite(logprobs).all()
     # top_k=1 and min_p=1 leave one token, which is the argmax.
     for params in (SamplingParams(top_k=1), SamplingParams(min_p=1.0), SamplingParams(top_p=1e-9)):
-        tokens, _ = sample_next(logits, params, None, torch.Generator().manual_seed(1))
+        tokens, _ = sample(logits, params, None, torch.Generator().manual_seed(1))
         assert torch.equal(tokens, want)
 
 
 def test_greedy_applies_penalties():
     logits = torch.tensor([[3.0, 2.9, 1.0]])
     params = SamplingParams(temperature=0, repetition_penalty=1.2)
-    tokens, _ = sample_next(logits, params, torch.tensor([[0]]))
+    tokens, _ = sample(logits, params, torch.tensor([[0]]))
     assert tokens.tolist() == [1]
 
 
@@ -370,7 +370,7 @@ def test_logprobs_are_raw_model_logprobs():
     logits = torch.randn(128, 64, generator=g) * 2
     hist = torch.randint(0, 64, (128, 5), generator=g)
     params = SamplingParams(temperature=0.5, top_k=10, repetition_penalty=1.3, seed=0)
-    tokens, logprobs = sample_next(logits, params, hist, make_generator(params))
+    tokens, logprobs = sample(logits, params, hist, make_generator(params))
     assert logprobs.dtype == torch.float32 and tokens.dtype == torch.long
     rows = logits.double().tolist()
     for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
@@ -379,7 +379,7 @@ def test_logprobs_are_raw_model_logprobs():
 
 def test_sample_next_rejects_bad_shape():
     with pytest.raises(ValueError):
-        sample_next(torch.zeros(5), SamplingParams())
+        sample(torch.zeros(5), SamplingParams())
 
 
 # ---------------------------------------------------------------------------------------------
