@@ -518,7 +518,9 @@ class BatchEngine:
         tok, lp = sample(logits, [r.sampler for r in rows], history, generators,
                          want_logprobs=any(r.want_logprobs for r in rows))
         tokens: list[int] = tok.tolist()
-        logps: list[float | None] = lp.tolist() if lp is not None else [None] * n
+        # a row that did not ask for logprobs gets none, whichever rows shared its call
+        logps: list[float | None] = [x if r.want_logprobs else None for x, r in zip(lp.tolist(), rows)] \
+            if lp is not None else [None] * n
         tops: dict[int, list[tuple[int, float]]] = {}
         want = [i for i, r in enumerate(rows) if r.top_logprobs > 0]
         if want:

@@ -140,15 +140,16 @@ def decode(step: Step, logits: Tensor, state: Any, search: _Search, max_new_toke
 
         for t = 0 .. max_new_tokens - 1:
             tokens, index = search.advance(logits_t, t)      or stop: the search has what it needs
+            stop after the last token (its logits would go unused)
             state.reorder(index)                             (index None: every row stays where it is)
             logits_{t+1} = step(tokens, state)
 
     ``logits`` are the next-token logits of ``state``'s rows after their prompts; the search records
-    what it chose and stops at ``max_new_tokens`` (it returns None at ``t = max_new_tokens - 1``).
+    what it chose at every ``advance``, and ends at ``max_new_tokens`` tokens whatever it returns.
     """
     for t in range(max_new_tokens):
         picked = search.advance(logits, t)
-        if picked is None:
+        if picked is None or t + 1 == max_new_tokens:
             return
         tokens, index = picked
         if index is not None:
@@ -197,7 +198,7 @@ def beam_search(
     ends = torch.tensor(sorted({int(t) for t in eos_token_ids}), dtype=torch.long, device=logits.device)
     search: _Greedy | _Beams
     if num_beams == 1:  # greedy, as HF generate decodes num_beams=1
-        search = _Greedy(logits, max_new_tokens, ends)
+        search = _Greedy(logits, ends)
     else:
         search = _Beams(logits, num_beams, max_new_tokens, ends, length_penalty, early_stopping)
     decode(step, logits, state, search, max_new_tokens)
@@ -210,8 +211,8 @@ class _Greedy:
     scores are computed as the beam search computes them (log-softmax in float32 or float64, summed step
     by step), so that a search of one beam gives what a beam search of one beam would."""
 
-    def __init__(self, logits: Tensor, max_new_tokens: int, ends: Tensor) -> None:
-        self.T, self.ends = max_new_tokens, ends
+    def __init__(self, logits: Tensor, ends: Tensor) -> None:
+        self.ends = ends
         self.dtype = torch.promote_types(logits.dtype, torch.float32)
         self.tokens: list[Tensor] = []  # (B,) per step
         self.logprobs: list[Tensor] = []
@@ -223,7 +224,7 @@ class _Greedy:
         self.logprobs.append(torch.log_softmax(logits.to(self.dtype), dim=-1).gather(1, token[:, None])[:, 0])
         if len(self.ends):
             self.done |= torch.isin(token, self.ends)
-        if t + 1 == self.T or bool(self.done.all()):
+        if bool(self.done.all()):
             return None
         return token, None
 
