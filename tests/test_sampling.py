@@ -380,9 +380,11 @@ def test_logprobs_are_raw_model_logprobs():
         assert lp == pytest.approx(math.log(softmax64(row)[tok]), abs=1e-5)
 
 
-def test_sample_next_rejects_bad_shape():
+def test_sample_rejects_bad_shape_and_a_sampler_count_that_is_not_the_row_count():
     with pytest.raises(ValueError):
         sample(torch.zeros(5), SamplingParams())
+    with pytest.raises(ValueError):
+        sample(torch.zeros(3, 5), [SamplingParams()] * 2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,8 +29,10 @@ for a batch that shrinks as its rows finish (``Generator``); with ``buckets=True
 runs the graph of the next *bucket* of rows instead, 1, 2, 4, 8, ... up to ``max_batch``, so a server with
 ``max_batch`` 16 needs five graphs, which :meth:`BatchEngine.warm_up` compiles up front (``serve
 --compile`` does, before the first request). The cache has a fixed length and the attended span
-``[0, kv_len)`` is a symbolic size, so one graph serves every step of a shape. A greedy step of one row
-returns the argmax from its graph; steps of several rows return logits. On CPU the model's linear weights
+``[0, kv_len)`` is a symbolic size, so one graph serves every step of a shape. A greedy step of one row without
+log-probabilities returns the sampler's greedy case (``sample(logits, GREEDY)``) from its graph; every
+other step returns logits, and all its rows are sampled in one :func:`~tinyformer.generation.sampling.sample`
+call, each with its own parameters. On CPU the model's linear weights
 are then stored input-major (:func:`~tinyformer.generation.weight_layout.store_input_major`).
 
 A row ends on an end token or stop string (:class:`~tinyformer.generation.streaming.TextState`),
@@ -96,7 +98,8 @@ class EngineRow:
 
     ``pos`` is the number of cache positions of its row filled so far; ``pending`` the tokens still to
     feed from ``pos`` on (the prompt while prefilling, else the last sampled token). ``want_logprobs``
-    False skips the per-step log-normaliser (greedy rows then take a bare argmax); ``top_logprobs`` > 0
+    False skips the per-step log-normaliser (a lone greedy row then gets its argmax from the compiled graph);
+    ``top_logprobs`` > 0
     asks for that many alternatives per token. ``tag`` is the caller's (e.g. the server's request).
     """
 

@@ -1,6 +1,7 @@
 """Beam search: the most probable continuations under a model that decodes one token per step.
 
-One search for every model type. The model-specific part is a callable and a state:
+One search for every model type, run by one token loop (:func:`decode`; greedy search, ``num_beams=1``,
+runs on it too). The model-specific part is a callable and a state:
 
     step(tokens (N,), state) -> logits (N, V)     append one token to each of the N rows of ``state``
     state.reorder(index (N',))                    keep rows ``index``, in that order (rows may repeat,
@@ -38,9 +39,11 @@ The search of a row stops (it takes no more finished hypotheses) when K hypothes
   length_penalty, else its current score. This bound is exact: with K at least every open prefix the
   search then returns the best sequences (with ``length_penalty`` <= 0 the default is exact too).
 
-and at ``max_new_tokens`` in any case. ``num_beams=1`` is greedy decoding, as in HF: the search stops
-when its one hypothesis ends, whatever ``early_stopping`` says. The result of a row is its finished
-hypotheses, best score first, ``num_return_sequences`` of them.
+and at ``max_new_tokens`` in any case. ``num_beams=1`` is greedy decoding, as in HF (whose
+``generate`` decodes one beam greedily): each row takes its argmax through the one sampler
+(:func:`tinyformer.generation.sampling.sample`'s greedy case) and stops when it emits an end token,
+whatever ``early_stopping`` says; the argmax is the top candidate, so the rules above give the same.
+The result of a row is its finished hypotheses, best score first, ``num_return_sequences`` of them.
 
 One difference from HF, on degenerate inputs only: HF starts with K copies of the prompt, all but
 one scored -1e9, and takes candidates from those copies when the first beam has fewer than
