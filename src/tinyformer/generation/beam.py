@@ -234,14 +234,14 @@ class _Greedy:
     def results(self, length_penalty: float, num_return_sequences: int) -> list[list[BeamHypothesis]]:
         ends = set(self.ends.tolist())
         lps = torch.stack(self.logprobs, dim=1)  # (B, steps)
-        totals = lps.cumsum(dim=1)  # the running total, added step by step as the beam search adds it
-        out = []
-        for b, ids in enumerate(torch.stack(self.tokens, dim=1).tolist()):
-            n = next((i + 1 for i, y in enumerate(ids) if y in ends), len(ids))  # up to its end token
-            total = totals[b, n - 1]
-            out.append([BeamHypothesis(ids[:n], lps[b, :n].tolist(), float(total), float(total / n**length_penalty),
-                                       "stop" if ids[n - 1] in ends else "length")])
-        return out
+        ids = torch.stack(self.tokens, dim=1).tolist()
+        lengths = [next((i + 1 for i, y in enumerate(row) if y in ends), len(row)) for row in ids]  # to its end
+        # the running total, added step by step as the beam search adds it, at each row's last token
+        totals = lps.cumsum(dim=1).gather(1, torch.tensor(lengths, device=lps.device)[:, None] - 1)[:, 0]
+        divisors = torch.tensor([n**length_penalty for n in lengths], dtype=torch.float64, device=lps.device)
+        scores = totals / divisors.to(totals.dtype)
+        return [[BeamHypothesis(row[:n], lp[:n], total, score, "stop" if row[n - 1] in ends else "length")]
+                for row, lp, n, total, score in zip(ids, lps.tolist(), lengths, totals.tolist(), scores.tolist())]
 
 
 class _Beams:
