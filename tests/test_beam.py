@@ -325,6 +325,68 @@ def test_beam_search_takes_no_candidate_from_a_beam_that_does_not_exist():
     assert all(math.isfinite(h.score) for h in got)
 
 
+def prefix_step(model: PrefixModel):
+    def step(tokens: torch.Tensor, state: PrefixState) -> torch.Tensor:
+        state.rows = [(s, p + (t,)) for (s, p), t in zip(state.rows, tokens.tolist())]
+        return torch.stack([model.logits(s, p) for s, p in state.rows])
+
+    return step
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0, 2.0])
+def test_one_beam_is_the_stepwise_argmax_of_every_source_until_its_end_token(length_penalty):
+    """num_beams=1 (greedy search, through the one token loop and the sampler's greedy case) against the
+    argmax of each source's prefix recomputed by hand: tokens, log-probabilities, score, finish reason."""
+    V, L, eos = 6, 7, 0
+    model = PrefixModel(V, seed=3)
+    sources = list(range(12))  # some end on EOS early, some run to max_new_tokens
+    got = beam_search(prefix_step(model), torch.stack([model.logits(s, ()) for s in sources]), PrefixState(sources),
+                      num_beams=1, max_new_tokens=L, eos_token_ids=[eos], length_penalty=length_penalty)
+    reasons = set()
+    for b, s in enumerate(sources):
+        seq: tuple[int, ...] = ()
+        while len(seq) < L and (not seq or seq[-1] != eos):
+            seq += (int(model.logits(s, seq).argmax()),)
+        (hyp,) = got[b]
+        assert tuple(hyp.token_ids) == seq
+        assert hyp.finish_reason == ("stop" if seq[-1] == eos else "length")
+        assert hyp.logprob == pytest.approx(model.logp(s, seq), abs=1e-12)
+        assert hyp.score == pytest.approx(model.logp(s, seq) / len(seq) ** length_penalty, abs=1e-12)
+        reasons.add(hyp.finish_reason)
+    assert reasons == {"stop", "length"}  # both ways of ending were seen
+
+
+def test_the_token_loop_steps_until_the_search_stops_and_reorders_only_when_asked():
+    """beam.decode: one step per token the search picks, none after the search stops or after the last token."""
+    from tinyformer.generation.beam import decode
+
+    class Picks:
+        def __init__(self, stop_at: int) -> None:
+            self.stop_at, self.seen = stop_at, []
+
+        def advance(self, logits, t):
+            self.seen.append(t)
+            if t == self.stop_at:
+                return None
+            return torch.tensor([t]), (torch.tensor([0]) if t % 2 else None)
+
+    class State:
+        reorders = 0
+
+        def reorder(self, index):
+            State.reorders += 1
+
+    steps = []
+    for stop_at, max_new in ((2, 10), (99, 4)):
+        steps.clear()
+        State.reorders = 0
+        picks = Picks(stop_at)
+        decode(lambda tok, st: steps.append(int(tok)) or torch.zeros(1, 3), torch.zeros(1, 3), State(), picks, max_new)
+        assert picks.seen == list(range(min(stop_at, max_new - 1) + 1))
+        assert steps == list(range(min(stop_at, max_new - 1)))  # no step after the last token
+        assert State.reorders == sum(t % 2 for t in steps)
+
+
 # ------------------------------------------------------------------ encoder-decoder
 
 

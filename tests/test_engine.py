@@ -99,6 +99,35 @@ def test_batched_sampling_row_b_equals_prompt_alone_with_seed_plus_b(params):
     assert len({tuple(r.token_ids) for r in batched}) == len(PROMPTS)  # the rows really differ
 
 
+def test_rows_of_different_settings_in_one_engine_each_decode_as_alone():
+    """Greedy, penalised greedy, seeded and penalised seeded rows share every step's one sampler call (rows
+    with equal sampler keys share their processors): each row's tokens are those it gets in an engine alone."""
+    from tinyformer.generation.batch_engine import BatchEngine, EngineRow
+    from tinyformer.generation.streaming import TextState
+
+    model = random_lm()
+    settings = [SamplingParams(temperature=0, max_new_tokens=12),
+                SamplingParams(temperature=0, repetition_penalty=1.5, max_new_tokens=12),
+                SamplingParams(temperature=1.1, top_k=12, max_new_tokens=12, seed=5),
+                SamplingParams(temperature=1.1, top_k=12, frequency_penalty=0.8, max_new_tokens=12, seed=6),
+                SamplingParams(temperature=1.1, top_k=12, max_new_tokens=12, seed=7)]
+
+    def run(pairs):
+        engine = BatchEngine(model, max_batch=len(pairs), max_len=32)
+        rows = [EngineRow(prompt, p, TextState(lambda t: b"", frozenset(), ())) for prompt, p in pairs]
+        for r in rows:
+            engine.add(r)
+        with torch.inference_mode():
+            while any(not r.finished for r in rows):
+                engine.step()
+        return [r.token_ids for r in rows]
+
+    pairs = list(zip(itertools.cycle(PROMPTS), settings))
+    together = run(pairs)
+    assert together == [run([pair])[0] for pair in pairs]
+    assert together[0] != together[1] and together[2] != together[4]  # the settings really differ
+
+
 def test_same_seed_same_output_and_other_seed_differs():
     gen = id_generator(random_lm())
     params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=42)

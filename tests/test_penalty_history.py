@@ -54,6 +54,24 @@ def test_no_penalty_builds_no_history_and_only_the_repetition_penalty_copies_the
     assert hist.repetition_ids().tolist() == [[-1, 1, 2, 3]]
 
 
+def test_rows_of_different_settings_keep_their_ids_only_where_their_penalties_look():
+    """One history for rows of different parameters: ragged rows padded with -1; a row's prompt is kept only
+    when its repetition penalty looks at it, its generated ids only when some penalty does."""
+    params = [SamplingParams(repetition_penalty=1.2), SamplingParams(frequency_penalty=0.5), SamplingParams()]
+    hist = penalty_history(params, [[1, 2, 3], [4], [5, 6]], [[7], [8, 9], [10]])
+    assert hist.prompt.tolist() == [[1, 2, 3], [-1, -1, -1], [-1, -1, -1]]
+    assert hist.generated.tolist() == [[7, -1], [8, 9], [-1, -1]]
+    assert penalty_history([SamplingParams(), SamplingParams(top_k=3)], [[1], [2]], [[3], [4]]) is None
+    # each row's penalties then see exactly what that row alone would show them
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for b, (p, prompt, generated) in enumerate(zip(params, [[1, 2, 3], [4], [5, 6]], [[7], [8, 9], [10]])):
+        x, alone = logits[b : b + 1], logits[b : b + 1]
+        for proc in build_processors(p):
+            x = proc(x, hist[b : b + 1])
+            alone = proc(alone, penalty_history(p, prompt, generated))
+        torch.testing.assert_close(x, alone, rtol=0, atol=0)
+
+
 def reference(model, prompt: list[int], n: int, rep: float, freq: float, pres: float) -> list[int]:
     """Greedy with no cache: the whole sequence every step, the penalties as expected_logits applies them."""
     out: list[int] = []

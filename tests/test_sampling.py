@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from statistics import NormalDist
 
@@ -14,13 +15,15 @@ from tinyformer.generation.sampling import (
     MinP,
     PresencePenalty,
     RepetitionPenalty,
+    Sampler,
     SamplingParams,
     Temperature,
     TopK,
     TopP,
     build_processors,
     make_generator,
-    sample_next,
+    penalty_history,
+    sample,
 )
 
 NEG_INF = float("-inf")
@@ -107,7 +110,7 @@ def test_sampled_frequencies_match_renormalised_distribution(temperature, top_k,
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=7)
     batch = logits.unsqueeze(0).expand(N_DRAWS, vocab)
-    tokens, _ = sample_next(batch, params, None, make_generator(params))
+    tokens, _ = sample(batch, params, None, make_generator(params))
     counts = torch.bincount(tokens, minlength=vocab).tolist()
 
     # Never outside the kept set.
@@ -121,7 +124,7 @@ def test_topk_topp_never_sample_outside_kept_set_random_rows():
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(4096, 40, generator=g) * 3
     for params in (SamplingParams(top_k=3), SamplingParams(top_p=0.5), SamplingParams(top_k=6, top_p=0.8)):
-        tokens, _ = sample_next(logits, params, None, torch.Generator().manual_seed(0))
+        tokens, _ = sample(logits, params, None, torch.Generator().manual_seed(0))
         for row, tok in zip(logits.double().tolist(), tokens.tolist()):
             ref = ref_distribution(row, 1.0, params.top_k, params.top_p, 0.0)
             assert ref[tok] > 0
@@ -323,7 +326,7 @@ def test_default_and_topk_paths_do_not_sort(monkeypatch):
         SamplingParams(min_p=0.5),
     )
     for params in cases:
-        tokens, _ = sample_next(logits, params, None, torch.Generator().manual_seed(0))
+        tokens, _ = sample(logits, params, None, torch.Generator().manual_seed(0))
         assert tokens.shape == (2,)
 
 
@@ -331,10 +334,10 @@ def test_same_seed_same_samples():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(256, 100, generator=g)
     params = SamplingParams(temperature=1.2, top_p=0.95, seed=42)
-    a, la = sample_next(logits, params, None, make_generator(params))
-    b, lb = sample_next(logits, params, None, make_generator(params))
+    a, la = sample(logits, params, None, make_generator(params))
+    b, lb = sample(logits, params, None, make_generator(params))
     assert torch.equal(a, b) and torch.equal(la, lb)
-    c, _ = sample_next(logits, params, None, torch.Generator().manual_seed(43))
+    c, _ = sample(logits, params, None, torch.Generator().manual_seed(43))
     assert not torch.equal(a, c)
     assert make_generator(SamplingParams()) is None
 
@@ -344,24 +347,24 @@ def test_temperature_zero_is_argmax_and_tiny_temperature_is_greedy():
     # Distinct values 0.02 apart stay distinct in fp16/bf16 (no ties, so the argmax is unique).
     logits = torch.stack([torch.randperm(300, generator=g) for _ in range(512)]).float() / 50 - 3
     want = logits.argmax(-1)
-    tokens, _ = sample_next(logits, SamplingParams(temperature=0.0), None, None)
+    tokens, _ = sample(logits, SamplingParams(temperature=0.0), None, None)
     assert torch.equal(tokens, want)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         x = logits.to(dtype)
         gen = torch.Generator().manual_seed(1)
-        tokens, logprobs = sample_next(x, SamplingParams(temperature=1e-6), None, gen)
+        tokens, logprobs = sample(x, SamplingParams(temperature=1e-6), None, gen)
         assert torch.equal(tokens, x.float().argmax(-1)), dtype
         assert torch.isfinite(logprobs).all()
     # top_k=1 and min_p=1 leave one token, which is the argmax.
     for params in (SamplingParams(top_k=1), SamplingParams(min_p=1.0), SamplingParams(top_p=1e-9)):
-        tokens, _ = sample_next(logits, params, None, torch.Generator().manual_seed(1))
+        tokens, _ = sample(logits, params, None, torch.Generator().manual_seed(1))
         assert torch.equal(tokens, want)
 
 
 def test_greedy_applies_penalties():
     logits = torch.tensor([[3.0, 2.9, 1.0]])
     params = SamplingParams(temperature=0, repetition_penalty=1.2)
-    tokens, _ = sample_next(logits, params, torch.tensor([[0]]))
+    tokens, _ = sample(logits, params, torch.tensor([[0]]))
     assert tokens.tolist() == [1]
 
 
@@ -370,16 +373,18 @@ def test_logprobs_are_raw_model_logprobs():
     logits = torch.randn(128, 64, generator=g) * 2
     hist = torch.randint(0, 64, (128, 5), generator=g)
     params = SamplingParams(temperature=0.5, top_k=10, repetition_penalty=1.3, seed=0)
-    tokens, logprobs = sample_next(logits, params, hist, make_generator(params))
+    tokens, logprobs = sample(logits, params, hist, make_generator(params))
     assert logprobs.dtype == torch.float32 and tokens.dtype == torch.long
     rows = logits.double().tolist()
     for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
         assert lp == pytest.approx(math.log(softmax64(row)[tok]), abs=1e-5)
 
 
-def test_sample_next_rejects_bad_shape():
+def test_sample_rejects_bad_shape_and_a_sampler_count_that_is_not_the_row_count():
     with pytest.raises(ValueError):
-        sample_next(torch.zeros(5), SamplingParams())
+        sample(torch.zeros(5), SamplingParams())
+    with pytest.raises(ValueError):
+        sample(torch.zeros(3, 5), [SamplingParams()] * 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -485,3 +490,138 @@ def test_topk_ties_differ_from_transformers_as_documented():
     theirs = lp.TopKLogitsWarper(2)(torch.zeros(1, 1, dtype=torch.long), logits.clone())
     assert int((ours != NEG_INF).sum()) == 2
     assert int((theirs != NEG_INF).sum()) == 3  # HF keeps every token tied with the k-th
+
+
+# ---------------------------------------------------------------------------------------------
+# the one sampler: rows of different settings in one call, grouping keys, the greedy case
+# ---------------------------------------------------------------------------------------------
+
+
+def ref_penalised(logits: list[float], prompt: list[int], generated: list[int], rep: float, freq: float,
+                  pres: float) -> list[float]:
+    """The penalties by hand in float64: CTRL / HF repetition over prompt + generated, OpenAI frequency and
+    presence over generated."""
+    seen = set(prompt) | set(generated)
+    out = []
+    for v, x in enumerate(logits):
+        if rep != 1.0 and v in seen:
+            x = x / rep if x > 0 else x * rep
+        c = generated.count(v)
+        out.append(x - freq * c - pres * (c > 0))
+    return out
+
+
+def test_rows_of_different_settings_in_one_call_draw_from_their_float64_references():
+    """Two settings interleaved row by row, one with penalties over ragged histories: each row's sampled
+    frequencies match its own float64 reference distribution (chi-square)."""
+    g = torch.Generator().manual_seed(21)
+    vocab, n = 10, 40_000
+    logits = torch.randn(vocab, generator=g) * 1.5
+    a = SamplingParams(temperature=0.7, top_k=6, min_p=0.05)
+    b = SamplingParams(temperature=1.3, top_p=0.8, repetition_penalty=1.5, frequency_penalty=0.4,
+                       presence_penalty=0.3)
+    prompt, generated = [1, 2], [2, 5, 5]
+    params = [a, b] * (n // 2)
+    hist = penalty_history(params, [prompt] * n, [generated if p is b else [] for p in params])
+    tokens, _ = sample(logits.expand(n, -1), [Sampler.of(p) for p in params], hist, torch.Generator().manual_seed(0))
+    base = logits.double().tolist()
+    refs = {id(a): ref_distribution(base, 0.7, 6, 1.0, 0.05),
+            id(b): ref_distribution(ref_penalised(base, prompt, generated, 1.5, 0.4, 0.3), 1.3, 0, 0.8, 0.0)}
+    for p in (a, b):
+        rows = torch.tensor([i for i, q in enumerate(params) if q is p])
+        counts = torch.bincount(tokens[rows], minlength=vocab).tolist()
+        expected = refs[id(p)]
+        kept = [i for i in range(vocab) if expected[i] > 0]
+        assert all(counts[i] == 0 for i in range(vocab) if expected[i] == 0), counts
+        m = len(rows)
+        stat = sum((counts[i] - m * expected[i]) ** 2 / (m * expected[i]) for i in kept)
+        assert stat < chi2_quantile(len(kept) - 1), (stat, counts, expected)
+
+
+def test_a_row_draws_the_same_token_alone_or_among_rows_of_other_settings():
+    """Per-row generators: a seeded row's token does not depend on which rows share its call, and penalties
+    see each row's own (ragged, padded) history."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 50, generator=g) * 2
+    params = [SamplingParams(temperature=0.9, seed=1), SamplingParams(temperature=0, repetition_penalty=1.4),
+              SamplingParams(top_k=5, seed=2), SamplingParams(temperature=0.9, seed=3),
+              SamplingParams(top_p=0.7, presence_penalty=0.5, seed=4), SamplingParams(temperature=0)]
+    prompts = [[1], [2, 3, 4], [], [5, 6], [7], [8]]
+    generated = [[9, 9], [10], [11, 12, 13], [], [14, 14, 15], [16]]
+    together, lp = sample(logits, [Sampler.of(p) for p in params], penalty_history(params, prompts, generated),
+                          [make_generator(p) for p in params])
+    for i, p in enumerate(params):
+        alone, lp_alone = sample(logits[i : i + 1], p, penalty_history(p, prompts[i], generated[i]), make_generator(p))
+        assert together[i] == alone[0], i
+        assert lp[i] == lp_alone[0]
+
+
+def test_greedy_is_the_temperature_zero_case_whatever_rows_share_the_call():
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(8, 64, generator=g) * 3
+    samplers = [Sampler.of(SamplingParams(temperature=0)), Sampler.of(SamplingParams(temperature=0.8))] * 4
+    tokens, _ = sample(logits, samplers)
+    assert torch.equal(tokens[::2], logits[::2].argmax(-1))
+    assert Sampler.of(SamplingParams(temperature=0)).key == Sampler.of(SamplingParams(top_k=1, temperature=0.5)).key
+    alone, logprobs = sample(logits, SamplingParams(temperature=0), want_logprobs=False)
+    assert torch.equal(alone, logits.argmax(-1)) and logprobs is None
+
+
+# Another valid value for every field of SamplingParams that decides how a token is chosen. A field added to
+# SamplingParams fails the test below until it is listed here or in NOT_SAMPLING.
+OTHER_VALUE = {"temperature": 1.3, "top_k": 9, "top_p": 0.6, "min_p": 0.2, "repetition_penalty": 1.7,
+               "frequency_penalty": -0.4, "presence_penalty": 0.9}
+NOT_SAMPLING = {"max_new_tokens": 7, "seed": 11, "stop_token_ids": [3], "stop_strings": ["x"]}
+
+
+def test_rows_share_a_group_exactly_when_their_processors_give_the_same_logits():
+    """The grouping key comes from the processors: params that differ in any one sampling field get different
+    keys (and different processed logits), params that differ only in what is not sampling share a key."""
+    base = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
+                          frequency_penalty=0.3, presence_penalty=0.2)
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert fields == set(OTHER_VALUE) | set(NOT_SAMPLING), fields ^ (set(OTHER_VALUE) | set(NOT_SAMPLING))
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(1, 40, generator=g, dtype=torch.float64) * 2
+    hist = torch.randint(0, 40, (1, 12), generator=g)
+
+    def processed(params: SamplingParams) -> torch.Tensor:
+        x = logits
+        for proc in Sampler.of(params).processors:
+            x = proc(x, hist)
+        return x
+
+    for name, value in OTHER_VALUE.items():
+        other = dataclasses.replace(base, **{name: value})
+        assert Sampler.of(other).key != Sampler.of(base).key, name
+        assert not torch.equal(processed(other), processed(base)), name  # the key had to differ
+    for name, value in NOT_SAMPLING.items():
+        assert Sampler.of(dataclasses.replace(base, **{name: value})).key == Sampler.of(base).key, name
+
+
+def test_a_processor_attribute_is_part_of_its_key_without_being_listed():
+    """Processor keys are the class and every attribute: one added later is grouped on too."""
+    proc = TopK(5)
+    key = proc.key
+    proc.min_tokens_to_keep = 2  # an attribute a future version might add
+    assert proc.key != key
+    assert TopK(5).key == key and TopK(6).key != key and MinP(0.5).key != TopP(0.5).key
+
+
+def test_a_processor_without_a_key_is_shared_only_by_rows_that_hold_it():
+    def double(logits, generated):
+        return logits * 2
+
+    assert Sampler([double]).key == Sampler([double]).key
+    assert Sampler([double]).key != Sampler([lambda x, g: x * 2]).key
+
+
+def test_a_uniform_that_rounds_up_to_the_total_still_draws_a_kept_token(monkeypatch):
+    """U * c_V can round to c_V itself; the token is then the last one with any mass, never a filtered one
+    at the end of the vocabulary."""
+    logits = torch.tensor([[0.0, 3.0, 2.0, -5.0, -6.0]])
+    params = SamplingParams(top_k=2)  # keeps ids 1 and 2; the ids after them are filtered
+    # U = 1 stands for a U below 1 whose product with c_V rounds to c_V
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kwargs: torch.ones(*shape, dtype=kwargs.get("dtype")))
+    tokens, _ = sample(logits, params)
+    assert tokens.tolist() == [2]

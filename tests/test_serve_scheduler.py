@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tinyformer.config import ModelConfig
-from tinyformer.generation.sampling import SamplingParams, build_processors
+from tinyformer.generation.sampling import SamplingParams
 from tinyformer.models.decoder import DecoderLM
-from tinyformer.serve.scheduler import GenerationRequest, QueueFull, Scheduler, StepEvent, sample_shared
+from tinyformer.serve.scheduler import GenerationRequest, QueueFull, Scheduler, StepEvent
 
 VOCAB = 48
 
@@ -256,35 +256,6 @@ def test_a_failing_receiver_does_not_stop_the_others(model):
         sched.stop()
     assert sink.tokens == reference_greedy(model, [3, 4], 10)
     assert sched.active_count == 0
-
-
-def test_shared_sampler_draws_from_the_processed_distribution():
-    """Inverse-transform sampling: frequencies match softmax(logits / T) restricted to the top k, and
-    the returned logprob is that of the raw logits, as sample_next returns it."""
-    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
-    params = SamplingParams(temperature=0.5, top_k=3)
-    n = 40_000
-    torch.manual_seed(3)
-    tokens, logprobs = sample_shared(logits.expand(n, -1), build_processors(params))
-    expected = torch.zeros(6)
-    top = logits.topk(3).indices
-    expected[top] = torch.softmax(logits[top] / 0.5, -1)
-    freq = torch.bincount(tokens, minlength=6).double() / n
-    assert torch.allclose(freq, expected.double(), atol=0.01)  # 4 standard errors at n = 40k
-    assert freq[[2, 3, 4]].sum() == 0 and freq[1] > 0  # outside the top 3 (ids 5, 0, 1): never drawn
-    assert torch.allclose(logprobs, torch.log_softmax(logits, -1)[tokens])
-
-
-def test_shared_sampler_without_logprobs_draws_the_same_tokens():
-    """Skipping the log-normaliser changes nothing about the draw: same seed, same tokens, no logprobs."""
-    logits = torch.randn(8, 40, generator=torch.Generator().manual_seed(1)) * 3
-    procs = build_processors(SamplingParams(temperature=0.7))
-    torch.manual_seed(5)
-    with_lp, lp = sample_shared(logits, procs)
-    torch.manual_seed(5)
-    without, none = sample_shared(logits, procs, want_logprobs=False)
-    assert none is None and lp is not None
-    assert torch.equal(with_lp, without)
 
 
 def test_only_rows_with_a_non_finite_logit_end_with_a_model_error(model):

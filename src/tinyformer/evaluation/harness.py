@@ -10,7 +10,8 @@ lm-eval asks a model for three things; here each is tinyformer code:
         the text is cut into lm-eval's disjoint rolling windows of ``max_length`` predicted tokens
         (the first conditioned on ``prefix_token_id``), each window scored as above, summed.
     generate_until(context, gen_kwargs)    -> text
-        :class:`~tinyformer.generation.engine.Generator` (batched, KV-cached; greedy unless ``do_sample``),
+        :class:`~tinyformer.generation.engine.Generator` (batched, KV-cached; drawn by the one sampler,
+        :func:`~tinyformer.generation.sampling.sample`: greedy unless ``do_sample``),
         the context left-cut to ``max_length - max_gen_toks`` tokens, the text cut at the first stop string.
 
 lm-eval 0.4 finds models only in its own table or by import (it reads no entry points), so the model

@@ -29,8 +29,10 @@ for a batch that shrinks as its rows finish (``Generator``); with ``buckets=True
 runs the graph of the next *bucket* of rows instead, 1, 2, 4, 8, ... up to ``max_batch``, so a server with
 ``max_batch`` 16 needs five graphs, which :meth:`BatchEngine.warm_up` compiles up front (``serve
 --compile`` does, before the first request). The cache has a fixed length and the attended span
-``[0, kv_len)`` is a symbolic size, so one graph serves every step of a shape. A greedy step of one row
-returns the argmax from its graph; steps of several rows return logits. On CPU the model's linear weights
+``[0, kv_len)`` is a symbolic size, so one graph serves every step of a shape. A greedy step of one row without
+log-probabilities returns the sampler's greedy case (``sample(logits, GREEDY)``) from its graph; every
+other step returns logits, and all its rows are sampled in one :func:`~tinyformer.generation.sampling.sample`
+call, each with its own parameters. On CPU the model's linear weights
 are then stored input-major (:func:`~tinyformer.generation.weight_layout.store_input_major`).
 
 A row ends on an end token or stop string (:class:`~tinyformer.generation.streaming.TextState`),
@@ -54,51 +56,19 @@ from tinyformer.components.kv_cache import KVCache
 from tinyformer.errors import ConfigError, GenerationError, non_finite_message
 from tinyformer.generation.prefix_cache import PrefixCache, PrefixHit
 from tinyformer.generation.sampling import (
-    LogitsProcessor,
-    PenaltyHistory,
+    GREEDY,
+    Sampler,
     SamplingParams,
-    build_processors,
     make_generator,
     penalty_history,
-    sample_next,
+    sample,
 )
 from tinyformer.generation.streaming import TextState
 from tinyformer.generation.weight_layout import store_input_major
 
-__all__ = ["BatchEngine", "CompiledStep", "EngineRow", "RowOutput", "TokenInfo", "new_prefix_cache", "sample_shared"]
+__all__ = ["BatchEngine", "CompiledStep", "EngineRow", "RowOutput", "TokenInfo", "new_prefix_cache"]
 
 CONTEXT_POLICIES = ("error", "slide")
-
-
-def sample_shared(logits: Tensor, processors: Sequence[LogitsProcessor], *,
-                  want_logprobs: bool = True) -> tuple[Tensor, Tensor | None]:
-    """``sample_next`` for rows that share non-greedy parameters, no history and no seed: the same
-    distribution, drawn by inverse transform sampling instead of ``torch.multinomial``.
-
-    With x = processed logits, e_v = exp(x_v - max x) (the softmax's numerators) and the running sum
-    c_v = sum_{u <= v} e_u, the token is the first v with c_v > U * c_V for one U ~ Uniform[0, 1) per row,
-    so P(v) = e_v / c_V = softmax(x)_v (tokens filtered to x_v = -inf have e_v = 0 and cannot be hit).
-    The softmax's division is never done: scaling U by c_V instead normalises once per row, not per
-    entry. ``torch.multinomial`` draws one exponential per vocabulary entry instead (an exponential race),
-    which for 16 rows x 32k tokens on a CPU costs about as much as the forward pass of a 15M model.
-    Returns ``(token_ids (A,), logprobs (A,))`` with the logprob of the raw logits, exactly as
-    ``sample_next`` does, or None for the logprobs when ``want_logprobs`` is False (their log-normaliser
-    is another pass over the vocabulary).
-    """
-    raw = logits if logits.dtype == torch.float64 else logits.float()
-    x = raw
-    for proc in processors:
-        x = proc(x, None)
-    # float32 is enough: each token's share c_v - c_{v-1} is off by ~1e-7 of the total at most, and a token
-    # with e_v = 0 adds exactly 0, so it still cannot be drawn. (cumsum with dtype=float64 runs an
-    # unvectorised conversion path on CPU, ~30x slower than the whole float32 draw.)
-    cdf = (x - x.amax(dim=-1, keepdim=True)).exp_().cumsum_(-1)  # one new tensor, then in place
-    u = torch.rand(cdf.size(0), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, u, right=True).clamp_max_(cdf.size(-1) - 1).squeeze(-1)
-    if not want_logprobs:
-        return tokens, None
-    logprobs = (raw.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(raw, dim=-1)).float()
-    return tokens, logprobs
 
 
 @dataclass
@@ -128,7 +98,8 @@ class EngineRow:
 
     ``pos`` is the number of cache positions of its row filled so far; ``pending`` the tokens still to
     feed from ``pos`` on (the prompt while prefilling, else the last sampled token). ``want_logprobs``
-    False skips the per-step log-normaliser (greedy rows then take a bare argmax); ``top_logprobs`` > 0
+    False skips the per-step log-normaliser (a lone greedy row then gets its argmax from the compiled graph);
+    ``top_logprobs`` > 0
     asks for that many alternatives per token. ``tag`` is the caller's (e.g. the server's request).
     """
 
@@ -149,25 +120,14 @@ class EngineRow:
         self.prefilling = True
         self.prefix_hit: PrefixHit | None = None  # the prefix-cache hit it was loaded from, pinned until it is removed
         self.slid = False  # its cache positions no longer hold prompt + tokens from position 0
-        self.processors: list[LogitsProcessor] = build_processors(params)
+        self.sampler = Sampler.of(params)  # built once; rows with equal sampler keys are processed together
         self.generator: torch.Generator | None = None
-        self.penalised = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-                          or params.presence_penalty != 0.0)
-        self.ids_only = params.greedy and not self.processors and not want_logprobs and top_logprobs == 0
-        # Rows with the same key are sampled in one call: no penalty looks at their history and no seeded
-        # generator must advance on its own. Every other row is sampled alone.
-        shareable = (params.seed is None or params.greedy) and not self.penalised
-        self.group_key: object = (params.temperature, params.top_k, params.top_p, params.min_p,
-                                  self.ids_only) if shareable else ("own", id(self))
+        # the plain argmax, no logprobs: what the compiled greedy step returns from its graph
+        self.ids_only = self.sampler.key == GREEDY.key and not want_logprobs and top_logprobs == 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    def history(self, device: torch.device) -> PenaltyHistory | None:
-        """What the penalties see (``penalty_history`` decides: the CTRL repetition penalty the prompt and
-        the generated tokens, the OpenAI frequency / presence penalties the generated tokens only)."""
-        return penalty_history(self.params, self.prompt_ids, self.token_ids, device)
 
 
 class CompiledStep:
@@ -186,7 +146,9 @@ class CompiledStep:
         return self.model(tokens, cache=cache.at(positions, span.shape[0]))[:, -1]
 
     def greedy(self, tokens: Tensor, positions: Tensor, cache: Any, span: Tensor) -> Tensor:
-        return self.logits(tokens, positions, cache, span).argmax(dim=-1)
+        # the sampler's greedy case inside the graph: a batch-1 greedy step then returns 8 bytes instead of
+        # the (1, V) logits, and the argmax fuses with the LM head (docs/benchmarks/decode.md)
+        return sample(self.logits(tokens, positions, cache, span), GREEDY, want_logprobs=False)[0]
 
     def get(self, ids_only: bool) -> Callable[..., Tensor]:
         if ids_only not in self._fns:
@@ -531,12 +493,9 @@ class BatchEngine:
 
     # ------------------------------------------------------------------ sampling
     def _sample(self, logits: Tensor, rows: list[EngineRow]) -> list[RowOutput]:
-        """One token per row of ``logits`` (A, V), with each row's own parameters.
-
-        Rows that share parameters and need neither a history nor their own seeded generator are sampled in
-        one call (:func:`sample_shared`, or an argmax); the others one by one with ``sample_next``, so a
-        seeded row draws the same random numbers whether or not it shares the batch.
-        """
+        """One token per row of ``logits`` (A, V), with each row's own parameters, in one :func:`sample` call
+        (rows with equal sampler keys share their processors; a seeded row draws from its own generator, so
+        it draws the same numbers whether or not it shares the batch)."""
         n = len(rows)
         # a row is finite iff its largest and smallest logits are: max/min propagate NaN, and both are
         # vectorised single passes (isfinite(logits).all() writes a mask of the whole (A, V) first, ~25x slower)
@@ -554,26 +513,17 @@ class BatchEngine:
                     message = non_finite_message(f"for generated token {len(r.token_ids) + 1}")
                     result.append(RowOutput(r, None, r.text.close(), "model_error", message))
             return result
-        tokens: list[int] = [0] * n
-        logps: list[float | None] = [None] * n
-        groups: dict[object, list[int]] = {}
-        for i, r in enumerate(rows):
-            groups.setdefault(r.group_key, []).append(i)
-        for idx in groups.values():
-            first = rows[idx[0]]
-            part = logits[idx[0] : idx[0] + 1] if len(idx) == 1 else logits[torch.tensor(idx, device=logits.device)]
-            lp: Tensor | None
-            if first.ids_only:
-                tok, lp = part.argmax(dim=-1), None
-            elif first.params.greedy or first.group_key == ("own", id(first)):
-                tok, lp = sample_next(part, first.params, first.history(logits.device), first.generator,
-                                      processors=first.processors)
-            else:
-                tok, lp = sample_shared(part, first.processors,
-                                        want_logprobs=any(rows[i].want_logprobs for i in idx))
-            lps = lp.tolist() if lp is not None else [None] * len(idx)
-            for i, t, p in zip(idx, tok.tolist(), lps):
-                tokens[i], logps[i] = t, p
+        history = None
+        if any(r.sampler.penalised for r in rows):
+            history = penalty_history([r.params for r in rows], [r.prompt_ids for r in rows],
+                                      [r.token_ids for r in rows], logits.device)
+        generators = [r.generator for r in rows] if any(r.generator is not None for r in rows) else None
+        tok, lp = sample(logits, [r.sampler for r in rows], history, generators,
+                         want_logprobs=any(r.want_logprobs for r in rows))
+        tokens: list[int] = tok.tolist()
+        # a row that did not ask for logprobs gets none, whichever rows shared its call
+        logps: list[float | None] = [x if r.want_logprobs else None for x, r in zip(lp.tolist(), rows)] \
+            if lp is not None else [None] * n
         tops: dict[int, list[tuple[int, float]]] = {}
         want = [i for i, r in enumerate(rows) if r.top_logprobs > 0]
         if want:

@@ -1,6 +1,7 @@
 """Beam search: the most probable continuations under a model that decodes one token per step.
 
-One search for every model type. The model-specific part is a callable and a state:
+One search for every model type, run by one token loop (:func:`decode`; greedy search, ``num_beams=1``,
+runs on it too). The model-specific part is a callable and a state:
 
     step(tokens (N,), state) -> logits (N, V)     append one token to each of the N rows of ``state``
     state.reorder(index (N',))                    keep rows ``index``, in that order (rows may repeat,
@@ -38,9 +39,11 @@ The search of a row stops (it takes no more finished hypotheses) when K hypothes
   length_penalty, else its current score. This bound is exact: with K at least every open prefix the
   search then returns the best sequences (with ``length_penalty`` <= 0 the default is exact too).
 
-and at ``max_new_tokens`` in any case. ``num_beams=1`` is greedy decoding, as in HF: the search stops
-when its one hypothesis ends, whatever ``early_stopping`` says. The result of a row is its finished
-hypotheses, best score first, ``num_return_sequences`` of them.
+and at ``max_new_tokens`` in any case. ``num_beams=1`` is greedy decoding, as in HF (whose
+``generate`` decodes one beam greedily): each row takes its argmax through the one sampler
+(:func:`tinyformer.generation.sampling.sample`'s greedy case) and stops when it emits an end token,
+whatever ``early_stopping`` says; the argmax is the top candidate, so the rules above give the same.
+The result of a row is its finished hypotheses, best score first, ``num_return_sequences`` of them.
 
 One difference from HF, on degenerate inputs only: HF starts with K copies of the prompt, all but
 one scored -1e9, and takes candidates from those copies when the first beam has fewer than
@@ -53,20 +56,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
 
 from tinyformer.errors import GenerationError
+from tinyformer.generation.sampling import GREEDY, sample
 
 __all__ = [
     "DEFAULT_EARLY_STOPPING",
     "DEFAULT_LENGTH_PENALTY",
     "DEFAULT_NUM_RETURN_SEQUENCES",
     "BeamHypothesis",
+    "DecodeState",
     "EarlyStopping",
     "beam_search",
+    "decode",
     "validate_beam_args",
 ]
 
@@ -118,9 +124,45 @@ def validate_beam_args(num_beams: object, length_penalty: object, early_stopping
                               f"got {num_return_sequences!r}")
 
 
+class DecodeState(Protocol):
+    """The rows a search steps: ``step(tokens (N,), state) -> logits (N, V)`` appends one token to each
+    row, and ``state.reorder(index (N',))`` keeps rows ``index``, in that order (rows may repeat)."""
+
+    def reorder(self, index: Tensor) -> None: ...
+
+
+Step = Callable[[Tensor, Any], Tensor]
+
+
+class _Search(Protocol):
+    def advance(self, logits: Tensor, t: int) -> tuple[Tensor, Tensor | None] | None: ...
+
+
+def decode(step: Step, logits: Tensor, state: Any, search: _Search, max_new_tokens: int) -> None:
+    """The one token loop of every search (greedy, beam; decoder-only and encoder-decoder)::
+
+        for t = 0 .. max_new_tokens - 1:
+            tokens, index = search.advance(logits_t, t)      or stop: the search has what it needs
+            stop after the last token (its logits would go unused)
+            state.reorder(index)                             (index None: every row stays where it is)
+            logits_{t+1} = step(tokens, state)
+
+    ``logits`` are the next-token logits of ``state``'s rows after their prompts; the search records
+    what it chose at every ``advance``, and ends at ``max_new_tokens`` tokens whatever it returns.
+    """
+    for t in range(max_new_tokens):
+        picked = search.advance(logits, t)
+        if picked is None or t + 1 == max_new_tokens:
+            return
+        tokens, index = picked
+        if index is not None:
+            state.reorder(index)
+        logits = step(tokens, state)
+
+
 @torch.no_grad()
 def beam_search(
-    step: Callable[[Tensor, Any], Tensor],
+    step: Step,
     logits: Tensor,
     state: Any,
     *,
@@ -131,14 +173,16 @@ def beam_search(
     early_stopping: EarlyStopping = DEFAULT_EARLY_STOPPING,
     num_return_sequences: int = DEFAULT_NUM_RETURN_SEQUENCES,
 ) -> list[list[BeamHypothesis]]:
-    """Beam search for B source rows at once (see the module docstring for the rules).
+    """Beam search for B source rows at once (see the module docstring for the rules); ``num_beams=1`` is
+    greedy search, each row's argmax (:func:`~tinyformer.generation.sampling.sample`'s greedy case).
 
     Args:
         step: ``step(tokens (B*K,), state) -> logits (B*K, V)``, rows grouped by source (row b*K + j is
             beam j of source b).
         logits: ``(B, V)`` next-token logits after each source's prompt; ``state`` holds those B rows.
-        state: per-row model state with ``reorder(index)``; the first reorder takes it from B rows to
-            B*K, every later one keeps B*K rows (a beam never moves to another source).
+        state: per-row model state with ``reorder(index)`` (:class:`DecodeState`); the first reorder takes
+            it from B rows to B*K, every later one keeps B*K rows (a beam never moves to another source).
+            Greedy search never reorders.
         num_beams: K, the hypotheses kept per source and step.
         max_new_tokens: the most tokens a hypothesis has (0 gives no hypotheses).
         eos_token_ids: tokens that end a hypothesis.
@@ -152,62 +196,115 @@ def beam_search(
         raise GenerationError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if logits.dim() != 2:
         raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
-    B, V = logits.shape
     if max_new_tokens == 0:
-        return [[] for _ in range(B)]
-    K, T, device = num_beams, max_new_tokens, logits.device
-    if K == 1:  # greedy, as HF generate decodes num_beams=1
-        early_stopping = True
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    ends = torch.tensor(sorted({int(t) for t in eos_token_ids}), dtype=torch.long, device=device)
-    width = max(2, 1 + len(ends)) * K  # candidates kept per step, as in HF
-    rows = torch.arange(B, device=device)[:, None]
+        return [[] for _ in range(logits.shape[0])]
+    ends = torch.tensor(sorted({int(t) for t in eos_token_ids}), dtype=torch.long, device=logits.device)
+    search: _Greedy | _Beams
+    if num_beams == 1:  # greedy, as HF generate decodes num_beams=1
+        search = _Greedy(logits, ends)
+    else:
+        search = _Beams(logits, num_beams, max_new_tokens, ends, length_penalty, early_stopping)
+    decode(step, logits, state, search, max_new_tokens)
+    return search.results(length_penalty, num_return_sequences)
 
-    # open hypotheses: R per source (1 before the first step, K after)
-    scores = torch.zeros(B, 1, dtype=dtype, device=device)  # total log-prob
-    seqs = torch.zeros(B, 1, 0, dtype=torch.long, device=device)
-    seq_lps = torch.zeros(B, 1, 0, dtype=dtype, device=device)
-    # finished hypotheses: K slots per source, best first; score -inf marks an empty slot
-    fin_scores = torch.full((B, K), _NEG_INF, dtype=dtype, device=device)
-    fin_totals = torch.full((B, K), _NEG_INF, dtype=dtype, device=device)
-    fin_seqs = torch.zeros(B, K, T, dtype=torch.long, device=device)
-    fin_lps = torch.zeros(B, K, T, dtype=dtype, device=device)
-    fin_lens = torch.zeros(B, K, dtype=torch.long, device=device)
-    fin_ended = torch.zeros(B, K, dtype=torch.bool, device=device)
-    improvable = torch.ones(B, dtype=torch.bool, device=device)  # may a row still take finished ones
 
-    for t in range(T):
+class _Greedy:
+    """Greedy search: every row takes its argmax (``sample`` with the greedy sampler) until it emits an
+    end token; the search stops when every row has, or at ``max_new_tokens``. Log-probabilities and
+    scores are computed as the beam search computes them (log-softmax in float32 or float64, summed step
+    by step), so that a search of one beam gives what a beam search of one beam would."""
+
+    def __init__(self, logits: Tensor, ends: Tensor) -> None:
+        self.ends = ends
+        self.dtype = torch.promote_types(logits.dtype, torch.float32)
+        self.tokens: list[Tensor] = []  # (B,) per step
+        self.logprobs: list[Tensor] = []
+        self.done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+
+    def advance(self, logits: Tensor, t: int) -> tuple[Tensor, None] | None:
+        token = sample(logits, GREEDY, want_logprobs=False)[0]
+        self.tokens.append(token)
+        self.logprobs.append(torch.log_softmax(logits.to(self.dtype), dim=-1).gather(1, token[:, None])[:, 0])
+        if len(self.ends):
+            self.done |= torch.isin(token, self.ends)
+        if bool(self.done.all()):
+            return None
+        return token, None
+
+    def results(self, length_penalty: float, num_return_sequences: int) -> list[list[BeamHypothesis]]:
+        ends = set(self.ends.tolist())
+        lps = torch.stack(self.logprobs, dim=1)  # (B, steps)
+        ids = torch.stack(self.tokens, dim=1).tolist()
+        lengths = [next((i + 1 for i, y in enumerate(row) if y in ends), len(row)) for row in ids]  # to its end
+        # the running total, added step by step as the beam search adds it, at each row's last token
+        totals = lps.cumsum(dim=1).gather(1, torch.tensor(lengths, device=lps.device)[:, None] - 1)[:, 0]
+        divisors = torch.tensor([n**length_penalty for n in lengths], dtype=torch.float64, device=lps.device)
+        scores = totals / divisors.to(totals.dtype)
+        return [[BeamHypothesis(row[:n], lp[:n], total, score, "stop" if row[n - 1] in ends else "length")]
+                for row, lp, n, total, score in zip(ids, lps.tolist(), lengths, totals.tolist(), scores.tolist())]
+
+
+class _Beams:
+    """The beam search of the module docstring, one step per :meth:`advance` for B sources at once."""
+
+    def __init__(self, logits: Tensor, num_beams: int, max_new_tokens: int, ends: Tensor, length_penalty: float,
+                 early_stopping: EarlyStopping) -> None:
+        B, device = logits.shape[0], logits.device
+        K, T = num_beams, max_new_tokens
+        self.B, self.K, self.T, self.ends = B, K, T, ends
+        self.length_penalty, self.early_stopping = length_penalty, early_stopping
+        self.dtype = dtype = torch.promote_types(logits.dtype, torch.float32)
+        self.width = max(2, 1 + len(ends)) * K  # candidates kept per step, as in HF
+        self.rows = torch.arange(B, device=device)[:, None]
+        # open hypotheses: R per source (1 before the first step, K after)
+        self.scores = torch.zeros(B, 1, dtype=dtype, device=device)  # total log-prob
+        self.seqs = torch.zeros(B, 1, 0, dtype=torch.long, device=device)
+        self.seq_lps = torch.zeros(B, 1, 0, dtype=dtype, device=device)
+        # finished hypotheses: K slots per source, best first; score -inf marks an empty slot
+        self.fin_scores = torch.full((B, K), _NEG_INF, dtype=dtype, device=device)
+        self.fin_totals = torch.full((B, K), _NEG_INF, dtype=dtype, device=device)
+        self.fin_seqs = torch.zeros(B, K, T, dtype=torch.long, device=device)
+        self.fin_lps = torch.zeros(B, K, T, dtype=dtype, device=device)
+        self.fin_lens = torch.zeros(B, K, dtype=torch.long, device=device)
+        self.fin_ended = torch.zeros(B, K, dtype=torch.bool, device=device)
+        self.improvable = torch.ones(B, dtype=torch.bool, device=device)  # may a row still take finished ones
+
+    def advance(self, logits: Tensor, t: int) -> tuple[Tensor, Tensor] | None:
+        """Rank the candidates of step ``t``: the next tokens of the open beams and the rows they extend
+        (indices into the rows ``logits`` came from), or None when the search is over."""
+        B, K, T, V, rows = self.B, self.K, self.T, logits.shape[-1], self.rows
+        length_penalty, early_stopping = self.length_penalty, self.early_stopping
         n = t + 1  # the candidates' length
-        R = scores.shape[1]
-        logp = torch.log_softmax(logits.to(dtype), dim=-1).view(B, R, V)
-        cand = (scores[:, :, None] + logp).view(B, R * V)
-        C = min(width, R * V)
+        R = self.scores.shape[1]
+        logp = torch.log_softmax(logits.to(self.dtype), dim=-1).view(B, R, V)
+        cand = (self.scores[:, :, None] + logp).view(B, R * V)
+        C = min(self.width, R * V)
         top_scores, top_index = cand.topk(C, dim=-1)  # (B, C), best first
         beam, token = top_index // V, top_index % V
         token_lp = logp[rows, beam, token]
         valid = top_scores > _NEG_INF
-        ended = torch.isin(token, ends) if len(ends) else torch.zeros_like(valid)
+        ended = torch.isin(token, self.ends) if len(self.ends) else torch.zeros_like(valid)
         finishes = ended | (n == T)  # at the length limit every candidate finishes
 
         # 2. the finished candidates among the first K join the finished slots (if the row takes them)
-        full = (fin_scores > _NEG_INF).all(dim=-1)
-        takes = improvable & ~(full & (early_stopping is True))
-        ranked = torch.arange(C, device=device)[None, :] < K
+        full = (self.fin_scores > _NEG_INF).all(dim=-1)
+        takes = self.improvable & ~(full & (early_stopping is True))
+        ranked = torch.arange(C, device=logits.device)[None, :] < K
         new_fin = finishes & valid & ranked & takes[:, None]
         new_scores = torch.where(new_fin, top_scores / (n**length_penalty), _NEG_INF)
-        cand_seqs = torch.cat([seqs[rows, beam], token[..., None]], dim=-1)  # (B, C, n)
-        cand_lps = torch.cat([seq_lps[rows, beam], token_lp[..., None]], dim=-1)
+        cand_seqs = torch.cat([self.seqs[rows, beam], token[..., None]], dim=-1)  # (B, C, n)
+        cand_lps = torch.cat([self.seq_lps[rows, beam], token_lp[..., None]], dim=-1)
         pad = T - n
-        merged_scores = torch.cat([fin_scores, new_scores], dim=1)
+        merged_scores = torch.cat([self.fin_scores, new_scores], dim=1)
         keep = merged_scores.topk(K, dim=-1).indices  # (B, K)
-        fin_scores = merged_scores.gather(1, keep)
-        fin_totals = torch.cat([fin_totals, top_scores], dim=1).gather(1, keep)
-        fin_seqs = _gather(torch.cat([fin_seqs, torch.nn.functional.pad(cand_seqs, (0, pad))], dim=1), keep)
-        fin_lps = _gather(torch.cat([fin_lps, torch.nn.functional.pad(cand_lps, (0, pad))], dim=1), keep)
-        fin_lens = torch.cat([fin_lens, torch.full_like(token, n)], dim=1).gather(1, keep)
-        fin_ended = torch.cat([fin_ended, ended], dim=1).gather(1, keep)
+        self.fin_scores = merged_scores.gather(1, keep)
+        self.fin_totals = torch.cat([self.fin_totals, top_scores], dim=1).gather(1, keep)
+        self.fin_seqs = _gather(torch.cat([self.fin_seqs, torch.nn.functional.pad(cand_seqs, (0, pad))], dim=1), keep)
+        self.fin_lps = _gather(torch.cat([self.fin_lps, torch.nn.functional.pad(cand_lps, (0, pad))], dim=1), keep)
+        self.fin_lens = torch.cat([self.fin_lens, torch.full_like(token, n)], dim=1).gather(1, keep)
+        self.fin_ended = torch.cat([self.fin_ended, ended], dim=1).gather(1, keep)
         if n == T:
-            break
+            return None
 
         # 3. the best K candidates that did not finish stay open
         open_scores = top_scores.masked_fill(finishes, _NEG_INF)
@@ -219,35 +316,35 @@ def beam_search(
             cand_lps = torch.nn.functional.pad(cand_lps, (0, 0, 0, K - C))
         scores, chosen = open_scores.topk(K, dim=-1)  # best first
         beam, token = beam.gather(1, chosen), token.gather(1, chosen)
-        seqs, seq_lps = _gather(cand_seqs, chosen), _gather(cand_lps, chosen)
+        self.scores = scores
+        self.seqs, self.seq_lps = _gather(cand_seqs, chosen), _gather(cand_lps, chosen)
 
         # can a row still improve its finished set? (HF's _check_early_stop_heuristic)
-        full = (fin_scores > _NEG_INF).all(dim=-1)
+        full = (self.fin_scores > _NEG_INF).all(dim=-1)
         if early_stopping == "never" and length_penalty > 0:
             best_possible = scores[:, 0] / (T**length_penalty)
         else:
             best_possible = scores[:, 0] / (n**length_penalty)
-        worst = fin_scores[:, -1]
-        improvable &= ~full | (best_possible > worst)
-        improvable &= scores[:, 0] > _NEG_INF  # no open hypothesis left
-        if not bool((improvable & ~(full & (early_stopping is True))).any()):
-            break
+        worst = self.fin_scores[:, -1]
+        self.improvable &= ~full | (best_possible > worst)
+        self.improvable &= scores[:, 0] > _NEG_INF  # no open hypothesis left
+        if not bool((self.improvable & ~(full & (early_stopping is True))).any()):
+            return None
+        return token.view(-1), (rows * R + beam).view(-1)
 
-        state.reorder((rows * R + beam).view(-1))
-        logits = step(token.view(-1), state)
-
-    out: list[list[BeamHypothesis]] = []
-    for b in range(B):
-        hyps = []
-        for j in range(min(K, num_return_sequences)):
-            if fin_scores[b, j] == _NEG_INF:
-                break
-            n = int(fin_lens[b, j])
-            hyps.append(BeamHypothesis(fin_seqs[b, j, :n].tolist(), fin_lps[b, j, :n].tolist(),
-                                       float(fin_totals[b, j]), float(fin_scores[b, j]),
-                                       "stop" if bool(fin_ended[b, j]) else "length"))
-        out.append(hyps)
-    return out
+    def results(self, length_penalty: float, num_return_sequences: int) -> list[list[BeamHypothesis]]:
+        out: list[list[BeamHypothesis]] = []
+        for b in range(self.B):
+            hyps = []
+            for j in range(min(self.K, num_return_sequences)):
+                if self.fin_scores[b, j] == _NEG_INF:
+                    break
+                n = int(self.fin_lens[b, j])
+                hyps.append(BeamHypothesis(self.fin_seqs[b, j, :n].tolist(), self.fin_lps[b, j, :n].tolist(),
+                                           float(self.fin_totals[b, j]), float(self.fin_scores[b, j]),
+                                           "stop" if bool(self.fin_ended[b, j]) else "length"))
+            out.append(hyps)
+        return out
 
 
 def _gather(x: Tensor, index: Tensor) -> Tensor:

@@ -23,8 +23,10 @@ plus ``max_new_tokens`` does not fit ``max_seq_len``; ``"slide"`` keeps going: w
 is full it keeps the row's last ``slide_keep`` tokens and prefills them again (positions restart at 0,
 so they stay inside the trained range).
 
-Beam search (``Generator.beam_search``) is :func:`tinyformer.generation.beam.beam_search`, the one
-search shared with encoder-decoder models, stepping the KV cache.
+Every token is chosen by :func:`tinyformer.generation.sampling.sample` (greedy is its temperature-0
+case). Beam search (``Generator.beam_search``) is :func:`tinyformer.generation.beam.beam_search`, the one
+search shared with encoder-decoder models, run by the one token loop of the searches
+(:func:`tinyformer.generation.beam.decode`) stepping the KV cache; ``num_beams=1`` is greedy search.
 """
 
 from __future__ import annotations
@@ -298,8 +300,9 @@ class Generator:
                     early_stopping: EarlyStopping = DEFAULT_EARLY_STOPPING,
                     num_return_sequences: int = DEFAULT_NUM_RETURN_SEQUENCES) -> list[GenerationResult]:
         """The best ``num_return_sequences`` of ``num_beams`` hypotheses for ``prompt``, best first: HF
-        ``generate(num_beams=..., do_sample=False)`` (see :mod:`tinyformer.generation.beam` for the score).
-        EOS and ``stop_token_ids`` end a hypothesis; ``finish_reason`` is "stop" for one that ended so."""
+        ``generate(num_beams=..., do_sample=False)`` (see :mod:`tinyformer.generation.beam` for the score;
+        ``num_beams=1`` is greedy search). EOS and ``stop_token_ids`` end a hypothesis; ``finish_reason`` is
+        "stop" for one that ended so."""
         ids = self.encode(prompt)
         SamplingParams(max_new_tokens=max_new_tokens).validate()
         validate_beam_args(num_beams, length_penalty, early_stopping, num_return_sequences)

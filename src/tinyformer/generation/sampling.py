@@ -7,9 +7,19 @@ integer tensor that every penalty sees alike, or ``None``. Processors are batche
 vocabulary in Python, never modify their input in place, and return a tensor of the input's dtype.
 Filtering processors set removed tokens to ``-inf`` so that ``softmax`` gives them probability 0.
 
-:func:`build_processors` turns a :class:`SamplingParams` into the canonical processor chain and
-:func:`sample_next` draws one token per row from it. Both skip every processor that would be a
-no-op, so the default parameters cost one ``softmax`` and one ``multinomial`` per decoded token.
+:func:`build_processors` turns a :class:`SamplingParams` into the canonical processor chain (leaving out
+every processor that would be a no-op), a :class:`Sampler` holds that chain for rows that sample alike,
+and :func:`sample` draws one token per row. ``sample`` is the one function every entry point draws
+through (``Generator`` for ``generate``, ``chat``, ``eval``'s generation, lm-eval's ``generate_until`` and
+the trainer's samples; the server's scheduler; the engine's compiled greedy step; greedy search of the
+encoder-decoder), and greedy decoding (argmax) is its temperature-0 case:
+
+    x = processors(logits)                        penalties, temperature, top-k, top-p, min-p
+    y = argmax_v x_v                              greedy: temperature 0 or top-k 1
+    y = min { v : sum_{u <= v} e^{x_u} > U * sum_u e^{x_u} },  U ~ Uniform[0, 1)    otherwise
+
+Rows with different settings share one call: rows whose samplers have equal :attr:`Sampler.key` (derived
+from the processors themselves) are processed together, and every row draws its own U.
 
 Which tokens the penalties see (:func:`penalty_history`, used by every decoder: ``Generator`` and the
 server's scheduler):
@@ -48,7 +58,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,6 +83,7 @@ __all__ = [
     "PenaltyHistory",
     "PresencePenalty",
     "RepetitionPenalty",
+    "Sampler",
     "SamplingParams",
     "Temperature",
     "TopK",
@@ -80,7 +91,7 @@ __all__ = [
     "build_processors",
     "make_generator",
     "penalty_history",
-    "sample_next",
+    "sample",
 ]
 
 _NEG_INF = float("-inf")
@@ -99,9 +110,22 @@ GREEDY_TEMPERATURE = 0.0  # evaluation: deterministic, comparable scores
 
 class LogitsProcessor(Protocol):
     """Anything with ``__call__(logits: Tensor[B, V], generated) -> Tensor[B, V]``, ``generated`` a
-    :class:`PenaltyHistory`, a ``Tensor[B, t]`` or ``None``."""
+    :class:`PenaltyHistory`, a ``Tensor[B, t]`` or ``None``, and a hashable ``key``: processors with equal
+    keys give equal outputs, so rows whose chains have equal keys are processed in one call (a processor
+    without a ``key`` is its own key: it is shared only by rows that hold that very object)."""
+
+    key: Hashable
 
     def __call__(self, logits: Tensor, generated: Tensor | PenaltyHistory | None) -> Tensor: ...
+
+
+class _Processor:
+    """Base of the processors below: ``key`` is the class and every attribute, so that an attribute added
+    to a processor is part of the key that groups rows without anyone listing it."""
+
+    @property
+    def key(self) -> Hashable:
+        return (type(self).__qualname__, tuple(sorted(vars(self).items())))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,7 +158,7 @@ MAX_ADDITIVE_PENALTY = 100.0  # |frequency_penalty|, |presence_penalty|: subtrac
 def _check_temperature(t: object, *, allow_zero: bool) -> float:
     t = _real("temperature", t)
     if t < 0 or (t == 0 and not allow_zero):
-        need = ">= 0 (0 means greedy)" if allow_zero else "> 0 (temperature 0 is greedy, done by sample_next)"
+        need = ">= 0 (0 means greedy)" if allow_zero else "> 0 (temperature 0 is greedy, done by sample)"
         raise GenerationError(f"temperature must be {need}, got {t!r}")
     if 0 < t < MIN_TEMPERATURE:
         raise GenerationError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r} "
@@ -226,28 +250,47 @@ class PenaltyHistory:
             return self.generated
         return torch.cat([self.prompt.to(self.generated.device), self.generated], dim=1)
 
-    def __getitem__(self, rows: slice) -> PenaltyHistory:
-        """The history of ``rows`` (a slice of the batch)."""
+    def __getitem__(self, rows: slice | Tensor) -> PenaltyHistory:
+        """The history of ``rows`` (a slice or an index tensor of the batch)."""
         return PenaltyHistory(None if self.prompt is None else self.prompt[rows], self.generated[rows])
 
 
-def _rows(ids: Tensor | Sequence[int], device: torch.device | str | None) -> Tensor:
+def _rows(ids: Tensor | Sequence[int] | Sequence[Sequence[int]], device: torch.device | str | None) -> Tensor:
+    """``[B, n]`` int64 ids from a ``[B, n]`` or ``[n]`` tensor, one row as a list, or B ragged rows as lists
+    (right padded with -1, which every penalty ignores)."""
     if isinstance(ids, Tensor):
         return (ids if ids.dim() == 2 else ids[None]).to(device=device, dtype=torch.long)
-    return torch.tensor(list(ids), dtype=torch.long, device=device).view(1, -1)
+    rows = [list(r) for r in ids] if ids and not _is_int(ids[0]) else [list(ids)]  # type: ignore[arg-type]
+    n = max(map(len, rows))
+    return torch.tensor([r + [-1] * (n - len(r)) for r in rows], dtype=torch.long, device=device).view(len(rows), n)
 
 
-def penalty_history(params: SamplingParams, prompt: Tensor | Sequence[int], generated: Tensor | Sequence[int],
-                    device: torch.device | str | None = None) -> PenaltyHistory | None:
+def penalty_history(params: SamplingParams | Sequence[SamplingParams], prompt: Tensor | Sequence,
+                    generated: Tensor | Sequence, device: torch.device | str | None = None) -> PenaltyHistory | None:
     """What the penalties of ``params`` see, given the ``prompt`` and ``generated`` ids of each row
-    (``[B, P]`` and ``[B, t]`` tensors, padding as -1, or one row as lists); ``None`` when no penalty is
-    on, so that nothing is built. The one place that decides it (see the module docstring):
-    ``repetition_penalty`` sees prompt + generated, ``frequency_penalty`` / ``presence_penalty`` the
-    generated tokens only, whichever other penalties are on."""
-    sees_prompt = params.repetition_penalty != 1.0
-    if not sees_prompt and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0:
+    (``[B, P]`` and ``[B, t]`` tensors, padding as -1; one row as lists; or, with one ``params`` per row,
+    B rows as lists of lists of any lengths); ``None`` when no penalty is on, so that nothing is built. The
+    one place that decides it (see the module docstring): ``repetition_penalty`` sees prompt + generated,
+    ``frequency_penalty`` / ``presence_penalty`` the generated tokens only, whichever other penalties are
+    on. With one ``params`` per row, a row's ids are kept only where its own penalties look (the others
+    are left empty: their processors never read them)."""
+    if isinstance(params, SamplingParams):
+        sees_prompt, sees_generated = _sees(params)
+        if not sees_generated:
+            return None
+        return PenaltyHistory(_rows(prompt, device) if sees_prompt else None, _rows(generated, device))
+    sees = [_sees(p) for p in params]
+    if not any(g for _, g in sees):
         return None
-    return PenaltyHistory(_rows(prompt, device) if sees_prompt else None, _rows(generated, device))
+    prompts = [list(ids) if p else [] for (p, _), ids in zip(sees, prompt)]
+    return PenaltyHistory(_rows(prompts, device) if any(p for p, _ in sees) else None,
+                          _rows([list(ids) if g else [] for (_, g), ids in zip(sees, generated)], device))
+
+
+def _sees(params: SamplingParams) -> tuple[bool, bool]:
+    """Whether the penalties of ``params`` look at the prompt, and whether they look at anything at all."""
+    sees_prompt = params.repetition_penalty != 1.0
+    return sees_prompt, sees_prompt or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
 
 
 def _seen(generated: Tensor | PenaltyHistory | None, *, with_prompt: bool) -> Tensor | None:
@@ -262,13 +305,13 @@ def _seen(generated: Tensor | PenaltyHistory | None, *, with_prompt: bool) -> Te
 # ----------------------------------------------------------------------------------------------
 
 
-class Temperature:
+class Temperature(_Processor):
     r"""Temperature scaling (Ackley, Hinton & Sejnowski 1985; as in HF ``TemperatureLogitsWarper``).
 
     .. math:: \ell'_v = \ell_v / T, \qquad p'_v = \operatorname{softmax}(\ell / T)_v
 
     ``T = 1`` leaves the logits unchanged, ``T < 1`` sharpens, ``T > 1`` flattens. ``T`` must be
-    finite and ``> 0``: ``T = 0`` (greedy) is the argmax limit, which :func:`sample_next` takes
+    finite and ``> 0``: ``T = 0`` (greedy) is the argmax limit, which :func:`sample` takes
     directly instead of dividing by zero.
     """
 
@@ -284,7 +327,7 @@ class Temperature:
         return f"Temperature({self.temperature})"
 
 
-class TopK:
+class TopK(_Processor):
     r"""Top-k filtering (Fan, Lewis & Dauphin 2018).
 
     .. math:: \ell'_v = \ell_v \text{ if } v \in \operatorname{TopK}(\ell, k) \text{ else } -\infty
@@ -320,7 +363,7 @@ def _nucleus_drop(sorted_logits: Tensor, p: float) -> Tensor:
     return drop
 
 
-class TopP:
+class TopP(_Processor):
     r"""Nucleus (top-p) filtering (Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration").
 
     With the tokens sorted by probability, :math:`p_{(1)} \ge p_{(2)} \ge \dots`, the nucleus is the
@@ -352,7 +395,7 @@ class TopP:
         return f"TopP({self.p})"
 
 
-class _TopKTopP:
+class _TopKTopP(_Processor):
     """``TopP(p)(TopK(k)(logits))`` computed on the ``k`` candidates only.
 
     After top-k only ``k`` tokens have non-zero probability, so the nucleus can be found by sorting
@@ -374,7 +417,7 @@ class _TopKTopP:
         return f"TopK({self.k})+TopP({self.p})"
 
 
-class MinP:
+class MinP(_Processor):
     r"""Min-p filtering (Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling"; HF ``MinPLogitsWarper``).
 
     .. math:: \ell'_v = \ell_v \text{ if } p_v \ge p_{\min} \cdot \max_u p_u \text{ else } -\infty
@@ -398,7 +441,7 @@ class MinP:
         return f"MinP({self.p})"
 
 
-class RepetitionPenalty:
+class RepetitionPenalty(_Processor):
     r"""CTRL repetition penalty (Keskar et al. 2019), with HF's sign handling.
 
     For every token ``v`` that occurs in ``generated`` (any number of times):
@@ -427,7 +470,7 @@ class RepetitionPenalty:
         return f"RepetitionPenalty({self.penalty})"
 
 
-class FrequencyPenalty:
+class FrequencyPenalty(_Processor):
     r"""OpenAI frequency penalty: subtract ``f`` for every previous occurrence of the token.
 
     .. math:: \ell'_v = \ell_v - c_v \cdot f, \qquad c_v = \#\{\, i : \text{generated}_i = v \,\}
@@ -449,7 +492,7 @@ class FrequencyPenalty:
         return f"FrequencyPenalty({self.penalty})"
 
 
-class PresencePenalty:
+class PresencePenalty(_Processor):
     r"""OpenAI presence penalty: subtract ``p`` once from every token that has occurred at all.
 
     .. math:: \ell'_v = \ell_v - \mathbb{1}[c_v > 0] \cdot p
@@ -579,7 +622,7 @@ def build_processors(params: SamplingParams) -> list[LogitsProcessor]:
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
     """A ``torch.Generator`` on ``device`` seeded with ``params.seed``, or ``None`` when the seed is ``None``.
 
-    ``torch.multinomial`` needs a generator on the same device as the probabilities.
+    ``torch.rand`` needs a generator on the same device as the tensor it fills.
     """
     if params.seed is None:
         return None
@@ -588,62 +631,138 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return gen
 
 
-def sample_next(
+class Sampler:
+    """How rows with equal settings choose their next token: the processor chain of a
+    :class:`SamplingParams` (:func:`build_processors`) and whether the choice is the argmax.
+
+    ``key`` groups rows in :func:`sample`: ``greedy`` and the ``key`` of every processor (its class and all
+    its attributes), so rows share processors exactly when their processors are interchangeable, whatever
+    fields a processor gains later. ``penalised``: a penalty looks at the row's history. The sampling fields
+    of ``params`` are all it reads; ``max_new_tokens``, ``seed`` and the stops are no part of it.
+    """
+
+    __slots__ = ("greedy", "key", "penalised", "processors")
+
+    def __init__(self, processors: Sequence[LogitsProcessor] = (), *, greedy: bool = False) -> None:
+        self.processors = tuple(processors)
+        self.greedy = greedy
+        self.penalised = any(isinstance(p, (RepetitionPenalty, FrequencyPenalty, PresencePenalty))
+                             for p in self.processors)
+        self.key: Hashable = (greedy, tuple(getattr(p, "key", p) for p in self.processors))
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> Sampler:
+        """The sampler of ``params`` (validated)."""
+        return cls(build_processors(params), greedy=params.greedy)
+
+    def __repr__(self) -> str:
+        return f"Sampler({list(self.processors)}, greedy={self.greedy})"
+
+
+GREEDY = Sampler(greedy=True)  # the plain argmax: temperature 0, no penalty
+
+
+def sample(
     logits: Tensor,
-    params: SamplingParams,
-    generated: Tensor | PenaltyHistory | None = None,
-    generator: torch.Generator | None = None,
+    how: SamplingParams | Sampler | Sequence[SamplingParams | Sampler],
+    history: Tensor | PenaltyHistory | None = None,
+    generator: torch.Generator | Sequence[torch.Generator | None] | None = None,
     *,
-    processors: Sequence[LogitsProcessor] | None = None,
-) -> tuple[Tensor, Tensor]:
-    r"""Choose one next token per row.
+    want_logprobs: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    r"""Choose one next token per row: the one sampler of every entry point.
 
     Args:
         logits: ``[B, V]`` raw next-token logits from the model (any float dtype, any device).
-        params: sampling parameters (validated here unless ``processors`` is given).
-        generated: what the penalties see: a :class:`PenaltyHistory` (from :func:`penalty_history`, which
-            decides which ids each penalty sees), or ``[B, t]`` (or ``[t]``, shared by all rows) ids that
-            every penalty sees alike.
-        generator: RNG for ``torch.multinomial``, on the logits' device (see :func:`make_generator`).
-        processors: a chain prebuilt with ``build_processors(params)``, to skip rebuilding it every step.
+        how: how every row chooses (a :class:`SamplingParams`, validated here, or a prebuilt
+            :class:`Sampler`), or one of them per row. Rows whose samplers have equal ``key`` are
+            processed in one call.
+        history: what the penalties see: a :class:`PenaltyHistory` of the B rows (from
+            :func:`penalty_history`, which decides which ids each penalty sees), or ``[B, t]`` (or ``[t]``,
+            shared by all rows) ids that every penalty sees alike.
+        generator: where the uniform numbers come from: ``None`` (the global RNG), one ``torch.Generator``
+            for all rows (on the logits' device, see :func:`make_generator`), or one per row (``None`` for
+            the global RNG), so that a seeded row draws the same numbers whichever rows share its call.
+        want_logprobs: False skips the log-normaliser (one more pass over the vocabulary) and returns None.
 
     Returns:
-        ``(token_ids[B] int64, logprobs[B] float32)``.
+        ``(token_ids[B] int64, logprobs[B] float32 or None)``.
 
-    The processed logits :math:`\tilde\ell` give :math:`q = \operatorname{softmax}(\tilde\ell)`; the token
-    is :math:`\arg\max_v \tilde\ell_v` when ``temperature == 0`` or ``top_k == 1`` (or when every row of
-    ``q`` is one-hot, where a draw could only return the argmax anyway), else a draw
-    ``torch.multinomial(q, 1, generator=generator)``. Work is done in float32 (float64 stays float64)
-    so that e.g. ``logits / 1e-6`` cannot overflow fp16.
+    With :math:`\tilde\ell` the processed logits of a row, the token is :math:`\arg\max_v \tilde\ell_v`
+    when its sampler is greedy (``temperature == 0`` or ``top_k == 1``); otherwise it is drawn from
+    :math:`q = \operatorname{softmax}(\tilde\ell)` by inverse transform sampling: with
+    :math:`e_v = \exp(\tilde\ell_v - \max \tilde\ell)` and :math:`c_v = \sum_{u \le v} e_u`, the token is
+    the first v with :math:`c_v > U c_V` for one :math:`U \sim \mathrm{Uniform}[0, 1)` per row, so
+    :math:`P(v) = e_v / c_V = q_v` (a filtered token has :math:`e_v = 0` and cannot be hit). The
+    softmax's division is never done, and one uniform per row is drawn where ``torch.multinomial``
+    draws one exponential per vocabulary entry (for 16 rows x 32k tokens on a CPU that cost about as
+    much as the forward pass of a 15M model). The running sum is float32 (float64 logits stay float64):
+    a token's share is then off by ~1e-7 of the total at most, and a token with :math:`e_v = 0` adds
+    exactly 0.
 
     ``logprobs`` is :math:`\log \operatorname{softmax}(\ell)_y = \ell_y - \operatorname{logsumexp}(\ell)`
     of the **raw** model logits at the chosen token ``y``, before any processor: it is what the model
     believes, comparable across sampling settings (as OpenAI's API returns) and finite even for tokens
     a filter would have given probability 1. HF's ``output_scores`` would instead return the processed
-    scores.
+    scores. Work is done in float32 (float64 stays float64), so that e.g. ``logits / 1e-6`` cannot
+    overflow fp16.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
-    if processors is None:
-        processors = build_processors(params)
     raw = logits if logits.dtype == torch.float64 else logits.float()
-
-    x = raw
-    for proc in processors:
-        x = proc(x, generated)
-
-    if params.greedy:
-        tokens = x.argmax(dim=-1)
+    if isinstance(how, (SamplingParams, Sampler)):
+        tokens = _choose(_sampler(how), raw, history, generator)
     else:
-        filtered = params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
-        # After a truncation often one token is left; argmax then gives the same token as a draw
-        # without the softmax and without spending random numbers.
-        if filtered and bool(((x != _NEG_INF).sum(dim=-1) == 1).all()):
-            tokens = x.argmax(dim=-1)
+        samplers = [_sampler(h) for h in how]
+        if len(samplers) != raw.shape[0]:
+            raise ValueError(f"one sampler per row: got {len(samplers)} for {raw.shape[0]} rows")
+        groups: dict[Hashable, list[int]] = {}
+        for i, s in enumerate(samplers):
+            groups.setdefault(s.key, []).append(i)
+        if len(groups) == 1:
+            tokens = _choose(samplers[0], raw, history, generator)
         else:
-            probs = torch.softmax(x, dim=-1)
-            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-    chosen = raw.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    logprobs = (chosen - torch.logsumexp(raw, dim=-1)).float()
+            tokens = torch.empty(raw.shape[0], dtype=torch.long, device=raw.device)
+            for idx in groups.values():
+                rows = torch.tensor(idx, device=raw.device)
+                tokens[rows] = _choose(samplers[idx[0]], raw[rows], _history_rows(history, rows),
+                                       [generator[i] for i in idx] if isinstance(generator, Sequence) else generator)
+    if not want_logprobs:
+        return tokens, None
+    logprobs = (raw.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(raw, dim=-1)).float()
     return tokens, logprobs
+
+
+def _sampler(how: SamplingParams | Sampler) -> Sampler:
+    return how if isinstance(how, Sampler) else Sampler.of(how)
+
+
+def _history_rows(history: Tensor | PenaltyHistory | None, rows: Tensor) -> Tensor | PenaltyHistory | None:
+    """The history of ``rows`` (a ``[t]`` tensor is every row's)."""
+    if history is None or (isinstance(history, Tensor) and history.dim() == 1):
+        return history
+    return history[rows]
+
+
+def _choose(sampler: Sampler, raw: Tensor, history: Tensor | PenaltyHistory | None,
+            generator: torch.Generator | Sequence[torch.Generator | None] | None) -> Tensor:
+    """``sample``'s choice for rows that share ``sampler``: token ids ``[B]``."""
+    x = raw
+    for proc in sampler.processors:
+        x = proc(x, history)
+    if sampler.greedy:
+        return x.argmax(dim=-1)
+    cdf = (x - x.amax(dim=-1, keepdim=True)).exp_().cumsum_(-1)  # one new tensor, then in place
+    total = cdf[:, -1:].contiguous()  # [B, 1]: the softmax normaliser of each row
+    u = _uniforms(generator, cdf.shape[0], cdf) * total
+    # U * c_V may round up to c_V itself; the first position holding the whole mass is then the last token
+    # that has any (the positions after it carry e_v = 0)
+    last = torch.searchsorted(cdf, total)
+    return torch.minimum(torch.searchsorted(cdf, u, right=True), last).squeeze(-1)
+
+
+def _uniforms(generator: torch.Generator | Sequence[torch.Generator | None] | None, n: int, like: Tensor) -> Tensor:
+    """``[n, 1]`` uniforms in [0, 1): from the global RNG, from one generator, or one from each row's own."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(n, 1, generator=generator, dtype=like.dtype, device=like.device)
+    return torch.cat([torch.rand(1, 1, generator=g, dtype=like.dtype, device=like.device) for g in generator])

@@ -7,8 +7,10 @@ and feed the decoder one token per step through its self-attention KV cache, sta
 
 Greedy:  y_t = argmax_v log p(v | y_<t, x), until EOS or ``max_new_tokens``.
 
-Beam search is :func:`tinyformer.generation.beam.beam_search` (the one search shared with decoder-only
-models: HF ``generate(num_beams=...)``'s rules, names and defaults) over this step.
+Both are :func:`tinyformer.generation.beam.beam_search` over this step (the one search shared with
+decoder-only models, run by the one token loop :func:`tinyformer.generation.beam.decode`: HF
+``generate(num_beams=...)``'s rules, names and defaults); greedy is its ``num_beams=1`` case, which
+takes each row's argmax through the sampler (:func:`tinyformer.generation.sampling.sample`).
 """
 
 from __future__ import annotations
@@ -68,22 +70,10 @@ def _step(tokens: Tensor, state: DecoderState) -> Tensor:
 @torch.no_grad()
 def greedy_decode(model, src_ids: Tensor, src_mask: Tensor | None = None, *, bos_id: int,
                   eos_id: int, max_new_tokens: int) -> list[list[int]]:
-    """The greedy output of each source row (B lists of token ids, EOS excluded)."""
-    _check(model, max_new_tokens)
-    B = src_ids.shape[0]
-    state = DecoderState(model, src_ids, src_mask, max_new_tokens)
-    tok = torch.full((B,), bos_id, dtype=torch.long, device=src_ids.device)
-    done = torch.zeros(B, dtype=torch.bool, device=src_ids.device)
-    steps = []
-    for _ in range(max_new_tokens):
-        nxt = state.step(tok).argmax(dim=-1).masked_fill(done, eos_id)
-        steps.append(nxt)
-        done |= nxt == eos_id
-        if bool(done.all()):
-            break
-        tok = nxt
-    out = torch.stack(steps, dim=1).tolist()
-    return [row[: row.index(eos_id)] if eos_id in row else row for row in out]
+    """The greedy output of each source row (B lists of token ids, EOS excluded): the search of one beam."""
+    hyps = beam_search(model, src_ids, src_mask, bos_id=bos_id, eos_id=eos_id, max_new_tokens=max_new_tokens,
+                       num_beams=1)
+    return [h[0].output_ids for h in hyps]
 
 
 @torch.no_grad()

@@ -36,14 +36,13 @@ from tinyformer.generation.batch_engine import (
     TokenInfo,
     check_compilable,
     new_prefix_cache,
-    sample_shared,
 )
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.generation.streaming import TextState
 
 log = logging.getLogger("tinyformer.serve")
 
-__all__ = ["GenerationRequest", "QueueFull", "Scheduler", "StepEvent", "TokenInfo", "sample_shared"]
+__all__ = ["GenerationRequest", "QueueFull", "Scheduler", "StepEvent", "TokenInfo"]
 
 _ids = itertools.count(1)
 SHUTTING_DOWN = "the server is shutting down; retry later"

@@ -29,7 +29,8 @@ def sample_text(
     top_k: int = HUMAN_TOP_K,
 ) -> str:
     """``prompt`` plus up to ``max_new_tokens`` sampled tokens (fewer at EOS or the context limit), as text,
-    decoded by the same engine as ``tinyformer generate`` (``device`` is where the model already is)."""
+    decoded by the same engine and drawn by the same sampler (:func:`~tinyformer.generation.sampling.sample`)
+    as ``tinyformer generate`` (``device`` is where the model already is)."""
     was_training = model.training
     try:
         ids = tokenizer.encode(prompt) if prompt else []

@@ -30,9 +30,10 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is needed only when a GGUF file is read: presets import this module
+    import numpy as np
 
 from tinyformer.errors import ConfigError
 from tinyformer.families.family import GGUFArch
@@ -101,6 +102,8 @@ def gguf_name(name: str, arch: GGUFArch) -> str:
 
 def f32(value: float) -> float:
     """GGUF stores float32: 1e-6 arrives as 9.99999997e-07; the shortest decimal with the same float32."""
+    import numpy as np
+
     return float(str(np.float32(value)))
 
 
@@ -131,6 +134,8 @@ def llama3_scaling(factors: np.ndarray, head_dim: int, theta: float, path: Any) 
     ``factor`` when w_i > L0/low, else 1 / ((1 - s)/factor + s) with s = (L0/w_i - low)/(high - low).
     Only L0/low and L0/high matter, so L0 = 8192 (Llama 3.1's) is kept and low/high are fitted to the
     in-between frequencies when Meta's 1 and 4 do not reproduce them; the result is checked."""
+    import numpy as np
+
     from tinyformer.components.rope import default_inv_freq
 
     factors = np.asarray(factors, dtype=np.float64)
