@@ -114,7 +114,7 @@ def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> tuple[dict[
 
 
 def bench_shape(shape: str, args: argparse.Namespace, read_bw: float) -> None:
-    from tinyformer.generation.engine import Generator
+    from tinyformer.generation.generator import Generator
     from tinyformer.generation.sampling import SamplingParams
     from tinyformer.generation.weight_layout import store_input_major
 

@@ -56,7 +56,7 @@ def tinyformer_worker(run: str, threads: int, new_tokens: int, prompt_tokens: in
     import torch
 
     from tinyformer.data.chat_template import ChatTemplate
-    from tinyformer.generation.engine import Generator
+    from tinyformer.generation.generator import Generator
     from tinyformer.generation.sampling import SamplingParams
 
     torch.set_num_threads(threads)

@@ -167,7 +167,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 GENERATE_REF = """
 import sys, time, torch
-from tinyformer.generation.engine import Generator
+from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams
 run, n, threads, compile_ = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 prompts = [line for line in sys.stdin.read().split("\\n") if line]

@@ -49,7 +49,7 @@ def product_chain(model: torch.nn.Module, dtype: torch.dtype, input_major: bool)
 
 
 def bench_shape(shape: str, args: argparse.Namespace) -> None:
-    import tinyformer.generation.engine as engine
+    import tinyformer.generation.generator as engine
     from tinyformer.generation.sampling import SamplingParams
     from tinyformer.generation.weight_layout import store_input_major
 

@@ -13,7 +13,7 @@ import torch
 
 from tinyformer.errors import GenerationError
 from tinyformer.generation.beam import beam_search
-from tinyformer.generation.engine import Generator
+from tinyformer.generation.generator import Generator
 from tinyformer.generation.seq2seq import DecoderState
 from tinyformer.generation.seq2seq import beam_search as seq2seq_beam_search
 
@@ -28,7 +28,7 @@ NEG_INF = float("-inf")
 
 
 def old_generic_beam_search(step, logits, cache, *, num_beams, max_new_tokens, eos_token_ids=(), length_penalty=1.0):
-    """generation/engine.py's beam_search before the merge (decoder-only models), unchanged but for the
+    """generation/generator.py's beam_search before the merge (decoder-only models), unchanged but for the
     result type: (token_ids, token_logprobs, logprob, score) tuples, best first."""
     K = num_beams
     ends = {int(t) for t in eos_token_ids}

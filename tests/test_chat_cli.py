@@ -13,7 +13,7 @@ import torch
 from tinyformer.config import ModelConfig
 from tinyformer.data.chat_template import ChatTemplate
 from tinyformer.data.tokenizer import build_tokenizer
-from tinyformer.generation.engine import Generator
+from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.models.decoder import DecoderLM
 from tinyformer.run_folder import save_model

@@ -14,7 +14,7 @@ from tinyformer.config import ModelConfig
 from tinyformer.data.tokenizer import build_tokenizer
 from tinyformer.errors import GenerationError
 from tinyformer.generation.beam import beam_search
-from tinyformer.generation.engine import Generator
+from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.generation.weight_layout import store_input_major
 from tinyformer.models.decoder import DecoderLM
@@ -102,7 +102,7 @@ def test_batched_sampling_row_b_equals_prompt_alone_with_seed_plus_b(params):
 def test_rows_of_different_settings_in_one_engine_each_decode_as_alone():
     """Greedy, penalised greedy, seeded and penalised seeded rows share every step's one sampler call (rows
     with equal sampler keys share their processors): each row's tokens are those it gets in an engine alone."""
-    from tinyformer.generation.batch_engine import BatchEngine, EngineRow
+    from tinyformer.generation.engine import BatchEngine, EngineRow
     from tinyformer.generation.streaming import TextState
 
     model = random_lm()

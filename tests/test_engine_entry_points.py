@@ -17,9 +17,9 @@ import torch
 from tinyformer.config import ModelConfig
 from tinyformer.data.tokenizer import build_tokenizer
 from tinyformer.families import config_to_hf, tinyformer_to_hf
-from tinyformer.generation.batch_engine import BatchEngine, EngineRow
 from tinyformer.generation.chat import ChatSession
-from tinyformer.generation.engine import Generator
+from tinyformer.generation.engine import BatchEngine, EngineRow
+from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.generation.streaming import TextState
 from tinyformer.models.decoder import DecoderLM
@@ -232,7 +232,7 @@ def test_compiled_scheduler_equals_transformers():
 def test_a_one_shot_batch_pads_to_max_batch_and_a_server_to_powers_of_two(model64):
     """Generator's engine: one graph for one row and one for max_batch rows (a batch only shrinks);
     the scheduler's (buckets=True): the next power of two, so few rows are not padded to max_batch."""
-    from tinyformer.generation.batch_engine import CompiledStep
+    from tinyformer.generation.engine import CompiledStep
 
     step = CompiledStep(model64)  # nothing compiles until a step runs
     once = BatchEngine(model64, max_batch=8, max_len=64, compiled=step)
@@ -321,7 +321,7 @@ SYSTEM = [(7 * i + 3) % 50 for i in range(40)]  # a shared 40-token "system prom
 
 
 def test_generator_prefix_hit_gives_the_logprobs_and_tokens_of_a_miss(model64):
-    from tinyformer.generation.batch_engine import new_prefix_cache
+    from tinyformer.generation.engine import new_prefix_cache
 
     cold = Generator(model64)
     warm = Generator(model64, prefix_cache=new_prefix_cache(model64, 1))
@@ -367,7 +367,7 @@ def test_scheduler_prefix_hits_small_budget_eviction_and_cancel_keep_tokens_and_
 
 
 def test_chat_turns_reuse_the_history_and_answer_as_without_the_prefix_cache(char_run):
-    from tinyformer.generation.batch_engine import new_prefix_cache
+    from tinyformer.generation.engine import new_prefix_cache
 
     folder, _ = char_run
     replies = {}

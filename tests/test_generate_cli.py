@@ -12,7 +12,7 @@ import torch
 
 from tinyformer.config import ModelConfig
 from tinyformer.data.tokenizer import build_tokenizer
-from tinyformer.generation.engine import Generator
+from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.models.decoder import DecoderLM
 from tinyformer.run_folder import load_model, load_tokenizer, save_model

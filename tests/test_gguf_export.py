@@ -17,7 +17,7 @@ from test_interop_common import (
 from tinyformer.cli.main import main
 from tinyformer.components.quantized import QuantSpec
 from tinyformer.config import ModelConfig
-from tinyformer.generation.engine import Generator
+from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.interop.gguf import import_gguf
 from tinyformer.interop.gguf_export import export_gguf

@@ -122,7 +122,7 @@ def greedy(model, ids: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor
 
 def engine_greedy(model, ids: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor:
     """Greedy decoding with tinyformer's generation engine (left-pads prompts of different lengths itself)."""
-    from tinyformer.generation.engine import Generator
+    from tinyformer.generation.generator import Generator
     from tinyformer.generation.sampling import SamplingParams
 
     generator = Generator(model)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinyformer.generation.engine import Generator
+from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams, build_processors, penalty_history
 from tinyformer.serve.scheduler import GenerationRequest, Scheduler
 

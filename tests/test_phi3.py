@@ -44,7 +44,7 @@ def test_phi3_import_matches_transformers(case, tmp_path):
         torch.testing.assert_close(logits[mask.bool()], hf_logits(hf, ids, mask)[mask.bool()], atol=1e-4, rtol=1e-4)
         # generation that crosses L0: transformers prefills again with the long factors, and so does the engine;
         # the log-probabilities of the generated tokens show it (the tokens alone may not)
-        from tinyformer.generation.engine import Generator
+        from tinyformer.generation.generator import Generator
         from tinyformer.generation.sampling import SamplingParams
 
         prompt, pmask = ids[:1, : L0 - 4], mask[:1, : L0 - 4]

@@ -123,7 +123,7 @@ def test_cpp_layer_takes_the_kernel_for_few_rows_and_the_float_product_for_many(
 @pytest.mark.slow
 def test_compiled_decode_step_with_the_cpp_kernel_gives_the_eager_greedy_tokens(cpp_kernels, tmp_path):
     from tinyformer.config import ModelConfig
-    from tinyformer.generation.engine import Generator
+    from tinyformer.generation.generator import Generator
     from tinyformer.generation.sampling import SamplingParams
     from tinyformer.models.decoder import DecoderLM
     from tinyformer.quantization import quantize_run

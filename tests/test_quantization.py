@@ -27,7 +27,7 @@ from tinyformer.components.quantized import (
 from tinyformer.config import ModelConfig
 from tinyformer.data.tokenizer import build_tokenizer
 from tinyformer.errors import ConfigError
-from tinyformer.generation.engine import Generator
+from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.models import build_model
 from tinyformer.models.decoder import DecoderLM

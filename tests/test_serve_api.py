@@ -354,7 +354,7 @@ def test_playground_streams_a_completion_in_headless_chromium(server, model, tok
 def test_server_text_equals_the_single_request_engine(server, model, tok):
     """The same prompt through `tinyformer generate`'s engine (one request, its own cache) and through the
     server (continuous batching, a slot of the shared cache): equal text, greedy and seeded sampling."""
-    from tinyformer.generation.engine import Generator
+    from tinyformer.generation.generator import Generator
     from tinyformer.generation.sampling import SamplingParams
 
     engine = Generator(model, tok)

@@ -261,7 +261,7 @@ def test_a_failing_receiver_does_not_stop_the_others(model):
 def test_only_rows_with_a_non_finite_logit_end_with_a_model_error(model):
     """NaN, +inf and -inf anywhere in a row's logits end that row ("model_error"); the finite rows of the
     same step are sampled as usual (the check reads each row's max and min, which NaN propagates to)."""
-    from tinyformer.generation.batch_engine import BatchEngine, EngineRow
+    from tinyformer.generation.engine import BatchEngine, EngineRow
     from tinyformer.generation.streaming import TextState
 
     engine = BatchEngine(model, max_batch=4)

@@ -134,7 +134,7 @@ def test_import_matches_transformers_beyond_the_window(case, tmp_path):
 def test_slide_policy_past_the_window_equals_transformers(tmp_path):
     """The old import capped a windowed model's context to its window, so `--context-policy slide` re-prefilled
     from the window on and diverged from transformers; the context is now the model's own."""
-    from tinyformer.generation.engine import Generator
+    from tinyformer.generation.generator import Generator
     from tinyformer.generation.sampling import SamplingParams
 
     hf = hf_model("mistral", sliding_window=W)

@@ -25,8 +25,8 @@ from tinyformer.cli.generate import (
 )
 from tinyformer.data.chat_template import ChatTemplate
 from tinyformer.errors import ConfigError, TinyformerError
-from tinyformer.generation.batch_engine import new_prefix_cache
 from tinyformer.generation.chat import ChatSession
+from tinyformer.generation.engine import new_prefix_cache
 
 HELP = "/reset starts a new conversation, /quit or Ctrl-D leaves"
 PIPED_SEPARATOR = "---"

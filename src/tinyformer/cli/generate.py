@@ -27,7 +27,7 @@ from tinyformer.cli.common import add_no_verify_flag, add_template_timeout_flag,
 from tinyformer.devices import resolve_device, resolve_dtype
 from tinyformer.errors import GenerationError
 from tinyformer.generation.beam import DEFAULT_EARLY_STOPPING, DEFAULT_LENGTH_PENALTY
-from tinyformer.generation.engine import CONTEXT_POLICIES, Generator
+from tinyformer.generation.generator import CONTEXT_POLICIES, Generator
 from tinyformer.generation.sampling import HUMAN_TEMPERATURE, HUMAN_TOP_K, SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 256

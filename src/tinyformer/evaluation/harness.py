@@ -10,7 +10,7 @@ lm-eval asks a model for three things; here each is tinyformer code:
         the text is cut into lm-eval's disjoint rolling windows of ``max_length`` predicted tokens
         (the first conditioned on ``prefix_token_id``), each window scored as above, summed.
     generate_until(context, gen_kwargs)    -> text
-        :class:`~tinyformer.generation.engine.Generator` (batched, KV-cached; drawn by the one sampler,
+        :class:`~tinyformer.generation.generator.Generator` (batched, KV-cached; drawn by the one sampler,
         :func:`~tinyformer.generation.sampling.sample`: greedy unless ``do_sample``),
         the context left-cut to ``max_length - max_gen_toks`` tokens, the text cut at the first stop string.
 
@@ -61,7 +61,7 @@ class TinyformerLM(TemplateLM):
                  dtype: str | None = None, model: Any = None, tokenizer: Any = None, **kwargs: Any) -> None:
         super().__init__()
         from tinyformer.devices import parse_dtype, resolve_device
-        from tinyformer.generation.engine import Generator
+        from tinyformer.generation.generator import Generator
 
         unknown = sorted(set(kwargs) - set(_IGNORED_ARGS))
         if unknown:

@@ -244,7 +244,7 @@ def _exact_match(model: Any, tokenizer: Any, items: Sequence[ExactAnswer], batch
     """Greedy answers, batched by stop strings; the prompt keeps its last max_seq_len - max_new_tokens
     tokens (as lm-eval's ``generate_until`` cuts it)."""
     from tinyformer.data.chat_template import ChatTemplate
-    from tinyformer.generation.engine import Generator
+    from tinyformer.generation.generator import Generator
     from tinyformer.generation.sampling import GREEDY_TEMPERATURE, SamplingParams
 
     gen = Generator(model, tokenizer)

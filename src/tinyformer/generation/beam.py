@@ -8,7 +8,7 @@ runs on it too). The model-specific part is a callable and a state:
                                                   and N' may differ from N)
 
 A decoder-only model steps its KV cache (:meth:`Generator.beam_search
-<tinyformer.generation.engine.Generator.beam_search>`); an encoder-decoder model steps its decoder
+<tinyformer.generation.generator.Generator.beam_search>`); an encoder-decoder model steps its decoder
 against the encoder's memory (:func:`tinyformer.generation.seq2seq.beam_search`).
 
 Names, defaults and results are Hugging Face ``generate(num_beams=K, do_sample=False)``'s

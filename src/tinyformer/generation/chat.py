@@ -1,4 +1,4 @@
-"""Multi-turn chat on top of the :class:`~tinyformer.generation.engine.Generator`.
+"""Multi-turn chat on top of the :class:`~tinyformer.generation.generator.Generator`.
 
 A conversation is a list of messages ``{"role": "system" | "user" | "assistant", "content": str}``.
 Each turn renders the whole conversation into one prompt with the run's
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from tinyformer.data.chat_template import ChatTemplate
 from tinyformer.errors import GenerationError
-from tinyformer.generation.engine import Generator
+from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams
 
 __all__ = ["ChatSession"]

@@ -1,7 +1,7 @@
 """Text generation for a decoder LM: prompts in, tokens and text out.
 
 :class:`Generator` turns prompts (text or ids) into rows of a
-:class:`~tinyformer.generation.batch_engine.BatchEngine`, the one decoding loop every entry point shares
+:class:`~tinyformer.generation.engine.BatchEngine`, the one decoding loop every entry point shares
 (``tinyformer generate``, ``chat``, ``eval``'s generation, the trainer's samples; the server drives the
 same engine through its scheduler)::
 
@@ -42,14 +42,6 @@ import torch
 from torch import Tensor, nn
 
 from tinyformer.errors import GenerationError, NonFiniteOutputError, TinyformerError, non_finite_message
-from tinyformer.generation.batch_engine import (
-    CONTEXT_POLICIES,
-    BatchEngine,
-    CompiledStep,
-    EngineRow,
-    check_compilable,
-    default_slide_keep,
-)
 from tinyformer.generation.beam import (
     DEFAULT_EARLY_STOPPING,
     DEFAULT_LENGTH_PENALTY,
@@ -57,6 +49,14 @@ from tinyformer.generation.beam import (
     EarlyStopping,
     beam_search,
     validate_beam_args,
+)
+from tinyformer.generation.engine import (
+    CONTEXT_POLICIES,
+    BatchEngine,
+    CompiledStep,
+    EngineRow,
+    check_compilable,
+    default_slide_keep,
 )
 from tinyformer.generation.prefix_cache import PrefixCache
 from tinyformer.generation.sampling import SamplingParams

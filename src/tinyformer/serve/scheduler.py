@@ -1,6 +1,6 @@
 """Continuous batching: many requests share one KV cache and one forward pass per token.
 
-The scheduler is a thin loop around a :class:`~tinyformer.generation.batch_engine.BatchEngine` with
+The scheduler is a thin loop around a :class:`~tinyformer.generation.engine.BatchEngine` with
 ``max_batch`` rows ("slots"): admission, fairness, cancellation, timeouts. A request waits in a bounded
 queue (first come, first served) until a slot is free; admitted requests are prefilled together (one
 forward call for the new prompts, long prompts in chunks of ``prefill_chunk`` tokens interleaved with
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tinyformer.generation.batch_engine import (
+from tinyformer.generation.engine import (
     BatchEngine,
     CompiledStep,
     EngineRow,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tinyformer.data.tokenizer import Tokenizer
-from tinyformer.generation.engine import Generator
+from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import HUMAN_TEMPERATURE, HUMAN_TOP_K, SamplingParams
 
 

@@ -142,7 +142,7 @@ def answer_prompts(model: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Seq
                    template: ChatTemplate | None = None) -> list[str]:
     """Greedy replies (stopping at an end-of-turn token or EOS) to each prompt, rendered with the template."""
     from tinyformer.data.chat_template import ChatTemplate
-    from tinyformer.generation.engine import Generator
+    from tinyformer.generation.generator import Generator
     from tinyformer.generation.sampling import GREEDY_TEMPERATURE, SamplingParams
 
     model = getattr(model, "_orig_mod", model)  # a compiled wrapper's module
