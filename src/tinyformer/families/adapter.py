@@ -61,3 +61,20 @@ class Adapter:
     export_problem: Callable[[ModelConfig], str | None]
     ignorable_hf_tensor: Callable[[ModelConfig, str], bool] = field(default=_never)
     align_config: Callable[[Mapping[str, Any], Iterable[str]], dict[str, Any]] = field(default=_as_is)
+
+
+def hf_pad_token_id(hf: Mapping[str, Any]) -> int | None:
+    """The config's ``pad_token_id`` when it names a token of the vocabulary; None otherwise (HF configs
+    carry null, -1 or an id past the vocabulary for "no padding")."""
+    pad = hf.get("pad_token_id")
+    return pad if isinstance(pad, int) and 0 <= pad < hf["vocab_size"] else None
+
+
+def fixed_field_problem(cfg: ModelConfig, wanted: Mapping[str, Any], target: str) -> str | None:
+    """The first config field that differs from the value a format fixes, as a message naming both
+    (``target`` is the format, e.g. "GPT-2"); None when every field matches."""
+    for key, value in wanted.items():
+        if getattr(cfg, key) != value:
+            return f"{key}={getattr(cfg, key)!r} cannot be exported as {target} (needs {value!r})"
+    return None
+

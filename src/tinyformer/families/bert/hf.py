@@ -35,7 +35,7 @@ import torch
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.families.adapter import Adapter
+from tinyformer.families.adapter import Adapter, fixed_field_problem, hf_pad_token_id
 
 PREFIX = "bert."
 # architecture -> (tensor-name prefix, pooler, masked-LM head)
@@ -92,7 +92,6 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     if hf.get("is_decoder") or hf.get("add_cross_attention"):
         raise ConfigError("BERT used as a decoder (is_decoder / add_cross_attention) is not supported")
     d, n_head = hf["hidden_size"], hf["num_attention_heads"]
-    pad = hf.get("pad_token_id")
     return ModelConfig(
         arch="encoder",
         vocab_size=hf["vocab_size"],
@@ -118,7 +117,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         dropout=float(hf.get("hidden_dropout_prob", 0.0) or 0.0),
         embd_dropout=float(hf.get("hidden_dropout_prob", 0.0) or 0.0),
         attn_dropout=float(hf.get("attention_probs_dropout_prob", 0.0) or 0.0),
-        pad_token_id=pad if isinstance(pad, int) and 0 <= pad < hf["vocab_size"] else None,
+        pad_token_id=hf_pad_token_id(hf),
         extra={"source": "bert", "hf_config": dict(hf)},
     )
 
@@ -128,9 +127,8 @@ def export_problem(cfg: ModelConfig) -> str | None:
     wanted = {"arch": "encoder", "norm": "layernorm", "norm_bias": True, "norm_placement": "post",
               "final_norm": False, "pos": "learned", "embed_scale": False, "embed_norm": True, "attn_bias": True,
               "attn_out_bias": True, "mlp_bias": True}
-    for key, value in wanted.items():
-        if getattr(cfg, key) != value:
-            return f"{key}={getattr(cfg, key)!r} cannot be exported as BERT (needs {value!r})"
+    if problem := fixed_field_problem(cfg, wanted, "BERT"):
+        return problem
     if cfg.ffn not in EXPORT_ACTIVATIONS:
         return f"ffn={cfg.ffn!r} cannot be exported as BERT (needs one of {', '.join(EXPORT_ACTIVATIONS)})"
     if cfg.type_vocab_size < 1:

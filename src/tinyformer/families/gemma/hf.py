@@ -30,7 +30,7 @@ import torch
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.families.adapter import Adapter
+from tinyformer.families.adapter import Adapter, fixed_field_problem, hf_pad_token_id
 from tinyformer.families.llama import hf as llama
 
 
@@ -99,7 +99,6 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     head_dim = int(hf.get("head_dim") or hf["hidden_size"] // n_head)
     scalar = hf.get("query_pre_attn_scalar") or head_dim
     bias = bool(hf.get("attention_bias", False))
-    pad = hf.get("pad_token_id")
     return ModelConfig(
         arch="decoder",
         vocab_size=int(hf["vocab_size"]),
@@ -130,7 +129,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         final_logit_softcap=hf.get("final_logit_softcapping"),
         sliding_window=int(window) if window is not None else None,
         layer_types=None if window is None or set(types) == {"sliding"} else types,
-        pad_token_id=pad if isinstance(pad, int) and 0 <= pad < hf["vocab_size"] else None,
+        pad_token_id=hf_pad_token_id(hf),
         extra={"source": model_type, "hf_config": dict(hf)},
     )
 
@@ -144,9 +143,8 @@ def export_problem(cfg: ModelConfig) -> str | None:
     """Why ``cfg`` cannot be written as Gemma 2/3, or None when it can."""
     wanted = {"arch": "decoder", "norm": "rmsnorm", "norm_gain_offset": 1.0, "norm_placement": "sandwich",
               "pos": "rope", "ffn": "geglu_tanh", "final_norm": True, "embed_scale": True, "mlp_bias": False}
-    for key, value in wanted.items():
-        if getattr(cfg, key) != value:
-            return f"{key}={getattr(cfg, key)!r} cannot be exported as Gemma (needs {value!r})"
+    if problem := fixed_field_problem(cfg, wanted, "Gemma"):
+        return problem
     if cfg.attn_bias != cfg.attn_out_bias:
         return "Gemma has all four attention biases or none"
     if cfg.qk_norm and not TYPES[export_model_type(cfg)].gemma3:

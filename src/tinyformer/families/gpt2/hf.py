@@ -34,7 +34,7 @@ import torch
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.families.adapter import Adapter
+from tinyformer.families.adapter import Adapter, fixed_field_problem, hf_pad_token_id
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                "gelu": "gelu", "relu": "relu"}
@@ -74,7 +74,6 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     if hf.get("scale_attn_weights", True) is False:
         raise ConfigError("scale_attn_weights=false (unscaled attention scores) is not supported")
     d = hf["n_embd"]
-    pad = hf.get("pad_token_id")
     return ModelConfig(
         arch="decoder",
         vocab_size=hf["vocab_size"],
@@ -95,7 +94,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         dropout=float(hf.get("resid_pdrop", 0.0) or 0.0),
         attn_dropout=float(hf.get("attn_pdrop", 0.0) or 0.0),
         embd_dropout=float(hf.get("embd_pdrop", 0.0) or 0.0),
-        pad_token_id=pad if isinstance(pad, int) and 0 <= pad < hf["vocab_size"] else None,
+        pad_token_id=hf_pad_token_id(hf),
         extra={"source": "gpt2", "hf_config": dict(hf)},
     )
 
@@ -104,9 +103,8 @@ def export_problem(cfg: ModelConfig) -> str | None:
     """Why ``cfg`` cannot be written as GPT-2, or None when it can."""
     wanted = {"arch": "decoder", "norm": "layernorm", "norm_bias": True, "norm_placement": "pre", "pos": "learned",
               "final_norm": True, "embed_scale": False, "attn_bias": True, "attn_out_bias": True, "mlp_bias": True}
-    for key, value in wanted.items():
-        if getattr(cfg, key) != value:
-            return f"{key}={getattr(cfg, key)!r} cannot be exported as GPT-2 (needs {value!r})"
+    if problem := fixed_field_problem(cfg, wanted, "GPT-2"):
+        return problem
     if cfg.ffn not in EXPORT_ACTIVATIONS:
         return f"ffn={cfg.ffn!r} cannot be exported as GPT-2 (needs one of {', '.join(EXPORT_ACTIVATIONS)})"
     if cfg.n_kv_head != cfg.n_head or cfg.head_dim * cfg.n_head != cfg.d_model:

@@ -55,7 +55,7 @@ import torch
 
 from tinyformer.config import ROPE_SCALING_KEYS, ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.families.adapter import Adapter
+from tinyformer.families.adapter import Adapter, fixed_field_problem, hf_pad_token_id
 
 HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 MoENames = tuple[str, str, str, str, str]  # (router, expert prefix, gate, up, down) under model.layers.i.
@@ -163,9 +163,8 @@ def layout_problem(cfg: ModelConfig) -> str | None:
     wanted = {"arch": "decoder", "norm": "rmsnorm", "norm_placement": "pre", "pos": "rope",
               "final_norm": True, "embed_scale": False, "type_vocab_size": 0, "norm_gain_offset": 0.0,
               "attn_scale": None, "attn_logit_softcap": None, "final_logit_softcap": None, "rope_local_theta": None}
-    for key, value in wanted.items():
-        if getattr(cfg, key) != value:
-            return f"{key}={getattr(cfg, key)!r} cannot be exported as Llama/Qwen2 (needs {value!r})"
+    if problem := fixed_field_problem(cfg, wanted, "Llama/Qwen2"):
+        return problem
     if cfg.ffn not in ("swiglu", "moe"):
         return f"ffn={cfg.ffn!r} cannot be exported as Llama/Qwen2 (needs 'swiglu' or 'moe')"
     if cfg.ffn == "moe":
@@ -331,7 +330,6 @@ class Layout:
         theta, rope_scaling = rope_from_hf(hf)
         window, layer_types = window_from_hf(hf, kind)
         n_head = hf["num_attention_heads"]
-        pad = hf.get("pad_token_id")
         qkv_bias, out_bias, mlp_bias = BIASES[kind.biases](hf)
         return ModelConfig(
             arch="decoder",
@@ -357,7 +355,7 @@ class Layout:
             **moe_from_hf(hf, kind),
             sliding_window=window,
             layer_types=layer_types,
-            pad_token_id=pad if isinstance(pad, int) and 0 <= pad < hf["vocab_size"] else None,
+            pad_token_id=hf_pad_token_id(hf),
             extra={"source": model_type, "hf_config": dict(hf)},
         )
 
