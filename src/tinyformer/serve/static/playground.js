@@ -71,7 +71,7 @@ async function loadProps() {
     state.model = state.props.model;
     const p = state.props;
     $("model").textContent = "model: " + p.model;
-    const format = p.arch === "encoder" ? "encoder: embeds text" :
+    const format = p.arch === "encoder" ? "embeds text, generates none" :
       p.chat_format === "jinja" ? "chat template: the tokenizer's" : "chat template: none (plain turns)";
     $("model_info").textContent = `${p.arch} · context ${p.context_length} tokens · ${format}`;
     $("chat_view").hidden = p.arch === "encoder";
@@ -351,6 +351,7 @@ async function complete() {
 function send() {
   const text = $("user_input").value;
   if (!text.trim() || state.controller) return;
+  try { responseFormat(); } catch (e) { setStatus("schema_status", e.message, true); return; }  // the message stays typed
   state.messages.push({ role: "user", content: text });
   $("user_input").value = "";
   complete();
