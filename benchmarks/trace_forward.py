@@ -15,7 +15,7 @@ prefill). For each call it reports
     python benchmarks/trace_forward.py            # both calls, one table each
     python benchmarks/trace_forward.py --json     # the figures as JSON
 
-tests/test_trace_forward.py keeps both calls within the bounds docs/architecture.md states.
+tests/models/test_trace_forward.py keeps both calls within the bounds docs/architecture.md states.
 """
 
 from __future__ import annotations

@@ -12,6 +12,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
+# tests/ mirrors the package's folders, and a test module may use another's helpers by module name
+# (`from test_interop_common import save_hf`): every test folder is importable, as pytest's "prepend"
+# import mode makes only the importing module's own folder.
+for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
+    if _folder.is_dir() and _folder.name not in {"fixtures", "__pycache__"} and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
+
 # Tests run on 2 cores; more threads than cores only adds contention.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

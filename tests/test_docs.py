@@ -8,7 +8,7 @@ Conventions the checker enforces in every markdown file under docs/ and in READM
   ``[`apply_rope`](../src/tinyformer/components/rope.py)`` or ``[`DecoderLM.forward`](...)``, must name
   a function, class, method or module-level name defined in that file (checked with ``ast``).
 * A code span ``path::symbol`` (a pytest node id, path relative to the repository root), e.g.
-  ``tests/test_rope.py::test_inv_freq_formula`` or ``src/tinyformer/components/rope.py::apply_rope``,
+  ``tests/components/test_rope.py::test_inv_freq_formula`` or ``src/tinyformer/components/rope.py::apply_rope``,
   must name a file and a symbol in it; ``[param]`` suffixes are allowed. A code span that is a repository
   path (``src/...``, ``tests/...``, ``benchmarks/...``, ``docs/...``, ``configs/...``) must exist.
 * Every ``tinyformer ...`` (or ``python -m tinyformer ...``) command in a fenced ``bash``, ``sh``, ``shell``
@@ -424,7 +424,7 @@ def test_checker_catches_wrong_symbols_tests_anchors_commands_and_outputs(tmp_pa
         "# Title",
         "[`apply_rotary`](../src/tinyformer/components/rope.py)",  # symbol not in that file
         "[`RotaryEmbedding.forward`](../src/tinyformer/components/rope.py)",  # fine
-        "`tests/test_rope.py::test_inv_freq_formula` and `tests/test_rope.py::test_no_such_test`",
+        "`tests/components/test_rope.py::test_inv_freq_formula` and `tests/components/test_rope.py::test_no_such_test`",
         "`tests/test_no_such_file.py::test_x`",
         "[anchor](#title) and [bad anchor](#no-such-heading)",
         "`src/tinyformer/no_such_module.py`",
@@ -963,15 +963,16 @@ def test_corrections_fact_lines_are_the_same_in_english_and_chinese():
 
 
 def test_corrections_totals_cover_every_preset_the_walkthrough_runs_and_are_asserted_by_test_sizing():
-    from test_sizing import PUBLISHED  # the published totals tests/test_sizing.py asserts
+    from test_sizing import PUBLISHED  # the published totals tests/sizing/test_sizing.py asserts
 
     text = (DOCS / "walkthrough.md").read_text(encoding="utf-8")
     totals = {TOTAL.match(line.strip().partition(": ")[0]).group(1)
               for line in fact_lines(corrections_section(text)) if TOTAL.match(line.strip().partition(": ")[0])}
-    # moe is tinyformer's own shape, with no published total: tests/test_sizing.py counts it against transformers'
-    # Mixtral built from the same values
+    # moe is tinyformer's own shape, with no published total: tests/sizing/test_sizing.py counts it against
+    # transformers' Mixtral built from the same values
     assert set(re.findall(r"--preset ([\w.-]+)", text)) - {"moe"} <= totals
-    assert totals <= set(PUBLISHED) | {"bert-base", "transformer-base"}  # those two: tests/test_classic_sizing.py
+    # bert-base and transformer-base: tests/sizing/test_classic_sizing.py
+    assert totals <= set(PUBLISHED) | {"bert-base", "transformer-base"}
 
 
 @pytest.mark.parametrize("path", WALKTHROUGHS, ids=lambda p: p.name)

@@ -7,7 +7,7 @@ the model, a forward pre-hook on each ``SelfAttention`` takes the input the bloc
 normalised hidden states, RoPE's cos/sin and the mask) and recomputes P with the reference formula
 from the module's own ``qkv`` weights: the same projections, the same RoPE, GQA's key/value sharing
 and the safe softmax of ``components/attention.py``. ``P @ V`` through ``out`` gives back the module's
-output (tests/test_inspect.py checks that), so the picture is what the model computed.
+output (tests/inspect/test_inspect.py checks that), so the picture is what the model computed.
 
 Shapes: input_ids (B, T) -> one (B, H, T, T) tensor per layer, each row summing to 1 and zero above
 the diagonal (a causal model cannot look ahead).

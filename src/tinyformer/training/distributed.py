@@ -15,7 +15,7 @@ own disjoint slice of the training data (``TokenDataset.get_batch(..., rank=r, w
           Memory per rank ~ (weights + gradients + 2 moments) / W + one block's full weights.
 
 Either way an update equals one process accumulating gradients over the A * W micro-batches of the global
-batch (tests/test_distributed.py checks it to 1e-6), so the learning-rate schedule, batch and token counts
+batch (tests/training/test_distributed.py checks it to 1e-6), so the learning-rate schedule, batch and token counts
 are stated in global terms. Only rank 0 logs, draws the progress bar and writes files.
 
 Checkpoints hold consolidated weights (model.safetensors) and optimizer state: ``get_model_state_dict`` /

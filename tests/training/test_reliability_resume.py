@@ -27,7 +27,7 @@ from tinyformer.training.interrupt import stop_on_signals
 from tinyformer.training.metrics import read_metrics
 from tinyformer.training.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model.d_model", "32", "--model.n_layer", "1", "--model.n_head", "2", "--model.n_kv_head", "2",
         "--model.d_ff", "64", "--model.max_seq_len", "32", "--batch-size", "4", "--block-size", "32",
         "--warmup-steps", "2", "--eval-iters", "2", "--sample-tokens", "8", "--no-progress", "--threads", "1",

@@ -23,7 +23,7 @@ from tinyformer.training import checkpoint as ckpt
 from tinyformer.training.optim import build_optimizer
 from tinyformer.training.train_config import TrainConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CFG = ModelConfig(vocab_size=40, d_model=32, n_layer=1, n_head=2, d_ff=64, max_seq_len=16)
 
 

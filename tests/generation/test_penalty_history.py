@@ -5,19 +5,15 @@ tokens only (the OpenAI formula), whichever other penalties are on."""
 
 from __future__ import annotations
 
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
+from test_engine import random_lm  # noqa: E402
 
 from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams, build_processors, penalty_history
 from tinyformer.serve.scheduler import GenerationRequest, Scheduler
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_engine import random_lm  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 V = 50

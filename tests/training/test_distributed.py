@@ -3,8 +3,8 @@ gradients, ranks read disjoint data shards, checkpoints move between world sizes
 real run, and a rank that fails ends the job instead of hanging it.
 
 Run as a script, this file is also the worker those tests start:
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/test_distributed.py train OUT
-    python tests/test_distributed.py fail OUT          (launches 2 ranks itself; rank 1 raises at step 2)
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/training/test_distributed.py train OUT
+    python tests/training/test_distributed.py fail OUT          (launches 2 ranks itself; rank 1 raises at step 2)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tinyformer.config import ModelConfig
 from tinyformer.training.objectives import Objective
 from tinyformer.training.train_config import TrainConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=2, d_ff=64, max_seq_len=16)
 MODEL_DROPOUT = MODEL.replace(dropout=0.2)
 B, T = 4, 16

@@ -59,7 +59,7 @@ def sessions(runs) -> dict[str, subprocess.CompletedProcess]:
     """Every piped session, started at once (each is a separate interpreter start)."""
     import os
 
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"), HF_HUB_OFFLINE="1")
     procs = {}
     for name, (templated, stdin) in SESSIONS.items():
         run = runs["template" if templated else "plain"]

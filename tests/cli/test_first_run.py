@@ -13,7 +13,7 @@ import torch
 
 from tinyformer.cli.main import build_parser, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_inspect_labels_the_cumulative_column_as_within_top_k():

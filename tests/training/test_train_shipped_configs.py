@@ -11,7 +11,7 @@ from tinyformer.data.tokenizer import DEFAULT_BPE_VOCAB_SIZE
 from tinyformer.sizing import count_params
 from tinyformer.training.train_config import TrainConfig, build_model_config, read_run_file
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def load(name: str) -> tuple[ModelConfig, TrainConfig]:

@@ -19,7 +19,7 @@ from tinyformer.errors import DataError
 
 # ../shared/data next to the repository, as the other tests and benchmarks read it ($TINYFORMER_SHARED_DATA
 # names another copy of that folder, e.g. for a git worktree that is not next to it)
-SHARED = Path(os.environ.get("TINYFORMER_SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data") \
+SHARED = Path(os.environ.get("TINYFORMER_SHARED_DATA") or Path(__file__).resolve().parents[3] / "shared" / "data") \
     / "tinyshakespeare" / "input.txt"
 SPEC = NAMED_DATASETS["tinyshakespeare"]
 needs_shared = pytest.mark.skipif(not SHARED.is_file(), reason=f"{SHARED} is not there")

@@ -9,7 +9,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_CODE_LINES, MAX_BRANCHES = 120, 12
 
 

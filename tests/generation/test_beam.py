@@ -5,21 +5,17 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from test_classic_seq2seq import BOS, EOS, _peaked_model  # noqa: E402
+from test_engine import hf_llama, random_lm  # noqa: E402
 
 from tinyformer.errors import GenerationError
 from tinyformer.generation.beam import beam_search
 from tinyformer.generation.generator import Generator
 from tinyformer.generation.seq2seq import DecoderState
 from tinyformer.generation.seq2seq import beam_search as seq2seq_beam_search
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_classic_seq2seq import BOS, EOS, _peaked_model  # noqa: E402
-from test_engine import hf_llama, random_lm  # noqa: E402
 
 NEG_INF = float("-inf")
 

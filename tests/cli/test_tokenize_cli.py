@@ -11,7 +11,7 @@ from tinyformer.cli.main import main
 from tinyformer.data.tokenizer import Tokenizer
 from tinyformer.generation.token_pieces import token_pieces
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHINESE_DIR = ROOT / "docs" / "examples" / "zh"
 ENGLISH = ("The model reads token ids, not characters. A tokenizer cuts the text into pieces and the "
            "embedding table turns each id into a vector. ") * 40
