@@ -935,10 +935,13 @@ FACTS_ZH = {
                                    rf"lr {NUM}：有预热 {NUM}，无预热 {NUM}；lr {NUM}：有预热 {NUM}，无预热 {NUM}"),
     "llama2-70b layer": ("llama2-70b 每层", rf"{NUM} = 注意力 {NUM} \+ FFN {NUM} \+ 归一化 {NUM}；{NUM} 层：{NUM}；"
                                             rf"{NUM}M x {NUM} = {NUM}B"),
-    "llama-7b sum": ("llama-7b 的加法", rf"{NUM} x {NUM} \+ 词嵌入 {NUM} = {NUM}；\+ 输出头 {NUM} \+ 最终归一化 {NUM} = {NUM}"),
-    "score memory 128K": ("128K 上下文的分数内存", rf"T {NUM}：T\^2 x 4 字节 = {NUM} = {NUM} GiB = {NUM} GB，每个头每层；"
-                                                   rf"x 2 字节（float16）= {NUM} GiB；T {NUM}：{NUM} GiB"),
-    "gpt-3 attention": ("GPT-3 的注意力", rf"{NUM} 层，{NUM} 层稠密、{NUM} 层带状：{NUM} 个参数，与 {NUM} 层全稠密相同"),
+    "llama-7b sum": ("llama-7b 的加法", rf"{NUM} x {NUM} \+ 词嵌入 {NUM} = {NUM}；"
+                                        rf"\+ 输出头 {NUM} \+ 最终归一化 {NUM} = {NUM}"),
+    "score memory 128K": ("128K 上下文的分数内存",
+                          rf"T {NUM}：T\^2 x 4 字节 = {NUM} = {NUM} GiB = {NUM} GB，每个头每层；"
+                          rf"x 2 字节（float16）= {NUM} GiB；T {NUM}：{NUM} GiB"),
+    "gpt-3 attention": ("GPT-3 的注意力", rf"{NUM} 层，{NUM} 层稠密、{NUM} 层带状：{NUM} 个参数，"
+                                          rf"与 {NUM} 层全稠密相同"),
     "sinusoidal entry": ("正弦位置编码的一项", rf"d {NUM}，pos {NUM}，维度对 i {NUM}："
                                                rf"PE\[{NUM}, {NUM}\] = sin\({NUM} / {NUM}\^\({NUM}/{NUM}\)\) = {NUM}，"
                                                rf"PE\[{NUM}, {NUM}\] = cos\({NUM} / {NUM}\^\({NUM}/{NUM}\)\) = {NUM}"),
