@@ -290,16 +290,23 @@ def sse(chunks: list[dict]) -> str:
     return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
 
 
-def test_streamed_tool_calls_are_shown_and_sent_back_in_openai_shape(chat_run, browser):
-    """A streamed reply with ``delta.tool_calls`` (OpenAI's chunk shape: the call's id and name first, its
-    arguments in pieces, finish_reason "tool_calls"), answered by the test in place of the server."""
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                         "required": ["city"]}}}]
+
+
+def test_tool_calls_streamed_or_whole_are_shown_and_their_results_sent_back_in_openai_shape(chat_run, browser):
+    """Replies with tool calls, answered by the test in place of the server: first streamed (OpenAI's chunk
+    shape: ``delta.tool_calls`` with the call's id and name first, its arguments in pieces, finish_reason
+    "tool_calls"), then a whole completion with ``message.tool_calls``; the tools box and the calls' results
+    go out as OpenAI's request shapes (``tools``, ``tool_choice``, then one ``tool`` message per call)."""
     srv, _, _ = chat_run
     base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": NAME}
 
     def chunk(delta: dict, finish: str | None = None) -> dict:
         return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-    stream = sse([
+    streamed = sse([
         chunk({"role": "assistant", "content": None}),
         chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
                                "function": {"name": "get_weather", "arguments": ""}}]}),
@@ -307,27 +314,49 @@ def test_streamed_tool_calls_are_shown_and_sent_back_in_openai_shape(chat_run, b
         chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}),
         chunk({}, "tool_calls"),
     ])
+    second_call = {"id": "call_2", "type": "function",
+                   "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}
+    whole = {"id": "chatcmpl-2", "object": "chat.completion", "created": 0, "model": NAME, "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [second_call]},
+         "logprobs": None, "finish_reason": "tool_calls"}],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}}
     sent: list[dict] = []
 
     def answer(route):
         sent.append(json.loads(route.request.post_data))
-        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=stream)
+        if len(sent) == 1:
+            route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=streamed)
+        else:
+            route.fulfill(status=200, headers={"Content-Type": "application/json"}, body=json.dumps(whole))
 
     page, errors = open_page(browser, srv.url)
     try:
         page.route("**/v1/chat/completions", answer)
+        page.fill("#tools", "[not json")
         send(page, "weather in Paris?")
+        assert "not valid JSON" in page.text_content("#tools_status") and not sent
+        page.fill("#tools", json.dumps(TOOLS))
+        page.select_option("#tool_choice", "required")
+        page.click("#send")
         page.wait_for_function("document.body.dataset.state === 'done'", timeout=10_000)
         call = page.text_content("#chat .msg.assistant .tool-calls .call")
         assert call.startswith('get_weather({"city": "Paris"})') and "call_1" in call
         assert "finish: tool_calls" in page.text_content("#chat .msg.assistant .note")
-        send(page, "thanks")
+        page.fill("#tool_result_0", "18 C, sunny")
+        page.press("#tool_result_0", "Enter")  # the result alone: no user message with it
         page.wait_for_function("document.body.dataset.state === 'done' && "
                                "document.querySelectorAll('#chat .msg.assistant').length === 2", timeout=10_000)
+        assert page.text_content("#chat .msg.tool .body") == "18 C, sunny"
+        last = page.locator("#chat .msg.assistant").nth(1)
+        assert last.locator(".call").text_content().startswith('get_weather({"city": "Lyon"})')
     finally:
         page.close()
-    assert sent[1]["messages"][1] == {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    assert sent[0]["tools"] == TOOLS and sent[0]["tool_choice"] == "required"
+    assert sent[1]["messages"][1:] == [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": "18 C, sunny", "tool_call_id": "call_1"}]
     assert not errors, errors
 
 

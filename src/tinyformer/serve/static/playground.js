@@ -114,7 +114,7 @@ function tokenSpan(entry, index) {
   if (!text) span.append(el("span", "nl", "∅"));
   const p = prob(entry.logprob);
   span.style.background = probColour(p);
-  span.tabIndex = 0;
+  span.tabIndex = index === 0 ? 0 : -1;  // one tab stop per reply; the arrow keys move along it
   span.dataset.index = index;
   span.setAttribute("aria-label", `token ${index + 1}: ${JSON.stringify(text)}, probability ${percent(p)}`);
   span._entry = entry;
@@ -189,9 +189,11 @@ document.addEventListener("keydown", (e) => {
   const span = document.activeElement;
   if (!(span && span.classList && span.classList.contains("tok"))) return;
   if (e.key === "Enter" || e.key === " ") { e.preventDefault(); showAlternatives(span); pinned = span; return; }
-  const step = { ArrowRight: 1, ArrowLeft: -1 }[e.key];
-  if (!step) return;
-  const next = span.parentElement.querySelector(`.tok[data-index="${Number(span.dataset.index) + step}"]`);
+  const all = span.parentElement.querySelectorAll(".tok");
+  const i = Number(span.dataset.index);
+  const to = { ArrowRight: i + 1, ArrowLeft: i - 1, Home: 0, End: all.length - 1 }[e.key];
+  if (to === undefined) return;
+  const next = all[to];
   if (next) { e.preventDefault(); next.focus(); }
 });
 
@@ -203,7 +205,8 @@ function renderMessage(m) {
   if (m.tokens && m.tokens.length) m.tokens.forEach((entry, i) => body.append(tokenSpan(entry, i)));
   else body.textContent = m.content || "";
   box.append(body);
-  if (m.tool_calls && m.tool_calls.length) box.append(renderToolCalls(m.tool_calls));
+  if (m.tool_calls && m.tool_calls.length) box.append(renderToolCalls(m.tool_calls, m === state.messages[state.messages.length - 1] && !state.controller));
+  if (m.role === "tool") box.querySelector(".role").textContent = "tool result" + (m.tool_call_id ? " · " + m.tool_call_id : "");
   if (m.role === "assistant" && m.finish) {
     const shown = (m.tokens || []).map((t) => tokenText(t.token).text).join("");
     let note = `finish: ${m.finish}` + (m.tokens ? ` · ${m.tokens.length} tokens` : "");
@@ -215,17 +218,31 @@ function renderMessage(m) {
   return box;
 }
 
-function renderToolCalls(calls) {
+function renderToolCalls(calls, answerable) {
   const box = el("div", "tool-calls");
   box.append(el("div", "muted", "tool calls"));
-  for (const c of calls) {
+  calls.forEach((c, i) => {
     const line = el("div", "call");
     const fn = c.function || {};
     line.append(el("span", "name", fn.name || "?"), "(" + (fn.arguments || "") + ")");
     if (c.id) line.append(el("span", "muted", "  id " + c.id));
     box.append(line);
-  }
+    if (answerable) {  // the result goes back as a `tool` message when the next message is sent
+      const input = el("input", "tool-result");
+      input.id = "tool_result_" + i;
+      input.placeholder = "the result of " + (fn.name || "this call") + ", sent with the next message";
+      input.setAttribute("aria-label", "result of " + (fn.name || "tool call") + " " + (c.id || i));
+      input.addEventListener("keydown", (e) => { if (e.key === "Enter") { e.preventDefault(); send(); } });
+      box.append(input);
+    }
+  });
   return box;
+}
+
+// The tool calls of the last reply that no `tool` message answers yet.
+function pendingToolCalls() {
+  const last = state.messages[state.messages.length - 1];
+  return last && last.role === "assistant" && last.tool_calls && last.tool_calls.length ? last.tool_calls : null;
 }
 
 function renderChat() {
@@ -242,6 +259,7 @@ function wireMessages(messages) {
   if (system) out.push({ role: "system", content: system });
   for (const m of messages) {
     const wire = { role: m.role, content: m.content };
+    if (m.role === "tool") wire.tool_call_id = m.tool_call_id;
     if (m.tool_calls && m.tool_calls.length) {
       wire.tool_calls = m.tool_calls;
       if (!m.content) wire.content = null;
@@ -265,6 +283,24 @@ function responseFormat() {
   return { type: "json_schema", json_schema: { name: "user_schema", schema } };
 }
 
+// tools and tool_choice from the tools box; null when empty; throws on a box that is not a JSON list.
+function toolsRequest() {
+  const text = $("tools").value.trim();
+  if (!text) return null;
+  let tools;
+  try { tools = JSON.parse(text); } catch (e) { throw new Error("the tools are not valid JSON: " + e.message); }
+  if (!Array.isArray(tools)) throw new Error("the tools must be a JSON list of {\"type\": \"function\", \"function\": {...}}");
+  return { tools, tool_choice: $("tool_choice").value };
+}
+
+// Both boxes checked before a message is sent; false (with the reason shown) when one is not valid.
+function requestExtrasValid() {
+  let ok = true;
+  try { responseFormat(); setStatus("schema_status", ""); } catch (e) { setStatus("schema_status", e.message, true); ok = false; }
+  try { toolsRequest(); setStatus("tools_status", ""); } catch (e) { setStatus("tools_status", e.message, true); ok = false; }
+  return ok;
+}
+
 // Merge streamed `delta.tool_calls` pieces: each names its `index`; `function.arguments` arrive in parts.
 function mergeToolCalls(calls, deltas) {
   for (const d of deltas) {
@@ -282,8 +318,8 @@ function mergeToolCalls(calls, deltas) {
 async function complete() {
   if (!state.model) await loadProps();
   if (!state.model) return;
-  let format;
-  try { format = responseFormat(); setStatus("schema_status", ""); } catch (e) { setStatus("schema_status", e.message, true); return; }
+  if (!requestExtrasValid()) return;
+  const format = responseFormat(), tools = toolsRequest();
   const messages = wireMessages(state.messages);
   state.lastRequest = messages;
   if ($("show_prompt").checked) showPrompt(messages);
@@ -297,6 +333,7 @@ async function complete() {
   const seed = numberOr("seed", null);
   if (seed !== null) body.seed = seed;
   if (format) body.response_format = format;
+  if (tools) Object.assign(body, tools);
 
   const reply = { role: "assistant", content: "", tokens: [], tool_calls: [], finish: null };
   state.messages.push(reply);
@@ -310,7 +347,7 @@ async function complete() {
   let usage = null;
   try {
     const r = await api("/v1/chat/completions", body, state.controller.signal);
-    await readEvents(r, (chunk) => {
+    const onChunk = (chunk) => {
       if (chunk.usage) usage = chunk.usage;
       const choice = chunk.choices && chunk.choices[0];
       if (!choice) return;
@@ -326,7 +363,10 @@ async function complete() {
         view.append(renderToolCalls(reply.tool_calls));
       }
       if (choice.finish_reason) reply.finish = choice.finish_reason;
-    });
+    };
+    // a streamed answer (server-sent events) or, from a server that does not stream, one whole completion
+    if ((r.headers.get("Content-Type") || "").includes("application/json")) onChunk(await r.json());
+    else await readEvents(r, onChunk);
     const secs = (performance.now() - started) / 1000;
     const n = usage ? usage.completion_tokens : reply.tokens.length;
     setStatus("status", `${n} tokens in ${secs.toFixed(2)} s (${(n / secs).toFixed(1)} tok/s)` +
@@ -350,9 +390,16 @@ async function complete() {
 
 function send() {
   const text = $("user_input").value;
-  if (!text.trim() || state.controller) return;
-  try { responseFormat(); } catch (e) { setStatus("schema_status", e.message, true); return; }  // the message stays typed
-  state.messages.push({ role: "user", content: text });
+  const calls = pendingToolCalls();
+  if ((!text.trim() && !calls) || state.controller) return;
+  if (!requestExtrasValid()) return;  // the message stays typed
+  if (calls) {  // OpenAI's order: the assistant's calls, one `tool` message per call, then the user's message
+    calls.forEach((c, i) => {
+      const input = document.getElementById("tool_result_" + i);
+      state.messages.push({ role: "tool", tool_call_id: c.id, content: input ? input.value : "" });
+    });
+  }
+  if (text.trim()) state.messages.push({ role: "user", content: text });
   $("user_input").value = "";
   complete();
 }
