@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import shutil
 import string
 import time
 
@@ -25,8 +26,8 @@ from torch import nn
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 jinja2 = pytest.importorskip("jinja2")
-sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
 
+from playwright import sync_api  # noqa: E402  (the test extra: the tests skip only without a Chromium binary)
 from serve_helpers import BackgroundServer  # noqa: E402
 
 from tinyformer.config import ModelConfig  # noqa: E402
@@ -63,7 +64,7 @@ class SlowModel(nn.Module):
 
 @pytest.fixture(scope="module")
 def browser():
-    if not (os.path.exists(CHROMIUM) or __import__("shutil").which(CHROMIUM)):
+    if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
         pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set CHROMIUM)")
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
