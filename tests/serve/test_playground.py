@@ -223,6 +223,8 @@ def test_the_prompt_view_shows_the_rendered_template_and_its_tokens(chat_run, br
         page.check("#show_prompt")  # before sending: the prompt the typed message makes
         page.wait_for_function("document.getElementById('prompt_view').dataset.loaded === 'true'", timeout=10_000)
         assert page.text_content("#prompt_text") == prompt
+        page.click("#template_details summary")
+        assert page.text_content("#template_source") == TEMPLATE
         chips = page.locator("#prompt_tokens .piece")
         assert chips.count() == len(ids)
         assert [int(chips.nth(i).locator("b").text_content()) for i in range(len(ids))] == ids

@@ -74,6 +74,8 @@ async function loadProps() {
     const format = p.arch === "encoder" ? "embeds text, generates none" :
       p.chat_format === "jinja" ? "chat template: the tokenizer's" : "chat template: none (plain turns)";
     $("model_info").textContent = `${p.arch} · context ${p.context_length} tokens · ${format}`;
+    $("template_details").hidden = !p.chat_template;
+    $("template_source").textContent = p.chat_template || "";
     $("chat_view").hidden = p.arch === "encoder";
     $("encoder_view").hidden = p.arch !== "encoder";
     document.body.dataset.arch = p.arch;
