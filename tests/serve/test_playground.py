@@ -256,6 +256,26 @@ def test_stop_ends_a_streaming_reply_and_keeps_what_was_written(chat_run, browse
     assert not errors, errors
 
 
+def test_a_refused_request_shows_the_servers_message_and_regenerate_retries_it(chat_run, browser):
+    srv, _, _ = chat_run
+    page, errors = open_page(browser, srv.url)
+    try:
+        set_controls(page, temperature=0, max_tokens=1000)  # more than the 160-token context holds
+        send(page, "hi")
+        page.wait_for_function("document.body.dataset.state === 'done'", timeout=10_000)
+        status = page.text_content("#status")
+        assert "maximum context length is 160 tokens" in status and page.get_attribute("#status", "class") == "error"
+        assert page.locator("#chat .msg").count() == 1  # the user's message stays, no empty reply
+        set_controls(page, max_tokens=4)
+        page.click("#regenerate")
+        page.wait_for_function("document.body.dataset.state === 'done'", timeout=10_000)
+        assert page.locator("#chat .msg.assistant .tok").count() >= 1 and "finish:" in page.text_content("#status")
+    finally:
+        page.close()
+    # the browser logs the refused request's 400 itself; nothing else may go wrong
+    assert [e for e in errors if "400" not in e] == []
+
+
 def test_a_json_schema_is_sent_as_openai_response_format_and_a_server_ignoring_it_still_answers(chat_run, browser):
     srv, _, _ = chat_run
     page, errors = open_page(browser, srv.url)

@@ -251,7 +251,8 @@ function renderChat() {
   const chat = $("chat");
   chat.replaceChildren(...state.messages.map(renderMessage));
   const last = state.messages[state.messages.length - 1];
-  $("regenerate").disabled = Boolean(state.controller) || !(last && last.role === "assistant");
+  // regenerate the last reply, or retry a request that failed (the conversation then ends with the user)
+  $("regenerate").disabled = Boolean(state.controller) || !last;
 }
 
 // The messages sent to the server, as OpenAI's API reads them.
