@@ -425,7 +425,10 @@ async function showPrompt(messages) {
   $("prompt_format").textContent = state.props && state.props.chat_format === "plain" ?
     "(plain turns: the tokenizer has no chat template)" : "(the tokenizer's chat template)";
   try {
-    const { prompt } = await (await api("/apply-template", { messages })).json();
+    // the tools too, as the chat completion sends them (a template may write them into the prompt)
+    let tools = null;
+    try { tools = toolsRequest(); } catch { tools = null; }
+    const { prompt } = await (await api("/apply-template", { messages, ...(tools ? { tools: tools.tools } : {}) })).json();
     const { tokens, pieces } = await (await api("/tokenize", { content: prompt, add_special: false })).json();
     $("prompt_text").textContent = prompt;
     $("prompt_count").textContent = `(${tokens.length} tokens: id, then piece)`;
