@@ -39,7 +39,9 @@ class BackgroundServer:
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
                                         name="tinyformer-http")
         self._thread.start()
-        deadline = time.monotonic() + 30
+        # a guard against a server that never starts, not a timing check: an app made with compile=True
+        # compiles its decode steps before it starts serving, minutes on a loaded 2-core machine
+        deadline = time.monotonic() + 600
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the HTTP server did not start")
