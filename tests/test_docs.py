@@ -592,7 +592,8 @@ def test_walkthrough_formulas_written_out_give_the_models_logits():
 # ---------------------------------------------------------------------------------------------- corrections
 #
 # The walkthrough's "Corrections to common figures" section (<a id="corrections">, EN and ZH) states each
-# right value on an indented fact line `    key: body`. The lines are the same in both languages, and every
+# right value on an indented fact line `    key: body` (the Chinese page: `    键：正文`, in Chinese, FACTS_ZH;
+# both pages state the same figures in the same order), and every
 # number on them is recomputed here: by `tinyformer count --json`, by the project's own modules, by the
 # formula from the line's own inputs, or read from the experiment the walkthrough quotes. No expected
 # number is typed in this file.
@@ -903,6 +904,73 @@ FACTS = {
 }
 TOTAL = re.compile(r"^total ([\w.-]+)$")  # `    total llama2-13b: 13,015,864,320`
 
+# The Chinese page's fact lines say the same in Chinese: key -> (its Chinese key, the pattern of its body, with
+# the same groups in the same order, so that FACTS' checks read them unchanged). Key and body are separated
+# by a full-width colon there.
+FACTS_ZH = {
+    "llama2-70b": ("llama2-70b 形状", rf"d_model {NUM}，n_head {NUM}，n_kv_head {NUM}，d_ff {NUM}（8 d/3 x {NUM}，"
+                                      rf"向上取整到 {NUM} 的倍数），n_layer {NUM}，总参数 {NUM}"),
+    "exp limits": ("exp 的上限", rf"float16 最大值 {NUM}，ln\({NUM}\) = {NUM}；float32 最大值 {NUM}，"
+                                 rf"ln\({NUM}\) = {NUM}"),
+    "layernorm x": ("layernorm 输入", rf"\[{NUM}, {NUM}, {NUM}, {NUM}\]，d = {NUM}，均值 {NUM}，方差 {NUM}"
+                                      r"（偏差的平方和除以 d）"),
+    "layernorm deviations": ("layernorm 偏差", rf"\[{NUM}, {NUM}, {NUM}, {NUM}\]，平方和 {NUM}；除以 d - 1：{NUM}"),
+    "layernorm normalised": ("layernorm 归一化后", rf"\[{NUM}, {NUM}, {NUM}, {NUM}\]"),
+    "layernorm output": ("layernorm 输出", rf"gamma {NUM}，beta {NUM}：\[{NUM}, {NUM}, {NUM}, {NUM}\]"),
+    "layernorm parameters": ("layernorm 参数", rf"gamma 和 beta，2 d = {NUM}"),
+    "score memory": ("分数的内存", rf"B {NUM}，H {NUM}，T {NUM}：B H T\^2 x 2 字节（bfloat16）= {NUM}，"
+                                   rf"x 4 字节（float32）= {NUM}；SDPA 只存 B H T x 4 = {NUM} 字节"),
+    "weight tying": ("权重绑定", rf"V {NUM} x d {NUM} = 省下 {NUM} 个参数，占 {NUM}%（共 {NUM} 个）"),
+    "ffn activation": ("FFN 的激活函数", rf"{WORD} 用 {WORD}，{WORD} 用 {WORD}，{WORD} 用 {WORD}"),
+    "residual factors": ("残差系数", rf"{NUM}\^{NUM} = {NUM}，{NUM}\^{NUM} = {NUM}"),
+    "rope last pair": ("RoPE 最慢的一对", rf"base\^\(-\(d_h - 2\)/d_h\)，base {NUM}：d_h = {NUM} 时为 1/{NUM}，"
+                                         rf"d_h = {NUM} 时为 1/{NUM}"),
+    "grad norm at init": ("初始化时的梯度范数", rf"pre-norm {NUM} / {NUM} / {NUM}，post-norm {NUM} / {NUM} / {NUM}"
+                                               r"（24 层，第 1 / 2 / 24 块）"),
+    "warm-up post-norm 24 layers": ("预热 post-norm 24 层",
+                                    rf"lr {NUM}：有预热 {NUM}，无预热 {NUM}；lr {NUM}：有预热 {NUM}，无预热 {NUM}"),
+    "warm-up post-norm 6 layers": ("预热 post-norm 6 层",
+                                   rf"lr {NUM}：有预热 {NUM}，无预热 {NUM}；lr {NUM}：有预热 {NUM}，无预热 {NUM}"),
+    "warm-up pre-norm 24 layers": ("预热 pre-norm 24 层",
+                                   rf"lr {NUM}：有预热 {NUM}，无预热 {NUM}；lr {NUM}：有预热 {NUM}，无预热 {NUM}"),
+    "llama2-70b layer": ("llama2-70b 每层", rf"{NUM} = 注意力 {NUM} \+ FFN {NUM} \+ 归一化 {NUM}；{NUM} 层：{NUM}；"
+                                            rf"{NUM}M x {NUM} = {NUM}B"),
+    "llama-7b sum": ("llama-7b 的加法", rf"{NUM} x {NUM} \+ 词嵌入 {NUM} = {NUM}；"
+                                        rf"\+ 输出头 {NUM} \+ 最终归一化 {NUM} = {NUM}"),
+    "score memory 128K": ("128K 上下文的分数内存",
+                          rf"T {NUM}：T\^2 x 4 字节 = {NUM} = {NUM} GiB = {NUM} GB，每个头每层；"
+                          rf"x 2 字节（float16）= {NUM} GiB；T {NUM}：{NUM} GiB"),
+    "gpt-3 attention": ("GPT-3 的注意力", rf"{NUM} 层，{NUM} 层稠密、{NUM} 层带状：{NUM} 个参数，"
+                                          rf"与 {NUM} 层全稠密相同"),
+    "sinusoidal entry": ("正弦位置编码的一项", rf"d {NUM}，pos {NUM}，维度对 i {NUM}："
+                                               rf"PE\[{NUM}, {NUM}\] = sin\({NUM} / {NUM}\^\({NUM}/{NUM}\)\) = {NUM}，"
+                                               rf"PE\[{NUM}, {NUM}\] = cos\({NUM} / {NUM}\^\({NUM}/{NUM}\)\) = {NUM}"),
+    "llama-2 heads": ("LLaMA-2 的头数", rf"{WORD} 有 {NUM} 个查询头、{NUM} 个 kv 头，{WORD} 有 {NUM} 个查询头、"
+                                        rf"{NUM} 个 kv 头，{WORD} 有 {NUM} 个查询头、{NUM} 个 kv 头"),
+    "swiglu llama-7b": ("llama-7b 的 SwiGLU", rf"{NUM} x d {NUM} x d_ff {NUM} = {NUM}；同样 d_ff 的两个矩阵：{NUM}"),
+    "layer flops": ("一层的 FLOPs", rf"n {NUM}，d {NUM}，k {NUM}：卷积 2 k n d\^2 = {NUM}，循环 4 n d\^2 = {NUM}，"
+                                    rf"自注意力 4 n\^2 d = {NUM}；它的投影 8 n d\^2 = {NUM}"),
+}
+TOTAL_ZH = re.compile(r"^参数总数 ([\w.-]+)$")  # `    参数总数 llama2-13b：13,015,864,320`
+ZH_KEYS = {zh: key for key, (zh, _) in FACTS_ZH.items()}
+SEPARATOR = {"en": ": ", "zh": "："}
+
+
+def read_fact(line: str, lang: str) -> tuple[str | None, str]:
+    """(the fact's key in FACTS, or ``total <preset>``; None when the line names no known fact, its body)."""
+    key, sep, body = line.strip().partition(SEPARATOR[lang])
+    total = (TOTAL if lang == "en" else TOTAL_ZH).match(key)
+    if not sep:
+        return None, body
+    if total:
+        return f"total {total.group(1)}", body
+    key = key if lang == "en" else ZH_KEYS.get(key, "")
+    return (key if key in FACTS else None), body
+
+
+def fact_pattern(key: str, lang: str) -> str:
+    return FACTS[key][0] if lang == "en" else FACTS_ZH[key][1]
+
 
 def corrections_section(text: str) -> list[str]:
     """The lines from <a id="corrections"> to the next level-2 heading."""
@@ -917,12 +985,13 @@ def fact_lines(section: list[str]) -> list[str]:
     return [line for line in section if line.startswith("    ") and line.strip()]
 
 
-def fact_problems(section: list[str]) -> list[str]:
-    """Everything wrong with the fact lines of a corrections section (empty when every number holds)."""
+def fact_problems(section: list[str], lang: str = "en") -> list[str]:
+    """Everything wrong with the fact lines of a corrections section (empty when every number holds);
+    ``lang`` "zh" reads them as the Chinese page writes them (FACTS_ZH)."""
     problems, facts = [], {}
     for line in fact_lines(section):
-        key, sep, body = line.strip().partition(": ")
-        if not sep or (key not in FACTS and not TOTAL.match(key)):
+        key, body = read_fact(line, lang)
+        if key is None:
             problems.append(f"not a known fact line: {line.strip()!r}")
         elif key in facts:
             problems.append(f"fact {key!r} stated twice")
@@ -931,7 +1000,7 @@ def fact_problems(section: list[str]) -> list[str]:
     problems += [f"missing fact line {key!r}" for key in FACTS if key not in facts]
     for key, (body,) in facts.items():
         total = TOTAL.match(key)
-        pattern, check = (NUM, None) if total else FACTS[key]
+        pattern, check = (NUM, None) if total else (fact_pattern(key, lang), FACTS[key][1])
         m = re.fullmatch(pattern, body)
         if not m:
             problems.append(f"{key}: {body!r} does not read as {pattern!r}")
@@ -950,16 +1019,47 @@ def fact_problems(section: list[str]) -> list[str]:
 WALKTHROUGHS = [DOCS / "walkthrough.md", DOCS / "walkthrough.zh.md"]
 
 
+LANG = {"walkthrough.md": "en", "walkthrough.zh.md": "zh"}
+
+
 @pytest.mark.parametrize("path", WALKTHROUGHS, ids=lambda p: p.name)
 def test_corrections_section_states_what_count_the_code_and_the_experiments_compute(path):
     section = corrections_section(path.read_text(encoding="utf-8"))
-    problems = fact_problems(section)
+    problems = fact_problems(section, LANG[path.name])
     assert not problems, "\n".join(problems)
 
 
-def test_corrections_fact_lines_are_the_same_in_english_and_chinese():
-    en, zh = (fact_lines(corrections_section(p.read_text(encoding="utf-8"))) for p in WALKTHROUGHS)
+def stated_facts(path: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """(key, the figures as written) of each fact line of a page, in order."""
+    lang = LANG[path.name]
+    out = []
+    for line in fact_lines(corrections_section(path.read_text(encoding="utf-8"))):
+        key, body = read_fact(line, lang)
+        pattern = NUM if key.startswith("total ") else fact_pattern(key, lang)
+        out.append((key, re.fullmatch(pattern, body).groups()))
+    return out
+
+
+def test_corrections_fact_lines_state_the_same_figures_in_english_and_chinese():
+    assert set(FACTS_ZH) == set(FACTS)
+    en, zh = (stated_facts(p) for p in WALKTHROUGHS)
     assert en == zh
+
+
+# the words of the English fact lines that are prose, not a name or a symbol: none may stay on the Chinese page
+ENGLISH_PROSE = {"rounded", "multiple", "max", "mean", "variance", "squared", "deviations", "summed", "divided",
+                 "squares", "and", "bytes", "keeps", "parameters", "saved", "of", "per", "head", "layer", "layers",
+                 "with", "without", "attention", "norms", "embedding", "final", "dense", "banded", "as", "pair",
+                 "query", "two", "matrices", "the", "same", "convolution", "recurrence", "self", "its", "projections",
+                 "blocks", "total"}
+
+
+def test_the_chinese_fact_lines_are_written_in_chinese():
+    lines = fact_lines(corrections_section((DOCS / "walkthrough.zh.md").read_text(encoding="utf-8")))
+    english = {line.strip(): words for line in lines
+               if (words := set(re.findall(r"[A-Za-z_]+", line)) & ENGLISH_PROSE)}
+    assert not english, english
+    assert all(re.search(r"[\u4e00-\u9fff]", line) for line in lines)
 
 
 def test_corrections_totals_cover_every_preset_the_walkthrough_runs_and_are_asserted_by_test_sizing():
@@ -990,10 +1090,12 @@ def test_every_logarithm_and_power_written_in_the_walkthrough_holds(path):
     assert not wrong, wrong
 
 
-def test_a_wrong_digit_anywhere_on_a_fact_line_is_caught():
+@pytest.mark.parametrize("path", WALKTHROUGHS, ids=lambda p: p.name)
+def test_a_wrong_digit_anywhere_on_a_fact_line_is_caught(path):
     """Each digit run of each fact line, changed by one in its last digit, makes the check fail."""
-    section = corrections_section((DOCS / "walkthrough.md").read_text(encoding="utf-8"))
-    assert not fact_problems(section)
+    lang = LANG[path.name]
+    section = corrections_section(path.read_text(encoding="utf-8"))
+    assert not fact_problems(section, lang)
     fact_index = [i for i, line in enumerate(section) if line in fact_lines(section)]
     mutants = 0
     for i in fact_index:
@@ -1001,7 +1103,7 @@ def test_a_wrong_digit_anywhere_on_a_fact_line_is_caught():
             last = m.end() - 1
             digit = str((int(section[i][last]) + 1) % 10)
             mutated = [*section[:i], section[i][:last] + digit + section[i][last + 1 :], *section[i + 1 :]]
-            assert fact_problems(mutated), f"changing {m.group()!r} in {section[i].strip()!r} went unnoticed"
+            assert fact_problems(mutated, lang), f"changing {m.group()!r} in {section[i].strip()!r} went unnoticed"
             mutants += 1
     assert mutants > 50
 

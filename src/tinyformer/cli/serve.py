@@ -23,7 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server with streaming and a web playground",
         description="Serve a run folder over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health, "
-                    "/tokenize, /detokenize, and a playground at /; an encoder run serves /v1/embeddings. "
+                    "/tokenize, /detokenize, /apply-template, /props, and a playground at / (a chat that shows "
+                    "the prompt, its tokens and each token's probability and alternatives; for an encoder run, "
+                    "the cosine similarities of sentences); an encoder run serves /v1/embeddings. "
                     "Requests that arrive together are decoded together (continuous batching). "
                     "Needs the 'serve' extra: pip install 'tinyformer[serve]'.")
     p.add_argument("--model", required=True, metavar="RUN", help="run folder (config.json, weights, tokenizer.json)")

@@ -2,7 +2,9 @@
 
 ``scheduler`` (continuous batching over the generation engine) needs only torch; ``server`` (the state
 behind the handlers), ``sse`` (the streaming loop) and ``app`` (the routes) need the optional ``serve``
-extra (fastapi, uvicorn), so import them only when serving.
+extra (fastapi, uvicorn), so import them only when serving. ``static/`` is the playground: plain HTML, CSS
+and JavaScript (no build step) that talk to the API (``/props``, ``/apply-template``, ``/tokenize``, the
+streamed chat completion's ``logprobs``, ``/v1/embeddings``).
 """
 
 #: Largest request body the server reads (``serve --max-body-bytes``): a long prompt is ~100 KB of JSON.

@@ -1,10 +1,13 @@
 """The HTTP server: an OpenAI-compatible API over the continuous-batching scheduler, plus a playground.
 
-    GET  /                      the playground (static/index.html)
+    GET  /                      the playground (static/: a chat that shows the prompt, its tokens and each
+                                token's probability; serve/tokens_embeddings.py serves it)
+    GET  /props                 what the playground needs to know: arch, context length, chat template
     GET  /health                {"status": "ok", active/waiting slots, counters}
     GET  /v1/models             the one model served
     POST /v1/completions        prompt -> text       (stream: server-sent events, ending with data: [DONE])
     POST /v1/chat/completions   messages -> message  (chat template from the tokenizer, or a plain default)
+    POST /apply-template        messages -> {"prompt": the exact text a chat completion feeds} (llama.cpp's name)
     POST /tokenize, /detokenize, /v1/embeddings   tokens and embeddings (serve/tokens_embeddings.py)
 
 The handlers are thin: :class:`~tinyformer.serve.server.Server` turns a request into scheduler requests
@@ -20,11 +23,10 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import JSONResponse
 
 from tinyformer.data.chat_template import DEFAULT_TIMEOUT_S
 from tinyformer.serve import DEFAULT_HEADER_TIMEOUT
@@ -106,14 +108,17 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
                    allowed_origins=allowed_origins, body_timeout=body_timeout)
     add_token_routes(app, server)  # /tokenize, /detokenize, /v1/embeddings (serve/tokens_embeddings.py)
 
-    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    async def playground() -> HTMLResponse:
-        page = resources.files("tinyformer.serve").joinpath("static/index.html").read_text(encoding="utf-8")
-        return HTMLResponse(page)
-
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": server.model_name, **server.scheduler.stats()}
+
+    @app.post("/apply-template")
+    async def apply_template(request: Request) -> dict[str, Any]:
+        """The exact prompt text /v1/chat/completions feeds for these messages (llama.cpp's name and shape);
+        POST /tokenize of it (``add_special`` false) gives the prompt's tokens."""
+        server.authorize(request)
+        req: P.ApplyTemplateRequest = P.parse_request(P.ApplyTemplateRequest, await request.body())
+        return {"prompt": await server.render_chat(P.template_messages(req.messages))}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -176,9 +181,7 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
         server.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
-        ids = server.encode(await server.render_chat(messages), "messages")
+        ids = server.encode(await server.render_chat(P.template_messages(req.messages)), "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else 0
         reqs, inbox = server.build(req, [ids], max_tokens, None, top, extra_stop=server.template.stop_strings,

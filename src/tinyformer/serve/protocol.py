@@ -102,6 +102,17 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as a chat template reads them: ``role``, ``content`` (text parts joined), ``name``."""
+    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+
+
+class ApplyTemplateRequest(_Strict):
+    """POST /apply-template (llama.cpp's server): the prompt a chat completion of ``messages`` would feed."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 

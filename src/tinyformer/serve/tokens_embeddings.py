@@ -14,7 +14,8 @@ what ``tinyformer embed`` prints: the run's pooling, L2-normalised (unit vectors
 base64 of its little-endian float32 bytes. The forward passes run in a worker thread, one request at a
 time, so the event loop keeps answering.
 
-An encoder run is served by :func:`create_encoder_app`: these routes, ``/v1/models`` and ``/health``,
+An encoder run is served by :func:`create_encoder_app`: these routes, the playground (its
+sentence-similarity view), ``/props``, ``/v1/models`` and ``/health``,
 behind the same guard and error shapes as the decoder app (:func:`install_common`, which also answers
 ``GET /v1/models`` with the context length); the generation routes answer 400 there.
 """
@@ -25,11 +26,13 @@ import asyncio
 import base64
 import logging
 import threading
+from functools import cache
+from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinyformer.generation.streaming import TokenBytes
@@ -44,11 +47,21 @@ __all__ = ["EncoderServer", "add_token_routes", "create_encoder_app", "install_c
 
 log = logging.getLogger("tinyformer.serve")
 
+#: the playground's files (serve/static/), served at / and /static/<name>: plain files, no build step
+STATIC_FILES = {"index.html": "text/html; charset=utf-8", "playground.js": "text/javascript; charset=utf-8",
+                "playground.css": "text/css; charset=utf-8"}
+
+
+@cache
+def _static(name: str) -> str:
+    return resources.files("tinyformer.serve").joinpath("static", name).read_text(encoding="utf-8")
+
 
 def install_common(app: FastAPI, server: Server, *, max_body_bytes: int, bind_host: str,
                    allowed_origins: tuple[str, ...], body_timeout: float | None = DEFAULT_HEADER_TIMEOUT) -> None:
-    """What every served app has: the request guard, the OpenAI-shaped error answers, and GET /v1/models
-    (the one model served, with its context length)."""
+    """What every served app has: the request guard, the OpenAI-shaped error answers, the playground
+    (GET /, /static/<name>, and GET /props, what it reads of the server) and GET /v1/models (the one model
+    served, with its context length)."""
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, local_only=server.api_key is None,
                        bound_to_loopback=is_loopback_host(bind_host), allowed_origins=allowed_origins,
                        body_timeout=body_timeout)
@@ -73,6 +86,28 @@ def install_common(app: FastAPI, server: Server, *, max_body_bytes: int, bind_ho
         log.exception("unhandled error in %s %s", request.method, request.url.path)
         return JSONResponse(P.error_body(f"internal server error: {type(exc).__name__}", type="server_error"),
                             status_code=500)
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def playground() -> HTMLResponse:
+        return HTMLResponse(_static("index.html"), headers={"Cache-Control": "no-cache"})
+
+    @app.get("/static/{name}", include_in_schema=False)
+    async def static_file(name: str) -> Response:
+        if name not in STATIC_FILES:
+            raise APIError(404, f"GET /static/{name}: no such file", code="not_found")
+        return Response(_static(name), media_type=STATIC_FILES[name], headers={"Cache-Control": "no-cache"})
+
+    @app.get("/props")
+    async def props(request: Request) -> dict[str, Any]:
+        """What the playground shows and chooses by (llama.cpp's /props, in tinyformer's own fields): the
+        model, its arch ("decoder" chats, "encoder" embeds), the context length, and the chat template's
+        format ("jinja" with its source, or "plain" turns; none for an encoder)."""
+        server.authorize(request)
+        template = getattr(server, "template", None)
+        return {"model": server.model_name, "arch": "encoder" if isinstance(server, EncoderServer) else "decoder",
+                "context_length": server.context,
+                "chat_format": None if template is None else "plain" if template.is_plain else "jinja",
+                "chat_template": None if template is None else template.source}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
