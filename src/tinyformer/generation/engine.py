@@ -267,6 +267,7 @@ class BatchEngine:
         self._last_shapes: list[tuple[int, bool]] = []
         self.moves = 0
         self.max_draft_tokens = max_draft_tokens
+        self.draft_proposed = self.draft_accepted = 0  # over every row this engine verified
         self.draft = None if draft_model is None or not max_draft_tokens else \
             DraftModel(draft_model, max_batch, self.max_len, max_draft_tokens)
 
@@ -534,6 +535,8 @@ class BatchEngine:
                 m, y = accept_sampled(x[first:e], d, q, r.generator)
             if r.drafts is not None and d:
                 r.drafts.record(len(d), m)
+                self.draft_proposed += len(d)
+                self.draft_accepted += m
             emitted = d[:m] + [y]
             infos = self._token_infos(flat[first : first + m + 1], emitted, r)
             start = r.pos
