@@ -26,9 +26,11 @@ Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative S
                  keeps P + 1 + m of them (``KVCache.truncate``); a ring of a sliding-window layer needs
                  W + K slots for it (``new_cache(spare_slots=K)``)
 
-Adaptive (``RowDrafts``): a verification that keeps no draft costs a wider forward for one token. After one,
-a row proposes nothing for 1, 2, 4, .. 16 steps (doubling while it keeps failing, reset by any kept draft),
-so text that copies nothing decodes at nearly the plain speed.
+Adaptive (``RowDrafts``): a verification of k drafts costs a forward over k + 1 positions, on a loaded CPU up
+to twice a one-token step (docs/benchmarks/speculative.md), and yields m + 1 tokens; it pays when the target
+keeps at least half of the drafts. After a verification that kept fewer (2m < k), a row proposes nothing for
+1, 2, 4, .. 16 steps (doubling while it keeps failing, reset by a verification that kept half), so text that
+copies little decodes at nearly the plain speed.
 """
 
 from __future__ import annotations
@@ -149,12 +151,12 @@ class RowDrafts:
         return max(0, min(self.config.draft_tokens, room))
 
     def record(self, proposed: int, accepted: int) -> None:
-        """Count a verification; pause proposals after one that kept nothing (``adaptive``)."""
+        """Count a verification; pause proposals after one that kept less than half (``adaptive``)."""
         self.proposed += proposed
         self.accepted += accepted
         if not self.config.adaptive or proposed == 0:
             return
-        if accepted == 0:
+        if 2 * accepted < proposed:
             self._backoff = min(max(1, 2 * self._backoff), MAX_BACKOFF)
             self._pause = self._backoff
         else:
