@@ -132,6 +132,27 @@ def run_tinyformer(run: str, label: str, texts: dict[str, str], args) -> list[di
     return rows
 
 
+def forward_costs(run: str, sizes: list[int], rounds: int = 5) -> None:
+    """The cost of one row call over T positions after a 300-token prefix, relative to T = 1: what a
+    verification of T - 1 drafts costs in one-token steps (medians of ``rounds``, sizes alternating)."""
+    model = load_model(run).eval()
+    store_input_major(model)
+    cache = model.new_cache(1, 1024, spare_slots=max(sizes))
+    model(torch.randint(0, 1000, (1, 300)), cache=cache)
+    times: dict[int, list[float]] = {t: [] for t in sizes}
+    for _ in range(rounds):
+        for t in sizes:
+            x = torch.randint(0, 1000, (1, t))
+            t0 = time.perf_counter()
+            model(x, cache=cache.at(torch.tensor([300]), 300 + t))
+            times[t].append(time.perf_counter() - t0)
+    base = statistics.median(times[sizes[0]])
+    for t in sizes:
+        ms = statistics.median(times[t]) * 1e3
+        print(json.dumps({"forward_positions": t, "ms": round(ms, 1), "vs_first": round(ms / 1e3 / base, 2),
+                          "load": os.getloadavg()[0]}), flush=True)
+
+
 LLAMA_SIDE = r'''
 import json, sys, time, statistics
 from llama_cpp import Llama
@@ -147,10 +168,12 @@ for name, ids in cfg["prompts"].items():
         for m, llm in llms.items():
             llm.reset()
             times = []
-            for _chunk in llm.create_completion(ids, max_tokens=cfg["new_tokens"], temperature=0.0, top_k=1,
-                                               stream=True, logit_bias=None):
+            # Llama.generate yields one token at a time (prompt lookup inside) and never stops at EOS
+            for _tok in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0):
                 times.append(time.perf_counter())
-            speeds[m].append((len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0)
+                if len(times) >= cfg["new_tokens"]:
+                    break
+            speeds[m].append((len(times) - 1) / (times[-1] - times[0]))
     for m in llms:
         print(json.dumps({"prompt": name, "method": m, "tokens_per_s": round(statistics.median(speeds[m]), 2),
                           "n": cfg["new_tokens"]}), flush=True)
@@ -193,8 +216,14 @@ def main() -> None:
     ap.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python")
     ap.add_argument("--gguf", default=None, help="the GGUF file llama.cpp loads")
     ap.add_argument("--out", type=Path, default=None, help="write every row as JSON lines here")
+    ap.add_argument("--forward-cost", type=int, nargs="+", default=None, metavar="T",
+                    help="only time one forward over T positions (e.g. 1 5 9) and exit")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.forward_cost:
+        with torch.inference_mode():
+            forward_costs(args.model, args.forward_cost)
+        return
     texts = prompts(args.shakespeare)
     if args.prompts:
         texts = {k: v for k, v in texts.items() if k in args.prompts}

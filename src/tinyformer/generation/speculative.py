@@ -28,9 +28,10 @@ Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative S
 
 Adaptive (``RowDrafts``): a verification of k drafts costs a forward over k + 1 positions, on a loaded CPU up
 to twice a one-token step (docs/benchmarks/speculative.md), and yields m + 1 tokens; it pays when the target
-keeps at least half of the drafts. After a verification that kept fewer (2m < k), a row proposes nothing for
-1, 2, 4, .. 16 steps (doubling while it keeps failing, reset by a verification that kept half), so text that
-copies little decodes at nearly the plain speed.
+keeps at least half of the drafts. After a verification that kept fewer (2m < k), a row halves its next k (at
+least 1) and proposes nothing for 1, 2, 4, .. 16 steps (doubling while it keeps failing); one that kept half
+doubles k again (at most K) and ends the pauses. Text that copies little then decodes at nearly the plain
+speed, and a failed guess costs a narrower forward.
 """
 
 from __future__ import annotations
@@ -140,15 +141,16 @@ class RowDrafts:
         self.q: Tensor | None = None  # draft model, sampling: (k, V) distributions of the last drafts
         self.proposed = 0
         self.accepted = 0
+        self.k = config.draft_tokens  # drafts of the next proposal: K, halved after each failed verification
         self._pause = 0
         self._backoff = 0
 
     def budget(self, room: int) -> int:
-        """Drafts to propose this step: K, at most ``room``; 0 while paused."""
+        """Drafts to propose this step: the current k, at most ``room``; 0 while paused."""
         if self._pause > 0:
             self._pause -= 1
             return 0
-        return max(0, min(self.config.draft_tokens, room))
+        return max(0, min(self.k, room))
 
     def record(self, proposed: int, accepted: int) -> None:
         """Count a verification; pause proposals after one that kept less than half (``adaptive``)."""
@@ -157,9 +159,11 @@ class RowDrafts:
         if not self.config.adaptive or proposed == 0:
             return
         if 2 * accepted < proposed:
+            self.k = max(1, self.k // 2)
             self._backoff = min(max(1, 2 * self._backoff), MAX_BACKOFF)
             self._pause = self._backoff
         else:
+            self.k = min(self.config.draft_tokens, 2 * self.k)
             self._backoff = 0
 
 
