@@ -19,8 +19,8 @@ Prompts (built from text on disk, as plain text to continue):
 --llama-python runs llama-cpp-python's ``LlamaPromptLookupDecoding`` (and plain llama.cpp) on the same token
 ids in a subprocess, alternating too.
 
-    python benchmarks/bench_speculative.py --model RUN --int8 RUN_INT8 --threads 2 --draft-layers 6 \\
-        --llama-python /path/to/venv/bin/python --gguf SmolLM2-135M-Instruct.Q4_1.gguf
+    python benchmarks/bench_speculative.py --model RUN --int8 RUN_INT8 --threads 2 --draft-tokens 4 8 \\
+        --llama-python /path/to/venv/bin/python --gguf F32=smol-f32.gguf Q8_0=smol-q8_0.gguf
 """
 
 from __future__ import annotations
@@ -158,9 +158,10 @@ import json, sys, time, statistics
 from llama_cpp import Llama
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 cfg = json.load(open(sys.argv[1]))
-llms = {"llama.cpp plain": Llama(cfg["gguf"], n_ctx=2048, n_threads=cfg["threads"], verbose=False)}
+label, path = sys.argv[2], sys.argv[3]
+llms = {"llama.cpp plain": Llama(path, n_ctx=2048, n_threads=cfg["threads"], verbose=False)}
 for k in cfg["draft_tokens"]:
-    llms[f"llama.cpp prompt lookup K={k}"] = Llama(cfg["gguf"], n_ctx=2048, n_threads=cfg["threads"], verbose=False,
+    llms[f"llama.cpp prompt lookup K={k}"] = Llama(path, n_ctx=2048, n_threads=cfg["threads"], verbose=False,
         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))
 for name, ids in cfg["prompts"].items():
     speeds = {m: [] for m in llms}
@@ -174,9 +175,11 @@ for name, ids in cfg["prompts"].items():
                 if len(times) >= cfg["new_tokens"]:
                     break
             speeds[m].append((len(times) - 1) / (times[-1] - times[0]))
+    base = statistics.median(speeds["llama.cpp plain"])
     for m in llms:
-        print(json.dumps({"prompt": name, "method": m, "tokens_per_s": round(statistics.median(speeds[m]), 2),
-                          "n": cfg["new_tokens"]}), flush=True)
+        tps = statistics.median(speeds[m])
+        print(json.dumps({"weights": label, "prompt": name, "method": m, "tokens_per_s": round(tps, 2),
+                          "ratio": round(tps / base, 2)}), flush=True)
 '''
 
 
@@ -185,18 +188,23 @@ def run_llama(args, texts: dict[str, str]) -> list[dict]:
     ids = {name: tok.encode(t) for name, t in texts.items()}
     with tempfile.TemporaryDirectory() as d:
         cfg = Path(d) / "cfg.json"
-        cfg.write_text(json.dumps({"gguf": args.gguf, "threads": args.threads, "prompts": ids, "reps": args.reps,
+        cfg.write_text(json.dumps({"threads": args.threads, "prompts": ids, "reps": args.reps,
                                    "new_tokens": args.new_tokens, "draft_tokens": args.draft_tokens}))
         script = Path(d) / "llama_side.py"
         script.write_text(LLAMA_SIDE)
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        proc = subprocess.run([args.llama_python, str(script), str(cfg)], capture_output=True, text=True, env=env)
-    if proc.returncode:
-        print(proc.stderr[-2000:], file=sys.stderr)
-        return []
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    for r in rows:
-        print(json.dumps(r), flush=True)
+        rows = []
+        for spec in args.gguf:
+            label, _, path = spec.rpartition("=")
+            proc = subprocess.run([args.llama_python, str(script), str(cfg), label or Path(path).name, path],
+                                  capture_output=True, text=True, env=env)
+            if proc.returncode:
+                print(proc.stderr[-2000:], file=sys.stderr)
+                continue
+            for line in proc.stdout.splitlines():
+                if line.startswith("{"):
+                    rows.append(json.loads(line))
+                    print(line, flush=True)
     return rows
 
 
@@ -214,8 +222,9 @@ def main() -> None:
     ap.add_argument("--prompts", nargs="+", default=None, help="a subset of copy, code, quote, free")
     ap.add_argument("--shakespeare", type=Path, default=SHAKESPEARE)
     ap.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python")
-    ap.add_argument("--gguf", default=None, help="the GGUF file llama.cpp loads")
+    ap.add_argument("--gguf", nargs="+", default=None, metavar="[LABEL=]FILE", help="the GGUF files llama.cpp loads")
     ap.add_argument("--out", type=Path, default=None, help="write every row as JSON lines here")
+    ap.add_argument("--llama-only", action="store_true", help="run the llama.cpp side only")
     ap.add_argument("--forward-cost", type=int, nargs="+", default=None, metavar="T",
                     help="only time one forward over T positions (e.g. 1 5 9) and exit")
     args = ap.parse_args()
@@ -232,8 +241,9 @@ def main() -> None:
     started = time.time()
     rows = []
     with torch.inference_mode():
-        rows += run_tinyformer(args.model, "fp32", texts, args)
-        if args.int8:
+        if not args.llama_only:
+            rows += run_tinyformer(args.model, "fp32", texts, args)
+        if args.int8 and not args.llama_only:
             rows += run_tinyformer(args.int8, "int8", texts, args)
     if args.llama_python and args.gguf:
         rows += run_llama(args, texts)
