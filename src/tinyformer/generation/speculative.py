@@ -66,7 +66,7 @@ __all__ = [
 ]
 
 METHODS = ("ngram", "draft")
-DEFAULT_DRAFT_TOKENS = 8  # docs/benchmarks/speculative.md: the best of 4, 8 and 12 on copy-heavy prompts
+DEFAULT_DRAFT_TOKENS = 4  # docs/benchmarks/speculative.md: 8 gained little over 4 in fp32 and lost in int8
 DEFAULT_MAX_NGRAM = 3
 MAX_DRAFT_TOKENS = 64
 MAX_BACKOFF = 16  # steps without proposals after repeated failed verifications, at most
