@@ -67,3 +67,39 @@ def template_timeout(args: Any) -> float:
 
         raise ConfigError(f"--template-timeout must be a positive number of seconds, got {args.template_timeout}")
     return float(args.template_timeout)
+
+
+def add_speculative_args(p: Any) -> None:
+    """``--speculative``, ``--draft-model``, ``--draft-tokens`` of generate, chat and serve
+    (``generation/speculative.py``)."""
+    from tinyformer.generation.speculative import DEFAULT_DRAFT_TOKENS, METHODS
+
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative", choices=METHODS, default=None,
+                   help="propose tokens and verify them in one forward: 'ngram' looks them up in the prompt and "
+                        "output (prompt lookup), 'draft' asks --draft-model; greedy output stays the same, sampled "
+                        "output follows the same distribution (default: off)")
+    g.add_argument("--draft-model", default=None, metavar="RUN",
+                   help="run folder of a smaller model with the same tokenizer (implies --speculative draft)")
+    g.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                   help=f"tokens proposed per step at most (default {DEFAULT_DRAFT_TOKENS})")
+
+
+def speculative_from_args(args: Any) -> Any:
+    """The SpeculativeConfig the flags ask for (None: off), validated: one-line GenerationErrors."""
+    from tinyformer.errors import GenerationError
+    from tinyformer.generation.speculative import DEFAULT_DRAFT_TOKENS, SpeculativeConfig
+
+    method = args.speculative or ("draft" if args.draft_model is not None else None)
+    if method is None:
+        if args.draft_tokens is not None:
+            raise GenerationError("--draft-tokens needs --speculative ngram or --draft-model RUN")
+        return None
+    if method == "draft" and args.draft_model is None:
+        raise GenerationError("--speculative draft needs --draft-model RUN")
+    if method == "ngram" and args.draft_model is not None:
+        raise GenerationError("--draft-model is used by --speculative draft, not ngram")
+    k = DEFAULT_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens
+    if k < 1:
+        raise GenerationError(f"--draft-tokens must be >= 1, got {k}")
+    return SpeculativeConfig(method, k).validate()

@@ -23,7 +23,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tinyformer.cli.common import add_no_verify_flag, add_template_timeout_flag, compile_notice, template_timeout
+from tinyformer.cli.common import (
+    add_no_verify_flag,
+    add_speculative_args,
+    add_template_timeout_flag,
+    compile_notice,
+    speculative_from_args,
+    template_timeout,
+)
 from tinyformer.devices import resolve_device, resolve_dtype
 from tinyformer.errors import GenerationError
 from tinyformer.generation.beam import DEFAULT_EARLY_STOPPING, DEFAULT_LENGTH_PENALTY
@@ -50,6 +57,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="decode with a torch.compile-d step: tens of seconds to start, then faster tokens "
                         "(worth it for long outputs; on CPU it needs a C++ compiler)")
+    add_speculative_args(p)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -105,10 +113,12 @@ def sampling_params(args: argparse.Namespace, max_new_tokens: int, **changes: An
 
 def load_generator(args: argparse.Namespace) -> Generator:
     """Check the flags that need no model first (cheap, clear errors), then load the run folder."""
+    speculative = speculative_from_args(args)
     device = resolve_device(args.device, GenerationError)
     dtype = resolve_dtype(args.dtype, device, GenerationError)
     return Generator.from_run(args.model, device=device, dtype=dtype, context_policy=args.context_policy,
-                              slide_keep=args.slide_keep, compile=args.compile, verify=not args.no_verify)
+                              slide_keep=args.slide_keep, compile=args.compile, verify=not args.no_verify,
+                              speculative=speculative, draft_run=args.draft_model)
 
 
 def budget(args: argparse.Namespace, gen: Generator, prompt_len: int) -> int:
@@ -155,7 +165,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_template_timeout_flag(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per sample and line: text, token_ids (generated), logprobs, "
-                        "timings (prompt_tokens, prefill_ms, completion_tokens, decode_tokens_per_s)")
+                        "timings (prompt_tokens, prefill_ms, completion_tokens, decode_tokens_per_s; with "
+                        "--speculative also draft_proposed, draft_accepted)")
     p.add_argument("--verbose", action="store_true",
                    help="print the timings (prefill, decode tokens/s) to stderr after each sample")
     p.add_argument("--ignore-eos", action="store_true",
@@ -186,6 +197,9 @@ def run(args: argparse.Namespace) -> int:
         raise GenerationError(f"--num-beams must be >= 1, got {args.num_beams}")
     if args.num_beams > 1 and args.num_samples > args.num_beams:
         raise GenerationError(f"--num-samples ({args.num_samples}) cannot exceed --num-beams ({args.num_beams})")
+    if args.num_beams > 1 and speculative_from_args(args) is not None:
+        raise GenerationError("speculative decoding does not apply to beam search: drop --speculative / "
+                              "--draft-model or --num-beams")
     prompt = read_prompt(args)
     if not prompt:
         raise GenerationError("the prompt is empty")
@@ -255,8 +269,10 @@ def print_timings(gen: Generator) -> None:
     sys.stdout.flush()
     t = gen.timings
     prefill_rate = t.prompt_tokens / (t.prefill_ms / 1e3) if t.prefill_ms > 0 else 0.0
+    drafts = "" if t.draft_proposed is None else \
+        f"; drafts: {t.draft_accepted} of {t.draft_proposed} accepted"
     print(f"prefill: {t.prompt_tokens} tokens in {t.prefill_ms:.1f} ms ({prefill_rate:.1f} tokens/s); decode: "
-          f"{t.completion_tokens} tokens, {t.decode_tokens_per_s:.2f} tokens/s", file=sys.stderr, flush=True)
+          f"{t.completion_tokens} tokens, {t.decode_tokens_per_s:.2f} tokens/s{drafts}", file=sys.stderr, flush=True)
 
 
 def header(args: argparse.Namespace, i: int) -> None:

@@ -9,7 +9,13 @@ import socket
 import sys
 from pathlib import Path
 
-from tinyformer.cli.common import add_no_verify_flag, add_template_timeout_flag, template_timeout
+from tinyformer.cli.common import (
+    add_no_verify_flag,
+    add_speculative_args,
+    add_template_timeout_flag,
+    speculative_from_args,
+    template_timeout,
+)
 from tinyformer.errors import CheckpointError, ConfigError, TinyformerError
 from tinyformer.serve import (
     DEFAULT_HEADER_TIMEOUT,
@@ -77,6 +83,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "see utils/threads.py)")
     add_template_timeout_flag(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_speculative_args(p)
     add_no_verify_flag(p)
     p.set_defaults(func=run)
 
@@ -133,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         if not 0 < value < float("inf"):
             raise ConfigError(f"{flag} must be a number of seconds > 0, got {value}")
     timeout_s = template_timeout(args)
+    speculative = speculative_from_args(args)
     device = resolve_device(args.device or "auto")
     dtype = resolve_dtype(args.dtype or "auto", device)
     dtype_name = str(dtype).removeprefix("torch.")
@@ -157,13 +165,22 @@ def run(args: argparse.Namespace) -> int:
         model = load_model(run_dir, device=device, dtype=dtype, cfg=cfg, verify=not args.no_verify)
         if device.type == "cpu" and cfg.arch == "decoder":  # as generate: faster batch-1 products
             store_input_major(model)
+        draft = None
+        if args.draft_model is not None:
+            from tinyformer.generation.generator import check_draft
+
+            draft = load_model(args.draft_model, device=device, dtype=dtype, verify=not args.no_verify).eval()
+            check_draft(model, tokenizer, draft, load_tokenizer(args.draft_model))
+            if device.type == "cpu":
+                store_input_major(draft)
         name = args.model_name or run_dir.resolve().name
         app = create_app(model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
                          request_timeout=args.request_timeout or None, api_key=args.api_key,
                          max_len=args.max_context, max_body_bytes=args.max_body_bytes, bind_host=args.host,
                          allowed_origins=tuple(args.allow_origin), compile=args.compile,
                          prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb,
-                         template_timeout=timeout_s, body_timeout=args.header_timeout)
+                         template_timeout=timeout_s, body_timeout=args.header_timeout,
+                         speculative=speculative, draft_model=draft)
         logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host

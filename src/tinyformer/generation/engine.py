@@ -61,7 +61,15 @@ from tinyformer.generation.sampling import (
     SamplingParams,
     make_generator,
     penalty_history,
+    processed_logits,
     sample,
+)
+from tinyformer.generation.speculative import (
+    DraftModel,
+    RowDrafts,
+    SpeculativeConfig,
+    accept_greedy,
+    accept_sampled,
 )
 from tinyformer.generation.streaming import TextState
 from tinyformer.generation.weight_layout import store_input_major
@@ -101,11 +109,16 @@ class EngineRow:
     False skips the per-step log-normaliser (a lone greedy row then gets its argmax from the compiled graph);
     ``top_logprobs`` > 0
     asks for that many alternatives per token. ``tag`` is the caller's (e.g. the server's request).
+    ``speculative`` makes the row speculate (``generation/speculative.py``); ``drafts`` then holds its
+    proposer state and counts once the row is added.
     """
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, text: TextState, *,
-                 want_logprobs: bool = True, top_logprobs: int = 0, tag: Any = None) -> None:
+                 want_logprobs: bool = True, top_logprobs: int = 0, tag: Any = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.prompt_ids = list(prompt_ids)
+        self.speculative = None if speculative is None else speculative.validate()
+        self.drafts: RowDrafts | None = None
         self.params = params
         self.text = text
         self.want_logprobs = want_logprobs
@@ -207,12 +220,17 @@ class BatchEngine:
     Finished rows stay in their slot until removed. ``compiled`` is a shared :class:`CompiledStep`, or
     None to decode eagerly; ``buckets`` pads a compiled step of several rows to the next power of two
     instead of to ``max_batch`` (see :meth:`bucket`).
+
+    ``max_draft_tokens`` K > 0 lets rows speculate with up to K drafts per step (their rows of a
+    sliding-window layer's ring get K spare slots, so a rollback loses nothing); ``draft_model`` is the
+    draft model of rows whose method is "draft" (it shares the model's tokenizer).
     """
 
     def __init__(self, model: nn.Module, *, max_batch: int, max_len: int | None = None,
                  compiled: CompiledStep | None = None, prefill_chunk: int | None = None,
                  context_policy: str = "error", slide_keep: int | None = None,
-                 prefix_cache: PrefixCache | None = None, buckets: bool = False) -> None:
+                 prefix_cache: PrefixCache | None = None, buckets: bool = False,
+                 max_draft_tokens: int = 0, draft_model: nn.Module | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -220,9 +238,11 @@ class BatchEngine:
         if context_policy not in CONTEXT_POLICIES:
             raise GenerationError(
                 f"context policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}")
+        if max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
         self.model = model
         cfg = model.cfg
-        self.cache: KVCache = model.new_cache(max_batch, max_len)
+        self.cache: KVCache = model.new_cache(max_batch, max_len, spare_slots=max_draft_tokens)
         self.max_len = self.cache.max_len
         self.max_batch = max_batch
         self.device = next(model.parameters()).device
@@ -246,6 +266,10 @@ class BatchEngine:
         self._views: dict[int, KVCache] = {max_batch: self.cache}
         self._last_shapes: list[tuple[int, bool]] = []
         self.moves = 0
+        self.max_draft_tokens = max_draft_tokens
+        self.draft_proposed = self.draft_accepted = 0  # over every row this engine verified
+        self.draft = None if draft_model is None or not max_draft_tokens else \
+            DraftModel(draft_model, max_batch, self.max_len, max_draft_tokens)
 
     # ------------------------------------------------------------------ rows
     @property
@@ -266,6 +290,9 @@ class BatchEngine:
             prefilled = 0
         if not 0 <= prefilled < len(ids):
             raise ValueError(f"prefilled must be in [0, {len(ids)}), got {prefilled}")
+        if row.speculative is not None:
+            self._check_speculative(row.speculative)
+            row.drafts = RowDrafts(row.speculative)
         row.slot = self._free.pop(0)
         if self.prefix_cache is not None and prefilled == 0 and ids is row.prompt_ids:
             hit = self.prefix_cache.lookup(ids)
@@ -278,6 +305,16 @@ class BatchEngine:
         if row.params.seed is not None and not row.params.greedy:
             row.generator = make_generator(row.params, self.device)
         self.rows.append(row)
+
+    def _check_speculative(self, spec: SpeculativeConfig) -> None:
+        if self.per_row:
+            raise GenerationError("speculative decoding does not support dynamic-NTK or LongRoPE models (their "
+                                  "rotary tables follow each row's length)")
+        if spec.draft_tokens > self.max_draft_tokens:
+            raise GenerationError(f"{spec.draft_tokens} draft tokens were asked; this engine verifies "
+                                  f"{self.max_draft_tokens} at most")
+        if spec.method == "draft" and self.draft is None:
+            raise GenerationError("speculative method 'draft' needs a draft model (--draft-model)")
 
     def remove(self, row: EngineRow) -> None:
         """Free the row's slot (finished or cancelled). With a prefix cache, the whole blocks of the tokens
@@ -310,6 +347,8 @@ class BatchEngine:
             self._free.append(row.slot)
             self._free.sort()
             row.slot = dst
+            if row.drafts is not None:  # its draft-model row stays behind: prefill the new one from scratch
+                row.drafts.draft_pos = 0
             self.moves += 1
 
     # ------------------------------------------------------------------ one step
@@ -373,6 +412,10 @@ class BatchEngine:
             logits = torch.cat([self._forward_row(r, r.pending) for r in rows])
             return self._sample(logits, rows)
         n = max(r.slot for r in rows) + 1
+        if self.max_draft_tokens:
+            drafts = self._propose(rows, n)
+            if drafts:
+                return self._verify(rows, drafts, n)
         compiled = self.compiled
         if compiled is not None:
             n = self.bucket(n)
@@ -422,6 +465,105 @@ class BatchEngine:
         if len(rows) != n or any(r.slot != i for i, r in enumerate(rows)):
             logits = logits[index]
         return self._sample(logits, rows)
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _propose(self, rows: list[EngineRow], n: int) -> dict[int, list[int]]:
+        """The drafts of each speculating row for this step, by ``id(row)`` (rows without any left out). The
+        verifying forward writes positions pos .. pos + K of every row in slots [0, n), so K is capped to the
+        room every one of them has left, and to the row's remaining token budget minus the token it emits."""
+        room = self.max_len - 1 - max(r.pos for r in self.rows if r.slot < n)
+        drafts: dict[int, list[int]] = {}
+        for r in rows:
+            state = r.drafts
+            if state is None:
+                continue
+            k = state.budget(min(room, r.params.max_new_tokens - len(r.token_ids) - 1))
+            if k <= 0:
+                continue
+            seq = r.prompt_ids + r.token_ids
+            if state.ngram is not None:
+                state.ngram.extend(seq)
+                proposal = state.ngram.propose(k)
+            else:
+                assert self.draft is not None
+                proposal = self.draft.propose(r.slot, seq, state, k, r.sampler, r.generator)
+            if proposal:
+                drafts[id(r)] = proposal
+        return drafts
+
+    def _verify(self, rows: list[EngineRow], drafts: dict[int, list[int]], n: int) -> list[RowOutput]:
+        """One forward over T = 1 + the most drafts for the rows in slots [0, n): each decoding row feeds its
+        pending token and its drafts at pos .. (right padded to T; the other slots a dummy block their next
+        writer overwrites); each row then keeps the drafts the model agrees with and one token more
+        (``generation/speculative.py``), and its cache row forgets the rest (``KVCache.truncate``)."""
+        dev = self.device
+        T = 1 + max(len(d) for d in drafts.values())
+        tokens = [[0] * T for _ in range(n)]
+        positions = [0] * n
+        for r in self.rows:
+            if r.slot < n:
+                positions[r.slot] = r.pos
+        feeds = [[r.pending[0]] + drafts.get(id(r), []) for r in rows]
+        for r, f in zip(rows, feeds):
+            tokens[r.slot][: len(f)] = f
+        p = torch.tensor(positions, device=dev)
+        logits = self.model(torch.tensor(tokens, device=dev), cache=self._view(n).at(p, max(positions) + T))
+        # entry e: row r's logits after its j-th fed token, j = 0 .. len(drafts)
+        owner = [(r, j) for r, f in zip(rows, feeds) for j in range(len(f))]
+        flat = logits.flatten(0, 1)[torch.tensor([r.slot * T + j for r, j in owner], device=dev)]
+        finite = (torch.isfinite(flat.amax(dim=-1)) & torch.isfinite(flat.amin(dim=-1))).tolist()
+        history = None
+        if any(r.sampler.penalised for r in rows):
+            seen = [r.token_ids + f[1 : j + 1] for r, f in zip(rows, feeds) for j in range(len(f))]
+            history = penalty_history([r.params for r, _ in owner], [r.prompt_ids for r, _ in owner], seen, dev)
+        x = processed_logits(flat, [r.sampler for r, _ in owner], history)
+        targets = x.argmax(dim=-1).tolist() if any(r.sampler.greedy for r in rows) else []
+        out: list[RowOutput] = []
+        e = 0
+        for r, f in zip(rows, feeds):
+            first, e = e, e + len(f)
+            d = f[1:]
+            if not all(finite[first:e]):
+                r.finish_reason = "model_error"
+                message = non_finite_message(f"for generated token {len(r.token_ids) + 1}")
+                out.append(RowOutput(r, None, r.text.close(), "model_error", message))
+                continue
+            if r.sampler.greedy:
+                m, y = accept_greedy(targets[first:e], d)
+            else:
+                q = r.drafts.q if r.drafts is not None and r.drafts.ngram is None else None
+                m, y = accept_sampled(x[first:e], d, q, r.generator)
+            if r.drafts is not None and d:
+                r.drafts.record(len(d), m)
+                self.draft_proposed += len(d)
+                self.draft_accepted += m
+            emitted = d[:m] + [y]
+            infos = self._token_infos(flat[first : first + m + 1], emitted, r)
+            start = r.pos
+            for i, info in enumerate(infos):
+                r.pos = start + 1 + i
+                out.append(self._accept(r, info))
+                if r.finished or r.prefilling:
+                    break
+            if not r.finished and not r.prefilling:
+                if r.pos < start + T:  # forget the rejected drafts and the padding
+                    self.cache.row_view(r.slot).truncate(r.pos, old=start + T)
+                if self.draft is not None and r.drafts is not None and r.drafts.ngram is None and d:
+                    self.draft.rollback(r.slot, r.drafts, r.drafts.base + m)
+        return out
+
+    def _token_infos(self, logits: Tensor, tokens: list[int], row: EngineRow) -> list[TokenInfo]:
+        """``row``'s TokenInfo of each token, chosen from the raw ``logits`` (len(tokens), V) of its position."""
+        lps: list[float | None] = [None] * len(tokens)
+        tops: dict[int, list[tuple[int, float]]] = {}
+        if row.want_logprobs or row.top_logprobs:
+            lsm = torch.log_softmax(logits.float(), dim=-1)
+            if row.want_logprobs:
+                lps = lsm.gather(1, torch.tensor(tokens, device=lsm.device)[:, None]).squeeze(1).tolist()
+            if row.top_logprobs:
+                values, ids = lsm.topk(min(row.top_logprobs, lsm.size(-1)), dim=-1)
+                tops = {i: list(zip(ids[i].tolist(), values[i].tolist())) for i in range(len(tokens))}
+        return [TokenInfo(t, lps[i], tops.get(i, [])) for i, t in enumerate(tokens)]
 
     def _forward_row(self, row: EngineRow, ids: list[int]) -> Tensor:
         """Feed ``ids`` to one row at positions pos ..: the last position's logits (1, V)."""

@@ -60,6 +60,7 @@ from tinyformer.generation.engine import (
 )
 from tinyformer.generation.prefix_cache import PrefixCache
 from tinyformer.generation.sampling import SamplingParams
+from tinyformer.generation.speculative import SpeculativeConfig, check_same_tokenizer
 from tinyformer.generation.streaming import TextState, TokenBytes
 from tinyformer.generation.weight_layout import store_input_major
 
@@ -104,17 +105,24 @@ class GenerationTimings:
     prompt (``prompt_tokens`` of the longest row), then ``decode_tokens_per_s`` = decode steps / their time,
     where the steps are the forward passes after the prefill (``completion_tokens`` - 1: the first new token
     comes from the prefill's logits) and their time runs from the end of the prefill to the last token
-    (sampling and any context slide included). ``completion_tokens`` counts the longest row's tokens."""
+    (sampling and any context slide included). ``completion_tokens`` counts the longest row's tokens.
+    With speculative decoding, ``draft_proposed`` counts the draft tokens verified and ``draft_accepted``
+    those kept, over every row (None without speculation)."""
 
     prompt_tokens: int = 0
     prefill_ms: float = 0.0
     completion_tokens: int = 0
     decode_tokens_per_s: float = 0.0
+    draft_proposed: int | None = None
+    draft_accepted: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "prefill_ms": round(self.prefill_ms, 3),
-                "completion_tokens": self.completion_tokens,
-                "decode_tokens_per_s": round(self.decode_tokens_per_s, 3)}
+        out = {"prompt_tokens": self.prompt_tokens, "prefill_ms": round(self.prefill_ms, 3),
+               "completion_tokens": self.completion_tokens,
+               "decode_tokens_per_s": round(self.decode_tokens_per_s, 3)}
+        if self.draft_proposed is not None:
+            out.update(draft_proposed=self.draft_proposed, draft_accepted=self.draft_accepted)
+        return out
 
 
 class TextStream(Iterator[str]):
@@ -140,6 +148,21 @@ class TextStream(Iterator[str]):
 
 def _result(row: EngineRow) -> GenerationResult:
     return GenerationResult(row.text.text, row.token_ids, row.logprobs, row.finish_reason or "length", row.prompt_ids)
+
+
+def check_draft(model: nn.Module, tokenizer: Any, draft: nn.Module, draft_tokenizer: Any) -> None:
+    """GenerationError unless ``draft`` can propose tokens for ``model``: a decoder of the same vocabulary size
+    with the same tokenizer (no tokenizer given for either: the vocabulary sizes alone are compared)."""
+    dcfg = getattr(draft, "cfg", None)
+    if dcfg is None or dcfg.arch != "decoder" or not hasattr(draft, "new_cache"):
+        raise GenerationError("the draft model must be a decoder language model")
+    if dcfg.vocab_size != model.cfg.vocab_size:
+        raise GenerationError(f"the draft model's vocabulary has {dcfg.vocab_size} tokens, the model's "
+                              f"{model.cfg.vocab_size}: a draft model must share the model's tokenizer")
+    if dcfg.rope_type in ("dynamic", "longrope"):
+        raise GenerationError("a draft model with dynamic-NTK or LongRoPE positions is not supported")
+    if tokenizer is not None or draft_tokenizer is not None:
+        check_same_tokenizer(tokenizer, draft_tokenizer)
 
 
 def check_finite(logits: Tensor, index: int) -> Tensor:
@@ -178,6 +201,11 @@ class Generator:
     ``prefix_cache`` (a :class:`~tinyformer.generation.prefix_cache.PrefixCache`) is kept across requests:
     each prompt starts from the longest cached prefix of whole blocks, and each finished sequence stores
     its blocks, so the next turn of a chat prefills only what is new.
+
+    ``speculative`` (a :class:`~tinyformer.generation.speculative.SpeculativeConfig`) decodes with drafts
+    verified K at a time: prompt lookup ("ngram"), or ``draft_model`` ("draft", a smaller model with the same
+    tokenizer, ``draft_tokenizer`` to check it). Greedy output is the plain greedy output, sampled output
+    follows the same distribution; beam search does not speculate.
     """
 
     def __init__(
@@ -190,6 +218,9 @@ class Generator:
         slide_keep: int | None = None,
         compile: bool = False,
         prefix_cache: PrefixCache | None = None,
+        speculative: SpeculativeConfig | None = None,
+        draft_model: nn.Module | None = None,
+        draft_tokenizer: Any = None,
     ) -> None:
         cfg = getattr(model, "cfg", None)
         if cfg is None or cfg.arch != "decoder" or not hasattr(model, "new_cache"):
@@ -201,6 +232,21 @@ class Generator:
             )
         if compile:
             check_compilable(model)
+        if speculative is not None:
+            speculative.validate()
+            if cfg.rope_type in ("dynamic", "longrope"):
+                raise GenerationError("speculative decoding does not support dynamic-NTK or LongRoPE models "
+                                      "(their rotary tables follow each row's length)")
+            if speculative.method == "draft":
+                if draft_model is None:
+                    raise GenerationError("speculative method 'draft' needs a draft model (--draft-model RUN)")
+                check_draft(model, tokenizer, draft_model, draft_tokenizer)
+        elif draft_model is not None:
+            raise GenerationError("a draft model is used by speculative method 'draft' only")
+        self.speculative = speculative
+        self.draft_model = draft_model if speculative is not None and speculative.method == "draft" else None
+        if self.draft_model is not None:
+            self.draft_model.eval()
         self.max_seq_len = cfg.max_seq_len
         keep = slide_keep if slide_keep is not None else default_slide_keep(self.max_seq_len)
         if not 1 <= keep < self.max_seq_len:
@@ -225,14 +271,20 @@ class Generator:
 
     @classmethod
     def from_run(cls, run_dir: Any, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                 verify: bool = True, **kwargs: Any) -> Generator:
+                 verify: bool = True, draft_run: Any = None, **kwargs: Any) -> Generator:
         """Load the model and tokenizer of a run folder (weights checked against its manifest unless
-        ``verify`` is False)."""
+        ``verify`` is False); ``draft_run``, the run folder of a draft model (``speculative`` method "draft")."""
         from tinyformer.run_folder import load_model, load_tokenizer
 
         model = load_model(run_dir, device=device, dtype=dtype, verify=verify)
         if next(model.parameters()).device.type == "cpu":  # the model is this generator's alone
             store_input_major(model)
+        if draft_run is not None:
+            draft = load_model(draft_run, device=device, dtype=dtype, verify=verify)
+            draft.eval()
+            if next(draft.parameters()).device.type == "cpu":
+                store_input_major(draft)
+            kwargs.update(draft_model=draft, draft_tokenizer=load_tokenizer(draft_run))
         return cls(model, load_tokenizer(run_dir), device, **kwargs)
 
     # ---------------------------------------------------------------- prompts and text
@@ -303,6 +355,9 @@ class Generator:
         ``generate(num_beams=..., do_sample=False)`` (see :mod:`tinyformer.generation.beam` for the score;
         ``num_beams=1`` is greedy search). EOS and ``stop_token_ids`` end a hypothesis; ``finish_reason`` is
         "stop" for one that ended so."""
+        if self.speculative is not None:
+            raise GenerationError("speculative decoding does not apply to beam search: drop --speculative or "
+                                  "--num-beams")
         ids = self.encode(prompt)
         SamplingParams(max_new_tokens=max_new_tokens).validate()
         validate_beam_args(num_beams, length_penalty, early_stopping, num_return_sequences)
@@ -347,7 +402,7 @@ class Generator:
             if params.seed is not None and b:
                 row_params = dataclasses.replace(params, seed=(params.seed + b) % 2**64)
             rows.append(EngineRow(p, row_params, TextState(self.token_bytes, ends, params.stop_strings),
-                                  want_logprobs=want_logprobs))
+                                  want_logprobs=want_logprobs, speculative=self.speculative))
         return rows
 
     def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
@@ -386,7 +441,9 @@ class Generator:
         max_len = -(-(width + 1) // STATIC_CACHE_BLOCK) * STATIC_CACHE_BLOCK if static else min(width, L)
         engine = BatchEngine(self.model, max_batch=len(rows), max_len=max_len,
                              compiled=self._compiled if static else None, context_policy=self.context_policy,
-                             slide_keep=self.slide_keep, prefix_cache=self.prefix_cache)
+                             slide_keep=self.slide_keep, prefix_cache=self.prefix_cache,
+                             max_draft_tokens=0 if self.speculative is None else self.speculative.draft_tokens,
+                             draft_model=self.draft_model)
         for row in rows:
             engine.add(row)
         index = {id(r): b for b, r in enumerate(rows)}
@@ -413,4 +470,7 @@ class Generator:
                 elif n > 1:
                     self.timings.decode_tokens_per_s = (n - 1) / max(time.perf_counter() - prefilled, 1e-9)
                 self.timings.completion_tokens = n
+                if self.speculative is not None:
+                    self.timings.draft_proposed = sum(r.drafts.proposed for r in rows if r.drafts is not None)
+                    self.timings.draft_accepted = sum(r.drafts.accepted for r in rows if r.drafts is not None)
                 yield deltas

@@ -91,6 +91,7 @@ __all__ = [
     "build_processors",
     "make_generator",
     "penalty_history",
+    "processed_logits",
     "sample",
 ]
 
@@ -744,12 +745,37 @@ def _history_rows(history: Tensor | PenaltyHistory | None, rows: Tensor) -> Tens
     return history[rows]
 
 
-def _choose(sampler: Sampler, raw: Tensor, history: Tensor | PenaltyHistory | None,
-            generator: torch.Generator | Sequence[torch.Generator | None] | None) -> Tensor:
-    """``sample``'s choice for rows that share ``sampler``: token ids ``[B]``."""
+def processed_logits(logits: Tensor, how: Sequence[SamplingParams | Sampler],
+                     history: Tensor | PenaltyHistory | None = None) -> Tensor:
+    r"""The processed logits :math:`\tilde\ell` ``[B, V]`` (float32, float64 stays float64) that :func:`sample`
+    draws from, row b through its own sampler ``how[b]``: the target distribution is
+    :math:`\operatorname{softmax}(\tilde\ell)` (speculative decoding's p). For a greedy sampler that is
+    the penalised logits only (its choice is their argmax). Rows with equal keys are processed together."""
+    raw = logits if logits.dtype == torch.float64 else logits.float()
+    samplers = [_sampler(h) for h in how]
+    groups: dict[Hashable, list[int]] = {}
+    for i, s in enumerate(samplers):
+        groups.setdefault(s.key, []).append(i)
+    if len(groups) == 1:
+        return _process(samplers[0], raw, history)
+    out = torch.empty_like(raw)
+    for idx in groups.values():
+        rows = torch.tensor(idx, device=raw.device)
+        out[rows] = _process(samplers[idx[0]], raw[rows], _history_rows(history, rows))
+    return out
+
+
+def _process(sampler: Sampler, raw: Tensor, history: Tensor | PenaltyHistory | None) -> Tensor:
     x = raw
     for proc in sampler.processors:
         x = proc(x, history)
+    return x
+
+
+def _choose(sampler: Sampler, raw: Tensor, history: Tensor | PenaltyHistory | None,
+            generator: torch.Generator | Sequence[torch.Generator | None] | None) -> Tensor:
+    """``sample``'s choice for rows that share ``sampler``: token ids ``[B]``."""
+    x = _process(sampler, raw, history)
     if sampler.greedy:
         return x.argmax(dim=-1)
     cdf = (x - x.amax(dim=-1, keepdim=True)).exp_().cumsum_(-1)  # one new tensor, then in place

@@ -74,7 +74,8 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
                bind_host: str = "127.0.0.1", allowed_origins: tuple[str, ...] = (), compile: bool = False,
                prefill_chunk: int | None = 256, prefix_cache_mb: float = 0,
                template_timeout: float = DEFAULT_TIMEOUT_S,
-               body_timeout: float | None = DEFAULT_HEADER_TIMEOUT) -> FastAPI:
+               body_timeout: float | None = DEFAULT_HEADER_TIMEOUT,
+               speculative: Any = None, draft_model: Any = None) -> FastAPI:
     """The FastAPI app serving ``model`` (a decoder LM, eval mode) with ``tokenizer``.
 
     The scheduler thread starts with the app (lifespan) and stops with it. ``app.state.server`` is the
@@ -85,13 +86,16 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
     feeds per step, ``prefix_cache_mb`` the prefix cache's size (0: none); see
     :class:`~tinyformer.serve.scheduler.Scheduler`. ``template_timeout`` is the chat template's time limit
     (:class:`~tinyformer.data.chat_template.ChatTemplate`); templates render off the event loop.
+    ``speculative`` (a :class:`~tinyformer.generation.speculative.SpeculativeConfig`) is every request's
+    default, which a request's ``"speculative"`` field overrides; ``draft_model`` serves method "draft".
     """
     if model.cfg.arch == "encoder":  # embeddings and tokens, no generation
         return create_encoder_app(model, tokenizer, model_name=model_name, api_key=api_key, max_len=max_len,
                                   max_body_bytes=max_body_bytes, bind_host=bind_host, allowed_origins=allowed_origins)
     server = Server(model, tokenizer, model_name=model_name, max_batch=max_batch, max_queue=max_queue,
                     request_timeout=request_timeout, api_key=api_key, max_len=max_len, compile=compile,
-                    prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb, template_timeout=template_timeout)
+                    prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb, template_timeout=template_timeout,
+                    speculative=speculative, draft_model=draft_model)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -49,6 +49,14 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class SpeculativeOptions(_Strict):
+    """The request body's ``"speculative"`` object (non-standard): ``method`` "ngram" (prompt lookup) or "draft"
+    (the server's ``--draft-model``), ``draft_tokens`` K per step (default: the server's)."""
+
+    method: Literal["ngram", "draft"] = "ngram"
+    draft_tokens: int | None = Field(None, ge=1, le=64)
+
+
 class _SamplingRequest(_Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -68,6 +76,8 @@ class _SamplingRequest(_Strict):
     min_p: float = Field(DEFAULT_MIN_P, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
+    # non-standard: speculative decoding of this request (None: the server's setting; false: off; true: on)
+    speculative: Union[bool, SpeculativeOptions, None] = None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -38,6 +38,7 @@ from tinyformer.generation.engine import (
     new_prefix_cache,
 )
 from tinyformer.generation.sampling import SamplingParams
+from tinyformer.generation.speculative import SpeculativeConfig
 from tinyformer.generation.streaming import TextState
 
 log = logging.getLogger("tinyformer.serve")
@@ -89,6 +90,7 @@ class GenerationRequest:
     top_logprobs: int = 0
     deadline: float | None = None
     logprobs: bool = True
+    speculative: SpeculativeConfig | None = None
     id: int = field(default_factory=lambda: next(_ids))
 
 
@@ -111,6 +113,8 @@ class Scheduler:
     ``prefix_cache_mb`` > 0 keeps the K/V blocks of finished requests (prompt and completion) in a prefix
     cache of that size, so a request that shares a prefix with an earlier one (a system prompt, a chat
     history) prefills only the rest.
+    ``max_draft_tokens`` K > 0 lets requests speculate with up to K drafts per step (``GenerationRequest.
+    speculative``); ``draft_model`` is the draft model of those whose method is "draft".
     """
 
     def __init__(
@@ -124,6 +128,8 @@ class Scheduler:
         compile: bool = False,
         prefill_chunk: int | None = 256,
         prefix_cache_mb: float = 0,
+        max_draft_tokens: int = 0,
+        draft_model: nn.Module | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -137,7 +143,8 @@ class Scheduler:
         self.max_queue = max_queue
         self.engine = BatchEngine(model, max_batch=max_batch, max_len=max_len,
                                   compiled=CompiledStep(model) if compile else None, prefill_chunk=prefill_chunk,
-                                  prefix_cache=new_prefix_cache(model, prefix_cache_mb), buckets=True)
+                                  prefix_cache=new_prefix_cache(model, prefix_cache_mb), buckets=True,
+                                  max_draft_tokens=max_draft_tokens, draft_model=draft_model)
         self.cache = self.engine.cache
         self.max_len = self.engine.max_len
         self._cond = threading.Condition()
@@ -210,6 +217,8 @@ class Scheduler:
                 "finished": self.finished,
                 "cancelled": self.cancelled,
                 "moves": self.moves,
+                "draft_proposed": self.engine.draft_proposed,
+                "draft_accepted": self.engine.draft_accepted,
                 **({"prefix_hits": pc.stats.hits, "prefix_tokens_reused": pc.stats.tokens_reused}
                    if (pc := self.engine.prefix_cache) is not None else {}),
             }
@@ -323,7 +332,7 @@ class Scheduler:
                 req = self._waiting.popleft()
             text = TextState(self.token_bytes, req.params.stop_token_ids, req.params.stop_strings)
             row = EngineRow(req.prompt_ids, req.params, text, want_logprobs=req.logprobs or req.top_logprobs > 0,
-                            top_logprobs=req.top_logprobs, tag=req)
+                            top_logprobs=req.top_logprobs, tag=req, speculative=req.speculative)
             try:
                 self.engine.add(row)
             except Exception as exc:

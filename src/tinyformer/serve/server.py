@@ -25,6 +25,7 @@ from fastapi import Request
 from tinyformer.data.chat_template import DEFAULT_TIMEOUT_S, ChatTemplate
 from tinyformer.errors import TinyformerError
 from tinyformer.generation.sampling import SamplingParams
+from tinyformer.generation.speculative import DEFAULT_DRAFT_TOKENS, SpeculativeConfig
 from tinyformer.generation.streaming import TokenBytes
 from tinyformer.serve import protocol as P
 from tinyformer.serve.protocol import APIError
@@ -82,7 +83,8 @@ class Server:
     def __init__(self, model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 16, max_queue: int = 64,
                  request_timeout: float | None = 600.0, api_key: str | None = None,
                  max_len: int | None = None, compile: bool = False, prefill_chunk: int | None = 256,
-                 prefix_cache_mb: float = 0, template_timeout: float = DEFAULT_TIMEOUT_S) -> None:
+                 prefix_cache_mb: float = 0, template_timeout: float = DEFAULT_TIMEOUT_S,
+                 speculative: SpeculativeConfig | None = None, draft_model: Any = None) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.created = P.now()
@@ -91,9 +93,14 @@ class Server:
         self.vocab_size = int(model.cfg.vocab_size)
         # shown text leaves special tokens out; log-probability entries name every token (raw bytes)
         self.text_bytes = TokenBytes(tokenizer)
+        # requests may speculate whatever the server's default: K drafts at most (the server's, else the default)
+        self.speculative = None if speculative is None else speculative.validate()
+        self.max_draft_tokens = DEFAULT_DRAFT_TOKENS if speculative is None else speculative.draft_tokens
+        self.has_draft_model = draft_model is not None
         self.scheduler = Scheduler(model, self.text_bytes, max_batch=max_batch, max_queue=max_queue,
                                    max_len=max_len, compile=compile, prefill_chunk=prefill_chunk,
-                                   prefix_cache_mb=prefix_cache_mb)
+                                   prefix_cache_mb=prefix_cache_mb, max_draft_tokens=self.max_draft_tokens,
+                                   draft_model=draft_model)
         self.context = self.scheduler.max_len
         self.template = ChatTemplate(tokenizer, timeout_s=template_timeout)
         self.template_pool = ThreadPoolExecutor(max_workers=TEMPLATE_THREADS, thread_name_prefix="tinyformer-template")
@@ -147,6 +154,24 @@ class Server:
             raise APIError(400, str(exc), param="messages") from None
 
     # ------------------------------------------------------------------ building scheduler requests
+    def speculative_of(self, req: P._SamplingRequest) -> SpeculativeConfig | None:
+        """The request's ``"speculative"`` field as a config: absent or null, the server's (``serve
+        --speculative``); false, off; true, the server's or else prompt lookup; an object, its method and
+        draft_tokens (at most the server's ``--draft-tokens``)."""
+        opt = req.speculative
+        if opt is None or opt is False:
+            return self.speculative if opt is None else None
+        if opt is True:
+            return self.speculative or SpeculativeConfig("ngram", self.max_draft_tokens)
+        k = self.max_draft_tokens if opt.draft_tokens is None else opt.draft_tokens
+        if k > self.max_draft_tokens:
+            raise APIError(400, f"'speculative.draft_tokens' is at most {self.max_draft_tokens} on this server "
+                                f"(serve --draft-tokens), got {k}", param="speculative")
+        if opt.method == "draft" and not self.has_draft_model:
+            raise APIError(400, "'speculative.method' \"draft\" needs a server started with --draft-model",
+                           param="speculative")
+        return SpeculativeConfig(opt.method, k).validate()
+
     def build(self, req: P._SamplingRequest, prompts: list[list[int]], max_tokens: int | None, default_max: int | None,
               top_logprobs: int, extra_stop: tuple[str, ...] = (),
               extra_stop_ids: tuple[int, ...] = (), logprobs: bool = True
@@ -168,6 +193,7 @@ class Server:
             mailbox.post(inbox, event)
 
         deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
+        speculative = self.speculative_of(req)
         out = []
         for p, ids in enumerate(prompts):
             if not ids:
@@ -199,7 +225,7 @@ class Server:
                 except TinyformerError as exc:
                     raise APIError(400, str(exc)) from None
                 out.append(GenerationRequest(list(ids), params, sink, index=index, top_logprobs=top_logprobs,
-                                             deadline=deadline, logprobs=logprobs))
+                                             deadline=deadline, logprobs=logprobs, speculative=speculative))
         return out, inbox
 
     def _mailbox(self) -> _Mailbox:
