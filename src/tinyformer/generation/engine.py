@@ -54,6 +54,7 @@ from torch import Tensor, nn
 
 from tinyformer.components.kv_cache import KVCache
 from tinyformer.errors import ConfigError, GenerationError, non_finite_message
+from tinyformer.generation.constraint import Matcher, allowed_tokens
 from tinyformer.generation.prefix_cache import PrefixCache, PrefixHit
 from tinyformer.generation.sampling import (
     GREEDY,
@@ -101,16 +102,21 @@ class EngineRow:
     False skips the per-step log-normaliser (a lone greedy row then gets its argmax from the compiled graph);
     ``top_logprobs`` > 0
     asks for that many alternatives per token. ``tag`` is the caller's (e.g. the server's request).
+    ``constraint``: the row's own :class:`~tinyformer.generation.constraint.Matcher` (its place in the
+    language of ``params.constraint``): each token is drawn from the tokens it allows and advances it, an
+    end token only once the output is complete, and the row ends ("stop") when nothing can follow.
     """
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, text: TextState, *,
-                 want_logprobs: bool = True, top_logprobs: int = 0, tag: Any = None) -> None:
+                 want_logprobs: bool = True, top_logprobs: int = 0, tag: Any = None,
+                 constraint: Matcher | None = None) -> None:
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.text = text
         self.want_logprobs = want_logprobs
         self.top_logprobs = top_logprobs
         self.tag = tag
+        self.constraint = constraint
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
@@ -123,7 +129,8 @@ class EngineRow:
         self.sampler = Sampler.of(params)  # built once; rows with equal sampler keys are processed together
         self.generator: torch.Generator | None = None
         # the plain argmax, no logprobs: what the compiled greedy step returns from its graph
-        self.ids_only = self.sampler.key == GREEDY.key and not want_logprobs and top_logprobs == 0
+        self.ids_only = self.sampler.key == GREEDY.key and not want_logprobs and top_logprobs == 0 \
+            and constraint is None
 
     @property
     def finished(self) -> bool:
@@ -518,8 +525,12 @@ class BatchEngine:
             history = penalty_history([r.params for r in rows], [r.prompt_ids for r in rows],
                                       [r.token_ids for r in rows], logits.device)
         generators = [r.generator for r in rows] if any(r.generator is not None for r in rows) else None
+        # each constrained row's own mask (generation/constraint.py); speculative drafts would be checked
+        # against the same matchers (Matcher.check_draft / fill_draft_masks) before the target verifies them
+        allowed = allowed_tokens([r.constraint for r in rows], logits.shape[-1], logits.device) \
+            if any(r.constraint is not None for r in rows) else None
         tok, lp = sample(logits, [r.sampler for r in rows], history, generators,
-                         want_logprobs=any(r.want_logprobs for r in rows))
+                         want_logprobs=any(r.want_logprobs for r in rows), allowed=allowed)
         tokens: list[int] = tok.tolist()
         # a row that did not ask for logprobs gets none, whichever rows shared its call
         logps: list[float | None] = [x if r.want_logprobs else None for x, r in zip(lp.tolist(), rows)] \
@@ -543,6 +554,10 @@ class BatchEngine:
             row.logprobs.append(info.logprob)
         text, ended = row.text.accept(tok)
         finish = "stop" if ended else None
+        if row.constraint is not None:
+            row.constraint.advance(tok)
+            if row.constraint.stopped:  # complete, and nothing may follow: the row ends here
+                finish = "stop"
         if finish is None and len(row.token_ids) >= row.params.max_new_tokens:
             finish = "length"
         if finish is None:
