@@ -72,9 +72,10 @@ def _ll() -> Any:
 
 @dataclass(frozen=True)
 class Grammar:
-    """What the output must be. ``kind`` is one of ``KINDS``; ``source`` its canonical text (the schema as
-    sorted JSON, the regex, the choices as a JSON list, the Lark grammar). Build one with the functions
-    below, which check it (a :class:`GenerationError` names what is wrong)."""
+    """What the output must be. ``kind`` is one of ``KINDS``; ``source`` its canonical text: the schema as
+    JSON in its own key order (the order properties are written in), the regex, the choices as a JSON
+    list, the Lark grammar. Build one with the functions below, which check it (a
+    :class:`GenerationError` names what is wrong)."""
 
     kind: str
     source: str
@@ -129,7 +130,7 @@ def json_schema(schema: Any) -> Grammar:
         raise GenerationError("the JSON schema false allows no value")
     if not isinstance(schema, dict):
         raise GenerationError(f"a JSON schema must be an object, got {type(schema).__name__}")
-    return _checked(Grammar("json_schema", json.dumps(schema, sort_keys=True)))
+    return _checked(Grammar("json_schema", json.dumps(schema)))
 
 
 def json_object() -> Grammar:
