@@ -51,6 +51,7 @@ __all__ = [
     "json_object",
     "json_schema",
     "regex",
+    "tool_calls",
 ]
 
 #: The pip extra that installs the grammar engine.
@@ -167,6 +168,69 @@ def grammar(text: str) -> Grammar:
         except Exception as exc:
             raise GenerationError(f"the GBNF grammar cannot be read: {' '.join(str(exc).split())}") from None
     return _checked(Grammar("lark", text))
+
+
+def tool_calls(functions: Sequence[tuple[str, Any]], *, required: bool, parallel: bool) -> Grammar:
+    """Tool calls in the format of ``data/chat_template.py`` (``<tool_call>\\n{"name": NAME, "arguments":
+    ARGS}\\n</tool_call>``, blocks on their own lines): the name one of ``functions`` ((name, parameters
+    schema or None) pairs), the arguments valid under that function's schema. ``required``: the output is
+    one call (``parallel``: one or more); else free text that may end in calls, constrained from the moment
+    ``<tool_call>`` is written (text containing ``<tool_call>`` any other way is not allowed)."""
+    from tinyformer.data.chat_template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+    options, defs = [], {}
+    for name, parameters in functions:
+        params = {"type": "object"} if parameters is None else parameters
+        try:
+            json_schema(params)
+        except GenerationError as exc:
+            raise GenerationError(f"the parameters of function {name!r}: {exc}") from None
+        params, own = _hoist_defs(params, name)
+        defs.update(own)
+        options.append({"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+                        "required": ["name", "arguments"], "additionalProperties": False})
+    if not options:
+        raise GenerationError("tool calls need at least one function")
+    call = {"x-guidance": JSON_OPTIONS, **({"$defs": defs} if defs else {}),
+            **(options[0] if len(options) == 1 else {"anyOf": options})}
+    lit = json.dumps
+    body = f"body: %json {json.dumps(call)} {lit(TOOL_CALL_CLOSE)}\n"
+    more = f"more: ({lit(chr(10) + TOOL_CALL_OPEN)} body)*\n" if parallel else "more: \n"
+    open_tag = TOOL_CALL_OPEN.rstrip("\n")
+    if required:
+        start = f"start: {lit(TOOL_CALL_OPEN)} body more\n"
+    else:
+        # one lexeme for "free text, then the opening tag": it ends at the first <tool_call>, which free text
+        # (TEXT) may never contain
+        start = ("start: TEXT | TEXT_OPEN body more\n"
+                 f"TEXT: /(?s:.*)/ & ~/(?s:.*){open_tag}(?s:.*)/\n"
+                 f"TEXT_OPEN: /(?s:.*){open_tag}\\n/ & ~/(?s:.*){open_tag}(?s:.*){open_tag}(?s:.*)/\n")
+    return _checked(Grammar("lark", start + body + more))
+
+
+def _hoist_defs(schema: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``schema`` without its ``$defs`` / ``definitions`` (which a schema nested inside the call object can no
+    longer reach as ``#/$defs/...``), its references renamed to ``#/$defs/{prefix}.{name}``; and those defs."""
+    own = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    if not own:
+        return schema, {}
+
+    def rename(x: Any) -> Any:
+        if isinstance(x, dict):
+            out = {}
+            for k, v in x.items():
+                if k == "$ref" and isinstance(v, str):
+                    for root in ("#/$defs/", "#/definitions/"):
+                        if v.startswith(root):
+                            v = f"#/$defs/{prefix}.{v[len(root):]}"
+                out[k] = rename(v)
+            return out
+        if isinstance(x, list):
+            return [rename(v) for v in x]
+        return x
+
+    body = rename({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
+    return body, {f"{prefix}.{k}": rename(v) for k, v in own.items()}
 
 
 # ----------------------------------------------------------------------------------------------

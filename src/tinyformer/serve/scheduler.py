@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tinyformer.generation.constraint import Matcher
 from tinyformer.generation.engine import (
     BatchEngine,
     CompiledStep,
@@ -69,6 +70,7 @@ class StepEvent:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    complete: bool | None = None  # on the last event of a constrained request: whether its grammar accepted
 
 
 @dataclass
@@ -89,13 +91,15 @@ class GenerationRequest:
     top_logprobs: int = 0
     deadline: float | None = None
     logprobs: bool = True
+    constraint: Matcher | None = None  # its own place in the language of params.constraint
     id: int = field(default_factory=lambda: next(_ids))
 
 
 def _event(row: EngineRow, text: str, tokens: list[TokenInfo], finish: str | None,
            error: str | None = None) -> StepEvent:
     req: GenerationRequest = row.tag
-    return StepEvent(req.index, text, tokens, finish, error, len(req.prompt_ids), len(row.token_ids))
+    complete = row.constraint.accepting if finish is not None and row.constraint is not None else None
+    return StepEvent(req.index, text, tokens, finish, error, len(req.prompt_ids), len(row.token_ids), complete)
 
 
 class Scheduler:
@@ -323,7 +327,7 @@ class Scheduler:
                 req = self._waiting.popleft()
             text = TextState(self.token_bytes, req.params.stop_token_ids, req.params.stop_strings)
             row = EngineRow(req.prompt_ids, req.params, text, want_logprobs=req.logprobs or req.top_logprobs > 0,
-                            top_logprobs=req.top_logprobs, tag=req)
+                            top_logprobs=req.top_logprobs, tag=req, constraint=req.constraint)
             try:
                 self.engine.add(row)
             except Exception as exc:
