@@ -245,9 +245,9 @@ class ChatTemplate:
                tools: Sequence[dict[str, Any]] | None = None) -> str:
         """The conversation as one prompt string; ``add_generation_prompt`` appends what opens the
         assistant's reply; ``tools`` (JSON schemas) is passed to the template as ``apply_chat_template``
-        passes it. A template that never reads ``tools`` (and plain turns) gets the tools, tool calls and tool
-        results as text (:func:`tools_as_text`), so a model always sees what it may call and what it got."""
-        if not self.reads_tools and (tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)):
+        passes it. With ``tools``, a template that never reads them (and plain turns) gets the tools, tool calls
+        and tool results as text (:func:`tools_as_text`), so a model always sees what it may call and got."""
+        if tools and not self.reads_tools:
             messages, tools = tools_as_text(messages, tools), None
         if self._compiled is None:
             return render_plain(messages, add_generation_prompt)
@@ -263,26 +263,30 @@ class ChatTemplate:
             raise GenerationError(f"the chat template failed on this conversation: {exc}") from None
 
     # ------------------------------------------------------------------ training data
-    def assistant_spans(self, messages: Messages) -> tuple[str, list[tuple[int, int]]]:
-        """(the rendered conversation, character spans of its assistant replies), see the module docstring."""
-        full = self.render(messages, False)
+    def assistant_spans(self, messages: Messages, tools: Sequence[dict[str, Any]] | None = None
+                        ) -> tuple[str, list[tuple[int, int]]]:
+        """(the rendered conversation, character spans of its assistant replies, tool calls included), see
+        the module docstring; ``tools`` as for :meth:`render`."""
+        full = self.render(messages, False, tools)
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self.render(messages[:i], True)
-            upto = self.render(messages[: i + 1], False)
+            before = self.render(messages[:i], True, tools)
+            upto = self.render(messages[: i + 1], False, tools)
             if not (full.startswith(before) and full.startswith(upto) and upto.startswith(before)):
                 raise DataError("the chat template does not render a conversation's beginning as the beginning "
                                 "of its rendering, so assistant replies cannot be located for the loss mask")
             spans.append((len(before), len(upto.rstrip())))
         return full, spans
 
-    def encode_conversation(self, messages: Messages) -> tuple[list[int], list[int]]:
-        """(token ids, mask) of a conversation: mask[t] = 1 when token t belongs to an assistant reply
-        (its end-of-turn token included), else 0. Template errors are :class:`DataError`."""
+    def encode_conversation(self, messages: Messages, tools: Sequence[dict[str, Any]] | None = None
+                            ) -> tuple[list[int], list[int]]:
+        """(token ids, mask) of a conversation (with the ``tools`` it may call): mask[t] = 1 when token t
+        belongs to an assistant reply (its tool calls and end-of-turn token included), else 0. Template
+        errors are :class:`DataError`."""
         try:
-            text, spans = self.assistant_spans(messages)
+            text, spans = self.assistant_spans(messages, tools)
         except GenerationError as exc:
             raise DataError(str(exc)) from None
         ids: list[int] = []
