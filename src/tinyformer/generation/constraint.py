@@ -283,7 +283,10 @@ class TokenVocabulary:
 
             def __call__(self, s: Any) -> list[int]:
                 text = s.decode("utf-8", "replace") if isinstance(s, bytes) else s
-                return [t for t in encode(text) if t < vocab_size]
+                try:
+                    return [t for t in encode(text) if t < vocab_size]
+                except Exception:  # a character the tokenizer lacks: llguidance then spells it from token bytes
+                    return []
 
         self.ll_tokenizer = ll.LLTokenizer(ll.TokenizerWrapper(_Wrapper()), n_vocab=vocab_size, eos_token=ends)
 
@@ -338,7 +341,7 @@ class Matcher:
         """Take ``token``; a token the mask did not allow is a GenerationError (a bug, never a user's)."""
         if not self._m.consume_token(int(token)) or self._m.is_error():
             raise GenerationError(f"token {token} does not continue {self.grammar.describe()}: "
-                                  f"{self._m.get_error()}")
+                                  f"{self._m.get_error().splitlines()[0] if self._m.get_error() else 'refused'}")
 
     def check_draft(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the grammar accepts from here (the state does not move)."""

@@ -527,8 +527,26 @@ class BatchEngine:
         generators = [r.generator for r in rows] if any(r.generator is not None for r in rows) else None
         # each constrained row's own mask (generation/constraint.py); speculative drafts would be checked
         # against the same matchers (Matcher.check_draft / fill_draft_masks) before the target verifies them
-        allowed = allowed_tokens([r.constraint for r in rows], logits.shape[-1], logits.device) \
-            if any(r.constraint is not None for r in rows) else None
+        allowed = None
+        if any(r.constraint is not None for r in rows):
+            allowed = allowed_tokens([r.constraint for r in rows], logits.shape[-1], logits.device)
+            # a matcher that stopped before its row ended found the grammar cannot be completed from here
+            stuck = [e or (r.constraint is not None and r.constraint.stopped)
+                     for e, r in zip((~allowed.any(dim=-1)).tolist(), rows)]
+            if any(stuck):  # the vocabulary cannot write what the grammar needs next: those rows end with an error
+                good = [i for i in range(n) if not stuck[i]]
+                outs = dict(zip(good, self._sample(logits[torch.tensor(good, dtype=torch.long, device=logits.device)],
+                                                   [rows[i] for i in good]) if good else []))
+                result = []
+                for i, r in enumerate(rows):
+                    if i in outs:
+                        result.append(outs[i])
+                    else:
+                        r.finish_reason = "model_error"
+                        message = (f"no token of the vocabulary continues {r.constraint.grammar.describe()} "
+                                   f"after {len(r.token_ids)} tokens: the tokenizer cannot write what it needs")
+                        result.append(RowOutput(r, None, r.text.close(), "model_error", message))
+                return result
         tok, lp = sample(logits, [r.sampler for r in rows], history, generators,
                          want_logprobs=any(r.want_logprobs for r in rows), allowed=allowed)
         tokens: list[int] = tok.tolist()
