@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tinyformer.errors import GenerationError
+from tinyformer.generation.constraint import Grammar
 from tinyformer.generation.sampling import (
     FrequencyPenalty,
     MinP,
@@ -571,7 +572,9 @@ def test_greedy_is_the_temperature_zero_case_whatever_rows_share_the_call():
 # SamplingParams fails the test below until it is listed here or in NOT_SAMPLING.
 OTHER_VALUE = {"temperature": 1.3, "top_k": 9, "top_p": 0.6, "min_p": 0.2, "repetition_penalty": 1.7,
                "frequency_penalty": -0.4, "presence_penalty": 0.9}
-NOT_SAMPLING = {"max_new_tokens": 7, "seed": 11, "stop_token_ids": [3], "stop_strings": ["x"]}
+# (a constraint is per row, applied as a mask before the chain: rows of different grammars share a chain)
+NOT_SAMPLING = {"max_new_tokens": 7, "seed": 11, "stop_token_ids": [3], "stop_strings": ["x"],
+                "constraint": Grammar("regex", "a+")}
 
 
 def test_rows_share_a_group_exactly_when_their_processors_give_the_same_logits():

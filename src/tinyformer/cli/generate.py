@@ -33,7 +33,9 @@ from tinyformer.cli.common import (
 )
 from tinyformer.devices import resolve_device, resolve_dtype
 from tinyformer.errors import GenerationError
+from tinyformer.generation import constraint
 from tinyformer.generation.beam import DEFAULT_EARLY_STOPPING, DEFAULT_LENGTH_PENALTY
+from tinyformer.generation.constraint import Grammar
 from tinyformer.generation.generator import CONTEXT_POLICIES, Generator
 from tinyformer.generation.sampling import HUMAN_TEMPERATURE, HUMAN_TOP_K, SamplingParams
 
@@ -83,6 +85,57 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop before this text (repeatable; \\n and \\t are understood)")
     g.add_argument("--seed", type=int, default=None, help="random seed: the same seed gives the same output")
+    add_structured_args(p)
+
+
+def add_structured_args(p: argparse.ArgumentParser) -> None:
+    """The structured-output flags (generation/constraint.py): at most one; the output is then built token by
+    token to belong to the language (needs the [structured] extra)."""
+    g = p.add_argument_group("structured output (one of; needs pip install 'tinyformer[structured]')")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--json-schema", metavar="FILE|JSON",
+                   help="the output is JSON valid under this schema (a file, or the schema's JSON text)")
+    x.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    x.add_argument("--regex", metavar="RE", help="the whole output matches this regular expression")
+    x.add_argument("--grammar", metavar="FILE", help="the output follows this Lark or GBNF grammar file")
+    x.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="the output is exactly one of these texts (repeatable)")
+
+
+def constraint_from_args(args: argparse.Namespace) -> Grammar | None:
+    """The Grammar of the structured-output flags (None without one); bad values raise GenerationError."""
+    if "_constraint" in vars(args):
+        return args._constraint
+    g: Grammar | None = None
+    if getattr(args, "json_schema", None) is not None:
+        text = args.json_schema
+        path = Path(text)
+        if not text.lstrip().startswith(("{", "[")) and text.strip() not in ("true", "false"):
+            if not path.is_file():
+                raise GenerationError(f"--json-schema {text}: no such file, and not a JSON schema's text")
+            text = path.read_text(encoding="utf-8")
+        g = constraint.json_schema(text)
+    elif getattr(args, "json_object", False):
+        g = constraint.json_object()
+    elif getattr(args, "regex", None) is not None:
+        g = constraint.regex(args.regex)
+    elif getattr(args, "grammar", None) is not None:
+        path = Path(args.grammar)
+        if not path.is_file():
+            raise GenerationError(f"--grammar {path}: no such file")
+        g = constraint.grammar(path.read_text(encoding="utf-8"))
+    elif getattr(args, "choice", None):
+        g = constraint.choice(args.choice)
+    args._constraint = g
+    return g
+
+
+def warn_incomplete(results: Any, max_new_tokens: int) -> None:
+    """One stderr line per sample whose --max-new-tokens ran out before its constraint was complete."""
+    for i, r in enumerate(results):
+        if r.complete is False:
+            print(f"warning: sample {i + 1} is incomplete: --max-new-tokens {max_new_tokens} ran out before the "
+                  "output completed its structure", file=sys.stderr, flush=True)
 
 
 def unescape(text: str) -> str:
@@ -104,7 +157,7 @@ def sampling_params(args: argparse.Namespace, max_new_tokens: int, **changes: An
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty, max_new_tokens=max_new_tokens, seed=args.seed,
-        stop_strings=tuple(unescape(s) for s in args.stop),
+        stop_strings=tuple(unescape(s) for s in args.stop), constraint=constraint_from_args(args),
     )
     for key, value in changes.items():
         setattr(params, key, value)
@@ -200,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
     if args.num_beams > 1 and speculative_from_args(args) is not None:
         raise GenerationError("speculative decoding does not apply to beam search: drop --speculative / "
                               "--draft-model or --num-beams")
+    if args.num_beams > 1 and constraint_from_args(args) is not None:
+        raise GenerationError("--num-beams does not take --json-schema, --json-object, --regex, --grammar or --choice")
     prompt = read_prompt(args)
     if not prompt:
         raise GenerationError("the prompt is empty")
@@ -245,19 +300,22 @@ def run(args: argparse.Namespace) -> int:
                 print((prompt if echo else "") + result.text, flush=True)
         if args.verbose and args.num_beams == 1:
             print_timings(gen)
+        warn_incomplete(results, params.max_new_tokens)
         return 0
 
     for i in range(args.num_samples):
         seed = None if params.seed is None else (params.seed + i) % 2**64
         header(args, i)
         pending = prompt if echo else ""  # written with the first piece: a prompt the engine refuses is not shown
-        for piece in gen.stream(ids, dataclasses.replace(params, seed=seed), logprobs=False):
+        stream = gen.stream(ids, dataclasses.replace(params, seed=seed), logprobs=False)
+        for piece in stream:
             sys.stdout.write(pending + piece)
             sys.stdout.flush()
             pending = ""
         sys.stdout.write(pending)
         sys.stdout.write("\n")
         sys.stdout.flush()
+        warn_incomplete([stream.result], params.max_new_tokens)
         if args.verbose:
             print_timings(gen)
     return 0

@@ -4,12 +4,17 @@ A *conversation* is a list of messages ``{"role": "system" | "user" | "assistant
 Three row formats are read; the format is detected from a file's first row, and every row of the
 file must then have that format:
 
-    openai     {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
+    openai     {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...],
+                "tools": [...] (optional)}
     sharegpt   {"conversations": [{"from": "system"|"human"|"gpt", "value": str}, ...]}
     alpaca     {"instruction": str, "input": str (optional), "output": str, "system": str (optional)}
 
-(ShareGPT's ``user``/``assistant`` spellings of ``from`` are accepted too.) An Alpaca row becomes
-``[system?, user: instruction + "\\n\\n" + input (when not empty), assistant: output]``.
+(ShareGPT's ``user``/``assistant`` spellings of ``from`` are accepted too.) OpenAI rows may teach tool
+calls as OpenAI's API writes them: an assistant message with ``tool_calls`` (``[{"id", "type": "function",
+"function": {"name", "arguments"}}]``, arguments a JSON object or its text; ``content`` may then be null),
+a ``tool`` message with the result (``content``, ``tool_call_id``), and the row's ``tools`` (the function
+declarations the prompt lists); the chat template renders them (data/chat_template.py's tool format).
+An Alpaca row becomes ``[system?, user: instruction + "\\n\\n" + input (when not empty), assistant: output]``.
 
 A *preference pair* is ``{"prompt": str | "messages": [...], "chosen": str, "rejected": str}``:
 the prompt is a user message (or a conversation ending with a user turn) and the two strings are
@@ -32,10 +37,11 @@ from typing import Any
 from tinyformer.errors import DataError
 
 ROLES = ("system", "user", "assistant")
+OPENAI_ROLES = (*ROLES, "tool")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 FORMATS = ("openai", "sharegpt", "alpaca")
 
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 def is_heldout(key: str, fraction: float) -> bool:
@@ -50,6 +56,7 @@ class Conversation:
 
     messages: list[Message]
     source: str
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -143,10 +150,57 @@ def _messages(items: Any, where: str, role_key: str, text_key: str, roles: dict[
     return out
 
 
+def _tool_calls(calls: Any, where: str, i: int) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, arguments as objects."""
+    if not isinstance(calls, list) or not calls:
+        raise DataError(f"{where}: message {i} 'tool_calls' must be a non-empty list")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise DataError(f"{where}: message {i} tool call {j} must be {{\"function\": {{\"name\", \"arguments\"}}}}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                raise DataError(f"{where}: message {i} tool call {j} arguments are not JSON text") from None
+        if not isinstance(args, dict):
+            raise DataError(f"{where}: message {i} tool call {j} arguments must be a JSON object")
+        out.append({"id": str(call.get("id") or f"call_{i}_{j}"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _openai_messages(items: Any, where: str) -> list[Message]:
+    """OpenAI messages, tool calls and tool results included."""
+    if not isinstance(items, list):
+        raise DataError(f"{where}: expected a list of messages, got {type(items).__name__}")
+    out: list[Message] = []
+    for i, item in enumerate(items):
+        calls = item.get("tool_calls") if isinstance(item, dict) else None
+        if not isinstance(item, dict) or "role" not in item or ("content" not in item and not calls):
+            raise DataError(f"{where}: message {i} must be an object with 'role' and 'content'")
+        role = item["role"]
+        if role not in OPENAI_ROLES:
+            raise DataError(f"{where}: message {i} has role {role!r}; known: {', '.join(OPENAI_ROLES)}")
+        content = item.get("content")
+        text = "" if content is None and calls else _text(content, where, f"message {i} 'content'")
+        message: Message = {"role": role, "content": text}
+        if calls:
+            if role != "assistant":
+                raise DataError(f"{where}: message {i}: only assistant messages have 'tool_calls'")
+            message["tool_calls"] = _tool_calls(calls, where, i)
+        if role == "tool" and item.get("tool_call_id") is not None:
+            message["tool_call_id"] = str(item["tool_call_id"])
+        out.append(message)
+    return out
+
+
 def parse_conversation(row: dict[str, Any], fmt: str, where: str) -> list[Message]:
     """The messages of a row of format ``fmt`` (malformed content is a DataError naming ``where``)."""
     if fmt == "openai":
-        return _messages(row["messages"], where, "role", "content", {r: r for r in ROLES})
+        return _openai_messages(row["messages"], where)
     if fmt == "sharegpt":
         return _messages(row["conversations"], where, "from", "value", SHAREGPT_ROLES)
     instruction = _text(row["instruction"], where, "'instruction'")
@@ -161,7 +215,7 @@ def _unusable(messages: list[Message]) -> str | None:
     """Why a well-formed conversation cannot be trained on, or None."""
     if not messages or not any(m["content"].strip() for m in messages):
         return "empty conversation"
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+    if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in messages):
         return "no assistant turn"
     return None
 
@@ -193,7 +247,10 @@ def read_chat_file(path: str | Path) -> ChatFile:
         if why is not None:
             out.skipped[why] += 1
             continue
-        out.conversations.append(Conversation(messages, where))
+        tools = row.get("tools") if fmt == "openai" else None
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise DataError(f"{where}: 'tools' must be a list of objects")
+        out.conversations.append(Conversation(messages, where, tools or None))
     return out
 
 

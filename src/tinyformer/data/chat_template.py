@@ -16,7 +16,13 @@ with. It holds one of three formats:
       <|im_start|>assistant\\n{content}<|im_end|>\\n
       <|im_start|>assistant\\n                                (the generation prompt)
 
-  with ``<|im_start|>`` and ``<|im_end|>`` added as special tokens (ids vocab_size and vocab_size + 1);
+  with ``<|im_start|>`` and ``<|im_end|>`` added as special tokens (ids vocab_size and vocab_size + 1).
+  With ``tools`` a system turn lists them (one JSON object per line inside ``<tools>...</tools>``, after the
+  system message's own text); an assistant turn's ``tool_calls`` follow its text as
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks (one per call, on their own
+  lines), and a ``tool`` message is ``<|im_start|>tool\\n<tool_response>\\n{content}\\n</tool_response><|im_end|>``.
+  A conversation without tools renders exactly as before (SFT data can teach tool calls in this format);
+  a Jinja template that never reads ``tools`` gets the same text through :func:`tools_as_text`;
 * without a template, plain turns a base model can continue (``System: ...`` / ``User: ...`` lines, then
   ``Assistant:``), whose reply ends where the model starts the next ``User:`` line.
 
@@ -67,16 +73,41 @@ from tinyformer.errors import ConfigError, DataError, GenerationError, TemplateL
 if TYPE_CHECKING:
     from tinyformer.data.tokenizer import Tokenizer
 
-__all__ = ["CHATML_TEMPLATE", "ChatTemplate", "render_plain", "with_chatml"]
+__all__ = ["CHATML_TEMPLATE", "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "ChatTemplate", "format_tool_call",
+           "parse_tool_calls", "render_plain", "tools_as_text", "with_chatml"]
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CHATML_TOKENS = (IM_START, IM_END)
 CHATML_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions. Their signatures, one JSON object per line:\n<tools>\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ '</tools>\n\nTo call a function, answer with one block per call:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <arguments-object>}\n</tool_call><|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>tool\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% if loop.first and message['content'] %}{{ '\n' }}{% endif %}{% if not loop.first %}{{ '\n' }}{% endif %}"
+    "{% set args = call['function']['arguments'] %}"
+    "{{ '<tool_call>\n{\"name\": ' + call['function']['name'] | tojson + ', \"arguments\": ' "
+    "+ (args if args is string else args | tojson) + '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{% endif %}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+#: The tool-call format of the ChatML template and of every reply the server parses (Qwen 2.5's and
+#: Hermes'): one block per call, the JSON written with ", " and ": " separators, name first.
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
 PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 PLAIN_STOP = ("\nUser:",)
 # Tokens that end an assistant turn in common templates (ChatML, Llama 3, Gemma, Phi-3).
@@ -86,6 +117,64 @@ DEFAULT_MAX_CHARS = 1_000_000
 BUILD_FACTOR = 16  # all text built while rendering: at most this many times max_chars
 
 Messages = Sequence[dict[str, Any]]
+
+
+def format_tool_call(name: str, arguments: Any) -> str:
+    """One call in the tool-call format: ``<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>``;
+    ``arguments`` a dict or its JSON text."""
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments)
+    return TOOL_CALL_OPEN + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + TOOL_CALL_CLOSE
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """(the text before the first call, stripped; [(name, arguments as JSON text)] of every complete
+    ``<tool_call>`` block). A block whose JSON does not parse, or has no string ``name``, is left in the
+    text (it is no call)."""
+    start = text.find(TOOL_CALL_OPEN.rstrip("\n"))
+    if start < 0:
+        return text, []
+    calls: list[tuple[str, str]] = []
+    rest = text[start:]
+    for m in re.finditer(r"<tool_call>\s*(.*?)\s*</tool_call>", rest, flags=re.S):
+        try:
+            obj = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            return text, []
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return text, []
+        calls.append((obj["name"], json.dumps(obj.get("arguments", {}), ensure_ascii=False)))
+    if not calls:
+        return text, []
+    return text[:start].strip(), calls
+
+
+def tools_as_text(messages: Messages, tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """``messages`` for a template that knows no tools: the tool list joins the system message (the ChatML
+    template's wording), an assistant's ``tool_calls`` its content as ``<tool_call>`` blocks, and a ``tool``
+    message becomes a user turn holding ``<tool_response>...</tool_response>``."""
+    out: list[dict[str, Any]] = []
+    if tools:
+        listing = ("# Tools\n\nYou may call one or more functions. Their signatures, one JSON object per line:\n"
+                   "<tools>\n" + "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in tools) + "</tools>\n\n"
+                   "To call a function, answer with one block per call:\n<tool_call>\n"
+                   '{"name": <function-name>, "arguments": <arguments-object>}\n</tool_call>')
+        if messages and messages[0]["role"] == "system":
+            out.append({"role": "system", "content": messages[0]["content"] + "\n\n" + listing})
+            messages = messages[1:]
+        else:
+            out.append({"role": "system", "content": listing})
+    for m in messages:
+        if m["role"] == "tool":
+            out.append({"role": "user", "content": "<tool_response>\n" + (m.get("content") or "")
+                        + "\n</tool_response>"})
+        elif m.get("tool_calls"):
+            blocks = [format_tool_call(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            text = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
+            out.append({"role": m["role"], "content": text})
+        else:
+            out.append({k: v for k, v in m.items() if k != "tool_calls"} | {"content": m.get("content") or ""})
+    return out
 
 
 def render_plain(messages: Messages, add_generation_prompt: bool = True) -> str:
@@ -142,6 +231,8 @@ class ChatTemplate:
         self._compiled: Any = None
         if self.source is not None:
             self._env, self._compiled = _compile(self.source, max_chars)
+        # whether the template itself renders tools, tool calls and tool results (HF templates that take tools=)
+        self.reads_tools = self.source is not None and "tool" in self.source
         if self.is_plain:
             self.stop_strings: tuple[str, ...] = PLAIN_STOP
             self.stop_token_ids: tuple[int, ...] = ()
@@ -154,7 +245,10 @@ class ChatTemplate:
                tools: Sequence[dict[str, Any]] | None = None) -> str:
         """The conversation as one prompt string; ``add_generation_prompt`` appends what opens the
         assistant's reply; ``tools`` (JSON schemas) is passed to the template as ``apply_chat_template``
-        passes it (plain turns have no place for tools and leave them out)."""
+        passes it. With ``tools``, a template that never reads them (and plain turns) gets the tools, tool calls
+        and tool results as text (:func:`tools_as_text`), so a model always sees what it may call and got."""
+        if tools and not self.reads_tools:
+            messages, tools = tools_as_text(messages, tools), None
         if self._compiled is None:
             return render_plain(messages, add_generation_prompt)
         variables = {"messages": list(messages), "tools": None if tools is None else list(tools),
@@ -169,26 +263,30 @@ class ChatTemplate:
             raise GenerationError(f"the chat template failed on this conversation: {exc}") from None
 
     # ------------------------------------------------------------------ training data
-    def assistant_spans(self, messages: Messages) -> tuple[str, list[tuple[int, int]]]:
-        """(the rendered conversation, character spans of its assistant replies), see the module docstring."""
-        full = self.render(messages, False)
+    def assistant_spans(self, messages: Messages, tools: Sequence[dict[str, Any]] | None = None
+                        ) -> tuple[str, list[tuple[int, int]]]:
+        """(the rendered conversation, character spans of its assistant replies, tool calls included), see
+        the module docstring; ``tools`` as for :meth:`render`."""
+        full = self.render(messages, False, tools)
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self.render(messages[:i], True)
-            upto = self.render(messages[: i + 1], False)
+            before = self.render(messages[:i], True, tools)
+            upto = self.render(messages[: i + 1], False, tools)
             if not (full.startswith(before) and full.startswith(upto) and upto.startswith(before)):
                 raise DataError("the chat template does not render a conversation's beginning as the beginning "
                                 "of its rendering, so assistant replies cannot be located for the loss mask")
             spans.append((len(before), len(upto.rstrip())))
         return full, spans
 
-    def encode_conversation(self, messages: Messages) -> tuple[list[int], list[int]]:
-        """(token ids, mask) of a conversation: mask[t] = 1 when token t belongs to an assistant reply
-        (its end-of-turn token included), else 0. Template errors are :class:`DataError`."""
+    def encode_conversation(self, messages: Messages, tools: Sequence[dict[str, Any]] | None = None
+                            ) -> tuple[list[int], list[int]]:
+        """(token ids, mask) of a conversation (with the ``tools`` it may call): mask[t] = 1 when token t
+        belongs to an assistant reply (its tool calls and end-of-turn token included), else 0. Template
+        errors are :class:`DataError`."""
         try:
-            text, spans = self.assistant_spans(messages)
+            text, spans = self.assistant_spans(messages, tools)
         except GenerationError as exc:
             raise DataError(str(exc)) from None
         ids: list[int] = []

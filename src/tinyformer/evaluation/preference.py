@@ -71,7 +71,7 @@ def evaluate_chat(run: Path, data: str, *, batch_size: int = 8, device: str = "a
     rows, skipped = [], chat.skipped.copy()
     for conv in chat.conversations:
         try:
-            ids, mask = template.encode_conversation(conv.messages)
+            ids, mask = template.encode_conversation(conv.messages, conv.tools)
         except DataError as exc:
             raise DataError(f"{conv.source}: {exc}") from None
         row, _ = reply_row(ids, mask, model.cfg.max_seq_len)

@@ -54,11 +54,13 @@ from torch import Tensor, nn
 
 from tinyformer.components.kv_cache import KVCache
 from tinyformer.errors import ConfigError, GenerationError, non_finite_message
+from tinyformer.generation.constraint import Matcher, allowed_tokens, draft_masks
 from tinyformer.generation.prefix_cache import PrefixCache, PrefixHit
 from tinyformer.generation.sampling import (
     GREEDY,
     Sampler,
     SamplingParams,
+    TokenMask,
     make_generator,
     penalty_history,
     processed_logits,
@@ -111,11 +113,14 @@ class EngineRow:
     asks for that many alternatives per token. ``tag`` is the caller's (e.g. the server's request).
     ``speculative`` makes the row speculate (``generation/speculative.py``); ``drafts`` then holds its
     proposer state and counts once the row is added.
+    ``constraint``: the row's own :class:`~tinyformer.generation.constraint.Matcher` (its place in the
+    language of ``params.constraint``): each token is drawn from the tokens it allows and advances it, an
+    end token only once the output is complete, and the row ends ("stop") when nothing can follow.
     """
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, text: TextState, *,
                  want_logprobs: bool = True, top_logprobs: int = 0, tag: Any = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, constraint: Matcher | None = None) -> None:
         self.prompt_ids = list(prompt_ids)
         self.speculative = None if speculative is None else speculative.validate()
         self.drafts: RowDrafts | None = None
@@ -124,6 +129,7 @@ class EngineRow:
         self.want_logprobs = want_logprobs
         self.top_logprobs = top_logprobs
         self.tag = tag
+        self.constraint = constraint
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
@@ -136,7 +142,8 @@ class EngineRow:
         self.sampler = Sampler.of(params)  # built once; rows with equal sampler keys are processed together
         self.generator: torch.Generator | None = None
         # the plain argmax, no logprobs: what the compiled greedy step returns from its graph
-        self.ids_only = self.sampler.key == GREEDY.key and not want_logprobs and top_logprobs == 0
+        self.ids_only = self.sampler.key == GREEDY.key and not want_logprobs and top_logprobs == 0 \
+            and constraint is None
 
     @property
     def finished(self) -> bool:
@@ -487,6 +494,10 @@ class BatchEngine:
             else:
                 assert self.draft is not None
                 proposal = self.draft.propose(r.slot, seq, state, k, r.sampler, r.generator)
+            if proposal and r.constraint is not None and (r.sampler.greedy or state.ngram is not None):
+                # a draft the grammar refuses would be rejected at once (its target probability is 0), so
+                # it is not verified; a sampled model draft stays whole, as cutting it would bias the draw
+                proposal = proposal[: r.constraint.check_draft(proposal)]
             if proposal:
                 drafts[id(r)] = proposal
         return drafts
@@ -511,28 +522,47 @@ class BatchEngine:
         # entry e: row r's logits after its j-th fed token, j = 0 .. len(drafts)
         owner = [(r, j) for r, f in zip(rows, feeds) for j in range(len(f))]
         flat = logits.flatten(0, 1)[torch.tensor([r.slot * T + j for r, j in owner], device=dev)]
+        V = flat.shape[-1]
         finite = (torch.isfinite(flat.amax(dim=-1)) & torch.isfinite(flat.amin(dim=-1))).tolist()
         history = None
         if any(r.sampler.penalised for r in rows):
             seen = [r.token_ids + f[1 : j + 1] for r, f in zip(rows, feeds) for j in range(len(f))]
             history = penalty_history([r.params for r, _ in owner], [r.prompt_ids for r, _ in owner], seen, dev)
-        x = processed_logits(flat, [r.sampler for r, _ in owner], history)
+        # a constrained row's target at its j-th position is the plain path's: the logits masked by its
+        # grammar after the first j drafts (Matcher.fill_draft_masks), then processed
+        allowed = None
+        if any(r.constraint is not None for r in rows):
+            allowed = torch.cat([draft_masks(r.constraint, f[1:], V) if r.constraint is not None
+                                 else torch.ones(len(f), V, dtype=torch.bool) for r, f in zip(rows, feeds)]).to(dev)
+        x = processed_logits(flat if allowed is None else TokenMask(allowed)(flat.float()),
+                             [r.sampler for r, _ in owner], history)
         targets = x.argmax(dim=-1).tolist() if any(r.sampler.greedy for r in rows) else []
         out: list[RowOutput] = []
         e = 0
         for r, f in zip(rows, feeds):
             first, e = e, e + len(f)
             d = f[1:]
+            if allowed is not None and r.constraint is not None:
+                # the grammar cannot go on after j of the drafts: emit at most j - 1 of them (at j = 0 the
+                # row is stuck now, and ends as the plain path ends it)
+                empty = (~allowed[first:e].any(dim=-1)).nonzero()
+                if len(empty):
+                    j = int(empty[0])
+                    if j == 0:
+                        r.finish_reason = "model_error"
+                        out.append(RowOutput(r, None, r.text.close(), "model_error", self._stuck(r)))
+                        continue
+                    d = d[: j - 1]
             if not all(finite[first:e]):
                 r.finish_reason = "model_error"
                 message = non_finite_message(f"for generated token {len(r.token_ids) + 1}")
                 out.append(RowOutput(r, None, r.text.close(), "model_error", message))
                 continue
             if r.sampler.greedy:
-                m, y = accept_greedy(targets[first:e], d)
+                m, y = accept_greedy(targets[first : first + len(d) + 1], d)
             else:
                 q = r.drafts.q if r.drafts is not None and r.drafts.ngram is None else None
-                m, y = accept_sampled(x[first:e], d, q, r.generator)
+                m, y = accept_sampled(x[first : first + len(d) + 1], d, q, r.generator)
             if r.drafts is not None and d:
                 r.drafts.record(len(d), m)
                 self.draft_proposed += len(d)
@@ -643,25 +673,24 @@ class BatchEngine:
         # vectorised single passes (isfinite(logits).all() writes a mask of the whole (A, V) first, ~25x slower)
         finite = (torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))).tolist()
         if not all(finite):  # those rows end with an error; the others are sampled as usual
-            good = [i for i in range(n) if finite[i]]
-            outs = dict(zip(good, self._sample(logits[torch.tensor(good, dtype=torch.long, device=logits.device)],
-                                               [rows[i] for i in good]) if good else []))
-            result = []
-            for i, r in enumerate(rows):
-                if i in outs:
-                    result.append(outs[i])
-                else:
-                    r.finish_reason = "model_error"
-                    message = non_finite_message(f"for generated token {len(r.token_ids) + 1}")
-                    result.append(RowOutput(r, None, r.text.close(), "model_error", message))
-            return result
+            return self._sample_but(logits, rows, [not f for f in finite], lambda r: non_finite_message(
+                f"for generated token {len(r.token_ids) + 1}"))
         history = None
         if any(r.sampler.penalised for r in rows):
             history = penalty_history([r.params for r in rows], [r.prompt_ids for r in rows],
                                       [r.token_ids for r in rows], logits.device)
         generators = [r.generator for r in rows] if any(r.generator is not None for r in rows) else None
+        # each constrained row's own mask (generation/constraint.py; _verify masks speculative drafts alike)
+        allowed = None
+        if any(r.constraint is not None for r in rows):
+            allowed = allowed_tokens([r.constraint for r in rows], logits.shape[-1], logits.device)
+            # a matcher that stopped before its row ended found the grammar cannot be completed from here
+            stuck = [e or (r.constraint is not None and r.constraint.stopped)
+                     for e, r in zip((~allowed.any(dim=-1)).tolist(), rows)]
+            if any(stuck):  # the vocabulary cannot write what the grammar needs next: those rows end with an error
+                return self._sample_but(logits, rows, stuck, self._stuck)
         tok, lp = sample(logits, [r.sampler for r in rows], history, generators,
-                         want_logprobs=any(r.want_logprobs for r in rows))
+                         want_logprobs=any(r.want_logprobs for r in rows), allowed=allowed)
         tokens: list[int] = tok.tolist()
         # a row that did not ask for logprobs gets none, whichever rows shared its call
         logps: list[float | None] = [x if r.want_logprobs else None for x, r in zip(lp.tolist(), rows)] \
@@ -677,6 +706,27 @@ class BatchEngine:
                 tops[i] = list(zip(ids[j, :kk].tolist(), values[j, :kk].tolist()))
         return [self._accept(r, TokenInfo(tokens[i], logps[i], tops.get(i, []))) for i, r in enumerate(rows)]
 
+    @staticmethod
+    def _stuck(r: EngineRow) -> str:
+        assert r.constraint is not None
+        return (f"no token of the vocabulary continues {r.constraint.grammar.describe()} after "
+                f"{len(r.token_ids)} tokens: the tokenizer cannot write what it needs")
+
+    def _sample_but(self, logits: Tensor, rows: list[EngineRow], bad: list[bool],
+                    why: Callable[[EngineRow], str]) -> list[RowOutput]:
+        """Sample the rows not marked ``bad``; the bad ones end with "model_error" and ``why(row)``."""
+        good = [i for i in range(len(rows)) if not bad[i]]
+        outs = dict(zip(good, self._sample(logits[torch.tensor(good, dtype=torch.long, device=logits.device)],
+                                           [rows[i] for i in good]) if good else []))
+        result = []
+        for i, r in enumerate(rows):
+            if i in outs:
+                result.append(outs[i])
+            else:
+                r.finish_reason = "model_error"
+                result.append(RowOutput(r, None, r.text.close(), "model_error", why(r)))
+        return result
+
     def _accept(self, row: EngineRow, info: TokenInfo) -> RowOutput:
         """Record one token of ``row``: its text, whether the row ends, and what it feeds next."""
         tok = info.token_id
@@ -685,6 +735,10 @@ class BatchEngine:
             row.logprobs.append(info.logprob)
         text, ended = row.text.accept(tok)
         finish = "stop" if ended else None
+        if row.constraint is not None:
+            row.constraint.advance(tok)
+            if row.constraint.stopped:  # complete, and nothing may follow: the row ends here
+                finish = "stop"
         if finish is None and len(row.token_ids) >= row.params.max_new_tokens:
             finish = "length"
         if finish is None:

@@ -50,6 +50,7 @@ from tinyformer.generation.beam import (
     beam_search,
     validate_beam_args,
 )
+from tinyformer.generation.constraint import Matcher, TokenVocabulary
 from tinyformer.generation.engine import (
     CONTEXT_POLICIES,
     BatchEngine,
@@ -85,7 +86,9 @@ class GenerationResult:
     sequence (EOS, a stop token, or the last token of a stop string); ``logprobs[i]`` is
     log p(token_ids[i]) under the model's raw distribution (empty when not asked for). ``text`` is the
     decoded text without the end-of-sequence token, stop tokens and stop strings. ``finish_reason`` is
-    "stop" (EOS, stop token or stop string) or "length" (``max_new_tokens``).
+    "stop" (EOS, stop token or stop string) or "length" (``max_new_tokens``). ``complete``: with a
+    ``params.constraint``, whether the text is a whole sentence of its language (False: the budget ran out
+    first, and the text is only a prefix); None without a constraint.
     """
 
     text: str
@@ -93,10 +96,14 @@ class GenerationResult:
     logprobs: list[float]
     finish_reason: str
     prompt_token_ids: list[int] = field(default_factory=list)
+    complete: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "token_ids": self.token_ids, "logprobs": self.logprobs,
-                "finish_reason": self.finish_reason}
+        out = {"text": self.text, "token_ids": self.token_ids, "logprobs": self.logprobs,
+               "finish_reason": self.finish_reason}
+        if self.complete is not None:
+            out["complete"] = self.complete
+        return out
 
 
 @dataclass
@@ -147,7 +154,9 @@ class TextStream(Iterator[str]):
 
 
 def _result(row: EngineRow) -> GenerationResult:
-    return GenerationResult(row.text.text, row.token_ids, row.logprobs, row.finish_reason or "length", row.prompt_ids)
+    complete = None if row.constraint is None else row.constraint.accepting
+    return GenerationResult(row.text.text, row.token_ids, row.logprobs, row.finish_reason or "length", row.prompt_ids,
+                            complete)
 
 
 def check_draft(model: nn.Module, tokenizer: Any, draft: nn.Module, draft_tokenizer: Any) -> None:
@@ -396,13 +405,19 @@ class Generator:
         )
         if self.context_policy == "error":
             self._check_fits(max(len(p) for p in prompts), params.max_new_tokens)
+        vocab = None
+        if params.constraint is not None:
+            if self.tokenizer is None:
+                raise GenerationError("structured output needs a tokenizer (each token's bytes)")
+            vocab = TokenVocabulary.of(self.tokenizer, self.vocab_size, ends)
         rows = []
         for b, p in enumerate(prompts):
             row_params = params
             if params.seed is not None and b:
                 row_params = dataclasses.replace(params, seed=(params.seed + b) % 2**64)
+            matcher = Matcher(params.constraint, vocab) if vocab is not None and params.constraint else None
             rows.append(EngineRow(p, row_params, TextState(self.token_bytes, ends, params.stop_strings),
-                                  want_logprobs=want_logprobs, speculative=self.speculative))
+                                  want_logprobs=want_logprobs, speculative=self.speculative, constraint=matcher))
         return rows
 
     def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:

@@ -66,6 +66,7 @@ import torch
 from torch import Tensor
 
 from tinyformer.errors import GenerationError
+from tinyformer.generation.constraint import Grammar
 
 __all__ = [
     "DEFAULT_MIN_P",
@@ -87,6 +88,7 @@ __all__ = [
     "SamplingParams",
     "Temperature",
     "TopK",
+    "TokenMask",
     "TopP",
     "build_processors",
     "make_generator",
@@ -517,6 +519,29 @@ class PresencePenalty(_Processor):
         return f"PresencePenalty({self.penalty})"
 
 
+class TokenMask:
+    r"""The constraint of constrained decoding: per row, only the tokens a grammar allows stay.
+
+    .. math:: \ell'_{b,v} = \ell_{b,v} \text{ if } a_{b,v} \text{ else } -\infty
+
+    ``allowed`` ``[B, V]`` bool is per row (each row has its own matcher, generation/constraint.py), so
+    :func:`sample` applies it to all rows before grouping them by their settings: rows with the same
+    sampling settings but different constraints still share their chain. A row with no allowed token
+    keeps its logits (the engine never asks for one: a matcher that allows nothing has stopped).
+    """
+
+    def __init__(self, allowed: Tensor) -> None:
+        self.allowed = allowed
+
+    def __call__(self, logits: Tensor, generated: Tensor | PenaltyHistory | None = None) -> Tensor:
+        allowed = self.allowed.to(logits.device)
+        allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
+        return logits.masked_fill(~allowed, _NEG_INF)
+
+    def __repr__(self) -> str:
+        return f"TokenMask({tuple(self.allowed.shape)})"
+
+
 # ----------------------------------------------------------------------------------------------
 # parameters, chain and sampler
 # ----------------------------------------------------------------------------------------------
@@ -540,6 +565,10 @@ class SamplingParams:
     * ``seed``: ``None`` (nondeterministic) or an integer in ``[0, 2**64)`` (``torch.Generator`` range).
     * ``stop_token_ids``: integers ``>= 0``; ``stop_strings``: non-empty strings (an empty stop string
       would match before the first character).
+    * ``constraint``: ``None`` or a :class:`~tinyformer.generation.constraint.Grammar` the output must
+      belong to (JSON schema, regex, choices, Lark grammar). It is per row, not a setting of the chain:
+      each row decodes with its own matcher, and :func:`sample` applies the row's mask
+      (:class:`TokenMask`) before the chain, so it is no part of :attr:`Sampler.key`.
     """
 
     temperature: float = DEFAULT_TEMPERATURE
@@ -553,6 +582,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: Sequence[int] = ()
     stop_strings: Sequence[str] = ()
+    constraint: Grammar | None = None
 
     def validate(self) -> SamplingParams:
         """Raise :class:`GenerationError` naming the first invalid field; return ``self`` if all are valid."""
@@ -575,6 +605,8 @@ class SamplingParams:
             isinstance(s, str) and s for s in self.stop_strings
         ):
             raise GenerationError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+        if self.constraint is not None and not isinstance(self.constraint, Grammar):
+            raise GenerationError(f"constraint must be a Grammar (generation/constraint.py), got {self.constraint!r}")
         return self
 
     @property
@@ -670,6 +702,7 @@ def sample(
     generator: torch.Generator | Sequence[torch.Generator | None] | None = None,
     *,
     want_logprobs: bool = True,
+    allowed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     r"""Choose one next token per row: the one sampler of every entry point.
 
@@ -685,6 +718,8 @@ def sample(
             for all rows (on the logits' device, see :func:`make_generator`), or one per row (``None`` for
             the global RNG), so that a seeded row draws the same numbers whichever rows share its call.
         want_logprobs: False skips the log-normaliser (one more pass over the vocabulary) and returns None.
+        allowed: ``[B, V]`` bool, the tokens each row's constraint allows (:class:`TokenMask`, applied to
+            every row before the chains), or None.
 
     Returns:
         ``(token_ids[B] int64, logprobs[B] float32 or None)``.
@@ -711,8 +746,9 @@ def sample(
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
     raw = logits if logits.dtype == torch.float64 else logits.float()
+    masked = raw if allowed is None else TokenMask(allowed)(raw)
     if isinstance(how, (SamplingParams, Sampler)):
-        tokens = _choose(_sampler(how), raw, history, generator)
+        tokens = _choose(_sampler(how), masked, history, generator)
     else:
         samplers = [_sampler(h) for h in how]
         if len(samplers) != raw.shape[0]:
@@ -721,12 +757,12 @@ def sample(
         for i, s in enumerate(samplers):
             groups.setdefault(s.key, []).append(i)
         if len(groups) == 1:
-            tokens = _choose(samplers[0], raw, history, generator)
+            tokens = _choose(samplers[0], masked, history, generator)
         else:
             tokens = torch.empty(raw.shape[0], dtype=torch.long, device=raw.device)
             for idx in groups.values():
                 rows = torch.tensor(idx, device=raw.device)
-                tokens[rows] = _choose(samplers[idx[0]], raw[rows], _history_rows(history, rows),
+                tokens[rows] = _choose(samplers[idx[0]], masked[rows], _history_rows(history, rows),
                                        [generator[i] for i in idx] if isinstance(generator, Sequence) else generator)
     if not want_logprobs:
         return tokens, None

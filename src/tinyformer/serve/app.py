@@ -36,6 +36,14 @@ from tinyformer.serve.protocol import APIError
 from tinyformer.serve.scheduler import TokenInfo
 from tinyformer.serve.server import Choice, Server, collect
 from tinyformer.serve.sse import EventStream, stream_choices
+from tinyformer.serve.structured import (
+    ToolCallDeltas,
+    chat_messages,
+    incomplete_details,
+    reply_message,
+    response_grammar,
+    tool_setup,
+)
 from tinyformer.serve.tokens_embeddings import add_token_routes, create_encoder_app, install_common
 
 __all__ = ["Server", "create_app"]
@@ -122,17 +130,19 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
         POST /tokenize of it (``add_special`` false) gives the prompt's tokens."""
         server.authorize(request)
         req: P.ApplyTemplateRequest = P.parse_request(P.ApplyTemplateRequest, await request.body())
-        return {"prompt": await server.render_chat(P.template_messages(req.messages))}
+        tools = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools] if req.tools else None
+        return {"prompt": await server.render_chat(chat_messages(req.messages), tools)}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         server.authorize(request)
         req: P.CompletionRequest = P.parse_request(P.CompletionRequest, await request.body())
         server.check_model(req.model)
+        grammar = response_grammar(req.response_format)
         texts, prompts = _completion_prompts(server, req.prompt)
         top = req.logprobs or 0
         reqs, inbox = server.build(req, prompts, req.max_tokens, DEFAULT_COMPLETION_TOKENS, top,
-                                   logprobs=req.logprobs is not None)
+                                   logprobs=req.logprobs is not None, grammar=grammar)
         prompt_lengths = [len(r.prompt_ids) for r in reqs[:: req.n]]  # the prompt counts once, not per choice
         rid, created = P.new_id("cmpl"), P.now()
         want_logprobs = req.logprobs is not None
@@ -155,9 +165,11 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
 
             def chunk(event: Any, c: Choice, start: int) -> dict[str, Any]:
                 lp = _completion_logprobs(server, c.tokens[start:], c.offsets[start:]) if want_logprobs else None
-                return P.completion_body(rid, created, req.model, [
-                    {"index": event.index, "text": event.text, "logprobs": lp,
-                     "finish_reason": event.finish_reason}], None, chunk=True)
+                choice = {"index": event.index, "text": event.text, "logprobs": lp,
+                          "finish_reason": event.finish_reason}
+                if grammar is not None and event.complete is False:
+                    choice["incomplete_details"] = incomplete_details(grammar)
+                return P.completion_body(rid, created, req.model, [choice], None, chunk=True)
 
             def usage() -> dict[str, Any]:
                 return P.completion_body(rid, created, req.model, [],
@@ -176,6 +188,8 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
             body.append({"index": index, "text": echo + "".join(c.text),
                          "logprobs": _completion_logprobs(server, c.tokens, offsets) if want_logprobs else None,
                          "finish_reason": c.finish_reason})
+            if grammar is not None and c.complete is False:
+                body[-1]["incomplete_details"] = incomplete_details(grammar)
         return P.completion_body(rid, created, req.model, body, _total_usage(choices, prompt_lengths))
 
     @app.post("/v1/chat/completions")
@@ -185,12 +199,20 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
         server.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        ids = server.encode(await server.render_chat(P.template_messages(req.messages)), "messages")
+        tools, tool_grammar = tool_setup(req)
+        grammar = response_grammar(req.response_format)
+        if grammar is not None and tool_grammar is not None:
+            raise APIError(400, "'response_format' together with 'tools' needs 'tool_choice': 'none' (the reply is "
+                                "either tool calls or the formatted answer)", param="response_format")
+        grammar = grammar or tool_grammar
+        tools_on = tool_grammar is not None
+        messages = chat_messages(req.messages)
+        ids = server.encode(await server.render_chat(messages, tools), "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else 0
         reqs, inbox = server.build(req, [ids], max_tokens, None, top, extra_stop=server.template.stop_strings,
                                    extra_stop_ids=server.template.stop_token_ids,
-                                   logprobs=bool(req.logprobs))
+                                   logprobs=bool(req.logprobs), grammar=grammar)
         prompt_lengths = [len(reqs[0].prompt_ids)]
         rid, created = P.new_id("chatcmpl"), P.now()
         server.submit(reqs)
@@ -199,16 +221,28 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
             choices = {r.index: Choice() for r in reqs}
+            deltas = {r.index: ToolCallDeltas() for r in reqs} if tools_on else {}
             opening = [P.chat_body(rid, created, req.model, [
                 {"index": r.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}], None, chunk=True) for r in reqs]
 
-            def chunk(event: Any, c: Choice, start: int) -> dict[str, Any]:
+            def chunk(event: Any, c: Choice, start: int) -> dict[str, Any] | None:
                 lp = _chat_logprobs(server, event.tokens) if req.logprobs else None
-                delta = {"content": event.text} if event.text else {}
-                return P.chat_body(rid, created, req.model, [
-                    {"index": event.index, "delta": delta, "logprobs": lp,
-                     "finish_reason": event.finish_reason}], None, chunk=True)
+                finish = event.finish_reason
+                if tools_on:
+                    d = deltas[event.index]
+                    parts = d.feed(event.text) + (d.close() if finish is not None else [])
+                    delta = _merge_deltas(parts)
+                    if finish == "stop" and d.calls:
+                        finish = "tool_calls"
+                    if not delta and finish is None and lp is None:
+                        return None  # held back: part of a tool call's head
+                else:
+                    delta = {"content": event.text} if event.text else {}
+                choice = {"index": event.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                if grammar is not None and event.complete is False:
+                    choice["incomplete_details"] = incomplete_details(grammar)
+                return P.chat_body(rid, created, req.model, [choice], None, chunk=True)
 
             def usage() -> dict[str, Any]:
                 return P.chat_body(rid, created, req.model, [],
@@ -221,13 +255,30 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
         choices = await collect(request, server, reqs, inbox)
         if choices is None:
             return JSONResponse(P.error_body("client disconnected"), status_code=499)
-        body = [{"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
-                 "logprobs": _chat_logprobs(server, c.tokens) if req.logprobs else None,
-                 "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
+        body = []
+        for i, c in enumerate(choices):
+            message, finish = reply_message("".join(c.text), c.finish_reason, tools_on)
+            body.append({"index": i, "message": message,
+                         "logprobs": _chat_logprobs(server, c.tokens) if req.logprobs else None,
+                         "finish_reason": finish})
+            if grammar is not None and c.complete is False:
+                body[-1]["incomplete_details"] = incomplete_details(grammar)
         return P.chat_body(rid, created, req.model, body, _total_usage(choices, prompt_lengths))
 
     return app
 
+
+
+def _merge_deltas(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One chunk's delta from the pieces of ToolCallDeltas: the content joined, the tool-call pieces in
+    order (a client assembles them by index, as from OpenAI)."""
+    delta: dict[str, Any] = {}
+    for p in parts:
+        if "content" in p:
+            delta["content"] = delta.get("content", "") + p["content"]
+        else:
+            delta.setdefault("tool_calls", []).extend(p["tool_calls"])
+    return delta
 
 
 def _completion_prompts(server: Server, prompt: Any) -> tuple[list[str], list[list[int]]]:

@@ -6,7 +6,8 @@ status, so the official client raises its usual exception types (BadRequestError
 AuthenticationError 401, NotFoundError 404, RateLimitError 429).
 
 Non-standard fields, accepted as vLLM does: ``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``. Unknown fields are ignored.
+``ignore_eos``. Unknown fields are ignored. ``response_format`` (both endpoints) and ``tools`` /
+``tool_choice`` / ``parallel_tool_calls`` (chat) are enforced token by token (serve/structured.py).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions. ``prompt``: a string, a list of strings, token ids, or lists of token ids."""
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    response_format: ResponseFormat | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
@@ -101,10 +103,59 @@ class TextPart(_Strict):
     text: str
 
 
+class JSONSchemaFormat(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: Union[dict[str, Any], bool, None] = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict", "description"}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -112,15 +163,11 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as a chat template reads them: ``role``, ``content`` (text parts joined), ``name``."""
-    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
-
-
 class ApplyTemplateRequest(_Strict):
     """POST /apply-template (llama.cpp's server): the prompt a chat completion of ``messages`` would feed."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None  # rendered into the prompt as the chat completion renders them
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -130,12 +177,22 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
 
 
 _HINTS = {
     "prompt": "'prompt' must be a string, a list of strings, a list of token ids or a list of lists of token ids",
     "stop": "'stop' must be a string or a list of strings",
     "content": "message 'content' must be a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+    "tools": "'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\", \"description\", "
+             "\"parameters\"}}",
+    "tool_choice": "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                   "\"function\": {\"name\": ...}}",
+    "response_format": "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                       "{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}",
 }
 
 

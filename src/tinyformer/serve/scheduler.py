@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tinyformer.generation.constraint import Matcher
 from tinyformer.generation.engine import (
     BatchEngine,
     CompiledStep,
@@ -70,6 +71,7 @@ class StepEvent:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    complete: bool | None = None  # on the last event of a constrained request: whether its grammar accepted
 
 
 @dataclass
@@ -91,13 +93,15 @@ class GenerationRequest:
     deadline: float | None = None
     logprobs: bool = True
     speculative: SpeculativeConfig | None = None
+    constraint: Matcher | None = None  # its own place in the language of params.constraint
     id: int = field(default_factory=lambda: next(_ids))
 
 
 def _event(row: EngineRow, text: str, tokens: list[TokenInfo], finish: str | None,
            error: str | None = None) -> StepEvent:
     req: GenerationRequest = row.tag
-    return StepEvent(req.index, text, tokens, finish, error, len(req.prompt_ids), len(row.token_ids))
+    complete = row.constraint.accepting if finish is not None and row.constraint is not None else None
+    return StepEvent(req.index, text, tokens, finish, error, len(req.prompt_ids), len(row.token_ids), complete)
 
 
 class Scheduler:
@@ -332,7 +336,8 @@ class Scheduler:
                 req = self._waiting.popleft()
             text = TextState(self.token_bytes, req.params.stop_token_ids, req.params.stop_strings)
             row = EngineRow(req.prompt_ids, req.params, text, want_logprobs=req.logprobs or req.top_logprobs > 0,
-                            top_logprobs=req.top_logprobs, tag=req, speculative=req.speculative)
+                            top_logprobs=req.top_logprobs, tag=req, speculative=req.speculative,
+                            constraint=req.constraint)
             try:
                 self.engine.add(row)
             except Exception as exc:

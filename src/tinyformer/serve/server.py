@@ -24,6 +24,7 @@ from fastapi import Request
 
 from tinyformer.data.chat_template import DEFAULT_TIMEOUT_S, ChatTemplate
 from tinyformer.errors import TinyformerError
+from tinyformer.generation.constraint import Grammar, Matcher, TokenVocabulary
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.generation.speculative import DEFAULT_DRAFT_TOKENS, SpeculativeConfig
 from tinyformer.generation.streaming import TokenBytes
@@ -47,6 +48,7 @@ class Choice:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    complete: bool | None = None  # with a grammar: whether the text completed it
 
 
 
@@ -144,12 +146,12 @@ class Server:
             self._token_text[token_id] = text
         return text
 
-    async def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The chat prompt of ``messages``, rendered off the event loop; a template that rejects them or
-        hits a render limit is a 400 naming the reason."""
+    async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat prompt of ``messages`` (and ``tools``), rendered off the event loop; a template that rejects
+        them or hits a render limit is a 400 naming the reason."""
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self.template_pool, self.template.render, messages, True)
+            return await loop.run_in_executor(self.template_pool, self.template.render, messages, True, tools)
         except TinyformerError as exc:
             raise APIError(400, str(exc), param="messages") from None
 
@@ -174,10 +176,11 @@ class Server:
 
     def build(self, req: P._SamplingRequest, prompts: list[list[int]], max_tokens: int | None, default_max: int | None,
               top_logprobs: int, extra_stop: tuple[str, ...] = (),
-              extra_stop_ids: tuple[int, ...] = (), logprobs: bool = True
+              extra_stop_ids: tuple[int, ...] = (), logprobs: bool = True, grammar: Grammar | None = None
               ) -> tuple[list[GenerationRequest], asyncio.Queue]:
         """One GenerationRequest per (prompt, choice), all feeding one asyncio.Queue; ``logprobs`` False when
-        the API request does not return log-probabilities (the engine then skips computing them)."""
+        the API request does not return log-probabilities (the engine then skips computing them); ``grammar``
+        the language every choice's text must belong to (each choice gets its own matcher)."""
         stops = req.stop_strings()
         stops += [s for s in extra_stop if s not in stops]
         stop_ids = [] if req.ignore_eos or self.tokenizer.eos_id is None else [self.tokenizer.eos_id]
@@ -222,11 +225,18 @@ class Server:
                     stop_token_ids=stop_ids, stop_strings=stops)
                 try:
                     params.validate()
+                    matcher = None if grammar is None else Matcher(grammar, self.vocabulary(stop_ids))
                 except TinyformerError as exc:
                     raise APIError(400, str(exc)) from None
+                params.constraint = grammar
                 out.append(GenerationRequest(list(ids), params, sink, index=index, top_logprobs=top_logprobs,
-                                             deadline=deadline, logprobs=logprobs, speculative=speculative))
+                                             deadline=deadline, logprobs=logprobs, speculative=speculative,
+                                             constraint=matcher))
         return out, inbox
+
+    def vocabulary(self, end_ids: list[int]) -> TokenVocabulary:
+        """The grammar engine's view of the vocabulary, ending at ``end_ids`` (built once per set of ends)."""
+        return TokenVocabulary.of(self.tokenizer, self.vocab_size, end_ids)
 
     def _mailbox(self) -> _Mailbox:
         loop = asyncio.get_running_loop()
@@ -289,3 +299,5 @@ def add_event(choice: Choice, event: StepEvent) -> None:
     choice.length += len(event.text)
     choice.finish_reason = event.finish_reason
     choice.prompt_tokens, choice.completion_tokens = event.prompt_tokens, event.completion_tokens
+    if event.complete is not None:
+        choice.complete = event.complete

@@ -57,11 +57,12 @@ def sse(data: dict[str, Any] | str) -> str:
 
 
 async def stream_choices(inbox: asyncio.Queue, choices: dict[int, Choice], opening: list[dict[str, Any]],
-                         chunk: Callable[[StepEvent, Choice, int], dict[str, Any]],
+                         chunk: Callable[[StepEvent, Choice, int], dict[str, Any] | None],
                          usage: Callable[[], dict[str, Any]] | None, every_step: bool) -> AsyncIterator[str]:
     """The SSE lines of one streamed API request: ``opening`` chunks, then ``chunk(event, choice, start)``
     for each event (``start``: the index of the event's first token in ``choice.tokens``) that has text, or
-    for every event if ``every_step``, then ``usage()`` (if given) and ``[DONE]``."""
+    for every event if ``every_step``, then ``usage()`` (if given) and ``[DONE]``. A ``chunk`` that returns
+    None sends nothing (text held back, e.g. the start of a tool call)."""
     for body in opening:
         yield sse(body)
     remaining = len(choices)
@@ -77,7 +78,9 @@ async def stream_choices(inbox: asyncio.Queue, choices: dict[int, Choice], openi
             remaining -= 1
         elif not event.text and not every_step:
             continue
-        yield sse(chunk(event, c, start))
+        body = chunk(event, c, start)
+        if body is not None:
+            yield sse(body)
     else:
         if usage is not None:
             yield sse(usage())

@@ -198,7 +198,7 @@ class SFTObjective(ChatObjective):
         """(input ids, targets) of a conversation cut to the context, or None (counted) when no assistant
         token is left."""
         try:
-            ids, mask = self.template.encode_conversation(conv.messages)
+            ids, mask = self.template.encode_conversation(conv.messages, conv.tools)
         except DataError as exc:
             raise DataError(f"{conv.source}: {exc}") from None
         if len(ids) > self._block() + 1:
