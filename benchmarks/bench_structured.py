@@ -68,13 +68,14 @@ def without_patterns(schema: object) -> object:
     return schema
 
 
-def run_ours(run: Path, batch: int, tokens: int, repeat: int, schema: dict = SCHEMA) -> dict[str, float]:
+def run_ours(run: Path, batch: int, tokens: int, repeat: int, schema: dict = SCHEMA,
+             compile: bool = False) -> dict[str, float]:
     from tinyformer.data.chat_template import ChatTemplate
     from tinyformer.generation import constraint, engine
     from tinyformer.generation.generator import Generator
     from tinyformer.generation.sampling import SamplingParams
 
-    gen = Generator.from_run(run)
+    gen = Generator.from_run(run, compile=compile)
     prompt = ChatTemplate(gen.tokenizer).render([{"role": "user", "content": QUESTION}])
     grammar = constraint.json_schema(schema)
     spent = [0.0]
@@ -148,6 +149,8 @@ def main() -> None:
     ap.add_argument("--llama-python", default=None, help="a Python with llama_cpp installed")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch (and llama.cpp) threads; on a shared, loaded machine 1 avoids stalls (default 1)")
+    ap.add_argument("--compile", action="store_true",
+                    help="tinyformer decodes with its compiled step (generate --compile); the first run compiles")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -156,7 +159,7 @@ def main() -> None:
           f"{'mask share':>11}")
     results = {}
     for b in args.batches:
-        r = results[b] = run_ours(args.run, b, args.tokens, args.repeat)
+        r = results[b] = run_ours(args.run, b, args.tokens, args.repeat, compile=args.compile)
         print(f"{b:>5} {r['plain']:>12.1f} {r['schema']:>13.1f} {r['schema'] / r['plain']:>12.3f}x "
               f"{r['mask_ms']:>13.3f} {100 * r['mask_share']:>10.2f}%", flush=True)
     print(f"sample: {r['sample']!r}")
@@ -165,13 +168,14 @@ def main() -> None:
         from tinyformer.run_folder import load_tokenizer
 
         prompt = ChatTemplate(load_tokenizer(args.run)).render([{"role": "user", "content": QUESTION}])
-        ours = results.get(1) or run_ours(args.run, 1, args.tokens, args.repeat)
+        ours = results.get(1) or run_ours(args.run, 1, args.tokens, args.repeat, compile=args.compile)
         ll = run_llama(args.llama_python, args.gguf, prompt, args.tokens, threads, args.repeat)
         schema_name = "the schema"
         if isinstance(ll, str):
             print(f"llama-cpp-python on the schema: {ll}")
             schema_name = "the schema without its pattern"
-            ours = run_ours(args.run, 1, args.tokens, args.repeat, without_patterns(SCHEMA))  # type: ignore[arg-type]
+            ours = run_ours(args.run, 1, args.tokens, args.repeat, without_patterns(SCHEMA),  # type: ignore[arg-type]
+                            compile=args.compile)
             print(f"tinyformer on {schema_name}, batch 1: plain {ours['plain']:.1f}, schema {ours['schema']:.1f} "
                   f"tok/s ({ours['schema'] / ours['plain']:.3f}x), mask {100 * ours['mask_share']:.2f}% of a step")
             ll = run_llama(args.llama_python, args.gguf, prompt, args.tokens, threads, args.repeat,
