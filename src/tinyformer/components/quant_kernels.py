@@ -69,6 +69,7 @@ def _build() -> None:
         torch.library.register_fake(f"tinyformer::{name}")(_fake_int8)
     for name in ("int4_linear", "int4_linear_act8"):
         torch.library.register_fake(f"tinyformer::{name}")(_fake_int4)
+    torch.library.register_fake("tinyformer::act8_gemm")(_fake_gemm)
 
 
 def announce_build(name: str) -> bool:
@@ -94,6 +95,11 @@ def _fake_int8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tenso
 
 def _fake_int4(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], q.shape[0]))
+
+
+def _fake_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, aux: torch.Tensor, n: int, g: int, int4: bool,
+               path: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], n))
 
 
 def available() -> bool:
@@ -200,3 +206,55 @@ def int4_linear_act8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch
     y = xr @ (u.reshape(n, -1, g) * s.float()[..., None]).reshape(n, -1).t()
     y = y + x.float().reshape(x.shape[0], -1, g).sum(-1) @ zs.t()
     return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------- the 8-bit-activation GEMM's packed weights
+
+GEMM_PATHS = {"auto": 0, "vnni": 1, "plain": 2}  # the C++ op's ``path`` argument
+
+
+def has_vnni() -> bool:
+    """Whether this CPU has AVX-512 VNNI (the compiled kernels' own run-time check); False without them."""
+    return available() and bool(torch.ops.tinyformer.cpu_has_vnni())
+
+
+def pack_act8(t: dict[str, torch.Tensor], quant_type: str) -> dict[str, torch.Tensor]:
+    """The portable {"qweight", "scales"[, "zeros"]} (N, K) -> the layout ``act8_gemm`` reads, made once at load:
+    output channels in blocks of 16 (N padded to Np with zero rows), each block's K columns in quads of 4.
+
+      int8: wp (Np/16, K/4, 16, 4) int8, wp[b, k/4, c, k%4] = q[16b + c, k]; sp (Np/16, K/G, 16) the scales;
+            aux (Np/16, K/32, 16) int32 = -128 sum_{i in block} q (the activations enter as xq + 128)
+      int4: wp (Np/16, K/8, 16, 4) uint8 = u[16b + c, 8p + j] | u[16b + c, 8p + 4 + j] << 4 (j < 4);
+            sp (Np/16, K/G, 16) the scales; aux (Np/16, K/G, 16) float32 = z - 8 s
+    K and G must be multiples of 32 (the activations' blocks)."""
+    s = t["scales"].float()
+    n = s.shape[0]
+    np_ = -(-n // 16) * 16
+    pad = np_ - n
+
+    def blocks(v: torch.Tensor) -> torch.Tensor:  # (N, X) -> (Np/16, X, 16)
+        v = torch.nn.functional.pad(v, (0, 0, 0, pad))
+        return v.reshape(np_ // 16, 16, -1).transpose(1, 2).contiguous()
+
+    if quant_type == "int8":
+        q = t["qweight"]
+        k = q.shape[1]
+        qp = torch.nn.functional.pad(q, (0, 0, 0, pad))
+        wp = qp.reshape(np_ // 16, 16, k // 4, 4).transpose(1, 2).contiguous()
+        aux = blocks(-128 * q.to(torch.int32).reshape(n, k // 32, 32).sum(-1)).to(torch.int32)
+        return {"wp": wp, "sp": blocks(s), "aux": aux}
+    u = unpack_int4(t["qweight"])
+    k = u.shape[1]
+    up = torch.nn.functional.pad(u, (0, 0, 0, pad)).reshape(np_ // 16, 16, k // 8, 2, 4)
+    wp = (up[:, :, :, 0] | (up[:, :, :, 1] << 4)).transpose(1, 2).contiguous()
+    return {"wp": wp, "sp": blocks(s), "aux": blocks(t["zeros"].float() - 8 * s)}
+
+
+def act8_gemm(x: torch.Tensor, packed: dict[str, torch.Tensor], n: int, group: int, quant_type: str,
+              path: str = "auto") -> torch.Tensor:
+    """y (M, N) = round_activations(x) dequant(W)^T (int4: the zero points times the exact x, as
+    ``int4_linear_act8``) from ``pack_act8``'s layout: integer dot products over register tiles of 4 rows x
+    64 output channels (AVX-512 VNNI), or the same sums in plain C++ (``path`` "plain", and "auto" on a CPU
+    without VNNI)."""
+    return torch.ops.tinyformer.act8_gemm(x, packed["wp"], packed["sp"], packed["aux"], n, group,
+                                          quant_type == "int4", GEMM_PATHS[path])
