@@ -512,8 +512,12 @@ at::Tensor int4_linear_act8(const at::Tensor& x, const at::Tensor& q, const at::
 //         zero points multiplying the exact group sums of x).
 namespace gemm {
 
-constexpr int kMaxMR = 4;  // activation rows per register tile
-constexpr int kMaxNR = 4;  // 16-channel blocks per register tile
+#ifndef TF_GEMM_MR
+#define TF_GEMM_MR 4
+#define TF_GEMM_NR 3
+#endif
+constexpr int kMaxMR = TF_GEMM_MR;  // activation rows per register tile
+constexpr int kMaxNR = TF_GEMM_NR;  // 16-channel blocks per register tile
 
 struct Act {  // x rounded: xq (M, K) (int8 path: xq + 128 as unsigned), d (M, K/32), xs (M, K/G) exact sums
   std::vector<uint8_t> xq;
@@ -595,17 +599,23 @@ void tile_plain(const Args& a, bool int4, int64_t m0, int mr, int64_t ob0, int n
 #ifdef TF_X86
 template <int MR, int NR, bool INT4, bool PER_ROW>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vnni(const Args& a, int64_t m0,
-                                                                                    int64_t ob0) {
+                                                                                    int64_t ob0, int64_t b0,
+                                                                                    int64_t b1) {
   const int64_t K = a.K, G = a.G, nb = K / 32, ng = K / G, ob_bytes = INT4 ? K * 8 : K * 16;
   const uint8_t* xr[MR];
   for (int m = 0; m < MR; ++m) xr[m] = a.xq + (m0 + m) * K;
   const uint8_t* wr[NR];
   for (int n = 0; n < NR; ++n) wr[n] = a.wp + (ob0 + n) * ob_bytes;
   const __m512i low = _mm512_set1_epi8(15);
+  // Blocks b0..b1 of K: a later chunk adds to the partial sums the earlier ones stored in y (unscaled for
+  // PER_ROW until the last chunk).
   __m512 facc[MR][NR];
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) facc[m][n] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int n = 0; n < NR; ++n) {
+    const __mmask16 mk = tail_mask(a.N - (ob0 + n) * 16);
+    for (int m = 0; m < MR; ++m)
+      facc[m][n] = b0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mk, a.y + (m0 + m) * a.N + (ob0 + n) * 16);
+  }
+  for (int64_t b = b0; b < b1; ++b) {
     __m512i iacc[MR][NR];
     for (int n = 0; n < NR; ++n) {
       const __m512i init = INT4 ? _mm512_setzero_si512()
@@ -662,38 +672,40 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vn
   for (int n = 0; n < NR; ++n) {
     const int64_t o = (ob0 + n) * 16;
     const __mmask16 mk = tail_mask(a.N - o);
-    const __m512 sc = PER_ROW ? _mm512_loadu_ps(a.sp + (ob0 + n) * 16) : _mm512_set1_ps(1.f);
+    const bool scale = PER_ROW && b1 == nb;
+    const __m512 sc = scale ? _mm512_loadu_ps(a.sp + (ob0 + n) * 16) : _mm512_set1_ps(1.f);
     for (int m = 0; m < MR; ++m)
-      _mm512_mask_storeu_ps(a.y + (m0 + m) * a.N + o, mk, PER_ROW ? _mm512_mul_ps(facc[m][n], sc) : facc[m][n]);
+      _mm512_mask_storeu_ps(a.y + (m0 + m) * a.N + o, mk, scale ? _mm512_mul_ps(facc[m][n], sc) : facc[m][n]);
   }
 }
 
 template <int MR, int NR>
-void tile_vnni_dispatch(const Args& a, bool int4, bool per_row, int64_t m0, int64_t ob0) {
+void tile_vnni_dispatch(const Args& a, bool int4, bool per_row, int64_t m0, int64_t ob0, int64_t b0, int64_t b1) {
   if (int4)
-    tile_vnni<MR, NR, true, false>(a, m0, ob0);
+    tile_vnni<MR, NR, true, false>(a, m0, ob0, b0, b1);
   else if (per_row)
-    tile_vnni<MR, NR, false, true>(a, m0, ob0);
+    tile_vnni<MR, NR, false, true>(a, m0, ob0, b0, b1);
   else
-    tile_vnni<MR, NR, false, false>(a, m0, ob0);
+    tile_vnni<MR, NR, false, false>(a, m0, ob0, b0, b1);
 }
 
 template <int MR>
-void tile_vnni_nr(const Args& a, bool int4, bool per_row, int64_t m0, int64_t ob0, int nr) {
+void tile_vnni_nr(const Args& a, bool int4, bool per_row, int64_t m0, int64_t ob0, int nr, int64_t b0, int64_t b1) {
   switch (nr) {
-    case 1: tile_vnni_dispatch<MR, 1>(a, int4, per_row, m0, ob0); break;
-    case 2: tile_vnni_dispatch<MR, 2>(a, int4, per_row, m0, ob0); break;
-    case 3: tile_vnni_dispatch<MR, 3>(a, int4, per_row, m0, ob0); break;
-    default: tile_vnni_dispatch<MR, 4>(a, int4, per_row, m0, ob0); break;
+    case 1: tile_vnni_dispatch<MR, 1>(a, int4, per_row, m0, ob0, b0, b1); break;
+    case 2: tile_vnni_dispatch<MR, 2>(a, int4, per_row, m0, ob0, b0, b1); break;
+    case 3: tile_vnni_dispatch<MR, 3>(a, int4, per_row, m0, ob0, b0, b1); break;
+    default: tile_vnni_dispatch<MR, 4>(a, int4, per_row, m0, ob0, b0, b1); break;
   }
 }
 
-void tile_vnni_any(const Args& a, bool int4, bool per_row, int64_t m0, int mr, int64_t ob0, int nr) {
+void tile_vnni_any(const Args& a, bool int4, bool per_row, int64_t m0, int mr, int64_t ob0, int nr, int64_t b0,
+                   int64_t b1) {
   switch (mr) {
-    case 1: tile_vnni_nr<1>(a, int4, per_row, m0, ob0, nr); break;
-    case 2: tile_vnni_nr<2>(a, int4, per_row, m0, ob0, nr); break;
-    case 3: tile_vnni_nr<3>(a, int4, per_row, m0, ob0, nr); break;
-    default: tile_vnni_nr<4>(a, int4, per_row, m0, ob0, nr); break;
+    case 1: tile_vnni_nr<1>(a, int4, per_row, m0, ob0, nr, b0, b1); break;
+    case 2: tile_vnni_nr<2>(a, int4, per_row, m0, ob0, nr, b0, b1); break;
+    case 3: tile_vnni_nr<3>(a, int4, per_row, m0, ob0, nr, b0, b1); break;
+    default: tile_vnni_nr<4>(a, int4, per_row, m0, ob0, nr, b0, b1); break;
   }
 }
 #endif
@@ -730,21 +742,25 @@ at::Tensor act8_gemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor
   // Threads over panels of NR channel blocks; within a panel (its weights a few KiB, kept in L1/L2), the rows
   // MR at a time. One row (decoding) takes wider panels: more independent sums to hide vpdpbusd's latency.
   const int nr = gemm::kMaxNR;
+  // K in chunks whose slice of a panel's weights (64 channels) stays in a 32 KiB L1 while the rows pass over it:
+  // 16 KiB, 256 columns of int8 or 512 of int4 (and the partial sums go through y between chunks).
+  const int64_t nb = K / 32, chunk = M <= gemm::kMaxMR ? nb : (int4 ? 16 : 8);
   const int64_t n_panels = (nob + nr - 1) / nr;
   at::parallel_for(0, n_panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t ob0 = p * nr;
       const int nrp = static_cast<int>(std::min<int64_t>(nr, nob - ob0));
-      for (int64_t m0 = 0; m0 < M; m0 += gemm::kMaxMR) {
-        const int mr = static_cast<int>(std::min<int64_t>(gemm::kMaxMR, M - m0));
-#ifdef TF_X86
-        if (vnni) {
-          gemm::tile_vnni_any(a, int4, per_row, m0, mr, ob0, nrp);
-          continue;
-        }
-#endif
-        gemm::tile_plain(a, int4, m0, mr, ob0, nrp);
+      if (!vnni) {
+        for (int64_t m0 = 0; m0 < M; m0 += gemm::kMaxMR)
+          gemm::tile_plain(a, int4, m0, static_cast<int>(std::min<int64_t>(gemm::kMaxMR, M - m0)), ob0, nrp);
+        continue;
       }
+#ifdef TF_X86
+      for (int64_t b0 = 0; b0 < nb; b0 += chunk)
+        for (int64_t m0 = 0; m0 < M; m0 += gemm::kMaxMR)
+          gemm::tile_vnni_any(a, int4, per_row, m0, static_cast<int>(std::min<int64_t>(gemm::kMaxMR, M - m0)), ob0,
+                              nrp, b0, std::min(nb, b0 + chunk));
+#endif
     }
   });
   return y.to(x.scalar_type());

@@ -190,7 +190,7 @@ def int8_linear_act8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch
     """y = round_activations(x) dequant(W)^T for int8 W: integer dot products (VNNI) where compiled."""
     if available():
         return torch.ops.tinyformer.int8_linear_act8(x, q, s)
-    return int8_linear_reference(round_activations(x).to(x.dtype), q, s)
+    return int8_linear_act8_reference(x, q, s)
 
 
 def int4_linear_act8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -198,6 +198,16 @@ def int4_linear_act8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch
     group sums of x, the 4-bit values the rounded x (as the kernel computes them)."""
     if available():
         return torch.ops.tinyformer.int4_linear_act8(x, q, s, z)
+    return int4_linear_act8_reference(x, q, s, z)
+
+
+def int8_linear_act8_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``int8_linear_act8``'s formula in PyTorch."""
+    return int8_linear_reference(round_activations(x).to(x.dtype), q, s)
+
+
+def int4_linear_act8_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """``int4_linear_act8``'s formula in PyTorch."""
     xr = round_activations(x)
     n = q.shape[0]
     g = q.shape[1] * 2 // s.shape[1]
@@ -258,3 +268,25 @@ def act8_gemm(x: torch.Tensor, packed: dict[str, torch.Tensor], n: int, group: i
     without VNNI)."""
     return torch.ops.tinyformer.act8_gemm(x, packed["wp"], packed["sp"], packed["aux"], n, group,
                                           quant_type == "int4", GEMM_PATHS[path])
+
+
+def unpack_act8(packed: dict[str, torch.Tensor], n: int, quant_type: str) -> dict[str, torch.Tensor]:
+    """``pack_act8``'s inverse: the portable {"qweight", "scales"[, "zeros"]} of the first ``n`` channels."""
+    def rows(v: torch.Tensor) -> torch.Tensor:  # (Np/16, X, 16) -> (N, X)
+        return v.transpose(1, 2).reshape(-1, v.shape[1])[:n]
+
+    wp, s = packed["wp"], rows(packed["sp"])
+    if quant_type == "int8":
+        return {"qweight": wp.transpose(1, 2).reshape(-1, wp.shape[1] * 4)[:n], "scales": s}
+    b = wp.transpose(1, 2)  # (Np/16, 16, K/8, 4)
+    u = torch.stack([b & 15, b >> 4], dim=3).reshape(b.shape[0] * 16, -1)[:n]  # (N, K): quads 2p, 2p + 1
+    return {"qweight": pack_int4(u), "scales": s, "zeros": rows(packed["aux"]) + 8 * s}
+
+
+def act8_gemm_reference(x: torch.Tensor, packed: dict[str, torch.Tensor], n: int, group: int,
+                        quant_type: str) -> torch.Tensor:
+    """``act8_gemm``'s formula in PyTorch (the fallback without a compiler)."""
+    t = unpack_act8(packed, n, quant_type)
+    if quant_type == "int8":
+        return int8_linear_act8_reference(x, t["qweight"], t["scales"])
+    return int4_linear_act8_reference(x, t["qweight"], t["scales"], t["zeros"])

@@ -137,6 +137,14 @@ def int4_kernel_applies(out_features: int, group: int, device: torch.device) -> 
     return device.type == "cpu" and out_features % 16 == 0 and group in INT4_KERNEL_GROUPS
 
 
+def act8_by_default(in_features: int, group: int) -> bool:
+    """``auto``'s rule between the C++ kernels (measured: docs/benchmarks/quantized.md, "Prefill and int4
+    decoding with 8-bit activations"): where the CPU has AVX-512 VNNI and the columns and groups fall on the
+    activations' 32-column blocks, ``cpp_act8``'s integer GEMM, 1.5-3x float32's BLAS over 512 rows and
+    2-5x the weight-only kernel on one row; elsewhere the weight-only ``cpp``."""
+    return in_features % 32 == 0 and group % 32 == 0 and quant_kernels.has_vnni()
+
+
 def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device: torch.device) -> str:
     """The kernel one layer uses: the spec's, or for ``auto`` the fastest measured that applies."""
     g = spec.groups(in_features)
@@ -145,7 +153,7 @@ def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device:
         if device.type != "cpu":
             return "dequant"
         if quant_kernels.available():
-            return "cpp"
+            return "cpp_act8" if act8_by_default(in_features, g) else "cpp"
         if spec.type == "int8":
             return "aten" if spec.group_size == 0 else "dequant"
         return "aten" if int4_kernel_applies(out_features, g, device) else "dequant"
@@ -168,10 +176,8 @@ def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device:
 
 
 # the C++ kernels by --kernel choice and weight type (components/quant_kernels.py)
-_CPP_OPS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
-    "cpp": {"int8": quant_kernels.int8_linear, "int4": quant_kernels.int4_linear},
-    "cpp_act8": {"int8": quant_kernels.int8_linear_act8, "int4": quant_kernels.int4_linear_act8},
-}
+_CPP_OPS: dict[str, Callable[..., torch.Tensor]] = {"int8": quant_kernels.int8_linear,
+                                                     "int4": quant_kernels.int4_linear}
 
 
 class QuantizedLinear(nn.Module):
@@ -193,8 +199,12 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(bias.to(dtype), requires_grad=False) if bias is not None else None
         self.dtype = dtype
         self._fbgemm: Any = None
+        self.gemm_path = "auto"  # cpp_act8: the C++ op's code path ("vnni" / "plain" force one: tests)
         scales = portable["scales"].float()
-        if self.kernel in ("cpp", "cpp_act8"):  # the portable tensors as they are: float32 scales
+        if self.kernel == "cpp_act8":  # packed once for the GEMM (quant_kernels.pack_act8); no portable copy kept
+            for name, t in quant_kernels.pack_act8({**portable, "scales": scales}, spec.type).items():
+                self.register_buffer(name, t, persistent=False)
+        elif self.kernel == "cpp":  # the portable tensors as they are: float32 scales
             self.register_buffer("qweight", q, persistent=False)
             self.register_buffer("scales", scales, persistent=False)
             if spec.type == "int4":
@@ -242,8 +252,10 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.kernel in _CPP_OPS and x2.shape[0] <= CPP_MAX_ROWS:
-            op = _CPP_OPS[self.kernel][self.spec.type]
+        if self.kernel == "cpp_act8":
+            y = self._act8(x2)
+        elif self.kernel == "cpp" and x2.shape[0] <= CPP_MAX_ROWS:
+            op = _CPP_OPS[self.spec.type]
             y = op(x2, self.qweight, self.scales) if self.spec.type == "int8" else \
                 op(x2, self.qweight, self.scales, self.zeros)
         elif self.kernel == "fbgemm":
@@ -252,7 +264,7 @@ class QuantizedLinear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         elif self.kernel == "aten":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_and_zeros)
-        elif self.kernel in ("cpp", "cpp_act8"):
+        elif self.kernel == "cpp":
             y = self._tiled_dequant_linear(x2)
         else:
             parts = {"qweight": self.qweight, "scales": self.scales}
@@ -262,6 +274,12 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _act8(self, x2: torch.Tensor) -> torch.Tensor:
+        packed = {"wp": self.wp, "sp": self.sp, "aux": self.aux}
+        if quant_kernels.available():
+            return quant_kernels.act8_gemm(x2, packed, self.out_features, self.group, self.spec.type, self.gemm_path)
+        return quant_kernels.act8_gemm_reference(x2, packed, self.out_features, self.group, self.spec.type)
 
     def _tiled_dequant_linear(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 dequant(W)^T for many rows, widening W a tile of output rows at a time (at most
