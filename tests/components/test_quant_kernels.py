@@ -117,11 +117,13 @@ def test_cpp_layer_takes_the_kernel_for_few_rows_and_the_float_product_for_many(
     for shape in [(1, 1, k), (2, CPP_MAX_ROWS // 2, k), (3, CPP_MAX_ROWS, k)]:  # 1, 8 and 24 rows
         x = torch.randn(*shape)
         assert_matches(layer(x), x.double() @ wd.t() + b.double())
-    assert QuantizedLinear(parts, QuantSpec(spec.type, spec.group_size), k).kernel == "cpp"  # auto
+    auto = "cpp_act8" if quant_kernels.has_vnni() else "cpp"  # the rule: VNNI and 128 columns on the 32-grid
+    assert QuantizedLinear(parts, QuantSpec(spec.type, spec.group_size), k).kernel == auto
 
 
 @pytest.mark.slow
-def test_compiled_decode_step_with_the_cpp_kernel_gives_the_eager_greedy_tokens(cpp_kernels, tmp_path):
+@pytest.mark.parametrize("kernel", ["cpp", "cpp_act8"])
+def test_compiled_decode_step_with_the_cpp_kernel_gives_the_eager_greedy_tokens(cpp_kernels, tmp_path, kernel):
     from tinyformer.config import ModelConfig
     from tinyformer.generation.generator import Generator
     from tinyformer.generation.sampling import SamplingParams
@@ -136,12 +138,12 @@ def test_compiled_decode_step_with_the_cpp_kernel_gives_the_eager_greedy_tokens(
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
     save_model(tmp_path / "run", model)
-    quantize_run(tmp_path / "run", tmp_path / "q", QuantSpec("int4", 32))
+    quantize_run(tmp_path / "run", tmp_path / "q", QuantSpec("int4", 32, kernel))
     prompts = [[1, 2, 3, 4], [5, 6, 7]]
     tokens = {}
     for compiled in (False, True):
         q = load_model(tmp_path / "q")
-        assert {m.kernel for m in q.modules() if isinstance(m, QuantizedLinear)} == {"cpp"}
+        assert {m.kernel for m in q.modules() if isinstance(m, QuantizedLinear)} == {kernel}
         gen = Generator(q, compile=compiled)
         gen.eos_token_id = None
         greedy = SamplingParams(temperature=0, max_new_tokens=12)
@@ -195,14 +197,15 @@ def test_act8_pytorch_fallback_equals_the_formula(spec, n, k, monkeypatch):
     assert_matches(run_kernel(fn, spec, parts, x), act8_reference(spec, parts, x))
 
 
-def test_act8_kernel_is_opt_in_and_refuses_widths_off_the_32_grid(cpp_kernels):
+def test_act8_kernel_is_chosen_by_name_and_refuses_widths_off_the_32_grid(cpp_kernels):
     parts = quantize_weight(torch.randn(8, 100), QuantSpec("int8", 0))
     with pytest.raises(ConfigError, match="multiples of 32"):
         QuantizedLinear(parts, QuantSpec("int8", 0, "cpp_act8"), 100)
     spec = QuantSpec("int4", 32, "cpp_act8")
     parts, x, _ = layer_case(spec, 24, 64, 2, seed=6)
     layer = QuantizedLinear(parts, spec, 64)
-    assert layer.kernel == "cpp_act8" and QuantizedLinear(parts, QuantSpec("int4", 32), 64).kernel == "cpp"
+    assert layer.kernel == "cpp_act8"
+    assert QuantizedLinear(parts, QuantSpec("int4", 32, "cpp"), 64).kernel == "cpp"
     assert_matches(layer(x), act8_reference(spec, parts, x))
 
 
@@ -215,7 +218,7 @@ def test_tied_int4_head_and_token_table_share_one_copy_of_the_weights(cpp_kernel
 
     save_model(tmp_path / "run", DecoderLM(ModelConfig(vocab_size=40, d_model=32, n_layer=1, n_head=4,
                                                        n_kv_head=2, d_ff=64, max_seq_len=32)))
-    quantize_run(tmp_path / "run", tmp_path / "q", QuantSpec("int4", 32))
+    quantize_run(tmp_path / "run", tmp_path / "q", QuantSpec("int4", 32, "cpp"))
     model = load_model(tmp_path / "q")
     assert model.lm_head.kernel == "cpp"
     for name in ("qweight", "scales", "zeros"):
