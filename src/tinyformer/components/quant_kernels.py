@@ -265,7 +265,9 @@ def act8_gemm(x: torch.Tensor, packed: dict[str, torch.Tensor], n: int, group: i
     """y (M, N) = round_activations(x) dequant(W)^T (int4: the zero points times the exact x, as
     ``int4_linear_act8``) from ``pack_act8``'s layout: integer dot products over register tiles of 4 rows x
     64 output channels (AVX-512 VNNI), or the same sums in plain C++ (``path`` "plain", and "auto" on a CPU
-    without VNNI)."""
+    without VNNI); without the compiled kernels, ``act8_gemm_reference``."""
+    if not available():
+        return act8_gemm_reference(x, packed, n, group, quant_type)
     return torch.ops.tinyformer.act8_gemm(x, packed["wp"], packed["sp"], packed["aux"], n, group,
                                           quant_type == "int4", GEMM_PATHS[path])
 

@@ -277,9 +277,7 @@ class QuantizedLinear(nn.Module):
 
     def _act8(self, x2: torch.Tensor) -> torch.Tensor:
         packed = {"wp": self.wp, "sp": self.sp, "aux": self.aux}
-        if quant_kernels.available():
-            return quant_kernels.act8_gemm(x2, packed, self.out_features, self.group, self.spec.type, self.gemm_path)
-        return quant_kernels.act8_gemm_reference(x2, packed, self.out_features, self.group, self.spec.type)
+        return quant_kernels.act8_gemm(x2, packed, self.out_features, self.group, self.spec.type, self.gemm_path)
 
     def _tiled_dequant_linear(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 dequant(W)^T for many rows, widening W a tile of output rows at a time (at most
