@@ -251,7 +251,7 @@ def pack_act8(t: dict[str, torch.Tensor], quant_type: str) -> dict[str, torch.Te
         k = q.shape[1]
         qp = torch.nn.functional.pad(q, (0, 0, 0, pad))
         wp = qp.reshape(np_ // 16, 16, k // 4, 4).transpose(1, 2).contiguous()
-        aux = blocks(-128 * q.to(torch.int32).reshape(n, k // 32, 32).sum(-1)).to(torch.int32)
+        aux = blocks(-128 * q.reshape(n, k // 32, 32).sum(-1, dtype=torch.int32))
         return {"wp": wp, "sp": blocks(s), "aux": aux}
     u = unpack_int4(t["qweight"])
     k = u.shape[1]
