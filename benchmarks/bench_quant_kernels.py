@@ -122,7 +122,6 @@ def bench_shape(name: str, n: int, k: int, rows: int, repeat: int, only: list[st
                                                    torch.qint8), None)
 
     from tinyformer.components import quant_kernels
-
     from tinyformer.components.quantized import CPP_MAX_ROWS, QuantizedLinear, QuantSpec
 
     cpp = quant_kernels.available()
@@ -134,10 +133,10 @@ def bench_shape(name: str, n: int, k: int, rows: int, repeat: int, only: list[st
                                  QuantSpec("int4", 32))}
         for label, (part, spec) in ports.items():
             width, layout = label.split(" ", 1)
-            packed = quant_kernels.pack_act8(part, width)
+            packed, group = quant_kernels.pack_act8(part, width), spec.groups(k)
             for path in ("vnni", "plain") if quant_kernels.has_vnni() else ("plain",):
                 gemm[f"{width}_gemm_{path} {layout}"] = (
-                    lambda p=packed, w=width, g=spec.groups(k), path=path: quant_kernels.act8_gemm(x, p, n, g, w, path))
+                    lambda p=packed, w=width, g=group, path=path: quant_kernels.act8_gemm(x, p, n, g, w, path))
             if rows > CPP_MAX_ROWS:
                 layer = QuantizedLinear(part, QuantSpec(width, spec.group_size, "cpp"), k)
                 gemm[f"{width}_cpp_dequant_blas {layout}"] = lambda layer=layer: layer(x)

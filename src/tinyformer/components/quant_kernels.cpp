@@ -766,6 +766,44 @@ at::Tensor act8_gemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor
   return y.to(x.scalar_type());
 }
 
+// Rows o0..o1 of dequant(W) as float32 (o1 - o0, K): the weight-only prefill widens a tile of output rows and
+// hands it to the BLAS. Same roundings as dequantize_weight: int8 s q; int4 (u - 8) s + z.
+at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& s, const c10::optional<at::Tensor>& z, int64_t o0,
+                           int64_t o1) {
+  const bool int4 = z.has_value();
+  TORCH_CHECK(q.dim() == 2 && s.dim() == 2 && q.size(0) == s.size(0), "q (N, K or K/2) and s (N, K/G) expected");
+  TORCH_CHECK(q.scalar_type() == (int4 ? at::kByte : at::kChar), int4 ? "q must be uint8" : "q must be int8");
+  TORCH_CHECK(0 <= o0 && o0 <= o1 && o1 <= q.size(0), "rows ", o0, "..", o1, " out of range");
+  const int64_t K = int4 ? 2 * q.size(1) : q.size(1), ng = s.size(1), G = K / ng;
+  TORCH_CHECK(ng > 0 && K % ng == 0, "the number of groups must divide K");
+  const at::Tensor qc = q.contiguous(), sc = s.to(at::kFloat).contiguous();
+  const at::Tensor zc = int4 ? z->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor w = at::empty({o1 - o0, K}, sc.options());
+  const float* sd = sc.data_ptr<float>();
+  const float* zd = int4 ? zc.data_ptr<float>() : nullptr;
+  float* wd = w.data_ptr<float>();
+  at::parallel_for(o0, o1, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t o = r0; o < r1; ++o) {
+      float* out = wd + (o - o0) * K;
+      for (int64_t g = 0; g < ng; ++g) {
+        const float sv = sd[o * ng + g];
+        if (int4) {
+          const uint8_t* qr = qc.data_ptr<uint8_t>() + o * (K / 2) + g * G / 2;
+          const float zv = zd[o * ng + g];
+          for (int64_t j = 0; j < G / 2; ++j) {
+            out[g * G + 2 * j] = static_cast<float>((qr[j] & 15) - 8) * sv + zv;
+            out[g * G + 2 * j + 1] = static_cast<float>((qr[j] >> 4) - 8) * sv + zv;
+          }
+        } else {
+          const int8_t* qr = qc.data_ptr<int8_t>() + o * K + g * G;
+          for (int64_t i = 0; i < G; ++i) out[g * G + i] = static_cast<float>(qr[i]) * sv;
+        }
+      }
+    }
+  });
+  return w;
+}
+
 bool cpu_has_vnni() { return has_vnni(); }
 
 }  // namespace
@@ -777,6 +815,7 @@ TORCH_LIBRARY(tinyformer, m) {
   m.def("int4_linear_act8(Tensor x, Tensor q, Tensor s, Tensor z) -> Tensor");
   m.def("act8_gemm(Tensor x, Tensor wp, Tensor sp, Tensor aux, int N, int G, bool int4, int path) -> Tensor");
   m.def("cpu_has_vnni() -> bool", &cpu_has_vnni);
+  m.def("dequantize_rows(Tensor q, Tensor s, Tensor? z, int o0, int o1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tinyformer, CPU, m) {
@@ -785,4 +824,5 @@ TORCH_LIBRARY_IMPL(tinyformer, CPU, m) {
   m.impl("int8_linear_act8", &int8_linear_act8);
   m.impl("int4_linear_act8", &int4_linear_act8);
   m.impl("act8_gemm", &act8_gemm);
+  m.impl("dequantize_rows", &dequantize_rows);
 }

@@ -70,6 +70,7 @@ def _build() -> None:
     for name in ("int4_linear", "int4_linear_act8"):
         torch.library.register_fake(f"tinyformer::{name}")(_fake_int4)
     torch.library.register_fake("tinyformer::act8_gemm")(_fake_gemm)
+    torch.library.register_fake("tinyformer::dequantize_rows")(_fake_dequantize_rows)
 
 
 def announce_build(name: str) -> bool:
@@ -100,6 +101,17 @@ def _fake_int4(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tenso
 def _fake_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, aux: torch.Tensor, n: int, g: int, int4: bool,
                path: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], n))
+
+
+def _fake_dequantize_rows(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, o0: int, o1: int) -> torch.Tensor:
+    return s.new_empty((o1 - o0, q.shape[1] * (2 if z is not None else 1)), dtype=torch.float32)
+
+
+def dequantize_rows(t: dict[str, torch.Tensor], quant_type: str, o0: int, o1: int) -> torch.Tensor:
+    """Rows o0..o1 of ``dequantize_weight(t)`` as float32, in one C++ pass where compiled."""
+    if available():
+        return torch.ops.tinyformer.dequantize_rows(t["qweight"], t["scales"], t.get("zeros"), o0, o1)
+    return dequantize_weight({k: v[o0:o1] for k, v in t.items()}, quant_type)
 
 
 def available() -> bool:

@@ -285,11 +285,12 @@ class QuantizedLinear(nn.Module):
         vocabulary would be 113 MiB)."""
         step = max(1, DEQUANT_TILE_BYTES // (4 * self.in_features))
         out = x2.new_empty(x2.shape[0], self.out_features)
+        parts = {"qweight": self.qweight, "scales": self.scales}
+        if self.spec.type == "int4":
+            parts["zeros"] = self.zeros
         for o in range(0, self.out_features, step):
-            parts = {"qweight": self.qweight[o : o + step], "scales": self.scales[o : o + step]}
-            if self.spec.type == "int4":
-                parts["zeros"] = self.zeros[o : o + step]
-            torch.matmul(x2, dequantize_weight(parts, self.spec.type, x2.dtype).t(), out=out[:, o : o + step])
+            w = quant_kernels.dequantize_rows(parts, self.spec.type, o, min(o + step, self.out_features))
+            torch.matmul(x2, w.to(x2.dtype).t(), out=out[:, o : o + step])
         return out
 
     def extra_repr(self) -> str:
