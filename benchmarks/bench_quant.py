@@ -138,7 +138,8 @@ def llama_worker(path: str, threads: int, new_tokens: int, prompt_tokens: int) -
             "chat_reply_ids": reply, "decode_cpu": decode_cpu, "prefill_cpu": prefill_cpu}
 
 
-def alternating(runs: dict[str, str], threads: int, new_tokens: int, prompt_tokens: int, rounds: int) -> dict:
+def alternating(runs: dict[str, str], threads: int, new_tokens: int, prompt_tokens: int, rounds: int,
+                compile: bool = False) -> dict:
     """Every tinyformer run of ``runs`` ({label: run folder}) loaded in this one process and timed in turn,
     ``rounds`` times (A, B, C, A, B, C, ...): a prefill of ``prompt_tokens`` and a greedy decode of ``new_tokens``.
     The fastest round of each, in wall time and in this thread's CPU time (with 1 thread torch computes in it)."""
@@ -149,7 +150,7 @@ def alternating(runs: dict[str, str], threads: int, new_tokens: int, prompt_toke
     from tinyformer.generation.sampling import SamplingParams
 
     torch.set_num_threads(threads)
-    gens = {label: Generator.from_run(run) for label, run in runs.items()}
+    gens = {label: Generator.from_run(run, compile=compile) for label, run in runs.items()}
     first = next(iter(gens.values()))
     long_prompt = (first.encode("The quick brown fox jumps over the lazy dog. ") * prompt_tokens)[:prompt_tokens]
     short = first.encode("The capital of France is")
@@ -265,8 +266,9 @@ def main() -> None:
             args.int8_kernel = args.int4_kernel = kernel
             runs.update({f"{w} {kernel}" if w != "fp32" else w: p for w, p in prepare(args)["tinyformer"].items()
                          if w in args.pairs})
-        print(f"CPU {cpu_model()}, {args.threads[0]} thread(s), load average {os.getloadavg()}", flush=True)
-        best = alternating(runs, args.threads[0], args.new_tokens, args.prompt_tokens, args.rounds)
+        print(f"CPU {cpu_model()}, {args.threads[0]} thread(s), {'compiled' if args.compile else 'eager'} decode, "
+              f"load average {os.getloadavg()}", flush=True)
+        best = alternating(runs, args.threads[0], args.new_tokens, args.prompt_tokens, args.rounds, args.compile)
         base = best.get("fp32")
         for label, row in best.items():
             ratio = f" ({row['prefill_cpu'] / base['prefill_cpu']:.2f}x fp32)" if base else ""

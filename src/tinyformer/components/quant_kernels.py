@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 products for a few activation rows on the CPU: a small C++ extension.
+"""int8 / int4 products on the CPU: a small C++ extension (weight-only kernels, an 8-bit-activation GEMM).
 
     int8_linear(x, q, s)     y = x dequant(W)^T,  dequant(W)_oi = s_og q_oi              (i in group g)
     int4_linear(x, q, s, z)  y = x dequant(W)^T,  dequant(W)_oi = s_og (u_oi - 8) + z_og
@@ -17,10 +17,13 @@ output rows) is compiled at first use with ``torch.utils.cpp_extension.load`` (a
 ``torch.compile``-d decode step calls them. Without a compiler the same formulas run in PyTorch
 (``int8_linear_reference`` / ``int4_linear_reference``) and one line on stderr says so.
 
-Opt-in, not weight-only (``int8_linear_act8`` / ``int4_linear_act8``): the activations are rounded to 8 bits
+Not weight-only (``int8_linear_act8`` / ``int4_linear_act8`` on the portable layout, and ``act8_gemm`` on
+weights packed once by ``pack_act8``, the form ``cpp_act8`` layers hold): the activations are rounded to 8 bits
 per block of 32 columns first, as llama.cpp does for its Q8_0 / Q4_0 products (``round_activations``:
 x_i ~ d_b xq_i, d_b = max_b |x| / 127, |error| <= d_b / 2), and the products are integer dot products
 (AVX-512 VNNI), several times fewer instructions per weight. int4's zero points multiply the exact sums of x.
+``act8_gemm`` tiles 4 rows x 48 output channels in registers, for one row (decoding) or many (prefill);
+``dequantize_rows`` widens rows of W to float32 for the weight-only prefill (tiles handed to the BLAS).
 """
 
 from __future__ import annotations

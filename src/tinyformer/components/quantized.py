@@ -18,16 +18,20 @@ nibble and column 2j+1 in the high one. The int4 zero point also expresses llama
 (x = d q), exactly.
 
 Forward: y = x dequant(W)^T + b, x (..., in) -> y (..., out), computed by one of these ``kernel`` s:
-  * ``cpp`` (the CPU default): ``tinyformer.components.quant_kernels``, a C++ extension (AVX-512) that
+  * ``cpp`` (weight-only): ``tinyformer.components.quant_kernels``, a C++ extension (AVX-512) that
     reads the portable layout in place and widens each weight to float32 in registers, for M <=
-    ``CPP_MAX_ROWS`` activation rows (M = batch x tokens; decoding). More rows (a prefill) take the
-    ``dequant`` formula, ``DEQUANT_TILE_BYTES`` of widened output rows at a time, where the widening's cost
-    is shared by the rows. Built at first use; without a C++ compiler the same formula runs in PyTorch.
-  * ``cpp_act8`` (opt-in; in and G multiples of 32): as ``cpp``, but the activations are rounded to 8 bits
-    per block b of 32 columns first, x_i ~ d_b xq_i with d_b = max_b |x| / 127 (as llama.cpp's Q8_0 / Q4_0
-    products do), and multiplied as integers (VNNI): y differs from x dequant(W)^T by at most
-    sum_b d_b / 2 sum_{i in b} |dequant(W)_oi| (int4: |s_og (u_oi - 8)| there, the zero points multiply
-    the exact x). Prefill rows (more than ``CPP_MAX_ROWS``) stay weight-only, as with ``cpp``.
+    ``CPP_MAX_ROWS`` activation rows (M = batch x tokens; decoding). More rows (a prefill) widen
+    ``DEQUANT_TILE_BYTES`` of output rows at a time in C++ (``dequantize_rows``) and call the BLAS, where the
+    widening's cost is shared by the rows. Built at first use; without a C++ compiler the same formula runs
+    in PyTorch.
+  * ``cpp_act8`` (in and G multiples of 32; ``auto``'s choice on CPUs with AVX-512 VNNI, see
+    ``act8_by_default``): the activations are rounded to 8 bits per row and block b of 32 columns,
+    x_i ~ d_b xq_i with d_b = max_b |x| / 127 (as llama.cpp's Q8_0 / Q4_0 products do), and multiplied as
+    integers by weights packed once at load (``quant_kernels.pack_act8``; the layer keeps only that form) in
+    a register-tiled GEMM (``quant_kernels.act8_gemm``: VNNI ``vpdpbusd``, 4 rows x 48 output channels a
+    tile; int4 nibbles widened to bytes in registers), for any number of rows, one (decoding) to thousands
+    (prefill). y differs from x dequant(W)^T by at most sum_b d_b / 2 sum_{i in b} |dequant(W)_oi| (int4:
+    |s_og (u_oi - 8)| there, the zero points multiply the exact x).
   * ``dequant``: F.linear(x, dequant(W)), the formula itself. Eager, every call widens the weights
     (slower than float weights); under ``torch.compile`` the widening fuses into the product.
   * ``aten``: PyTorch's weight-only CPU kernels, ``aten._weight_int8pack_mm`` (int8 per output channel)
@@ -57,9 +61,10 @@ from tinyformer.errors import ConfigError
 
 QUANT_TYPES = ("int8", "int4")
 KERNELS = ("auto", "cpp", "cpp_act8", "dequant", "aten", "fbgemm")
-# Rows up to which the cpp kernel beats widening the weights once and calling F.linear (measured:
-# docs/benchmarks/quantized.md): its cost grows with the rows, the widening's does not.
-CPP_MAX_ROWS = 8
+# Rows up to which the weight-only cpp kernel beats widening the weights once (dequantize_rows) and calling
+# the BLAS (measured: docs/benchmarks/quantized.md, 1 thread): its cost grows with the rows, the widening's does
+# not; at 16 rows the kernel was faster on every shape and layout, at 32 on half of them, at 64 on two.
+CPP_MAX_ROWS = 16
 DEQUANT_TILE_BYTES = 8 * 2**20
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 
@@ -68,9 +73,10 @@ INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 class QuantSpec:
     """How a run's linear weights are quantized: ``type`` int8 | int4; ``group_size`` G (0 = one scale per
     output row, int8 only; int4 needs G >= 2, even); ``kernel`` the forward computation (see module doc;
-    ``auto`` picks a weight-only one: on a CPU ``cpp`` (``aten`` for int8 per channel and for int4 where its
-    kernel applies, else ``dequant``, when the C++ kernels cannot be built), elsewhere ``dequant``;
-    ``fbgemm``, which rounds the activations too, is only used when asked for)."""
+    ``auto`` picks, on a CPU, ``cpp_act8`` where ``act8_by_default`` says so (AVX-512 VNNI, columns and G on
+    the 32-grid), else the weight-only ``cpp`` (``aten`` for int8 per channel and for int4 where its kernel
+    applies, else ``dequant``, when the C++ kernels cannot be built), elsewhere ``dequant``; ``fbgemm`` is only
+    used when asked for)."""
 
     type: str
     group_size: int = 0
