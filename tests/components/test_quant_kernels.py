@@ -117,8 +117,7 @@ def test_cpp_layer_takes_the_kernel_for_few_rows_and_the_float_product_for_many(
     for shape in [(1, 1, k), (2, CPP_MAX_ROWS // 2, k), (3, CPP_MAX_ROWS, k)]:  # 1, 8 and 24 rows
         x = torch.randn(*shape)
         assert_matches(layer(x), x.double() @ wd.t() + b.double())
-    auto = "cpp_act8" if quant_kernels.has_vnni() else "cpp"  # the rule: VNNI and 128 columns on the 32-grid
-    assert QuantizedLinear(parts, QuantSpec(spec.type, spec.group_size), k).kernel == auto
+    assert QuantizedLinear(parts, QuantSpec(spec.type, spec.group_size), k).kernel == "cpp"  # auto
 
 
 @pytest.mark.slow
@@ -197,15 +196,14 @@ def test_act8_pytorch_fallback_equals_the_formula(spec, n, k, monkeypatch):
     assert_matches(run_kernel(fn, spec, parts, x), act8_reference(spec, parts, x))
 
 
-def test_act8_kernel_is_chosen_by_name_and_refuses_widths_off_the_32_grid(cpp_kernels):
+def test_act8_kernel_is_opt_in_and_refuses_widths_off_the_32_grid(cpp_kernels):
     parts = quantize_weight(torch.randn(8, 100), QuantSpec("int8", 0))
     with pytest.raises(ConfigError, match="multiples of 32"):
         QuantizedLinear(parts, QuantSpec("int8", 0, "cpp_act8"), 100)
     spec = QuantSpec("int4", 32, "cpp_act8")
     parts, x, _ = layer_case(spec, 24, 64, 2, seed=6)
     layer = QuantizedLinear(parts, spec, 64)
-    assert layer.kernel == "cpp_act8"
-    assert QuantizedLinear(parts, QuantSpec("int4", 32, "cpp"), 64).kernel == "cpp"
+    assert layer.kernel == "cpp_act8" and QuantizedLinear(parts, QuantSpec("int4", 32), 64).kernel == "cpp"
     assert_matches(layer(x), act8_reference(spec, parts, x))
 
 

@@ -153,14 +153,12 @@ def test_weight_only_layer_over_many_rows_equals_x_times_dequantized_weight(cpp,
     assert_within_bound(y, w, spec, parts, x, None)
 
 
-def test_auto_takes_the_act8_gemm_on_vnni_cpus_where_the_32_grid_allows(cpp):
-    vnni = quant_kernels.has_vnni()
-    on_grid = quantize_weight(torch.randn(16, 64), QuantSpec("int4", 32))
-    assert QuantizedLinear(on_grid, QuantSpec("int4", 32), 64).kernel == ("cpp_act8" if vnni else "cpp")
-    off_grid = quantize_weight(torch.randn(16, 100), QuantSpec("int4", 50))
-    assert QuantizedLinear(off_grid, QuantSpec("int4", 50), 100).kernel == "cpp"
-    per_channel_off = quantize_weight(torch.randn(16, 100), QuantSpec("int8", 0))
-    assert QuantizedLinear(per_channel_off, QuantSpec("int8", 0), 100).kernel == "cpp"
+def test_auto_stays_weight_only_and_act8_is_taken_by_name(cpp):
+    parts = quantize_weight(torch.randn(16, 64), QuantSpec("int4", 32))
+    assert QuantizedLinear(parts, QuantSpec("int4", 32), 64).kernel == "cpp"
+    layer = QuantizedLinear(parts, QuantSpec("int4", 32, "cpp_act8"), 64)
+    assert layer.kernel == "cpp_act8" and not hasattr(layer, "qweight")  # only the packed form is held
+    assert {"wp", "sp", "aux"} <= {name for name, _ in layer.named_buffers()}
 
 
 def test_forcing_vnni_on_a_cpu_without_it_is_refused(cpp):

@@ -24,8 +24,8 @@ Forward: y = x dequant(W)^T + b, x (..., in) -> y (..., out), computed by one of
     ``DEQUANT_TILE_BYTES`` of output rows at a time in C++ (``dequantize_rows``) and call the BLAS, where the
     widening's cost is shared by the rows. Built at first use; without a C++ compiler the same formula runs
     in PyTorch.
-  * ``cpp_act8`` (in and G multiples of 32; ``auto``'s choice on CPUs with AVX-512 VNNI, see
-    ``act8_by_default``): the activations are rounded to 8 bits per row and block b of 32 columns,
+  * ``cpp_act8`` (opt-in; in and G multiples of 32; the fast one where the CPU has AVX-512 VNNI): the
+    activations are rounded to 8 bits per row and block b of 32 columns,
     x_i ~ d_b xq_i with d_b = max_b |x| / 127 (as llama.cpp's Q8_0 / Q4_0 products do), and multiplied as
     integers by weights packed once at load (``quant_kernels.pack_act8``; the layer keeps only that form) in
     a register-tiled GEMM (``quant_kernels.act8_gemm``: VNNI ``vpdpbusd``, 4 rows x 48 output channels a
@@ -73,10 +73,9 @@ INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 class QuantSpec:
     """How a run's linear weights are quantized: ``type`` int8 | int4; ``group_size`` G (0 = one scale per
     output row, int8 only; int4 needs G >= 2, even); ``kernel`` the forward computation (see module doc;
-    ``auto`` picks, on a CPU, ``cpp_act8`` where ``act8_by_default`` says so (AVX-512 VNNI, columns and G on
-    the 32-grid), else the weight-only ``cpp`` (``aten`` for int8 per channel and for int4 where its kernel
-    applies, else ``dequant``, when the C++ kernels cannot be built), elsewhere ``dequant``; ``fbgemm`` is only
-    used when asked for)."""
+    ``auto`` picks a weight-only one: on a CPU ``cpp`` (``aten`` for int8 per channel and for int4 where its
+    kernel applies, else ``dequant``, when the C++ kernels cannot be built), elsewhere ``dequant``;
+    ``cpp_act8`` and ``fbgemm``, which round the activations too, are only used when asked for)."""
 
     type: str
     group_size: int = 0
@@ -143,14 +142,6 @@ def int4_kernel_applies(out_features: int, group: int, device: torch.device) -> 
     return device.type == "cpu" and out_features % 16 == 0 and group in INT4_KERNEL_GROUPS
 
 
-def act8_by_default(in_features: int, group: int) -> bool:
-    """``auto``'s rule between the C++ kernels (measured: docs/benchmarks/quantized.md, "Prefill and int4
-    decoding with 8-bit activations"): where the CPU has AVX-512 VNNI and the columns and groups fall on the
-    activations' 32-column blocks, ``cpp_act8``'s integer GEMM, 1.5-3x float32's BLAS over 512 rows and
-    2-5x the weight-only kernel on one row; elsewhere the weight-only ``cpp``."""
-    return in_features % 32 == 0 and group % 32 == 0 and quant_kernels.has_vnni()
-
-
 def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device: torch.device) -> str:
     """The kernel one layer uses: the spec's, or for ``auto`` the fastest measured that applies."""
     g = spec.groups(in_features)
@@ -159,7 +150,7 @@ def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device:
         if device.type != "cpu":
             return "dequant"
         if quant_kernels.available():
-            return "cpp_act8" if act8_by_default(in_features, g) else "cpp"
+            return "cpp"
         if spec.type == "int8":
             return "aten" if spec.group_size == 0 else "dequant"
         return "aten" if int4_kernel_applies(out_features, g, device) else "dequant"
