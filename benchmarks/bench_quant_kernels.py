@@ -195,6 +195,8 @@ def streaming(layers: int, repeat: int) -> None:
     z4 = [torch.rand(n, k // 32) for _ in range(layers)]
     x = torch.randn(1, k)
     ops = torch.ops.tinyformer
+    p8 = [quant_kernels.pack_act8({"qweight": q, "scales": s}, "int8") for q, s in zip(q8, s8)]
+    p4 = [quant_kernels.pack_act8({"qweight": q, "scales": s, "zeros": z}, "int4") for q, s, z in zip(q4, s4, z4)]
     cases = {  # label: (pass over all layers, bytes of weights and scales per matrix)
         "fp32": (lambda: [F.linear(x, w) for w in ws], n * k * 4),
         "int8_cpp (per-channel)": (lambda: [ops.int8_linear(x, q, s) for q, s in zip(q8, s8)], n * k + n * 4),
@@ -204,6 +206,10 @@ def streaming(layers: int, repeat: int) -> None:
                             n * k // 2 + n * k // 32 * 8),
         "int4_cpp_act8 (G=32)": (lambda: [ops.int4_linear_act8(x, q, s, z) for q, s, z in zip(q4, s4, z4)],
                                  n * k // 2 + n * k // 32 * 8),
+        "int8_gemm (per-channel)": (lambda: [quant_kernels.act8_gemm(x, p, n, k, "int8") for p in p8],
+                                    n * k + n * 4 + n * k // 32 * 4),
+        "int4_gemm (G=32)": (lambda: [quant_kernels.act8_gemm(x, p, n, 32, "int4") for p in p4],
+                             n * k // 2 + n * k // 32 * 8),
     }
     with torch.inference_mode():
         base = None
