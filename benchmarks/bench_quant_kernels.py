@@ -40,20 +40,35 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
-def time_us(fn, repeat: int) -> tuple[float, float]:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+clock = time.perf_counter  # --clock: "cpu" is this thread's CPU time (with --threads 1 the kernels run in it)
+
+
+def time_us(fn, repeat: int, warm: int = 3) -> tuple[float, float]:
     """(fastest, median) microseconds per call. On a loaded machine the fastest call is the one the
     scheduler did not interrupt, the best estimate of the kernel's own speed."""
-    for _ in range(3):
+    for _ in range(warm):
         fn()
     times = []
     for _ in range(repeat):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return min(times) * 1e6, statistics.median(times) * 1e6
 
 
-def bench_shape(name: str, n: int, k: int, rows: int, repeat: int, only: list[str] | None = None) -> None:
+def alternate(cases: dict, repeat: int, rounds: int) -> dict[str, tuple[float, float]]:
+    """Each case timed ``rounds`` times in turn (A, B, C, A, B, C, ...), ``repeat`` calls a round: a change
+    of load hits every case alike. The fastest call over all rounds and the median of the round medians."""
+    best: dict[str, list[tuple[float, float]]] = {label: [] for label in cases}
+    for r in range(rounds):
+        for label, fn in cases.items():
+            best[label].append(time_us(fn, repeat, warm=3 if r == 0 else 1))
+    return {k: (min(v)[0], statistics.median(m for _, m in v)) for k, v in best.items()}
+
+
+def bench_shape(name: str, n: int, k: int, rows: int, repeat: int, only: list[str] | None = None,
+                rounds: int = 1) -> None:
     """Time every kernel on y = x W^T with W (n, k) and x (rows, k)."""
     w = torch.randn(n, k)
     x = torch.randn(rows, k)
@@ -107,8 +122,24 @@ def bench_shape(name: str, n: int, k: int, rows: int, repeat: int, only: list[st
                                                    torch.qint8), None)
 
     from tinyformer.components import quant_kernels
+    from tinyformer.components.quantized import CPP_MAX_ROWS, QuantizedLinear, QuantSpec
 
     cpp = quant_kernels.available()
+    gemm = {}  # the 8-bit-activation GEMM over its packed weights, and the weight-only layer (its prefill path)
+    if cpp:
+        ports = {"int8 (per-channel)": ({"qweight": q8, "scales": s8[:, None]}, QuantSpec("int8", 0)),
+                 "int8 (G=32)": ({"qweight": q8g, "scales": s8g}, QuantSpec("int8", 32)),
+                 "int4 (G=32)": ({"qweight": nib, "scales": s4_32, "zeros": torch.zeros_like(s4_32)},
+                                 QuantSpec("int4", 32))}
+        for label, (part, spec) in ports.items():
+            width, layout = label.split(" ", 1)
+            packed, group = quant_kernels.pack_act8(part, width), spec.groups(k)
+            for path in ("vnni", "plain") if quant_kernels.has_vnni() else ("plain",):
+                gemm[f"{width}_gemm_{path} {layout}"] = (
+                    lambda p=packed, w=width, g=group, path=path: quant_kernels.act8_gemm(x, p, n, g, w, path))
+            if rows > CPP_MAX_ROWS:
+                layer = QuantizedLinear(part, QuantSpec(width, spec.group_size, "cpp"), k)
+                gemm[f"{width}_cpp_dequant_blas {layout}"] = lambda layer=layer: layer(x)
     cases = {
         "fp32": lambda: F.linear(x, w),
         "int8_cpp (per-channel)": (lambda: torch.ops.tinyformer.int8_linear(x, q8, s8[:, None])) if cpp else None,
@@ -128,14 +159,15 @@ def bench_shape(name: str, n: int, k: int, rows: int, repeat: int, only: list[st
         "int4_aten (G=64)": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p4_64, 64, sz64),
         "int4_compiled (G=32)": lambda: deq4(x, nib, s4_32),
         "fbgemm_dynamic (per-channel)": lambda: dyn(x),
+        **gemm,
     }
     weight_bytes = {"fp32": 4.0, "int8": 1.0, "int4": 0.5, "fbgemm": 1.0}
+    chosen = {label: fn for label, fn in cases.items()
+              if fn is not None and not (only and label != "fp32" and not any(o in label for o in only))}
     with torch.inference_mode():
+        times = alternate(chosen, repeat if rows <= 8 else max(3, repeat // 10), rounds)
         base = None
-        for label, fn in cases.items():
-            if fn is None or (only and label != "fp32" and not any(o in label for o in only)):
-                continue
-            us, med = time_us(fn, repeat if rows <= 8 else max(10, repeat // 10))
+        for label, (us, med) in times.items():
             base = base or us
             per = weight_bytes[label.split("_")[0]]
             group = 32 if "G=32" in label else k
@@ -163,6 +195,8 @@ def streaming(layers: int, repeat: int) -> None:
     z4 = [torch.rand(n, k // 32) for _ in range(layers)]
     x = torch.randn(1, k)
     ops = torch.ops.tinyformer
+    p8 = [quant_kernels.pack_act8({"qweight": q, "scales": s}, "int8") for q, s in zip(q8, s8)]
+    p4 = [quant_kernels.pack_act8({"qweight": q, "scales": s, "zeros": z}, "int4") for q, s, z in zip(q4, s4, z4)]
     cases = {  # label: (pass over all layers, bytes of weights and scales per matrix)
         "fp32": (lambda: [F.linear(x, w) for w in ws], n * k * 4),
         "int8_cpp (per-channel)": (lambda: [ops.int8_linear(x, q, s) for q, s in zip(q8, s8)], n * k + n * 4),
@@ -172,6 +206,10 @@ def streaming(layers: int, repeat: int) -> None:
                             n * k // 2 + n * k // 32 * 8),
         "int4_cpp_act8 (G=32)": (lambda: [ops.int4_linear_act8(x, q, s, z) for q, s, z in zip(q4, s4, z4)],
                                  n * k // 2 + n * k // 32 * 8),
+        "int8_gemm (per-channel)": (lambda: [quant_kernels.act8_gemm(x, p, n, k, "int8") for p in p8],
+                                    n * k + n * 4 + n * k // 32 * 4),
+        "int4_gemm (G=32)": (lambda: [quant_kernels.act8_gemm(x, p, n, 32, "int4") for p in p4],
+                             n * k // 2 + n * k // 32 * 8),
     }
     with torch.inference_mode():
         base = None
@@ -183,26 +221,44 @@ def streaming(layers: int, repeat: int) -> None:
                   f"{base / us:5.2f}x fp32  {nbytes / us / 1e3:6.1f} GB/s", flush=True)
 
 
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 128])
     ap.add_argument("--repeat", type=int, default=200)
     ap.add_argument("--only", nargs="+", default=None, help="kernels whose label contains one of these (and fp32)")
+    ap.add_argument("--rounds", type=int, default=1, help="time the kernels this many times in turn (A B A B)")
+    ap.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                    help="cpu: this thread's CPU time (use with --threads 1 on a loaded machine)")
+    ap.add_argument("--shapes", nargs="+", default=None, help="only these shapes (gate_up, down, head, qkv, o)")
     ap.add_argument("--streaming", type=int, default=0, metavar="LAYERS",
                     help="instead: one row through LAYERS different gate_up matrices (weights from memory)")
     args = ap.parse_args()
+    global clock
+    clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    shapes = {"gate_up 3072x576": (3072, 576), "down 576x1536": (576, 1536), "head 49152x576": (49152, 576)}
-    print(f"torch {torch.__version__}, {args.threads} threads, load average {os.getloadavg()}")
+    shapes = {"gate_up 3072x576": (3072, 576), "down 576x1536": (576, 1536), "head 49152x576": (49152, 576),
+              "qkv 960x576": (960, 576), "o 576x576": (576, 576)}
+    shapes = {k: v for k, v in shapes.items()
+              if (args.shapes and k.split()[0] in args.shapes) or (not args.shapes and k.split()[0] in
+                                                                   ("gate_up", "down", "head"))}
+    print(f"torch {torch.__version__}, {args.threads} threads, {args.clock} clock, load average {os.getloadavg()}, "
+          f"CPU {cpu_model()}")
     if args.streaming:
         streaming(args.streaming, args.repeat)
         print(f"load average at the end {os.getloadavg()}")
         return
     for rows in args.rows:
         for name, (n, k) in shapes.items():
-            bench_shape(name, n, k, rows, args.repeat, args.only)
+            bench_shape(name, n, k, rows, args.repeat, args.only, args.rounds)
     print(f"load average at the end {os.getloadavg()}")
 
 if __name__ == "__main__":

@@ -121,7 +121,8 @@ def test_cpp_layer_takes_the_kernel_for_few_rows_and_the_float_product_for_many(
 
 
 @pytest.mark.slow
-def test_compiled_decode_step_with_the_cpp_kernel_gives_the_eager_greedy_tokens(cpp_kernels, tmp_path):
+@pytest.mark.parametrize("kernel", ["cpp", "cpp_act8"])
+def test_compiled_decode_step_with_the_cpp_kernel_gives_the_eager_greedy_tokens(cpp_kernels, tmp_path, kernel):
     from tinyformer.config import ModelConfig
     from tinyformer.generation.generator import Generator
     from tinyformer.generation.sampling import SamplingParams
@@ -136,12 +137,12 @@ def test_compiled_decode_step_with_the_cpp_kernel_gives_the_eager_greedy_tokens(
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
     save_model(tmp_path / "run", model)
-    quantize_run(tmp_path / "run", tmp_path / "q", QuantSpec("int4", 32))
+    quantize_run(tmp_path / "run", tmp_path / "q", QuantSpec("int4", 32, kernel))
     prompts = [[1, 2, 3, 4], [5, 6, 7]]
     tokens = {}
     for compiled in (False, True):
         q = load_model(tmp_path / "q")
-        assert {m.kernel for m in q.modules() if isinstance(m, QuantizedLinear)} == {"cpp"}
+        assert {m.kernel for m in q.modules() if isinstance(m, QuantizedLinear)} == {kernel}
         gen = Generator(q, compile=compiled)
         gen.eos_token_id = None
         greedy = SamplingParams(temperature=0, max_new_tokens=12)
@@ -215,7 +216,7 @@ def test_tied_int4_head_and_token_table_share_one_copy_of_the_weights(cpp_kernel
 
     save_model(tmp_path / "run", DecoderLM(ModelConfig(vocab_size=40, d_model=32, n_layer=1, n_head=4,
                                                        n_kv_head=2, d_ff=64, max_seq_len=32)))
-    quantize_run(tmp_path / "run", tmp_path / "q", QuantSpec("int4", 32))
+    quantize_run(tmp_path / "run", tmp_path / "q", QuantSpec("int4", 32, "cpp"))
     model = load_model(tmp_path / "q")
     assert model.lm_head.kernel == "cpp"
     for name in ("qweight", "scales", "zeros"):

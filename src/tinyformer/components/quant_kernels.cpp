@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -491,6 +492,320 @@ at::Tensor int4_linear_act8(const at::Tensor& x, const at::Tensor& q, const at::
   return act8_linear(x, q, s, &z);
 }
 
+
+// ------------------------------------------------------------------ the 8-bit-activation GEMM (packed weights)
+//
+//   tinyformer::act8_gemm(x, wp, sp, aux, N, G, int4, path)  y (M, N) ~ x dequant(W)^T
+//
+// Activations rounded per row and block b of 32 columns as round_activations does (x ~ d_b xq, Q8_0's
+// rounding), weights in a layout packed once at load (quant_kernels.py::pack_act8): output channels in
+// blocks of 16 (N padded with zero rows), each block's columns in 4-byte quads, so one 64-byte vector holds
+// 16 channels x 4 columns and `vpdpbusd` (unsigned bytes x signed bytes, summed in fours) multiplies it by
+// one row's 4 activations broadcast. A register tile of MR rows x NR channel blocks (MR x NR x 16 outputs)
+// reuses every loaded weight vector MR times and every broadcast activation NR times.
+//   int8: wp (Np/16, K/4, 16, 4) int8 q; the activations enter as xq + 128 (unsigned), so each block's integer
+//         sum starts from aux = -128 sum_{i in b} q_oi (int32 (Np/16, K/32, 16)); y = sum_b s_og d_b dot_b
+//         (s per group, (Np/16, K/G, 16); per channel (G = K): s applied once at the end).
+//   int4: wp (Np/16, K/8, 16, 4) uint8: the low nibbles are columns 8p..8p+3, the high ones 8p+4..8p+7;
+//         u in [0, 15] is the unsigned operand; w = s u + (z - 8 s), so
+//         y = sum_g [ s_og sum_{b in g} d_b dot_b + (z_og - 8 s_og) sum_{i in g} x_i ] (aux = z - 8 s, the
+//         zero points multiplying the exact group sums of x).
+namespace gemm {
+
+#ifndef TF_GEMM_MR
+#define TF_GEMM_MR 4
+#define TF_GEMM_NR 3
+#endif
+constexpr int kMaxMR = TF_GEMM_MR;  // activation rows per register tile
+constexpr int kMaxNR = TF_GEMM_NR;  // 16-channel blocks per register tile
+
+struct Act {  // x rounded: xq (M, K) (int8 path: xq + 128 as unsigned), d (M, K/32), xs (M, K/G) exact sums
+  std::vector<uint8_t> xq;
+  std::vector<float> d, xs;
+};
+
+Act quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, bool int4) {
+  const int64_t nb = K / 32, ng = K / G;
+  Act a;
+  a.xq.resize(static_cast<size_t>(M * K));
+  a.d.resize(static_cast<size_t>(M * nb));
+  a.xs.assign(static_cast<size_t>(M * ng), 0.f);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + m * K + b * 32;
+        float amax = 0.f, sum = 0.f;
+        for (int i = 0; i < 32; ++i) {
+          amax = std::max(amax, std::fabs(xb[i]));
+          sum += xb[i];
+        }
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        uint8_t* out = a.xq.data() + m * K + b * 32;
+        for (int i = 0; i < 32; ++i) {
+          const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
+          out[i] = static_cast<uint8_t>(int4 ? v : v + 128);
+        }
+        a.d[m * nb + b] = amax / 127.f;
+        a.xs[m * ng + b * 32 / G] += sum;
+      }
+  });
+  return a;
+}
+
+struct Args {
+  const uint8_t* xq;
+  const float *d, *xs;
+  int64_t K, G, N;
+  const uint8_t* wp;
+  const float* sp;
+  const void* aux;
+  float* y;
+};
+
+// Plain C++ over the packed layout: the same sums in the same order of blocks (any CPU).
+void tile_plain(const Args& a, bool int4, int64_t m0, int mr, int64_t ob0, int nr) {
+  const int64_t K = a.K, G = a.G, nb = K / 32, ng = K / G, ob_bytes = int4 ? K * 8 : K * 16;
+  const bool per_row = !int4 && G == K;
+  for (int m = 0; m < mr; ++m)
+    for (int n = 0; n < nr; ++n)
+      for (int c = 0; c < 16; ++c) {
+        const int64_t ob = ob0 + n, o = ob * 16 + c;
+        if (o >= a.N) continue;
+        const uint8_t* w = a.wp + ob * ob_bytes;
+        const uint8_t* xr = a.xq + (m0 + m) * K;
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t g = b * 32 / G;
+          int32_t dot = int4 ? 0 : static_cast<const int32_t*>(a.aux)[(ob * nb + b) * 16 + c];
+          for (int i = 0; i < 32; ++i) {
+            const int64_t k = b * 32 + i;
+            if (int4) {
+              const int64_t p = k / 8, j = k % 8;
+              const uint8_t byte = w[(p * 16 + c) * 4 + (j & 3)];
+              dot += (j < 4 ? (byte & 15) : (byte >> 4)) * static_cast<int8_t>(xr[k]);
+            } else {
+              dot += static_cast<int32_t>(xr[k]) * static_cast<int8_t>(w[((k / 4) * 16 + c) * 4 + (k & 3)]);
+            }
+          }
+          const float dv = a.d[(m0 + m) * nb + b] * static_cast<float>(dot);
+          acc += per_row ? dv : a.sp[(ob * ng + g) * 16 + c] * dv;
+          if (int4 && (b * 32 + 32) % G == 0)
+            acc += static_cast<const float*>(a.aux)[(ob * ng + g) * 16 + c] * a.xs[(m0 + m) * ng + g];
+        }
+        a.y[(m0 + m) * a.N + o] = per_row ? acc * a.sp[ob * 16 + c] : acc;
+      }
+}
+
+#ifdef TF_X86
+template <int MR, int NR, bool INT4, bool PER_ROW>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vnni(const Args& a, int64_t m0,
+                                                                                    int64_t ob0, int64_t b0,
+                                                                                    int64_t b1) {
+  const int64_t K = a.K, G = a.G, nb = K / 32, ng = K / G, ob_bytes = INT4 ? K * 8 : K * 16;
+  const uint8_t* xr[MR];
+  for (int m = 0; m < MR; ++m) xr[m] = a.xq + (m0 + m) * K;
+  const uint8_t* wr[NR];
+  for (int n = 0; n < NR; ++n) wr[n] = a.wp + (ob0 + n) * ob_bytes;
+  const __m512i low = _mm512_set1_epi8(15);
+  // Blocks b0..b1 of K: a later chunk adds to the partial sums the earlier ones stored in y (unscaled for
+  // PER_ROW until the last chunk).
+  __m512 facc[MR][NR];
+  for (int n = 0; n < NR; ++n) {
+    const __mmask16 mk = tail_mask(a.N - (ob0 + n) * 16);
+    for (int m = 0; m < MR; ++m)
+      facc[m][n] = b0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mk, a.y + (m0 + m) * a.N + (ob0 + n) * 16);
+  }
+  for (int64_t b = b0; b < b1; ++b) {
+    __m512i iacc[MR][NR];
+    for (int n = 0; n < NR; ++n) {
+      const __m512i init = INT4 ? _mm512_setzero_si512()
+                                : _mm512_loadu_si512(static_cast<const int32_t*>(a.aux) + ((ob0 + n) * nb + b) * 16);
+      for (int m = 0; m < MR; ++m) iacc[m][n] = init;
+    }
+    if constexpr (INT4) {
+      for (int p = 0; p < 4; ++p) {
+        __m512i lo[NR], hi[NR];
+        for (int n = 0; n < NR; ++n) {
+          const __m512i v = _mm512_loadu_si512(wr[n] + (b * 4 + p) * 64);
+          lo[n] = _mm512_and_si512(v, low);
+          hi[n] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        for (int m = 0; m < MR; ++m) {
+          int32_t x0, x1;
+          std::memcpy(&x0, xr[m] + b * 32 + p * 8, 4);
+          std::memcpy(&x1, xr[m] + b * 32 + p * 8 + 4, 4);
+          const __m512i xv0 = _mm512_set1_epi32(x0), xv1 = _mm512_set1_epi32(x1);
+          for (int n = 0; n < NR; ++n) {
+            iacc[m][n] = _mm512_dpbusd_epi32(iacc[m][n], lo[n], xv0);
+            iacc[m][n] = _mm512_dpbusd_epi32(iacc[m][n], hi[n], xv1);
+          }
+        }
+      }
+    } else {
+      for (int qd = 0; qd < 8; ++qd) {
+        __m512i w[NR];
+        for (int n = 0; n < NR; ++n) w[n] = _mm512_loadu_si512(wr[n] + (b * 8 + qd) * 64);
+        for (int m = 0; m < MR; ++m) {
+          int32_t x0;
+          std::memcpy(&x0, xr[m] + b * 32 + qd * 4, 4);
+          const __m512i xv = _mm512_set1_epi32(x0);
+          for (int n = 0; n < NR; ++n) iacc[m][n] = _mm512_dpbusd_epi32(iacc[m][n], xv, w[n]);
+        }
+      }
+    }
+    const int64_t g = b * 32 / G;
+    for (int m = 0; m < MR; ++m) {
+      const __m512 dv = _mm512_set1_ps(a.d[(m0 + m) * nb + b]);
+      for (int n = 0; n < NR; ++n) {
+        const __m512 sc = PER_ROW ? dv : _mm512_mul_ps(_mm512_loadu_ps(a.sp + ((ob0 + n) * ng + g) * 16), dv);
+        facc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[m][n]), sc, facc[m][n]);
+      }
+    }
+    if (INT4 && (b * 32 + 32) % G == 0)
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xs = _mm512_set1_ps(a.xs[(m0 + m) * ng + g]);
+        for (int n = 0; n < NR; ++n)
+          facc[m][n] = _mm512_fmadd_ps(
+              _mm512_loadu_ps(static_cast<const float*>(a.aux) + ((ob0 + n) * ng + g) * 16), xs, facc[m][n]);
+      }
+  }
+  for (int n = 0; n < NR; ++n) {
+    const int64_t o = (ob0 + n) * 16;
+    const __mmask16 mk = tail_mask(a.N - o);
+    const bool scale = PER_ROW && b1 == nb;
+    const __m512 sc = scale ? _mm512_loadu_ps(a.sp + (ob0 + n) * 16) : _mm512_set1_ps(1.f);
+    for (int m = 0; m < MR; ++m)
+      _mm512_mask_storeu_ps(a.y + (m0 + m) * a.N + o, mk, scale ? _mm512_mul_ps(facc[m][n], sc) : facc[m][n]);
+  }
+}
+
+template <int MR, int NR>
+void tile_vnni_dispatch(const Args& a, bool int4, bool per_row, int64_t m0, int64_t ob0, int64_t b0, int64_t b1) {
+  if (int4)
+    tile_vnni<MR, NR, true, false>(a, m0, ob0, b0, b1);
+  else if (per_row)
+    tile_vnni<MR, NR, false, true>(a, m0, ob0, b0, b1);
+  else
+    tile_vnni<MR, NR, false, false>(a, m0, ob0, b0, b1);
+}
+
+template <int MR>
+void tile_vnni_nr(const Args& a, bool int4, bool per_row, int64_t m0, int64_t ob0, int nr, int64_t b0, int64_t b1) {
+  switch (nr) {
+    case 1: tile_vnni_dispatch<MR, 1>(a, int4, per_row, m0, ob0, b0, b1); break;
+    case 2: tile_vnni_dispatch<MR, 2>(a, int4, per_row, m0, ob0, b0, b1); break;
+    case 3: tile_vnni_dispatch<MR, 3>(a, int4, per_row, m0, ob0, b0, b1); break;
+    default: tile_vnni_dispatch<MR, 4>(a, int4, per_row, m0, ob0, b0, b1); break;
+  }
+}
+
+void tile_vnni_any(const Args& a, bool int4, bool per_row, int64_t m0, int mr, int64_t ob0, int nr, int64_t b0,
+                   int64_t b1) {
+  switch (mr) {
+    case 1: tile_vnni_nr<1>(a, int4, per_row, m0, ob0, nr, b0, b1); break;
+    case 2: tile_vnni_nr<2>(a, int4, per_row, m0, ob0, nr, b0, b1); break;
+    case 3: tile_vnni_nr<3>(a, int4, per_row, m0, ob0, nr, b0, b1); break;
+    default: tile_vnni_nr<4>(a, int4, per_row, m0, ob0, nr, b0, b1); break;
+  }
+}
+#endif
+
+}  // namespace gemm
+
+// path: 0 the fastest this CPU has, 1 AVX-512 VNNI, 2 plain C++ (both on the packed layout).
+at::Tensor act8_gemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sp, const at::Tensor& aux,
+                     int64_t N, int64_t G, bool int4, int64_t path) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be a (M, K) CPU tensor, got ", x.sizes());
+  const int64_t K = x.size(1), nob = (N + 15) / 16;
+  TORCH_CHECK(K % 32 == 0 && G > 0 && G % 32 == 0 && K % G == 0, "8-bit activations need K and G multiples of 32 ",
+              "(G dividing K), got K ", K, ", G ", G);
+  TORCH_CHECK(wp.scalar_type() == (int4 ? at::kByte : at::kChar) && wp.is_contiguous() &&
+                  wp.numel() == nob * 16 * (int4 ? K / 2 : K),
+              "wp is not a packed ", int4 ? "int4" : "int8", " weight for N ", N, ", K ", K);
+  TORCH_CHECK(sp.scalar_type() == at::kFloat && sp.is_contiguous() && sp.numel() == nob * 16 * (K / G),
+              "sp must hold float32 (N/16, K/G, 16) scales");
+  TORCH_CHECK(aux.is_contiguous() && aux.scalar_type() == (int4 ? at::kFloat : at::kInt) &&
+                  aux.numel() == nob * 16 * (int4 ? K / G : K / 32),
+              "aux must be ", int4 ? "float32 (N/16, K/G, 16) z - 8 s" : "int32 (N/16, K/32, 16) corrections");
+  TORCH_CHECK(path >= 0 && path <= 2, "path must be 0 (auto), 1 (vnni) or 2 (plain)");
+  TORCH_CHECK(path != 1 || has_vnni(), "this CPU has no AVX-512 VNNI");
+  const bool vnni = path == 1 || (path == 0 && has_vnni());
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  at::Tensor y = at::empty({M, N}, xf.options());
+  if (M == 0 || N == 0) return y.to(x.scalar_type());
+  const gemm::Act act = gemm::quantize_rows(xf.data_ptr<float>(), M, K, G, int4);
+  const gemm::Args a{act.xq.data(), act.d.data(), act.xs.data(), K, G, N,
+                     static_cast<const uint8_t*>(wp.data_ptr()), sp.data_ptr<float>(), aux.data_ptr(),
+                     y.data_ptr<float>()};
+  const bool per_row = !int4 && G == K;
+  // Threads over panels of NR channel blocks; within a panel (its weights a few KiB, kept in L1/L2), the rows
+  // MR at a time. One row (decoding) takes wider panels: more independent sums to hide vpdpbusd's latency.
+  const int nr = gemm::kMaxNR;
+  // K in chunks whose slice of a panel's weights (64 channels) stays in a 32 KiB L1 while the rows pass over it:
+  // 16 KiB, 256 columns of int8 or 512 of int4 (and the partial sums go through y between chunks).
+  const int64_t nb = K / 32, chunk = M <= gemm::kMaxMR ? nb : (int4 ? 16 : 8);
+  const int64_t n_panels = (nob + nr - 1) / nr;
+  at::parallel_for(0, n_panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t ob0 = p * nr;
+      const int nrp = static_cast<int>(std::min<int64_t>(nr, nob - ob0));
+      if (!vnni) {
+        for (int64_t m0 = 0; m0 < M; m0 += gemm::kMaxMR)
+          gemm::tile_plain(a, int4, m0, static_cast<int>(std::min<int64_t>(gemm::kMaxMR, M - m0)), ob0, nrp);
+        continue;
+      }
+#ifdef TF_X86
+      for (int64_t b0 = 0; b0 < nb; b0 += chunk)
+        for (int64_t m0 = 0; m0 < M; m0 += gemm::kMaxMR)
+          gemm::tile_vnni_any(a, int4, per_row, m0, static_cast<int>(std::min<int64_t>(gemm::kMaxMR, M - m0)), ob0,
+                              nrp, b0, std::min(nb, b0 + chunk));
+#endif
+    }
+  });
+  return y.to(x.scalar_type());
+}
+
+// Rows o0..o1 of dequant(W) as float32 (o1 - o0, K): the weight-only prefill widens a tile of output rows and
+// hands it to the BLAS. Same roundings as dequantize_weight: int8 s q; int4 (u - 8) s + z.
+at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& s, const c10::optional<at::Tensor>& z, int64_t o0,
+                           int64_t o1) {
+  const bool int4 = z.has_value();
+  TORCH_CHECK(q.dim() == 2 && s.dim() == 2 && q.size(0) == s.size(0), "q (N, K or K/2) and s (N, K/G) expected");
+  TORCH_CHECK(q.scalar_type() == (int4 ? at::kByte : at::kChar), int4 ? "q must be uint8" : "q must be int8");
+  TORCH_CHECK(0 <= o0 && o0 <= o1 && o1 <= q.size(0), "rows ", o0, "..", o1, " out of range");
+  const int64_t K = int4 ? 2 * q.size(1) : q.size(1), ng = s.size(1), G = K / ng;
+  TORCH_CHECK(ng > 0 && K % ng == 0, "the number of groups must divide K");
+  const at::Tensor qc = q.contiguous(), sc = s.to(at::kFloat).contiguous();
+  const at::Tensor zc = int4 ? z->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor w = at::empty({o1 - o0, K}, sc.options());
+  const float* sd = sc.data_ptr<float>();
+  const float* zd = int4 ? zc.data_ptr<float>() : nullptr;
+  float* wd = w.data_ptr<float>();
+  at::parallel_for(o0, o1, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t o = r0; o < r1; ++o) {
+      float* out = wd + (o - o0) * K;
+      for (int64_t g = 0; g < ng; ++g) {
+        const float sv = sd[o * ng + g];
+        if (int4) {
+          const uint8_t* qr = qc.data_ptr<uint8_t>() + o * (K / 2) + g * G / 2;
+          const float zv = zd[o * ng + g];
+          for (int64_t j = 0; j < G / 2; ++j) {
+            out[g * G + 2 * j] = static_cast<float>((qr[j] & 15) - 8) * sv + zv;
+            out[g * G + 2 * j + 1] = static_cast<float>((qr[j] >> 4) - 8) * sv + zv;
+          }
+        } else {
+          const int8_t* qr = qc.data_ptr<int8_t>() + o * K + g * G;
+          for (int64_t i = 0; i < G; ++i) out[g * G + i] = static_cast<float>(qr[i]) * sv;
+        }
+      }
+    }
+  });
+  return w;
+}
+
+bool cpu_has_vnni() { return has_vnni(); }
+
 }  // namespace
 
 TORCH_LIBRARY(tinyformer, m) {
@@ -498,6 +813,9 @@ TORCH_LIBRARY(tinyformer, m) {
   m.def("int4_linear(Tensor x, Tensor q, Tensor s, Tensor z) -> Tensor");
   m.def("int8_linear_act8(Tensor x, Tensor q, Tensor s) -> Tensor");
   m.def("int4_linear_act8(Tensor x, Tensor q, Tensor s, Tensor z) -> Tensor");
+  m.def("act8_gemm(Tensor x, Tensor wp, Tensor sp, Tensor aux, int N, int G, bool int4, int path) -> Tensor");
+  m.def("cpu_has_vnni() -> bool", &cpu_has_vnni);
+  m.def("dequantize_rows(Tensor q, Tensor s, Tensor? z, int o0, int o1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tinyformer, CPU, m) {
@@ -505,4 +823,6 @@ TORCH_LIBRARY_IMPL(tinyformer, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int8_linear_act8", &int8_linear_act8);
   m.impl("int4_linear_act8", &int4_linear_act8);
+  m.impl("act8_gemm", &act8_gemm);
+  m.impl("dequantize_rows", &dequantize_rows);
 }

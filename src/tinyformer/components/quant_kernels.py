@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 products for a few activation rows on the CPU: a small C++ extension.
+"""int8 / int4 products on the CPU: a small C++ extension (weight-only kernels, an 8-bit-activation GEMM).
 
     int8_linear(x, q, s)     y = x dequant(W)^T,  dequant(W)_oi = s_og q_oi              (i in group g)
     int4_linear(x, q, s, z)  y = x dequant(W)^T,  dequant(W)_oi = s_og (u_oi - 8) + z_og
@@ -17,10 +17,13 @@ output rows) is compiled at first use with ``torch.utils.cpp_extension.load`` (a
 ``torch.compile``-d decode step calls them. Without a compiler the same formulas run in PyTorch
 (``int8_linear_reference`` / ``int4_linear_reference``) and one line on stderr says so.
 
-Opt-in, not weight-only (``int8_linear_act8`` / ``int4_linear_act8``): the activations are rounded to 8 bits
+Not weight-only (``int8_linear_act8`` / ``int4_linear_act8`` on the portable layout, and ``act8_gemm`` on
+weights packed once by ``pack_act8``, the form ``cpp_act8`` layers hold): the activations are rounded to 8 bits
 per block of 32 columns first, as llama.cpp does for its Q8_0 / Q4_0 products (``round_activations``:
 x_i ~ d_b xq_i, d_b = max_b |x| / 127, |error| <= d_b / 2), and the products are integer dot products
 (AVX-512 VNNI), several times fewer instructions per weight. int4's zero points multiply the exact sums of x.
+``act8_gemm`` tiles 4 rows x 48 output channels in registers, for one row (decoding) or many (prefill);
+``dequantize_rows`` widens rows of W to float32 for the weight-only prefill (tiles handed to the BLAS).
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ def _build() -> None:
         torch.library.register_fake(f"tinyformer::{name}")(_fake_int8)
     for name in ("int4_linear", "int4_linear_act8"):
         torch.library.register_fake(f"tinyformer::{name}")(_fake_int4)
+    torch.library.register_fake("tinyformer::act8_gemm")(_fake_gemm)
+    torch.library.register_fake("tinyformer::dequantize_rows")(_fake_dequantize_rows)
 
 
 def announce_build(name: str) -> bool:
@@ -94,6 +99,22 @@ def _fake_int8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tenso
 
 def _fake_int4(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], q.shape[0]))
+
+
+def _fake_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, aux: torch.Tensor, n: int, g: int, int4: bool,
+               path: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], n))
+
+
+def _fake_dequantize_rows(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, o0: int, o1: int) -> torch.Tensor:
+    return s.new_empty((o1 - o0, q.shape[1] * (2 if z is not None else 1)), dtype=torch.float32)
+
+
+def dequantize_rows(t: dict[str, torch.Tensor], quant_type: str, o0: int, o1: int) -> torch.Tensor:
+    """Rows o0..o1 of ``dequantize_weight(t)`` as float32, in one C++ pass where compiled."""
+    if available():
+        return torch.ops.tinyformer.dequantize_rows(t["qweight"], t["scales"], t.get("zeros"), o0, o1)
+    return dequantize_weight({k: v[o0:o1] for k, v in t.items()}, quant_type)
 
 
 def available() -> bool:
@@ -184,7 +205,7 @@ def int8_linear_act8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch
     """y = round_activations(x) dequant(W)^T for int8 W: integer dot products (VNNI) where compiled."""
     if available():
         return torch.ops.tinyformer.int8_linear_act8(x, q, s)
-    return int8_linear_reference(round_activations(x).to(x.dtype), q, s)
+    return int8_linear_act8_reference(x, q, s)
 
 
 def int4_linear_act8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -192,6 +213,16 @@ def int4_linear_act8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch
     group sums of x, the 4-bit values the rounded x (as the kernel computes them)."""
     if available():
         return torch.ops.tinyformer.int4_linear_act8(x, q, s, z)
+    return int4_linear_act8_reference(x, q, s, z)
+
+
+def int8_linear_act8_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``int8_linear_act8``'s formula in PyTorch."""
+    return int8_linear_reference(round_activations(x).to(x.dtype), q, s)
+
+
+def int4_linear_act8_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """``int4_linear_act8``'s formula in PyTorch."""
     xr = round_activations(x)
     n = q.shape[0]
     g = q.shape[1] * 2 // s.shape[1]
@@ -200,3 +231,79 @@ def int4_linear_act8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch
     y = xr @ (u.reshape(n, -1, g) * s.float()[..., None]).reshape(n, -1).t()
     y = y + x.float().reshape(x.shape[0], -1, g).sum(-1) @ zs.t()
     return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------- the 8-bit-activation GEMM's packed weights
+
+GEMM_PATHS = {"auto": 0, "vnni": 1, "plain": 2}  # the C++ op's ``path`` argument
+
+
+def has_vnni() -> bool:
+    """Whether this CPU has AVX-512 VNNI (the compiled kernels' own run-time check); False without them."""
+    return available() and bool(torch.ops.tinyformer.cpu_has_vnni())
+
+
+def pack_act8(t: dict[str, torch.Tensor], quant_type: str) -> dict[str, torch.Tensor]:
+    """The portable {"qweight", "scales"[, "zeros"]} (N, K) -> the layout ``act8_gemm`` reads, made once at load:
+    output channels in blocks of 16 (N padded to Np with zero rows), each block's K columns in quads of 4.
+
+      int8: wp (Np/16, K/4, 16, 4) int8, wp[b, k/4, c, k%4] = q[16b + c, k]; sp (Np/16, K/G, 16) the scales;
+            aux (Np/16, K/32, 16) int32 = -128 sum_{i in block} q (the activations enter as xq + 128)
+      int4: wp (Np/16, K/8, 16, 4) uint8 = u[16b + c, 8p + j] | u[16b + c, 8p + 4 + j] << 4 (j < 4);
+            sp (Np/16, K/G, 16) the scales; aux (Np/16, K/G, 16) float32 = z - 8 s
+    K and G must be multiples of 32 (the activations' blocks)."""
+    s = t["scales"].float()
+    n = s.shape[0]
+    np_ = -(-n // 16) * 16
+    pad = np_ - n
+
+    def blocks(v: torch.Tensor) -> torch.Tensor:  # (N, X) -> (Np/16, X, 16)
+        v = torch.nn.functional.pad(v, (0, 0, 0, pad))
+        return v.reshape(np_ // 16, 16, -1).transpose(1, 2).contiguous()
+
+    if quant_type == "int8":
+        q = t["qweight"]
+        k = q.shape[1]
+        qp = torch.nn.functional.pad(q, (0, 0, 0, pad))
+        wp = qp.reshape(np_ // 16, 16, k // 4, 4).transpose(1, 2).contiguous()
+        aux = blocks(-128 * q.reshape(n, k // 32, 32).sum(-1, dtype=torch.int32))
+        return {"wp": wp, "sp": blocks(s), "aux": aux}
+    u = unpack_int4(t["qweight"])
+    k = u.shape[1]
+    up = torch.nn.functional.pad(u, (0, 0, 0, pad)).reshape(np_ // 16, 16, k // 8, 2, 4)
+    wp = (up[:, :, :, 0] | (up[:, :, :, 1] << 4)).transpose(1, 2).contiguous()
+    return {"wp": wp, "sp": blocks(s), "aux": blocks(t["zeros"].float() - 8 * s)}
+
+
+def act8_gemm(x: torch.Tensor, packed: dict[str, torch.Tensor], n: int, group: int, quant_type: str,
+              path: str = "auto") -> torch.Tensor:
+    """y (M, N) = round_activations(x) dequant(W)^T (int4: the zero points times the exact x, as
+    ``int4_linear_act8``) from ``pack_act8``'s layout: integer dot products over register tiles of 4 rows x
+    64 output channels (AVX-512 VNNI), or the same sums in plain C++ (``path`` "plain", and "auto" on a CPU
+    without VNNI); without the compiled kernels, ``act8_gemm_reference``."""
+    if not available():
+        return act8_gemm_reference(x, packed, n, group, quant_type)
+    return torch.ops.tinyformer.act8_gemm(x, packed["wp"], packed["sp"], packed["aux"], n, group,
+                                          quant_type == "int4", GEMM_PATHS[path])
+
+
+def unpack_act8(packed: dict[str, torch.Tensor], n: int, quant_type: str) -> dict[str, torch.Tensor]:
+    """``pack_act8``'s inverse: the portable {"qweight", "scales"[, "zeros"]} of the first ``n`` channels."""
+    def rows(v: torch.Tensor) -> torch.Tensor:  # (Np/16, X, 16) -> (N, X)
+        return v.transpose(1, 2).reshape(-1, v.shape[1])[:n]
+
+    wp, s = packed["wp"], rows(packed["sp"])
+    if quant_type == "int8":
+        return {"qweight": wp.transpose(1, 2).reshape(-1, wp.shape[1] * 4)[:n], "scales": s}
+    b = wp.transpose(1, 2)  # (Np/16, 16, K/8, 4)
+    u = torch.stack([b & 15, b >> 4], dim=3).reshape(b.shape[0] * 16, -1)[:n]  # (N, K): quads 2p, 2p + 1
+    return {"qweight": pack_int4(u), "scales": s, "zeros": rows(packed["aux"]) + 8 * s}
+
+
+def act8_gemm_reference(x: torch.Tensor, packed: dict[str, torch.Tensor], n: int, group: int,
+                        quant_type: str) -> torch.Tensor:
+    """``act8_gemm``'s formula in PyTorch (the fallback without a compiler)."""
+    t = unpack_act8(packed, n, quant_type)
+    if quant_type == "int8":
+        return int8_linear_act8_reference(x, t["qweight"], t["scales"])
+    return int4_linear_act8_reference(x, t["qweight"], t["scales"], t["zeros"])

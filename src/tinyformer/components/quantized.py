@@ -18,16 +18,20 @@ nibble and column 2j+1 in the high one. The int4 zero point also expresses llama
 (x = d q), exactly.
 
 Forward: y = x dequant(W)^T + b, x (..., in) -> y (..., out), computed by one of these ``kernel`` s:
-  * ``cpp`` (the CPU default): ``tinyformer.components.quant_kernels``, a C++ extension (AVX-512) that
+  * ``cpp`` (weight-only): ``tinyformer.components.quant_kernels``, a C++ extension (AVX-512) that
     reads the portable layout in place and widens each weight to float32 in registers, for M <=
-    ``CPP_MAX_ROWS`` activation rows (M = batch x tokens; decoding). More rows (a prefill) take the
-    ``dequant`` formula, ``DEQUANT_TILE_BYTES`` of widened output rows at a time, where the widening's cost
-    is shared by the rows. Built at first use; without a C++ compiler the same formula runs in PyTorch.
-  * ``cpp_act8`` (opt-in; in and G multiples of 32): as ``cpp``, but the activations are rounded to 8 bits
-    per block b of 32 columns first, x_i ~ d_b xq_i with d_b = max_b |x| / 127 (as llama.cpp's Q8_0 / Q4_0
-    products do), and multiplied as integers (VNNI): y differs from x dequant(W)^T by at most
-    sum_b d_b / 2 sum_{i in b} |dequant(W)_oi| (int4: |s_og (u_oi - 8)| there, the zero points multiply
-    the exact x). Prefill rows (more than ``CPP_MAX_ROWS``) stay weight-only, as with ``cpp``.
+    ``CPP_MAX_ROWS`` activation rows (M = batch x tokens; decoding). More rows (a prefill) widen
+    ``DEQUANT_TILE_BYTES`` of output rows at a time in C++ (``dequantize_rows``) and call the BLAS, where the
+    widening's cost is shared by the rows. Built at first use; without a C++ compiler the same formula runs
+    in PyTorch.
+  * ``cpp_act8`` (opt-in; in and G multiples of 32; the fast one where the CPU has AVX-512 VNNI): the
+    activations are rounded to 8 bits per row and block b of 32 columns,
+    x_i ~ d_b xq_i with d_b = max_b |x| / 127 (as llama.cpp's Q8_0 / Q4_0 products do), and multiplied as
+    integers by weights packed once at load (``quant_kernels.pack_act8``; the layer keeps only that form) in
+    a register-tiled GEMM (``quant_kernels.act8_gemm``: VNNI ``vpdpbusd``, 4 rows x 48 output channels a
+    tile; int4 nibbles widened to bytes in registers), for any number of rows, one (decoding) to thousands
+    (prefill). y differs from x dequant(W)^T by at most sum_b d_b / 2 sum_{i in b} |dequant(W)_oi| (int4:
+    |s_og (u_oi - 8)| there, the zero points multiply the exact x).
   * ``dequant``: F.linear(x, dequant(W)), the formula itself. Eager, every call widens the weights
     (slower than float weights); under ``torch.compile`` the widening fuses into the product.
   * ``aten``: PyTorch's weight-only CPU kernels, ``aten._weight_int8pack_mm`` (int8 per output channel)
@@ -57,9 +61,10 @@ from tinyformer.errors import ConfigError
 
 QUANT_TYPES = ("int8", "int4")
 KERNELS = ("auto", "cpp", "cpp_act8", "dequant", "aten", "fbgemm")
-# Rows up to which the cpp kernel beats widening the weights once and calling F.linear (measured:
-# docs/benchmarks/quantized.md): its cost grows with the rows, the widening's does not.
-CPP_MAX_ROWS = 8
+# Rows up to which the weight-only cpp kernel beats widening the weights once (dequantize_rows) and calling
+# the BLAS (measured: docs/benchmarks/quantized.md, 1 thread): its cost grows with the rows, the widening's does
+# not; at 16 rows the kernel was faster on every shape and layout, at 32 on half of them, at 64 on two.
+CPP_MAX_ROWS = 16
 DEQUANT_TILE_BYTES = 8 * 2**20
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 
@@ -70,7 +75,7 @@ class QuantSpec:
     output row, int8 only; int4 needs G >= 2, even); ``kernel`` the forward computation (see module doc;
     ``auto`` picks a weight-only one: on a CPU ``cpp`` (``aten`` for int8 per channel and for int4 where its
     kernel applies, else ``dequant``, when the C++ kernels cannot be built), elsewhere ``dequant``;
-    ``fbgemm``, which rounds the activations too, is only used when asked for)."""
+    ``cpp_act8`` and ``fbgemm``, which round the activations too, are only used when asked for)."""
 
     type: str
     group_size: int = 0
@@ -168,10 +173,8 @@ def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device:
 
 
 # the C++ kernels by --kernel choice and weight type (components/quant_kernels.py)
-_CPP_OPS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
-    "cpp": {"int8": quant_kernels.int8_linear, "int4": quant_kernels.int4_linear},
-    "cpp_act8": {"int8": quant_kernels.int8_linear_act8, "int4": quant_kernels.int4_linear_act8},
-}
+_CPP_OPS: dict[str, Callable[..., torch.Tensor]] = {"int8": quant_kernels.int8_linear,
+                                                     "int4": quant_kernels.int4_linear}
 
 
 class QuantizedLinear(nn.Module):
@@ -193,8 +196,12 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(bias.to(dtype), requires_grad=False) if bias is not None else None
         self.dtype = dtype
         self._fbgemm: Any = None
+        self.gemm_path = "auto"  # cpp_act8: the C++ op's code path ("vnni" / "plain" force one: tests)
         scales = portable["scales"].float()
-        if self.kernel in ("cpp", "cpp_act8"):  # the portable tensors as they are: float32 scales
+        if self.kernel == "cpp_act8":  # packed once for the GEMM (quant_kernels.pack_act8); no portable copy kept
+            for name, t in quant_kernels.pack_act8({**portable, "scales": scales}, spec.type).items():
+                self.register_buffer(name, t, persistent=False)
+        elif self.kernel == "cpp":  # the portable tensors as they are: float32 scales
             self.register_buffer("qweight", q, persistent=False)
             self.register_buffer("scales", scales, persistent=False)
             if spec.type == "int4":
@@ -242,8 +249,10 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.kernel in _CPP_OPS and x2.shape[0] <= CPP_MAX_ROWS:
-            op = _CPP_OPS[self.kernel][self.spec.type]
+        if self.kernel == "cpp_act8":
+            y = self._act8(x2)
+        elif self.kernel == "cpp" and x2.shape[0] <= CPP_MAX_ROWS:
+            op = _CPP_OPS[self.spec.type]
             y = op(x2, self.qweight, self.scales) if self.spec.type == "int8" else \
                 op(x2, self.qweight, self.scales, self.zeros)
         elif self.kernel == "fbgemm":
@@ -252,7 +261,7 @@ class QuantizedLinear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         elif self.kernel == "aten":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_and_zeros)
-        elif self.kernel in ("cpp", "cpp_act8"):
+        elif self.kernel == "cpp":
             y = self._tiled_dequant_linear(x2)
         else:
             parts = {"qweight": self.qweight, "scales": self.scales}
@@ -263,17 +272,22 @@ class QuantizedLinear(nn.Module):
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
 
+    def _act8(self, x2: torch.Tensor) -> torch.Tensor:
+        packed = {"wp": self.wp, "sp": self.sp, "aux": self.aux}
+        return quant_kernels.act8_gemm(x2, packed, self.out_features, self.group, self.spec.type, self.gemm_path)
+
     def _tiled_dequant_linear(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 dequant(W)^T for many rows, widening W a tile of output rows at a time (at most
         ``DEQUANT_TILE_BYTES`` of float weights alive at once, not the whole matrix: the head of a 49k-token
         vocabulary would be 113 MiB)."""
         step = max(1, DEQUANT_TILE_BYTES // (4 * self.in_features))
         out = x2.new_empty(x2.shape[0], self.out_features)
+        parts = {"qweight": self.qweight, "scales": self.scales}
+        if self.spec.type == "int4":
+            parts["zeros"] = self.zeros
         for o in range(0, self.out_features, step):
-            parts = {"qweight": self.qweight[o : o + step], "scales": self.scales[o : o + step]}
-            if self.spec.type == "int4":
-                parts["zeros"] = self.zeros[o : o + step]
-            torch.matmul(x2, dequantize_weight(parts, self.spec.type, x2.dtype).t(), out=out[:, o : o + step])
+            w = quant_kernels.dequantize_rows(parts, self.spec.type, o, min(o + step, self.out_features))
+            torch.matmul(x2, w.to(x2.dtype).t(), out=out[:, o : o + step])
         return out
 
     def extra_repr(self) -> str:
