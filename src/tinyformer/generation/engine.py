@@ -100,15 +100,19 @@ class EngineRow:
     feed from ``pos`` on (the prompt while prefilling, else the last sampled token). ``want_logprobs``
     False skips the per-step log-normaliser (a lone greedy row then gets its argmax from the compiled graph);
     ``top_logprobs`` > 0
-    asks for that many alternatives per token. ``tag`` is the caller's (e.g. the server's request).
+    asks for that many alternatives per token. ``sampled_logprobs`` True records each token's log-probability
+    under the distribution it was drawn from (the processed logits, see ``sampling.sample``) instead of the
+    raw one. ``tag`` is the caller's (e.g. the server's request).
     """
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, text: TextState, *,
-                 want_logprobs: bool = True, top_logprobs: int = 0, tag: Any = None) -> None:
+                 want_logprobs: bool = True, top_logprobs: int = 0, tag: Any = None,
+                 sampled_logprobs: bool = False) -> None:
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.text = text
         self.want_logprobs = want_logprobs
+        self.sampled_logprobs = sampled_logprobs
         self.top_logprobs = top_logprobs
         self.tag = tag
         self.token_ids: list[int] = []
@@ -518,8 +522,10 @@ class BatchEngine:
             history = penalty_history([r.params for r in rows], [r.prompt_ids for r in rows],
                                       [r.token_ids for r in rows], logits.device)
         generators = [r.generator for r in rows] if any(r.generator is not None for r in rows) else None
+        drawn = [r.sampled_logprobs for r in rows]
         tok, lp = sample(logits, [r.sampler for r in rows], history, generators,
-                         want_logprobs=any(r.want_logprobs for r in rows))
+                         want_logprobs=any(r.want_logprobs for r in rows),
+                         sampled_logprobs=drawn[0] if len(set(drawn)) == 1 else drawn)
         tokens: list[int] = tok.tolist()
         # a row that did not ask for logprobs gets none, whichever rows shared its call
         logps: list[float | None] = [x if r.want_logprobs else None for x, r in zip(lp.tolist(), rows)] \
