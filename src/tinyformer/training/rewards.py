@@ -90,7 +90,10 @@ def contains_reward(prompt: str, completion: str, row: dict) -> float:
 
 def json_schema_reward(prompt: str, completion: str, row: dict) -> float:
     """1.0 when the completion parses as JSON and validates against ``row["schema"]``, else 0.0."""
-    import jsonschema
+    try:
+        import jsonschema
+    except ImportError:
+        raise ImportError("builtin:json-schema needs the jsonschema package: pip install 'tinyformer[rl]'") from None
 
     if "schema" not in row:
         raise KeyError("builtin:json-schema needs a 'schema' field in the data row")
@@ -238,6 +241,8 @@ def parse_reward(spec: str) -> Reward:
         if key not in BUILTIN_REWARDS:
             raise ConfigError(f"--reward {body}: no such built-in reward; built-ins: "
                               f"{', '.join('builtin:' + k for k in BUILTIN_REWARDS)}")
+        if key == "json-schema" and importlib.util.find_spec("jsonschema") is None:
+            raise ConfigError("--reward builtin:json-schema needs the jsonschema package: pip install 'tinyformer[rl]'")
         return Reward(body, BUILTIN_REWARDS[key], weight)
     path_text, sep, func = body.rpartition(":")
     if not sep or not path_text or not func:
