@@ -113,6 +113,7 @@ def child_trl(args: argparse.Namespace) -> dict:
     parts: dict[str, float] = {"sample": 0.0, "reward": 0.0, "reference": 0.0}
     marks: list[dict[str, float]] = []
     steps: list[float] = []
+    lengths: list[float] = []
 
     def timed(name: str, fn):  # noqa: ANN001, ANN202
         def wrapper(*a, **k):  # noqa: ANN002, ANN003
@@ -132,6 +133,7 @@ def child_trl(args: argparse.Namespace) -> dict:
         def on_step_end(self, *a, **k):  # noqa: ANN002, ANN003
             steps.append(time.perf_counter() - self.t0)
             marks.append(dict(parts))
+            lengths.append(trainer._metrics["train"]["completions/mean_length"][-1])
 
     trainer = GRPOTrainer(model=model, args=config, train_dataset=data, processing_class=tok,
                           reward_funcs=import_exact, peft_config=peft_config, callbacks=[Timer()])
@@ -139,7 +141,6 @@ def child_trl(args: argparse.Namespace) -> dict:
     trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
     trainer._get_per_token_logps_and_entropies = timed("reference", trainer._get_per_token_logps_and_entropies)
     trainer.train()
-    lengths = trainer._metrics["train"].get("completions/mean_length", [])
     return {"step_s": steps, "sample_s": [m["sample"] for m in marks], "reward_s": [m["reward"] for m in marks],
             "reference_s": [m["reference"] for m in marks], "completion_length": lengths,
             "peak_mib": peak_rss_mib()}

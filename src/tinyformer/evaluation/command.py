@@ -142,7 +142,8 @@ def run_reward_mode(args: argparse.Namespace) -> int:
     if args.task or args.harness:
         raise ConfigError("give --reward or --task / --harness, not both")
     result = evaluate_rewards(args.model, args.data, args.reward, num_samples=args.num_samples,
-                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, device=args.device)
+                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, device=args.device,
+                              limit=args.limit)
     name = f"reward {result['reward']}"
     rows = [(name, "mean_reward", result["mean_reward"], result["prompts"])]
     if "best_of_k_mean_reward" in result:

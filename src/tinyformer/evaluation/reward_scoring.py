@@ -5,9 +5,10 @@
 
 Each prompt is rendered with the run's chat template and completed through the batch engine
 (``training/objectives/grpo.sample_completions``): greedily by default, or ``--num-samples K`` times at
-temperature 1 (seed 0). The result holds ``mean_reward`` (over every completion), ``rewards`` (one per
-prompt, or K per prompt), with K > 1 ``best_of_k_mean_reward`` = mean over prompts of max_k r, and with rows
-that have a ``kind`` field (the built-in set) the mean reward of each kind (``by_kind``).
+temperature 1 (seed 0); ``--limit N`` takes N prompts spread evenly over them. The result holds
+``mean_reward`` (over every completion), ``rewards`` (one per prompt, or K per prompt), with K > 1
+``best_of_k_mean_reward`` = mean over prompts of max_k r, and with rows that have a ``kind`` field (the
+built-in set) the mean reward of each kind (``by_kind``).
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ __all__ = ["evaluate_rewards"]
 
 def evaluate_rewards(model_dir: str | Path, data: str | None, specs: list[str], *, num_samples: int = 1,
                      max_new_tokens: int = 32, batch_size: int = 8, device: str = "auto",
-                     reward_timeout: float = 10.0) -> dict[str, Any]:
+                     reward_timeout: float = 10.0, limit: int | None = None) -> dict[str, Any]:
     from tinyformer.data.chat_data import is_heldout
     from tinyformer.data.chat_template import ChatTemplate
     from tinyformer.devices import resolve_device
     from tinyformer.run_folder import load_model, load_tokenizer
-    from tinyformer.training.objectives.grpo import load_prompt_rows, prompt_messages, sample_completions
+    from tinyformer.training.objectives.grpo import load_prompt_rows, prompt_messages, sample_completions, spread
     from tinyformer.training.objectives.sft import first_user_text
     from tinyformer.training.rewards import RewardSet
 
@@ -44,6 +45,8 @@ def evaluate_rewards(model_dir: str | Path, data: str | None, specs: list[str], 
         prompts.append((messages, row))
     if data is None:
         source = "the held-out prompts of the built-in instruction set"
+    if limit is not None:
+        prompts = spread(prompts, limit)
     dev = resolve_device(device)
     model, tokenizer = load_model(model_dir, device=dev), load_tokenizer(model_dir)
     template = ChatTemplate(tokenizer)

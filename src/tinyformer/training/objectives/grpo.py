@@ -364,9 +364,10 @@ class GRPOObjective(ChatObjective):
         return out
 
     def _heldout(self) -> list[tuple[list[int], list[dict[str, str]], dict]]:
+        """The held-out prompts an evaluation answers: ``eval_iters * batch_size`` of them (0: all) spread evenly
+        over the split (the built-in set's kinds of question come in runs)."""
         prompts = self.prompts["val"] or self.prompts["train"]
-        limit = self.cfg.eval_iters * self.cfg.batch_size
-        return prompts[:limit] if limit else prompts
+        return spread(prompts, self.cfg.eval_iters * self.cfg.batch_size)
 
     def _heldout_scores(self, shown: int = 0) -> dict[str, Any]:
         """Greedy completions of the held-out prompts: {"mean": mean reward, "n": prompts, "shown": the first
@@ -417,6 +418,13 @@ class GRPOObjective(ChatObjective):
         self.window = Counter(state.get("window") or {})
         self.before = state.get("before")
         self.rewards.load_state(state.get("rewards"))
+
+
+def spread(items: Sequence[Any], n: int) -> list[Any]:
+    """``n`` of ``items`` at evenly spaced positions (all of them when n is 0 or not smaller)."""
+    if not n or n >= len(items):
+        return list(items)
+    return [items[(k * len(items)) // n] for k in range(n)]
 
 
 def _rows_batch(rows: Sequence[tuple[list[int], list[int], list[float]]], pad_id: int) -> Batch:
