@@ -373,6 +373,8 @@ def test_builtin_rewards_agree_with_their_definitions() -> None:
 def test_python_import_reward_runs_only_import_statements_and_checks_the_bound_name() -> None:
     row = {"module": "urllib.parse", "name": "urljoin"}
     assert python_import_reward("q", "`from urllib.parse import urljoin`", row) == 1.0
+    assert python_import_reward("q", "```python\nfrom urllib.parse import urljoin\n```", row) == 1.0
+    assert python_import_reward("q", "```python\nimport os\nfrom urllib.parse import urljoin\n```", row) == 0.0
     assert python_import_reward("q", "import urllib.parse", row) == 0.0  # runs, but binds urllib only
     assert python_import_reward("q", "from urllib.parse import urljoin as join", row) == 0.0
     assert python_import_reward("q", "from urllib.parse import urlsplit as urljoin", row) == 0.0  # another object

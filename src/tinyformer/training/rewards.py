@@ -16,9 +16,9 @@ positional parameters) or a built-in, each optionally followed by ``=WEIGHT`` (d
     builtin:json-schema    1 if the completion is JSON that validates against ``row["schema"]`` (the
                            jsonschema package), else 0
     builtin:python-import  for the built-in set's import-statement questions (rows with ``module`` and
-                           ``name``): 1 if the completion (backticks stripped) is one ``import`` statement that,
-                           run in a separate ``python -I`` process, binds ``name`` to ``module.name``; 0 for
-                           any other row
+                           ``name``): 1 if the completion (backticks or a code fence stripped) is one ``import``
+                           statement that, run in a separate ``python -I`` process, binds ``name`` to
+                           ``module.name``; 0 for any other row
 
 A reward that raises, runs past ``timeout`` seconds or returns a non-finite number scores 0 for that
 sample; :class:`RewardSet` counts such failures per reward and keeps the first error, which the run
@@ -138,9 +138,16 @@ def _limits(seconds: float) -> None:  # pragma: no cover - runs in the child, be
 
 
 def import_statement(completion: str) -> str | None:
-    """The completion as one ``import`` / ``from ... import`` statement (backticks and blanks stripped), or
-    None when it is anything else (nothing that is not an import ever runs)."""
-    text = completion.strip().strip("`").strip()
+    """The completion as one ``import`` / ``from ... import`` statement (blanks and backticks stripped; a reply
+    that is a fenced code block, e.g. ```` ```python ````, gives the block's one line), or None when it is
+    anything else (nothing that is not an import ever runs)."""
+    text = completion.strip()
+    if text.startswith("```"):
+        lines = text.strip("`").splitlines()
+        if len(lines) >= 2 and lines[0].strip().isidentifier():  # the fence's language tag
+            lines = lines[1:]
+        text = "\n".join(lines)
+    text = text.strip().strip("`").strip()
     if not text or "\n" in text or ";" in text:
         return None
     try:
