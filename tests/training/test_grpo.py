@@ -173,6 +173,16 @@ def test_loss_equals_the_hand_formula_and_trl(aggregation: str, loss_type: str) 
     assert math.isclose(float(figures["clip_fraction"]), their_metrics["clip_ratio/region_mean"][0], rel_tol=1e-12)
 
 
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_micro_batches_of_rows_add_up_to_the_whole_batchs_loss(aggregation: str) -> None:
+    x = made_up(2)
+    whole, _ = grpo_loss(x.logps, x.old, x.ref, x.adv, x.mask, 0.2, 0.04, aggregation)
+    totals = (float(x.mask.sum()), x.mask.shape[0])
+    parts = [grpo_loss(x.logps[s], x.old[s], x.ref[s], x.adv[s], x.mask[s], 0.2, 0.04, aggregation, totals)[0]
+             for s in (slice(0, 2), slice(2, 5), slice(5, 6))]
+    assert math.isclose(float(sum(parts)), float(whole), rel_tol=1e-12)
+
+
 def test_group_advantages_are_each_groups_standard_scores() -> None:
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [3.0, -1.0, 2.0, 0.0]], dtype=torch.float64)
     adv = group_advantages(rewards)

@@ -283,6 +283,31 @@ class BatchEngine:
             row.generator = make_generator(row.params, self.device)
         self.rows.append(row)
 
+    def add_group(self, rows: Sequence[EngineRow]) -> None:
+        """Add rows that share one prompt (n samples of it): the prompt's first len - 1 tokens are prefilled
+        once, in the first row's slot, and their keys and values copied to the others' slots (causal K/V at
+        position p depend on tokens 0..p only, so each copy holds what prefilling it alone writes); every row
+        then feeds the last prompt token itself and samples as usual. Falls back to :meth:`add` per row where
+        that does not hold or does not pay (one row, a one-token prompt, ring slots, per-row RoPE, a prefix
+        cache, a prompt longer than the cache)."""
+        ids = rows[0].prompt_ids if rows else []
+        if (len(rows) < 2 or len(ids) < 2 or len(ids) > self.max_len or self.per_row or self.prefix_cache is not None
+                or not self.cache.indexed_by_position or any(r.prompt_ids != ids for r in rows)):
+            for r in rows:
+                self.add(r)
+            return
+        n = len(ids) - 1
+        first = rows[0]
+        self.add(first)
+        first.pending = first.pending[n:]
+        with torch.inference_mode():
+            self._forward_row(first, ids[:n])
+        for r in rows[1:]:
+            self.add(r, prefilled=n)
+            for k, v in self.cache.layers:
+                k[r.slot, :, :n].copy_(k[first.slot, :, :n])
+                v[r.slot, :, :n].copy_(v[first.slot, :, :n])
+
     def remove(self, row: EngineRow) -> None:
         """Free the row's slot (finished or cancelled). With a prefix cache, the whole blocks of the tokens
         whose keys and values the row holds (prompt and generated tokens) are stored first, so a later

@@ -390,8 +390,14 @@ class Generator:
         engine = BatchEngine(self.model, max_batch=len(rows), max_len=max_len,
                              compiled=self._compiled if static else None, context_policy=self.context_policy,
                              slide_keep=self.slide_keep, prefix_cache=self.prefix_cache)
-        for row in rows:
-            engine.add(row)
+        # runs of rows with the same prompt (n samples of one prompt) prefill it once (BatchEngine.add_group)
+        b = 0
+        while b < len(rows):
+            e = b + 1
+            while e < len(rows) and rows[e].prompt_ids == rows[b].prompt_ids:
+                e += 1
+            engine.add_group(rows[b:e])
+            b = e
         index = {id(r): b for b, r in enumerate(rows)}
         started = time.perf_counter()
         self.timings = GenerationTimings(prompt_tokens=P)

@@ -23,7 +23,9 @@ end-of-turn token included):
 log pi is the model being trained (at the same temperature T); eps_c = ``--clip-eps``; beta = ``--kl-beta``.
 The reference ref is the ``--init-from`` model: with LoRA, the model itself with its adapters switched off
 (``lora_disabled``: no second copy in memory); without LoRA, a frozen copy loaded once (only when beta > 0).
-``--ppo-epochs K`` takes K optimizer steps on each sampled batch (rho departs from 1 after the first).
+``--ppo-epochs K`` takes K optimizer steps on each sampled batch (rho departs from 1 after the first);
+``--grad-accum A`` splits each step's P x G completions into A micro-batches of rows (the same update, with
+the sums divided by the whole batch's counts; about 1/A of the activation memory).
 
 The held-out prompts (``--eval-data``, else ``--val-fraction`` of the data, chosen by a hash of the first user
 message as SFT does) are answered greedily at every evaluation: their mean reward goes to metrics.jsonl
@@ -85,13 +87,16 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
 
 def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor | None,
               advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float, beta: float,
-              aggregation: str = "token") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              aggregation: str = "token", totals: tuple[float, float] | None = None
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO loss (module docstring) and its figures.
 
     logps, old_logps, ref_logps: (R, T) log-probs of the sampled tokens under the policy (with gradient), the
     sampling policy and the reference (None when ``beta`` is 0); advantages (R,); mask (R, T), 1 on completion
-    tokens. Returns (scalar loss, {"kl": mean k3 over the masked tokens, "clip_fraction": share of masked
-    tokens whose ratio was clipped against the advantage's sign}).
+    tokens. ``totals`` = (completion tokens, completions) of the whole batch when these R rows are one
+    micro-batch of it: the sums are then divided by those, so the micro-batches' losses add up to the batch's.
+    Returns (scalar loss, {"kl": mean k3 over the masked tokens, "clip_fraction": share of masked tokens whose
+    ratio was clipped against the advantage's sign}).
     """
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(1)
@@ -103,10 +108,11 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Ten
         assert ref_logps is not None, "a KL term needs the reference log-probs"
         kl = k3_kl(logps, ref_logps)
         per_token = per_token + beta * kl
+    n_tokens, n_rows = totals if totals is not None else (mask.sum().clamp(min=1.0), mask.shape[0])
     if aggregation == "token":
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        loss = (per_token * mask).sum() / n_tokens
     elif aggregation == "sequence":
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / n_rows
     else:
         raise ValueError(f"unknown aggregation {aggregation!r}")
     n = mask.sum().clamp(min=1.0)
@@ -212,9 +218,9 @@ class GRPOObjective(ChatObjective):
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
         super().__init__(cfg, tokenizer, dataset)
-        if cfg.grad_accum != 1:
-            raise ConfigError("objective 'grpo' takes one batch of prompts per step: drop --grad-accum "
-                              "(raise --batch-size for more prompts per step)")
+        if cfg.grad_accum > cfg.batch_size * cfg.group_size:
+            raise ConfigError(f"--grad-accum {cfg.grad_accum} splits a step's {cfg.batch_size * cfg.group_size} "
+                              "completions into micro-batches: it cannot be larger than that")
         self.rewards = RewardSet.from_specs(cfg.rewards, cfg.reward_timeout)
         rows, self.source = load_prompt_rows(cfg.data)
         self.prompts: dict[str, list[tuple[list[int], list[dict[str, str]], dict]]] = {"train": [], "val": []}
@@ -239,6 +245,7 @@ class GRPOObjective(ChatObjective):
         #: the sampled batch still to be trained on by later PPO epochs, and how often it was used
         self.rollout: dict[str, Any] | None = None
         self.rollout_uses = 0
+        self.micro = 0  # the next micro-batch of the rollout (--grad-accum splits its rows)
         self.window: Counter = Counter()  # sums of the figures since the last training record
         self.before: dict[str, Any] | None = None  # held-out reward and completions before the first update
 
@@ -327,19 +334,26 @@ class GRPOObjective(ChatObjective):
             raise ConfigError("objective 'grpo' trains in one process; drop --nproc")
         if self.before is None:
             self.before = self._heldout_scores(REPORT_PROMPTS)
-        if self.rollout is None or self.rollout_uses >= self.cfg.ppo_epochs:
+        if self.micro == 0 and (self.rollout is None or self.rollout_uses >= self.cfg.ppo_epochs):
             n = len(self.prompts["train"])
             index = torch.randint(0, n, (self.cfg.batch_size,), generator=generator).tolist()
             seed = int(torch.randint(0, 2**62, (1,), generator=generator))
             self.rollout, self.rollout_uses = self._rollout(index, seed), 0
-        self.rollout_uses += 1
-        return _to_batch(self.rollout, self.pad_id)
+            self.micro = 0
+        if self.micro == 0:
+            self.rollout_uses += 1
+        A = self.cfg.grad_accum
+        part = self.micro
+        self.micro = (self.micro + 1) % A
+        return _to_batch(self.rollout, self.pad_id, part, A)
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         logps = token_logps(model, batch["input_ids"], batch["targets"], self.cfg.temperature)
         loss, figures = grpo_loss(logps, batch["old_logps"], batch.get("ref_logps"), batch["advantages"],
                                   batch["targets"] != IGNORE, self.cfg.clip_eps, self.cfg.kl_beta,
-                                  self.cfg.grpo_loss)
+                                  self.cfg.grpo_loss, totals=(float(batch["total_tokens"]), float(batch["total_rows"])))
+        # the trainer divides each micro-batch's loss by --grad-accum: this part is already its share of the whole
+        loss = loss * self.cfg.grad_accum
         if model.training and torch.is_grad_enabled():
             self.window["updates"] += 1
             self.window["kl"] += float(figures["kl"])
@@ -408,13 +422,15 @@ class GRPOObjective(ChatObjective):
 
     # ------------------------------------------------------------------ exact resume
     def state(self) -> dict | None:
-        return {"rollout": self.rollout, "rollout_uses": self.rollout_uses, "window": dict(self.window),
+        return {"rollout": self.rollout, "rollout_uses": self.rollout_uses, "micro": self.micro,
+                "window": dict(self.window),
                 "before": self.before, "rewards": self.rewards.state()}
 
     def load_state(self, state: dict | None) -> None:
         if not state:
             return
         self.rollout, self.rollout_uses = state.get("rollout"), int(state.get("rollout_uses", 0))
+        self.micro = int(state.get("micro", 0))
         self.window = Counter(state.get("window") or {})
         self.before = state.get("before")
         self.rewards.load_state(state.get("rewards"))
@@ -444,13 +460,18 @@ def _rows_batch(rows: Sequence[tuple[list[int], list[int], list[float]]], pad_id
             "tokens": int((targets != IGNORE).sum())}
 
 
-def _to_batch(rollout: dict[str, Any], pad_id: int) -> Batch:
-    """The training batch of a rollout (:meth:`GRPOObjective._rollout`'s JSON values)."""
-    batch = _rows_batch([tuple(r) for r in rollout["rows"]], pad_id)
-    batch["advantages"] = torch.tensor(rollout["advantages"], dtype=torch.float32)
+def _to_batch(rollout: dict[str, Any], pad_id: int, part: int = 0, parts: int = 1) -> Batch:
+    """Micro-batch ``part`` of ``parts`` (contiguous rows) of a rollout (:meth:`GRPOObjective._rollout`'s JSON
+    values), with the whole rollout's completion tokens and completions (``total_tokens``, ``total_rows``)."""
+    R = len(rollout["rows"])
+    lo, hi = part * R // parts, (part + 1) * R // parts
+    batch = _rows_batch([tuple(r) for r in rollout["rows"][lo:hi]], pad_id)
+    batch["advantages"] = torch.tensor(rollout["advantages"][lo:hi], dtype=torch.float32)
+    batch["total_tokens"] = torch.tensor(sum(len(r[1]) for r in rollout["rows"]))
+    batch["total_rows"] = torch.tensor(R)
     if rollout["ref"] is not None:
         ref = torch.zeros_like(batch["old_logps"])
         mask = batch["targets"] != IGNORE
-        ref[mask] = torch.tensor([x for row in rollout["ref"] for x in row], dtype=torch.float32)
+        ref[mask] = torch.tensor([x for row in rollout["ref"][lo:hi] for x in row], dtype=torch.float32)
         batch["ref_logps"] = ref
     return batch
