@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_model import peak_rss_mib
+from bench_model import load_hf_causal_lm, peak_rss_mib
 
 RANK = 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -89,11 +89,7 @@ def child_trl(args: argparse.Namespace) -> dict:
     import transformers
     from trl import GRPOConfig, GRPOTrainer
 
-    torch.set_num_threads(args.threads)
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float32)
-    tok = transformers.AutoTokenizer.from_pretrained(args.hf)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+    model, tok = load_hf_causal_lm(args.hf, args.threads)
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
     data = datasets.Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in rows])
 
