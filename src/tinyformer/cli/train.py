@@ -21,8 +21,8 @@ from tinyformer.utils.threads import configured_threads
 # flag -> (TrainConfig field, type, help); all default to None = "not given"
 TRAIN_FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--data",), "data", str, "corpus: a text file, a folder of .txt/.md, a glob, a .jsonl file or hf:NAME "
-                               "(default: the built-in corpus); for sft/dpo a chat or preference .jsonl file "
-                               "(default: the built-in instruction / preference set)"),
+                               "(default: the built-in corpus); for sft/dpo a chat or preference .jsonl file, for "
+                               "grpo a prompts .jsonl file (default: the built-in instruction / preference set)"),
     (("--text-field",), "text_field", str, "JSONL field holding the text (default: text)"),
     (("--tokenizer",), "tokenizer", str, "char, bpe (trained on the corpus) or a tokenizer.json path (default bpe)"),
     (("--vocab-size",), "vocab_size", int, "BPE vocabulary size (default 4096)"),
