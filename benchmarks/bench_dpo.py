@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_model import peak_rss_mib
+from bench_model import load_hf_causal_lm, peak_rss_mib
 
 RANK = 8
 
@@ -92,15 +92,10 @@ def child_trl(args: argparse.Namespace) -> dict:
 
     import datasets
     import peft
-    import torch
     import transformers
     from trl import DPOConfig, DPOTrainer
 
-    torch.set_num_threads(args.threads)
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float32)
-    tok = transformers.AutoTokenizer.from_pretrained(args.hf)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+    model, tok = load_hf_causal_lm(args.hf, args.threads)
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
     data = datasets.Dataset.from_list(rows)
     config = DPOConfig(output_dir=str(Path(args.work) / f"trl_{args.mode}_{os.getpid()}"), beta=args.beta,

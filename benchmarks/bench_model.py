@@ -159,6 +159,19 @@ def peak_rss_mib() -> float:
     return int(status["VmHWM"]) / 1024  # VmHWM is in KiB
 
 
+def load_hf_causal_lm(folder: str, threads: int):
+    """(model, tokenizer) of a Hugging Face folder in float32, with ``threads`` intra-op threads and a pad token
+    (the EOS token when it has none): the TRL side of bench_dpo.py and bench_grpo.py."""
+    import transformers
+
+    torch.set_num_threads(threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))

@@ -27,9 +27,9 @@ def defined_objectives() -> dict[str, type[Objective]]:
 
 def test_every_objective_in_the_folder_is_registered_under_its_own_name():
     assert objectives.OBJECTIVES == defined_objectives()
-    assert sorted(objectives.OBJECTIVES) == ["clm", "dpo", "mlm", "seq2seq", "sft"]
+    assert sorted(objectives.OBJECTIVES) == ["clm", "dpo", "grpo", "mlm", "seq2seq", "sft"]
 
 
 def test_an_unknown_objective_names_the_known_ones():
-    with pytest.raises(ConfigError, match="known objectives: clm, dpo, mlm, seq2seq, sft"):
+    with pytest.raises(ConfigError, match="known objectives: clm, dpo, grpo, mlm, seq2seq, sft"):
         objectives.get_objective("ppo")

@@ -5,6 +5,7 @@
                                                                        evaluation/preference.py
     --task FILE.jsonl|builtin    accuracy on questions                 evaluation/tasks.py
     --harness TASKS              lm-evaluation-harness                 evaluation/harness.py
+    --reward SPEC [--data P.jsonl]  mean reward of completions         evaluation/reward_scoring.py
 
 Every mode adds its figures to the run's report card (``report.md``) when there is one.
 """
@@ -49,6 +50,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.reward:  # the mean reward of completions to prompts: tinyformer.evaluation.reward_scoring
+        from tinyformer.evaluation.command import run_reward_mode
+
+        return run_reward_mode(args)
+    if args.num_samples != 1:
+        raise ConfigError("--num-samples goes with --reward")
     if args.task or args.harness:  # accuracy on questions: tinyformer.evaluation
         if args.data:
             raise ConfigError("give --data (text) or --task / --harness (questions), not both")

@@ -21,8 +21,8 @@ from tinyformer.utils.threads import configured_threads
 # flag -> (TrainConfig field, type, help); all default to None = "not given"
 TRAIN_FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--data",), "data", str, "corpus: a text file, a folder of .txt/.md, a glob, a .jsonl file or hf:NAME "
-                               "(default: the built-in corpus); for sft/dpo a chat or preference .jsonl file "
-                               "(default: the built-in instruction / preference set)"),
+                               "(default: the built-in corpus); for sft/dpo a chat or preference .jsonl file, for "
+                               "grpo a prompts .jsonl file (default: the built-in instruction / preference set)"),
     (("--text-field",), "text_field", str, "JSONL field holding the text (default: text)"),
     (("--tokenizer",), "tokenizer", str, "char, bpe (trained on the corpus) or a tokenizer.json path (default bpe)"),
     (("--vocab-size",), "vocab_size", int, "BPE vocabulary size (default 4096)"),
@@ -34,9 +34,19 @@ TRAIN_FLAGS: list[tuple[tuple[str, ...], str, Any, str]] = [
     (("--lora-targets",), "lora_targets", str, "projections to adapt, comma-separated among q,k,v,o,gate,up,down "
                                                "(default all)"),
     (("--objective",), "objective", str, "training objective: clm (default, causal language modelling), sft, "
-                                         "dpo, mlm, seq2seq"),
+                                         "dpo, grpo, mlm, seq2seq"),
     (("--task",), "task", str, "synthetic task name, for objectives that have tasks"),
     (("--dpo-beta",), "dpo_beta", float, "objective dpo: beta of the DPO loss (default 0.1)"),
+    (("--reward-timeout",), "reward_timeout", float, "objective grpo: seconds one reward call may take (default 10)"),
+    (("--group-size",), "group_size", int, "objective grpo: completions sampled per prompt (default 8; at least 2)"),
+    (("--max-new-tokens",), "max_new_tokens", int, "objective grpo: longest completion in tokens (default 32)"),
+    (("--temperature",), "temperature", float, "objective grpo: sampling temperature (default 1)"),
+    (("--kl-beta",), "kl_beta", float, "objective grpo: weight of the KL to the reference (default 0.04; 0 = none)"),
+    (("--clip-eps",), "clip_eps", float, "objective grpo: clip the probability ratio to [1-E, 1+E] (default 0.2)"),
+    (("--ppo-epochs",), "ppo_epochs", int, "objective grpo: optimizer steps on each sampled batch (default 1)"),
+    (("--grpo-loss",), "grpo_loss", str, "objective grpo: token (mean over all completion tokens, TRL's default) "
+                                         "or sequence (mean per completion, then over completions)"),
+    (("--eval-data",), "eval_data", str, "objective grpo: held-out prompts (default: 10%% of --data)"),
     (("--steps", "--max-steps"), "max_steps", int, "optimizer steps"),
     (("--batch-size",), "batch_size", int, "sequences per micro-batch (per device)"),
     (("--grad-accum",), "grad_accum", int, "micro-batches per optimizer step"),
@@ -80,6 +90,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="train with N processes on this machine, as `torchrun --nproc_per_node N` does "
                         "(multi-node: see docs/distributed.md)")
+    p.add_argument("--reward", dest="flag_rewards", action="append", default=None, metavar="SPEC",
+                   help="objective grpo: a reward, builtin:exact|contains|json-schema|python-import or "
+                        "path/file.py:function, optionally =WEIGHT (repeatable: the rewards add)")
+    p.add_argument("--no-std-scale", dest="flag_std_scale", action="store_const", const=False, default=None,
+                   help="objective grpo: advantages r - mean(group), not divided by the group's std")
     p.add_argument("--compile", dest="flag_compile", action="store_const", const=True, default=None,
                    help="torch.compile the model")
     p.add_argument("--no-progress", dest="flag_progress", action="store_const", const=False, default=None,

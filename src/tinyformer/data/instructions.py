@@ -201,3 +201,23 @@ def builtin_preferences(stdlib_dir: str | Path | None = None) -> list[Preference
     picked = [options[number % len(options)] for number, options in sorted(by_entry.items())]
     return [PreferencePair([{"role": "user", "content": q}], a, near, f"built-in:{i}")
             for i, (q, a, near) in enumerate(picked)]
+
+
+#: the kind of each built-in question, by the start of its text
+QUESTION_KINDS = (("Write the import statement for ", "import"), ("Which module is ", "module"),
+                  ("After `import ", "reference"), ("Which class is ", "method"), ("Is `", "kind"))
+
+
+def builtin_prompts(stdlib_dir: str | Path | None = None) -> list[dict]:
+    """The instruction set as prompt rows for ``--objective grpo``: ``{"messages": [user question], "answer":
+    the right answer, "kind": import | module | reference | method | kind}``, and for the import-statement
+    questions ``"module"`` and ``"name"`` (what ``builtin:python-import`` checks the statement binds)."""
+    rows = []
+    for q, a, _, _ in _questions(stdlib_dir):
+        kind = next(k for start, k in QUESTION_KINDS if q.startswith(start))
+        row: dict = {"messages": [{"role": "user", "content": q}], "answer": a, "kind": kind}
+        if kind == "import":
+            module, _, name = q[len("Write the import statement for `"):-2].rpartition(".")
+            row.update(module=module, name=name)
+        rows.append(row)
+    return rows

@@ -16,7 +16,7 @@ from typing import Any
 
 from tinyformer.errors import ConfigError
 
-__all__ = ["add_arguments", "check_text_mode", "run_modes"]
+__all__ = ["add_arguments", "check_text_mode", "run_modes", "run_reward_mode"]
 
 # flags of the question modes, with their defaults: given with --data they would silently do nothing
 _QUESTION_FLAGS = {"include_path": None, "num_fewshot": None, "limit": None, "builtin_questions": 100,
@@ -39,6 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="questions in --task builtin (default 100)")
     g.add_argument("--max-new-tokens", type=int, default=32,
                    help="longest generated answer of an exact-answer row (default 32)")
+    g.add_argument("--reward", action="append", default=None, metavar="SPEC",
+                   help="mean reward of the run's completions to the --data prompts (default: the built-in set's "
+                        "held-out prompts): builtin:exact|contains|json-schema|python-import or path/file.py:function "
+                        "(repeatable, =WEIGHT)")
+    g.add_argument("--num-samples", type=int, default=1,
+                   help="with --reward: K completions per prompt at temperature 1 (default 1: greedy); adds the "
+                        "mean of the best of K")
     g.add_argument("--no-report", action="store_true", help="leave RUN/report.md as it is")
 
 
@@ -121,5 +128,36 @@ def run_modes(args: argparse.Namespace) -> int:
         print(json.dumps({**result, "report": report}, default=str))
         return 0
     if report is not None:
+        print(f"updated {report}")
+    return 0
+
+
+def run_reward_mode(args: argparse.Namespace) -> int:
+    """`tinyformer eval --reward SPEC [--data PROMPTS.jsonl] [--num-samples K]`: mean reward, printed (one JSON
+    object with --json) and added to the report card (evaluation/reward_scoring.py)."""
+    from tinyformer.evaluation.reward_scoring import evaluate_rewards
+    from tinyformer.report_card import merge_eval_table
+    from tinyformer.utils.io import report_or_warning
+
+    if args.task or args.harness:
+        raise ConfigError("give --reward or --task / --harness, not both")
+    result = evaluate_rewards(args.model, args.data, args.reward, num_samples=args.num_samples,
+                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, device=args.device,
+                              limit=args.limit)
+    name = f"reward {result['reward']}"
+    rows = [(name, "mean_reward", result["mean_reward"], result["prompts"])]
+    if "best_of_k_mean_reward" in result:
+        rows.append((name, f"best_of_{args.num_samples}_mean_reward", result["best_of_k_mean_reward"],
+                     result["prompts"]))
+    rows += [(name, f"mean_reward {kind}", value, None) for kind, value in result.get("by_kind", {}).items()]
+    if not args.json:
+        for _, metric, value, _ in rows:
+            print(f"{result['model']} on {result['data']}: {metric} {value:.4f}", flush=True)
+        if result["reward_failures"]:
+            print(result["reward_failures"])
+    report = None if args.no_report else report_or_warning(lambda: merge_eval_table(args.model, rows))
+    if args.json:
+        print(json.dumps({**result, "report": report}))
+    elif report is not None:
         print(f"updated {report}")
     return 0

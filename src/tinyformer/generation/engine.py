@@ -110,7 +110,9 @@ class EngineRow:
     feed from ``pos`` on (the prompt while prefilling, else the last sampled token). ``want_logprobs``
     False skips the per-step log-normaliser (a lone greedy row then gets its argmax from the compiled graph);
     ``top_logprobs`` > 0
-    asks for that many alternatives per token. ``tag`` is the caller's (e.g. the server's request).
+    asks for that many alternatives per token. ``sampled_logprobs`` True records each token's log-probability
+    under the distribution it was drawn from (the processed logits, see ``sampling.sample``) instead of the
+    raw one. ``tag`` is the caller's (e.g. the server's request).
     ``speculative`` makes the row speculate (``generation/speculative.py``); ``drafts`` then holds its
     proposer state and counts once the row is added.
     ``constraint``: the row's own :class:`~tinyformer.generation.constraint.Matcher` (its place in the
@@ -120,13 +122,15 @@ class EngineRow:
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, text: TextState, *,
                  want_logprobs: bool = True, top_logprobs: int = 0, tag: Any = None,
-                 speculative: SpeculativeConfig | None = None, constraint: Matcher | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, constraint: Matcher | None = None,
+                 sampled_logprobs: bool = False) -> None:
         self.prompt_ids = list(prompt_ids)
         self.speculative = None if speculative is None else speculative.validate()
         self.drafts: RowDrafts | None = None
         self.params = params
         self.text = text
         self.want_logprobs = want_logprobs
+        self.sampled_logprobs = sampled_logprobs
         self.top_logprobs = top_logprobs
         self.tag = tag
         self.constraint = constraint
@@ -322,6 +326,31 @@ class BatchEngine:
                                   f"{self.max_draft_tokens} at most")
         if spec.method == "draft" and self.draft is None:
             raise GenerationError("speculative method 'draft' needs a draft model (--draft-model)")
+
+    def add_group(self, rows: Sequence[EngineRow]) -> None:
+        """Add rows that share one prompt (n samples of it): the prompt's first len - 1 tokens are prefilled
+        once, in the first row's slot, and their keys and values copied to the others' slots (causal K/V at
+        position p depend on tokens 0..p only, so each copy holds what prefilling it alone writes); every row
+        then feeds the last prompt token itself and samples as usual. Falls back to :meth:`add` per row where
+        that does not hold or does not pay (one row, a one-token prompt, ring slots, per-row RoPE, a prefix
+        cache, a prompt longer than the cache)."""
+        ids = rows[0].prompt_ids if rows else []
+        if (len(rows) < 2 or len(ids) < 2 or len(ids) > self.max_len or self.per_row or self.prefix_cache is not None
+                or not self.cache.indexed_by_position or any(r.prompt_ids != ids for r in rows)):
+            for r in rows:
+                self.add(r)
+            return
+        n = len(ids) - 1
+        first = rows[0]
+        self.add(first)
+        first.pending = first.pending[n:]
+        with torch.inference_mode():
+            self._forward_row(first, ids[:n])
+        for r in rows[1:]:
+            self.add(r, prefilled=n)
+            for k, v in self.cache.layers:
+                k[r.slot, :, :n].copy_(k[first.slot, :, :n])
+                v[r.slot, :, :n].copy_(v[first.slot, :, :n])
 
     def remove(self, row: EngineRow) -> None:
         """Free the row's slot (finished or cancelled). With a prefix cache, the whole blocks of the tokens
@@ -689,8 +718,10 @@ class BatchEngine:
                      for e, r in zip((~allowed.any(dim=-1)).tolist(), rows)]
             if any(stuck):  # the vocabulary cannot write what the grammar needs next: those rows end with an error
                 return self._sample_but(logits, rows, stuck, self._stuck)
+        drawn = [r.sampled_logprobs for r in rows]
         tok, lp = sample(logits, [r.sampler for r in rows], history, generators,
-                         want_logprobs=any(r.want_logprobs for r in rows), allowed=allowed)
+                         want_logprobs=any(r.want_logprobs for r in rows), allowed=allowed,
+                         sampled_logprobs=drawn[0] if len(set(drawn)) == 1 else drawn)
         tokens: list[int] = tok.tolist()
         # a row that did not ask for logprobs gets none, whichever rows shared its call
         logps: list[float | None] = [x if r.want_logprobs else None for x, r in zip(lp.tolist(), rows)] \

@@ -330,14 +330,16 @@ class Generator:
     # ---------------------------------------------------------------- public API
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | None = None,
-                 *, logprobs: bool = True) -> list[GenerationResult]:
+                 *, logprobs: bool = True, sampled_logprobs: bool = False) -> list[GenerationResult]:
         """Decode every prompt (as one left-padded batch); one result per prompt, in order.
         ``logprobs=False`` leaves ``GenerationResult.logprobs`` empty and saves the per-step
-        log-normaliser over the vocabulary (greedy decoding is then a bare argmax)."""
+        log-normaliser over the vocabulary (greedy decoding is then a bare argmax). ``sampled_logprobs``
+        gives each token's log-probability under the distribution it was drawn from (e.g. softmax(logits / T))
+        instead of the raw one."""
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
             raise TypeError("generate() takes a list of prompts; wrap a single prompt in a list")
         params = (params or SamplingParams()).validate()
-        rows = self._rows([self.encode(p) for p in prompts], params, logprobs)
+        rows = self._rows([self.encode(p) for p in prompts], params, logprobs, sampled_logprobs)
         for _ in self._decode(rows):
             pass
         return [_result(row) for row in rows]
@@ -393,7 +395,8 @@ class Generator:
 
     # ---------------------------------------------------------------- decoding
 
-    def _rows(self, prompts: list[list[int]], params: SamplingParams, want_logprobs: bool = True) -> list[EngineRow]:
+    def _rows(self, prompts: list[list[int]], params: SamplingParams, want_logprobs: bool = True,
+              sampled_logprobs: bool = False) -> list[EngineRow]:
         """One engine row per prompt; with a seed, row b samples with seed + b (so it equals that prompt
         decoded alone with seed + b)."""
         if not prompts:
@@ -417,7 +420,8 @@ class Generator:
                 row_params = dataclasses.replace(params, seed=(params.seed + b) % 2**64)
             matcher = Matcher(params.constraint, vocab) if vocab is not None and params.constraint else None
             rows.append(EngineRow(p, row_params, TextState(self.token_bytes, ends, params.stop_strings),
-                                  want_logprobs=want_logprobs, speculative=self.speculative, constraint=matcher))
+                                  want_logprobs=want_logprobs, speculative=self.speculative, constraint=matcher,
+                                  sampled_logprobs=sampled_logprobs))
         return rows
 
     def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
@@ -459,8 +463,14 @@ class Generator:
                              slide_keep=self.slide_keep, prefix_cache=self.prefix_cache,
                              max_draft_tokens=0 if self.speculative is None else self.speculative.draft_tokens,
                              draft_model=self.draft_model)
-        for row in rows:
-            engine.add(row)
+        # runs of rows with the same prompt (n samples of one prompt) prefill it once (BatchEngine.add_group)
+        b = 0
+        while b < len(rows):
+            e = b + 1
+            while e < len(rows) and rows[e].prompt_ids == rows[b].prompt_ids:
+                e += 1
+            engine.add_group(rows[b:e])
+            b = e
         index = {id(r): b for b, r in enumerate(rows)}
         started = time.perf_counter()
         self.timings = GenerationTimings(prompt_tokens=P)

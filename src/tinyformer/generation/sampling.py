@@ -703,6 +703,7 @@ def sample(
     *,
     want_logprobs: bool = True,
     allowed: Tensor | None = None,
+    sampled_logprobs: bool | Sequence[bool] = False,
 ) -> tuple[Tensor, Tensor | None]:
     r"""Choose one next token per row: the one sampler of every entry point.
 
@@ -720,6 +721,8 @@ def sample(
         want_logprobs: False skips the log-normaliser (one more pass over the vocabulary) and returns None.
         allowed: ``[B, V]`` bool, the tokens each row's constraint allows (:class:`TokenMask`, applied to
             every row before the chains), or None.
+        sampled_logprobs: True (or one bool per row) returns the log-probability under the distribution the
+            token was drawn from (the processed logits) instead of the raw one; see below.
 
     Returns:
         ``(token_ids[B] int64, logprobs[B] float32 or None)``.
@@ -741,14 +744,17 @@ def sample(
     believes, comparable across sampling settings (as OpenAI's API returns) and finite even for tokens
     a filter would have given probability 1. HF's ``output_scores`` would instead return the processed
     scores. Work is done in float32 (float64 stays float64), so that e.g. ``logits / 1e-6`` cannot
-    overflow fp16.
+    overflow fp16. With ``sampled_logprobs`` a row's log-probability is instead
+    :math:`\log \operatorname{softmax}(\tilde\ell)_y`, that of the distribution it was drawn from (with a
+    temperature T alone, :math:`\log \operatorname{softmax}(\ell / T)_y`): what a policy-gradient
+    objective's importance ratio divides by (training/objectives/grpo.py).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
     raw = logits if logits.dtype == torch.float64 else logits.float()
     masked = raw if allowed is None else TokenMask(allowed)(raw)
     if isinstance(how, (SamplingParams, Sampler)):
-        tokens = _choose(_sampler(how), masked, history, generator)
+        tokens, processed = _choose(_sampler(how), masked, history, generator)
     else:
         samplers = [_sampler(h) for h in how]
         if len(samplers) != raw.shape[0]:
@@ -757,17 +763,29 @@ def sample(
         for i, s in enumerate(samplers):
             groups.setdefault(s.key, []).append(i)
         if len(groups) == 1:
-            tokens = _choose(samplers[0], masked, history, generator)
+            tokens, processed = _choose(samplers[0], masked, history, generator)
         else:
             tokens = torch.empty(raw.shape[0], dtype=torch.long, device=raw.device)
+            processed = torch.empty_like(raw)
             for idx in groups.values():
                 rows = torch.tensor(idx, device=raw.device)
-                tokens[rows] = _choose(samplers[idx[0]], masked[rows], _history_rows(history, rows),
-                                       [generator[i] for i in idx] if isinstance(generator, Sequence) else generator)
+                tokens[rows], processed[rows] = _choose(
+                    samplers[idx[0]], masked[rows], _history_rows(history, rows),
+                    [generator[i] for i in idx] if isinstance(generator, Sequence) else generator)
     if not want_logprobs:
         return tokens, None
-    logprobs = (raw.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(raw, dim=-1)).float()
+    logprobs = _token_logprobs(raw, tokens)
+    if sampled_logprobs is True or (not isinstance(sampled_logprobs, bool) and any(sampled_logprobs)):
+        drawn = _token_logprobs(processed, tokens)
+        if isinstance(sampled_logprobs, bool):
+            return tokens, drawn
+        logprobs = torch.where(torch.tensor(list(sampled_logprobs), device=raw.device), drawn, logprobs)
     return tokens, logprobs
+
+
+def _token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
+    """log softmax(logits)[b, tokens[b]] for each row b, as float32."""
+    return (logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)).float()
 
 
 def _sampler(how: SamplingParams | Sampler) -> Sampler:
@@ -809,18 +827,19 @@ def _process(sampler: Sampler, raw: Tensor, history: Tensor | PenaltyHistory | N
 
 
 def _choose(sampler: Sampler, raw: Tensor, history: Tensor | PenaltyHistory | None,
-            generator: torch.Generator | Sequence[torch.Generator | None] | None) -> Tensor:
-    """``sample``'s choice for rows that share ``sampler``: token ids ``[B]``."""
+            generator: torch.Generator | Sequence[torch.Generator | None] | None) -> tuple[Tensor, Tensor]:
+    """``sample``'s choice for rows that share ``sampler``: (token ids ``[B]``, the processed logits ``[B, V]``
+    they were drawn from)."""
     x = _process(sampler, raw, history)
     if sampler.greedy:
-        return x.argmax(dim=-1)
+        return x.argmax(dim=-1), x
     cdf = (x - x.amax(dim=-1, keepdim=True)).exp_().cumsum_(-1)  # one new tensor, then in place
     total = cdf[:, -1:].contiguous()  # [B, 1]: the softmax normaliser of each row
     u = _uniforms(generator, cdf.shape[0], cdf) * total
     # U * c_V may round up to c_V itself; the first position holding the whole mass is then the last token
     # that has any (the positions after it carry e_v = 0)
     last = torch.searchsorted(cdf, total)
-    return torch.minimum(torch.searchsorted(cdf, u, right=True), last).squeeze(-1)
+    return torch.minimum(torch.searchsorted(cdf, u, right=True), last).squeeze(-1), x
 
 
 def _uniforms(generator: torch.Generator | Sequence[torch.Generator | None] | None, n: int, like: Tensor) -> Tensor:

@@ -23,7 +23,7 @@ import dataclasses
 import math
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PARALLEL_MODES = ("ddp", "fsdp")
 TOKENIZER_KINDS = ("char", "bpe")
+#: how the GRPO loss averages its per-token terms (training/objectives/grpo.py)
+GRPO_LOSSES = ("token", "sequence")
 
 #: TrainConfig fields that may differ when a run is resumed: they steer logging, saving and
 #: hardware, not the sequence of updates (``max_steps`` extends or shortens the run; with the
@@ -84,6 +86,18 @@ class TrainConfig:
     objective: str = "clm"
     task: str | None = None
     dpo_beta: float = 0.1  # objective dpo: strength of the pull towards the reference (training/objectives/dpo.py)
+    # objective grpo (training/objectives/grpo.py): rewards (training/rewards.py), groups, sampling, the loss
+    rewards: list[str] = field(default_factory=list)  # --reward SPEC[=WEIGHT], repeatable
+    reward_timeout: float = 10.0  # seconds one reward call may take (then it scores 0, counted)
+    group_size: int = 8  # completions sampled per prompt
+    max_new_tokens: int = 32  # longest completion
+    temperature: float = 1.0  # sampling temperature of the completions
+    kl_beta: float = 0.04  # weight of the k3 KL estimate towards the reference (0: no reference)
+    clip_eps: float = 0.2  # the ratio is clipped to [1 - eps, 1 + eps]
+    std_scale: bool = True  # advantages divided by the group's std (False: --no-std-scale, r - mean only)
+    ppo_epochs: int = 1  # optimizer steps on each sampled batch
+    grpo_loss: str = "token"  # mean over all completion tokens (TRL's default "dapo"); "sequence": per sequence
+    eval_data: str | None = None  # held-out prompts; None = val_fraction of --data
     # batch
     max_steps: int = 400
     batch_size: int = 16  # sequences per micro-step, per rank
@@ -159,6 +173,21 @@ class TrainConfig:
                 raise bad(name, "must be in [0, 1)")
         if not is_num(self.dpo_beta) or self.dpo_beta <= 0:
             raise bad("dpo_beta", "must be a positive number")
+        for name in ("group_size", "max_new_tokens", "ppo_epochs"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise bad(name, "must be a positive integer")
+        if self.group_size == 1:
+            raise ConfigError("train.group_size must be at least 2: GRPO compares the completions of a prompt with "
+                              "each other, and a group of 1 has nothing to compare (--group-size 1 refused)")
+        for name in ("temperature", "clip_eps", "reward_timeout"):
+            if not is_num(getattr(self, name)) or getattr(self, name) <= 0:
+                raise bad(name, "must be a positive number")
+        if not is_num(self.kl_beta) or self.kl_beta < 0:
+            raise bad("kl_beta", "must be a non-negative number (0: no reference)")
+        if self.grpo_loss not in GRPO_LOSSES:
+            raise ConfigError(f"train.grpo_loss={self.grpo_loss!r} is not one of {', '.join(GRPO_LOSSES)}")
+        if not isinstance(self.rewards, list) or not all(isinstance(r, str) for r in self.rewards):
+            raise bad("rewards", "must be a list of reward specs (strings)")
         if not is_num(self.grad_clip) or self.grad_clip < 0:
             raise bad("grad_clip", "must be a non-negative number (0 disables clipping)")
         if not is_num(self.val_fraction) or not 0 <= self.val_fraction < 1:
@@ -170,13 +199,13 @@ class TrainConfig:
             value = getattr(self, name)
             if value not in allowed and not (name == "device" and isinstance(value, str) and ":" in value):
                 raise ConfigError(f"train.{name}={value!r} is not one of {', '.join(allowed)}")
-        for name in ("decay_embeddings", "compile", "tensorboard", "progress"):
+        for name in ("decay_embeddings", "compile", "tensorboard", "progress", "std_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
         for name in ("text_field", "tokenizer", "objective", "sample_prompt"):
             if not isinstance(getattr(self, name), str):
                 raise bad(name, "must be a string")
-        for name in ("data", "cache_dir", "task", "init_from"):
+        for name in ("data", "cache_dir", "task", "init_from", "eval_data"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise bad(name, "must be a string or null")

@@ -128,6 +128,7 @@ class Trainer:
         self.flops_per_token = self._flops_per_token()
         self.peak_flops = cfg.peak_flops or guess_peak_flops(self.device, self.amp_dtype)
         self.metrics = MetricsLogger(self.run_dir, enabled=self.is_main, tensorboard=cfg.tensorboard)
+        objective.attach(self.model)
 
     # ------------------------------------------------------------------ extension points
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -209,6 +210,7 @@ class Trainer:
         self.tokens_seen = int(state.get("tokens_seen", 0))
         self.train_seconds = float(state.get("train_seconds", 0.0))
         self.window = RunningWindow.from_dict(state.get("window"))
+        self.objective.load_state(state.get("objective"))
         self.last_checkpoint = ckpt_dir
 
     def forget_after(self, step: int) -> None:
@@ -300,8 +302,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ saving
     def trainer_state(self) -> dict[str, Any]:
-        return {"tokens_seen": self.tokens_seen, "train_seconds": self.train_seconds, "world_size": self.world_size,
-                "window": self.window.to_dict()}
+        state = {"tokens_seen": self.tokens_seen, "train_seconds": self.train_seconds, "world_size": self.world_size,
+                 "window": self.window.to_dict()}
+        objective_state = self.objective.state()
+        if objective_state is not None:
+            state["objective"] = objective_state
+        return state
 
     def save(self) -> None:
         """Checkpoint into state/ and refresh the run folder's model.safetensors (a LoRA run's
@@ -371,6 +377,7 @@ class Trainer:
                     # MoE auxiliary losses of the last micro-step (unweighted), when the model has any
                     for name, value in getattr(self.model, "last_moe_losses", {}).items():
                         record[name] = float(value)
+                    record.update(self.objective.train_metrics())
                     self.metrics.log(record)
                     postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
                     if record["mfu"] is not None:

@@ -8,6 +8,7 @@ the trainer minimises) in a module of its own:
     seq2seq   synthetic sequence-to-sequence tasks for the encoder-decoder              seq2seq.py
     sft       the causal LM loss on the assistant tokens of conversations only         sft.py
     dpo       direct preference optimisation on (prompt, chosen, rejected) pairs       dpo.py
+    grpo      group relative policy optimisation on prompts, with program rewards    grpo.py
 
 Adding an objective is one module and one line in :data:`OBJECTIVES`.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 from tinyformer.errors import ConfigError
 from tinyformer.training.objectives.base import Batch, Objective
 from tinyformer.training.objectives.dpo import DPOObjective
+from tinyformer.training.objectives.grpo import GRPOObjective
 from tinyformer.training.objectives.lm import CausalLM
 from tinyformer.training.objectives.mlm import MaskedLM
 from tinyformer.training.objectives.seq2seq import Seq2SeqObjective
@@ -31,6 +33,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "seq2seq": Seq2SeqObjective,
     "sft": SFTObjective,
     "dpo": DPOObjective,
+    "grpo": GRPOObjective,
 }
 
 

@@ -124,6 +124,23 @@ class Objective:
     def has_split(self, split: str) -> bool:
         return self.dataset is not None and len(self.dataset.splits.get(split, range(0))) > 0
 
+    def attach(self, model: nn.Module) -> None:
+        """Called once by the trainer with the model being trained, before the first batch: an objective whose
+        batches come from the model itself (GRPO samples its completions) keeps it; nothing by default."""
+
+    def train_metrics(self) -> dict[str, float]:
+        """Figures added to each training record of metrics.jsonl (e.g. GRPO's rewards since the last record);
+        none by default."""
+        return {}
+
+    def state(self) -> dict | None:
+        """What this objective must carry across a checkpoint for ``--resume`` to continue exactly (JSON
+        values), or None when it keeps nothing between batches (the default)."""
+        return None
+
+    def load_state(self, state: dict | None) -> None:
+        """Restore what :meth:`state` returned (None: a checkpoint without objective state)."""
+
     def sample(self, model: nn.Module, device: torch.device) -> str | None:
         """A short text showing what the model has learnt, or None when the objective has none."""
         return None

@@ -25,7 +25,6 @@ Rows that cannot be used are skipped and counted: chosen == rejected, a prompt t
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,7 +34,7 @@ from torch import nn
 from tinyformer.components.lora import has_lora, lora_disabled
 from tinyformer.errors import DataError
 from tinyformer.training.objectives.base import Batch
-from tinyformer.training.objectives.sft import IGNORE, ChatObjective, first_user_text, pad_rows
+from tinyformer.training.objectives.sft import IGNORE, ChatObjective, first_user_text, pad_rows, plain_module
 
 if TYPE_CHECKING:
     from tinyformer.data.chat_data import PreferencePair
@@ -46,12 +45,6 @@ if TYPE_CHECKING:
 
 SPLITS = ("train", "val")
 Row = tuple[list[int], list[int]]  # (input ids, targets with -100 outside the reply)
-
-
-def plain_module(model: nn.Module) -> nn.Module:
-    """The module inside a compiled (``_orig_mod``) or data-parallel (``module``) wrapper."""
-    model = getattr(model, "_orig_mod", model)
-    return getattr(model, "module", model)
 
 
 class DPOObjective(ChatObjective):
@@ -110,24 +103,6 @@ class DPOObjective(ChatObjective):
         else:
             self.reference = self._score_all(self._load_reference(model, device), device)
         return self.reference
-
-    def _load_reference(self, model: nn.Module, device: torch.device) -> nn.Module:
-        """The ``--init-from`` weights in a model shaped like ``model`` (embeddings grown as for training)."""
-        from tinyformer.models import build_model
-        from tinyformer.run_folder import model_tensors, rebuild_buffers
-        from tinyformer.training.checkpoint import load_weights
-
-        assert self.cfg.init_from is not None, "a chat objective always starts from --init-from"
-        with torch.device("meta"):
-            reference = build_model(model.cfg)
-        reference.to_empty(device=device)
-        rebuild_buffers(reference, device)
-        # as Trainer.load_pretrained reads them: a LoRA run's are its base with the adapter merged
-        tensors = self.adapt_pretrained(dict(model_tensors(Path(self.cfg.init_from))))
-        if model.cfg.tie_embeddings:
-            reference.lm_head.weight = reference.tok_emb.weight
-        load_weights(reference, tensors, f"the DPO reference {self.cfg.init_from}")
-        return reference.requires_grad_(False)
 
     def _score_all(self, model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
         out = {}

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -82,6 +83,12 @@ def pad_rows(rows: Sequence[tuple[list[int], list[int]]], pad_id: int) -> Batch:
     return {"input_ids": input_ids, "targets": targets, "tokens": int((targets != IGNORE).sum())}
 
 
+def plain_module(model: nn.Module) -> nn.Module:
+    """The module inside a compiled (``_orig_mod``) or data-parallel (``module``) wrapper."""
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model)
+
+
 class ChatObjective(Objective):
     """What SFT and DPO share: a decoder fine-tuned from ``--init-from``, its tokenizer given a chat
     template, embeddings grown for the template's tokens, answers to held-out prompts as the sample."""
@@ -129,6 +136,25 @@ class ChatObjective(Objective):
 
     def _split(self, key: str) -> str:
         return "val" if is_heldout(key, self.cfg.val_fraction) else "train"
+
+    def _load_reference(self, model: nn.Module, device: torch.device) -> nn.Module:
+        """The ``--init-from`` weights in a frozen model shaped like ``model`` (embeddings grown as for training):
+        the reference of DPO and GRPO when the run trains every weight."""
+        from tinyformer.models import build_model
+        from tinyformer.run_folder import model_tensors, rebuild_buffers
+        from tinyformer.training.checkpoint import load_weights
+
+        assert self.cfg.init_from is not None, "a chat objective always starts from --init-from"
+        with torch.device("meta"):
+            reference = build_model(model.cfg)
+        reference.to_empty(device=device)
+        rebuild_buffers(reference, device)
+        # as Trainer.load_pretrained reads them: a LoRA run's are its base with the adapter merged
+        tensors = self.adapt_pretrained(dict(model_tensors(Path(self.cfg.init_from))))
+        if model.cfg.tie_embeddings:
+            reference.lm_head.weight = reference.tok_emb.weight
+        load_weights(reference, tensors, f"the {self.name} reference {self.cfg.init_from}")
+        return reference.requires_grad_(False)
 
     def answer(self, model: nn.Module, prompts: Sequence[Sequence[dict[str, str]]], device: torch.device | str,
                max_new_tokens: int = SAMPLE_TOKENS) -> list[str]:
