@@ -9,9 +9,9 @@ import math
 
 import pytest
 import torch
+from test_engine import random_lm as engine_random_lm
 
 from tinyformer.components.quantized import QuantSpec
-from tinyformer.config import ModelConfig
 from tinyformer.data.tokenizer import build_tokenizer
 from tinyformer.errors import GenerationError
 from tinyformer.generation import engine as engine_module
@@ -37,17 +37,8 @@ SHAPES = {
 
 
 def random_lm(vocab: int = 40, dtype: torch.dtype = torch.float64, seed: int = 0, **overrides) -> DecoderLM:
-    """A small decoder with weights large enough for peaked, varied next-token distributions."""
-    torch.manual_seed(seed)
-    fields = dict(vocab_size=vocab, d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=96)
-    model = DecoderLM(ModelConfig(**{**fields, **overrides}))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.3)
-    return model.to(dtype).eval()
+    """test_engine's peaked random decoder, with room for prompts, drafts and their verification."""
+    return engine_random_lm(vocab, dtype, seed, **{"max_seq_len": 96, **overrides})
 
 
 def ids_generator(model: DecoderLM, **kwargs) -> Generator:
