@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI
+from torch import nn
 
 
 class BackgroundServer:
@@ -51,3 +52,19 @@ class BackgroundServer:
     def __exit__(self, *exc: object) -> None:
         self._server.should_exit = True
         self._thread.join(10)
+
+
+class SlowModel(nn.Module):
+    """The model with a fixed pause per forward pass, so that requests overlap in time, a slot is reliably
+    still busy when a test cancels or queues behind it, and a reply is still streaming when a test looks."""
+
+    def __init__(self, inner: nn.Module, delay: float) -> None:
+        super().__init__()
+        self.inner, self.delay, self.cfg = inner, delay, inner.cfg
+
+    def new_cache(self, *args, **kwargs):
+        return self.inner.new_cache(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        time.sleep(self.delay)
+        return self.inner(*args, **kwargs)

@@ -17,18 +17,16 @@ import os
 import re
 import shutil
 import string
-import time
 
 import pytest
 import torch
-from torch import nn
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 jinja2 = pytest.importorskip("jinja2")
 
 from playwright import sync_api  # noqa: E402  (the test extra: the tests skip only without a Chromium binary)
-from serve_helpers import BackgroundServer  # noqa: E402
+from serve_helpers import BackgroundServer, SlowModel  # noqa: E402
 
 from tinyformer.config import ModelConfig  # noqa: E402
 from tinyformer.data.tokenizer import build_tokenizer  # noqa: E402
@@ -46,20 +44,6 @@ NAME = "tiny-chat"
 TOP = 5
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 
-
-class SlowModel(nn.Module):
-    """The model with a pause per forward pass, so that a reply is still streaming when the test looks."""
-
-    def __init__(self, inner: DecoderLM, delay: float) -> None:
-        super().__init__()
-        self.inner, self.delay, self.cfg = inner, delay, inner.cfg
-
-    def new_cache(self, *args, **kwargs):
-        return self.inner.new_cache(*args, **kwargs)
-
-    def forward(self, *args, **kwargs):
-        time.sleep(self.delay)
-        return self.inner(*args, **kwargs)
 
 
 @pytest.fixture(scope="module")

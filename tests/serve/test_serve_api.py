@@ -15,14 +15,13 @@ import time
 
 import pytest
 import torch
-from torch import nn
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from serve_helpers import BackgroundServer  # noqa: E402
+from serve_helpers import BackgroundServer, SlowModel  # noqa: E402
 
 from tinyformer.config import ModelConfig  # noqa: E402
 from tinyformer.data.tokenizer import build_tokenizer  # noqa: E402
@@ -35,21 +34,6 @@ KEY = "sekrit"
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}" \
            "{% if add_generation_prompt %}<assistant>{% endif %}"
 
-
-class SlowModel(nn.Module):
-    """The model with a fixed pause per forward pass, so that requests overlap in time and a slot is
-    reliably still busy when a test cancels or queues behind it."""
-
-    def __init__(self, inner: DecoderLM, delay: float) -> None:
-        super().__init__()
-        self.inner, self.delay, self.cfg = inner, delay, inner.cfg
-
-    def new_cache(self, *args, **kwargs):
-        return self.inner.new_cache(*args, **kwargs)
-
-    def forward(self, *args, **kwargs):
-        time.sleep(self.delay)
-        return self.inner(*args, **kwargs)
 
 
 @pytest.fixture(scope="module")
