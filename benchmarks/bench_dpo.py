@@ -27,12 +27,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench_model import load_hf_causal_lm, peak_rss_mib
+from bench_model import load_hf_causal_lm, peak_rss_mib, run_json_child
 
 RANK = 8
 
@@ -128,11 +127,7 @@ def run_child(kind: str, args: argparse.Namespace, data: str) -> dict:
     cmd = [sys.executable, __file__, "--_child", kind, "--mode", args.mode, "--model", args.model, "--hf", args.hf,
            "--data", data, "--work", args.work, "--steps", str(args.steps), "--batch", str(args.batch),
            "--beta", str(args.beta), "--lr", str(args.lr), "--threads", str(args.threads), "--block", str(args.block)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        raise SystemExit(f"{kind} child failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_json_child(kind, cmd, args.threads)
 
 
 def main() -> None:

@@ -28,13 +28,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench_model import load_hf_causal_lm, peak_rss_mib
+from bench_model import load_hf_causal_lm, peak_rss_mib, run_json_child
 
 RANK = 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -147,11 +146,7 @@ def run_child(kind: str, args: argparse.Namespace) -> dict:
            "--work", args.work, "--steps", str(args.steps), "--prompts", str(args.prompts), "--group",
            str(args.group), "--new-tokens", str(args.new_tokens), "--beta", str(args.beta), "--lr", str(args.lr),
            "--threads", str(args.threads)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        raise SystemExit(f"{kind} child failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_json_child(kind, cmd, args.threads)
 
 
 def main() -> None:

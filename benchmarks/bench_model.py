@@ -159,6 +159,16 @@ def peak_rss_mib() -> float:
     return int(status["VmHWM"]) / 1024  # VmHWM is in KiB
 
 
+def run_json_child(kind: str, cmd: list[str], threads: int) -> dict:
+    """Run one side of a comparison in its own process (``threads`` OpenMP threads) and return the JSON object
+    its last stdout line holds; a failed child stops the benchmark with the end of its stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"{kind} child failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def load_hf_causal_lm(folder: str, threads: int):
     """(model, tokenizer) of a Hugging Face folder in float32, with ``threads`` intra-op threads and a pad token
     (the EOS token when it has none): the TRL side of bench_dpo.py and bench_grpo.py."""
