@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tinyformer.cli.common import add_template_timeout_flag, compile_notice, template_timeout
+from tinyformer.cli.common import add_template_timeout_flag, template_timeout
 from tinyformer.cli.generate import (
     add_model_args,
     add_sampling_args,
@@ -67,8 +67,6 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     timeout_s = template_timeout(args)
     gen = load_generator(args)
-    if args.compile:
-        print(compile_notice("the decode step"), file=sys.stderr, flush=True)
     gen.prefix_cache = new_prefix_cache(gen.model, args.prefix_cache_mb)  # each turn reuses the history's K/V
     session = ChatSession(gen, system=args.system, template=ChatTemplate(gen.tokenizer, timeout_s=timeout_s))
     interactive = sys.stdin.isatty()

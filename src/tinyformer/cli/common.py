@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,33 @@ def compile_notice(what: str) -> str:
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(Path(tempfile.gettempdir()) / f"torchinductor_{user}")
     return (f"tinyformer: --compile: torch.compile builds {what} at the first step (tens of seconds; the kernels are "
             f"cached in {cache}, so later runs start faster) ...")
+
+
+def add_compile_flag(p: Any, what: str) -> None:
+    """``--compile`` / ``--no-compile`` of the commands that decode (generate, chat, serve); default: compiled
+    where it can be (see :mod:`tinyformer.generation.compile_cache`)."""
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"decode with {what} (the default where a C++ compiler exists on a CPU, or on a CUDA "
+                        "GPU; the first run of a model compiles for tens of seconds, later runs load the cached "
+                        "kernels); --no-compile decodes eagerly, the plain PyTorch code path; "
+                        "TINYFORMER_COMPILE=0 makes that the default")
+
+
+def decide_compile(flag: bool | None, model: Any, what: str = "the decode step") -> bool:
+    """Resolve ``--compile`` for ``model`` (:func:`~tinyformer.generation.compile_cache.resolve_compile`),
+    point inductor at the persistent cache and print one line on stderr: why the command decodes eagerly
+    (where it would have compiled by default), or that this model compiles for the first time."""
+    from tinyformer.generation.compile_cache import resolve_compile, use_compile_cache
+
+    use, notice = resolve_compile(flag, model)
+    if notice:
+        print(notice, file=sys.stderr, flush=True)
+    if use:
+        folder, seen = use_compile_cache(model)
+        if not seen:
+            print(f"tinyformer: compiling {what} for this model, once (tens of seconds; the kernels are cached in "
+                  f"{folder} for later runs; --no-compile skips this) ...", file=sys.stderr, flush=True)
+    return use
 
 
 def add_template_timeout_flag(p: Any) -> None:

@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from tinyformer.cli.common import (
+    add_compile_flag,
     add_no_verify_flag,
     add_speculative_args,
     add_template_timeout_flag,
-    compile_notice,
+    decide_compile,
     speculative_from_args,
     template_timeout,
 )
@@ -56,9 +57,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slide-keep", type=int, default=None, metavar="N",
                    help="tokens kept when the context slides (default: 3/4 of the context)")
     add_no_verify_flag(p)
-    p.add_argument("--compile", action="store_true",
-                   help="decode with a torch.compile-d step: tens of seconds to start, then faster tokens "
-                        "(worth it for long outputs; on CPU it needs a C++ compiler)")
+    add_compile_flag(p, "a torch.compile-d step")
     add_speculative_args(p)
 
 
@@ -165,13 +164,16 @@ def sampling_params(args: argparse.Namespace, max_new_tokens: int, **changes: An
 
 
 def load_generator(args: argparse.Namespace) -> Generator:
-    """Check the flags that need no model first (cheap, clear errors), then load the run folder."""
+    """Check the flags that need no model first (cheap, clear errors), then load the run folder; decide
+    ``--compile`` for the loaded model (compiled by default where it can be, see ``decide_compile``)."""
     speculative = speculative_from_args(args)
     device = resolve_device(args.device, GenerationError)
     dtype = resolve_dtype(args.dtype, device, GenerationError)
-    return Generator.from_run(args.model, device=device, dtype=dtype, context_policy=args.context_policy,
-                              slide_keep=args.slide_keep, compile=args.compile, verify=not args.no_verify,
-                              speculative=speculative, draft_run=args.draft_model)
+    gen = Generator.from_run(args.model, device=device, dtype=dtype, context_policy=args.context_policy,
+                             slide_keep=args.slide_keep, verify=not args.no_verify,
+                             speculative=speculative, draft_run=args.draft_model)
+    gen.compile = decide_compile(args.compile, gen.model)
+    return gen
 
 
 def budget(args: argparse.Namespace, gen: Generator, prompt_len: int) -> int:
@@ -262,8 +264,6 @@ def run(args: argparse.Namespace) -> int:
     sampling_params(args, 0 if args.max_new_tokens is None else args.max_new_tokens)
     timeout_s = template_timeout(args)
     gen = load_generator(args)
-    if args.compile:
-        print(compile_notice("the decode step"), file=sys.stderr, flush=True)
     if args.ignore_eos:
         gen.eos_token_id = None
     echo = (not args.chat) if args.echo is None else args.echo

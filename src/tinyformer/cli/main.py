@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         check_utf8_arguments(sys.argv[1:] if argv is None else argv)
         if args.command in COMPUTE_COMMANDS:
             configure_threads(getattr(args, "threads", None), reserve=RESERVED_CORES.get(args.command, 0))
+            from tinyformer.generation.compile_cache import default_inductor_cache
+
+            default_inductor_cache()  # compiled kernels kept per torch version and CPU, across invocations
         return int(args.func(args) or 0)
     except TinyformerError as exc:
         message = " ".join(str(exc).split())  # one line, whatever the message's source put in it

@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 from tinyformer.cli.common import (
+    add_compile_flag,
     add_no_verify_flag,
     add_speculative_args,
     add_template_timeout_flag,
+    decide_compile,
     speculative_from_args,
     template_timeout,
 )
@@ -68,10 +70,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights dtype; auto (default) = float32 on cpu, bfloat16 on cuda (float16 where the GPU "
                         "has no bfloat16), as generate and chat")
-    p.add_argument("--compile", action="store_true",
-                   help="decode with torch.compile-d steps, one per bucket of 1, 2, 4, ... --max-batch requests, "
-                        "all compiled at start-up before the server answers (tens of seconds each on a CPU the "
-                        "first time; inductor's cache makes later starts quick)")
+    add_compile_flag(p, "torch.compile-d steps, one per bucket of 1, 2, 4, ... --max-batch requests, all compiled "
+                        "at start-up before the server answers")
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens a request feeds per step at most, so long prompts interleave with the "
                         "decoding of running requests (default 256)")
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(run_dir)
     if cfg.arch not in ("decoder", "encoder"):  # an encoder run is served for /v1/embeddings and /tokenize
         raise CheckpointError(f"{run_dir} holds an {cfg.arch} model; serve takes a decoder LM or an encoder")
-    if cfg.arch == "encoder" and args.compile:
+    if cfg.arch == "encoder" and args.compile:  # the default (None) just means no decoding to compile
         raise ConfigError("--compile compiles the decode step; an encoder run does not decode")
     if args.max_context is not None and not 1 <= args.max_context <= cfg.max_seq_len:
         raise ConfigError(f"--max-context must be in [1, {cfg.max_seq_len}] (the model's max_seq_len)")
@@ -173,18 +173,19 @@ def run(args: argparse.Namespace) -> int:
             check_draft(model, tokenizer, draft, load_tokenizer(args.draft_model))
             if device.type == "cpu":
                 store_input_major(draft)
+        compile = cfg.arch == "decoder" and decide_compile(args.compile, model, "the decode steps")
         name = args.model_name or run_dir.resolve().name
         app = create_app(model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
                          request_timeout=args.request_timeout or None, api_key=args.api_key,
                          max_len=args.max_context, max_body_bytes=args.max_body_bytes, bind_host=args.host,
-                         allowed_origins=tuple(args.allow_origin), compile=args.compile,
+                         allowed_origins=tuple(args.allow_origin), compile=compile,
                          prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb,
                          template_timeout=timeout_s, body_timeout=args.header_timeout,
                          speculative=speculative, draft_model=draft)
         logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        if args.compile:
+        if compile:
             sizes = ", ".join(map(str, app.state.server.scheduler.engine.buckets()))
             print(f"compiling the decode step for {sizes} requests at a time before serving", flush=True)
         print(f"serving {name!r} ({model.num_params() / 1e6:.1f}M parameters, {device}, {dtype_name}) on "
