@@ -235,6 +235,158 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void act8_bl
 }
 
 
+// ------------------------------------------------------------------ AVX2 + FMA (no AVX-512)
+// Eight floats a vector. Columns past the last full vector of a group (G not a multiple of 8, or 16 for
+// int4) are summed in scalars: AVX2 has no byte-masked loads, and a group's tail is a few columns at most.
+
+// As int8_block_avx512. The register file is half as wide and half as deep (16 ymm), so a call covers at
+// most 2 activation rows x 2 output rows or 1 x 4 (p and acc: 2 MB R registers).
+template <int MB, int R, bool PER_ROW>
+__attribute__((target("avx2,fma"))) void int8_block_avx2(const float* x, int64_t K, const int8_t* q, const float* s,
+                                                        int64_t G, float* y, int64_t N, int64_t o) {
+  const int64_t ng = K / G;
+  __m256 acc[R][MB], p[R][MB];
+  float tacc[R][MB] = {}, tp[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) {
+        p[r][m] = _mm256_setzero_ps();
+        tp[r][m] = 0.f;
+      }
+    const int64_t end = (g + 1) * G;
+    int64_t c = g * G;
+    for (; c + 8 <= end; c += 8) {
+      __m256 xv[MB];
+      for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * K + c);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* qr = q + (o + r) * K + c;
+        if ((c & 63) < 8) _mm_prefetch(reinterpret_cast<const char*>(qr) + kPrefetch, _MM_HINT_T0);
+        const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr))));
+        for (int m = 0; m < MB; ++m) p[r][m] = _mm256_fmadd_ps(xv[m], w, p[r][m]);
+      }
+    }
+    for (; c < end; ++c)
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) tp[r][m] += x[m * K + c] * static_cast<float>(q[(o + r) * K + c]);
+    for (int r = 0; r < R; ++r) {
+      if (PER_ROW) {
+        for (int m = 0; m < MB; ++m) {
+          acc[r][m] = p[r][m];
+          tacc[r][m] = tp[r][m];
+        }
+      } else {
+        const float sv = s[(o + r) * ng + g];
+        for (int m = 0; m < MB; ++m) {
+          acc[r][m] = _mm256_fmadd_ps(p[r][m], _mm256_set1_ps(sv), acc[r][m]);
+          tacc[r][m] += sv * tp[r][m];
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) {
+      const float v = hsum256(acc[r][m]) + tacc[r][m];
+      y[m * N + o + r] = PER_ROW ? v * s[o + r] : v;
+    }
+}
+
+// xp as for int4_block_avx512 (per chunk of up to 32 columns: its even columns, then its odd ones), so 8 bytes
+// of q widen to the chunk's 8 next even columns (low nibbles) and 8 next odd ones (high nibbles). vpermps
+// reaches only 8 table entries here, so the nibbles u are converted instead and the zero points move out of
+// the sum: w = s (u - 8) + z, y = sum_g [ s_og sum_{i in g} x_i u_oi + (z_og - 8 s_og) xs_g ], xs (MB, K/G)
+// the exact group sums of x, shared by all output rows.
+template <int MB, int R>
+__attribute__((target("avx2,fma"))) void int4_block_avx2(const float* xp, const float* xs, int64_t K,
+                                                        const uint8_t* q, const float* s, const float* z,
+                                                        int64_t G, float* y, int64_t N, int64_t o) {
+  const int64_t ng = K / G;
+  const __m256i low = _mm256_set1_epi32(15);
+  __m256 acc[R][MB], p[R][MB];
+  float tacc[R][MB] = {}, tp[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) {
+        p[r][m] = _mm256_setzero_ps();
+        tp[r][m] = 0.f;
+      }
+    const int64_t end = (g + 1) * G;
+    for (int64_t c = g * G; c < end; c += 32) {
+      const int64_t half = std::min<int64_t>(32, end - c) / 2;
+      int64_t j = 0;
+      for (; j + 8 <= half; j += 8) {
+        __m256 xe[MB], xo[MB];
+        for (int m = 0; m < MB; ++m) {
+          xe[m] = _mm256_loadu_ps(xp + m * K + c + j);
+          xo[m] = _mm256_loadu_ps(xp + m * K + c + half + j);
+        }
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* qr = q + (o + r) * (K / 2) + c / 2 + j;
+          if (((c / 2 + j) & 63) < 8) _mm_prefetch(reinterpret_cast<const char*>(qr) + kPrefetch, _MM_HINT_T0);
+          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr)));
+          const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
+          const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+          for (int m = 0; m < MB; ++m) {
+            p[r][m] = _mm256_fmadd_ps(xe[m], lo, p[r][m]);
+            p[r][m] = _mm256_fmadd_ps(xo[m], hi, p[r][m]);
+          }
+        }
+      }
+      for (; j < half; ++j)
+        for (int r = 0; r < R; ++r) {
+          const uint8_t b = q[(o + r) * (K / 2) + c / 2 + j];
+          for (int m = 0; m < MB; ++m)
+            tp[r][m] += xp[m * K + c + j] * static_cast<float>(b & 15) +
+                        xp[m * K + c + half + j] * static_cast<float>(b >> 4);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float sv = s[(o + r) * ng + g], zs = z[(o + r) * ng + g] - 8.f * sv;
+      for (int m = 0; m < MB; ++m) {
+        acc[r][m] = _mm256_fmadd_ps(p[r][m], _mm256_set1_ps(sv), acc[r][m]);
+        tacc[r][m] += sv * tp[r][m] + zs * xs[m * ng + g];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) y[m * N + o + r] = hsum256(acc[r][m]) + tacc[r][m];
+}
+
+// R output rows (kRowBlock or 1) from o: one activation row 4 output rows a call, two rows 2 a call.
+template <int R>
+void int8_avx2(const float* x, int mb, int64_t K, const int8_t* q, const float* s, int64_t G, float* y, int64_t N,
+               int64_t o) {
+  const bool per_row = G == K;
+  if (mb == 1) {
+    if (per_row)
+      int8_block_avx2<1, R, true>(x, K, q, s, G, y, N, o);
+    else
+      int8_block_avx2<1, R, false>(x, K, q, s, G, y, N, o);
+    return;
+  }
+  constexpr int R2 = R < 2 ? R : 2;
+  for (int r = 0; r < R; r += R2) {
+    if (per_row)
+      int8_block_avx2<2, R2, true>(x, K, q, s, G, y, N, o + r);
+    else
+      int8_block_avx2<2, R2, false>(x, K, q, s, G, y, N, o + r);
+  }
+}
+
+template <int R>
+void int4_avx2(const float* xp, const float* xs, int mb, int64_t K, const uint8_t* q, const float* s, const float* z,
+               int64_t G, float* y, int64_t N, int64_t o) {
+  if (mb == 1) {
+    int4_block_avx2<1, R>(xp, xs, K, q, s, z, G, y, N, o);
+    return;
+  }
+  constexpr int R2 = R < 2 ? R : 2;
+  for (int r = 0; r < R; r += R2) int4_block_avx2<2, R2>(xp, xs, K, q, s, z, G, y, N, o + r);
+}
+
 template <int R>
 void int8_avx512(const float* x, int mb, int64_t K, const int8_t* q, const float* s, int64_t G, float* y,
                  int64_t N, int64_t o) {
@@ -269,15 +421,34 @@ bool has_vnni() {  // the act8 kernels: AVX-512 as above plus its integer dot pr
   static const bool yes = has_avx512() && __builtin_cpu_supports("avx512vnni");
   return yes;
 }
+
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
 #else
 bool has_avx512() { return false; }
 bool has_vnni() { return false; }
+bool has_avx2() { return false; }
 #endif
+
+// The ops' `path` argument (quant_kernels.py: WEIGHT_ONLY_PATHS, GEMM_PATHS). kWide is the AVX-512 kernel of
+// the op (weight-only: F/BW/VL; act8_gemm: VNNI); auto takes the widest this CPU has.
+enum Path : int64_t { kAuto = 0, kWide = 1, kPlain = 2, kAvx2 = 3 };
+
+Path resolve_path(int64_t path, bool wide_ok, const char* wide) {
+  TORCH_CHECK(path >= kAuto && path <= kAvx2, "path must be 0 (auto), 1 (", wide, "), 2 (plain) or 3 (avx2), got ",
+              path);
+  TORCH_CHECK(path != kWide || wide_ok, "this CPU has no ", wide);
+  TORCH_CHECK(path != kAvx2 || has_avx2(), "this CPU has no AVX2 + FMA");
+  if (path != kAuto) return static_cast<Path>(path);
+  return wide_ok ? kWide : has_avx2() ? kAvx2 : kPlain;
+}
 
 // Threads take blocks of kRowBlock output rows; each block runs over the activation rows kMaxBatch at a
 // time, so its weights (a few KiB) are widened from cache after the first pass.
 template <typename Block, typename Plain>
-void over_rows(int64_t M, int64_t N, int64_t K, Block block, Plain plain, bool fast = has_avx512()) {
+void over_rows(int64_t M, int64_t N, int64_t K, Block block, Plain plain, bool fast) {
   const int64_t n_blocks = (N + kRowBlock - 1) / kRowBlock;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
   at::parallel_for(0, n_blocks, grain, [&](int64_t b0, int64_t b1) {
@@ -303,8 +474,9 @@ void check_common(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
   TORCH_CHECK(s.size(1) > 0 && K % s.size(1) == 0, "the number of groups must divide K");
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t path) {
   TORCH_CHECK(q.scalar_type() == at::kChar, "q must be int8");
+  const Path use = resolve_path(path, has_avx512(), "AVX-512");
   const int64_t K = q.size(1);
   check_common(x, q, s, K);
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, q has ", K);
@@ -319,20 +491,25 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   over_rows(M, N, K,
             [&](int64_t m, int mb, int64_t o, int64_t rows) {
 #ifdef TF_X86
+              const auto kernel = use == kWide ? int8_avx512<kRowBlock> : int8_avx2<kRowBlock>;
+              const auto one = use == kWide ? int8_avx512<1> : int8_avx2<1>;
               if (rows == kRowBlock)
-                int8_avx512<kRowBlock>(xd + m * K, mb, K, qd, sd, G, yd + m * N, N, o);
+                kernel(xd + m * K, mb, K, qd, sd, G, yd + m * N, N, o);
               else
-                for (int64_t r = 0; r < rows; ++r) int8_avx512<1>(xd + m * K, mb, K, qd, sd, G, yd + m * N, N, o + r);
+                for (int64_t r = 0; r < rows; ++r) one(xd + m * K, mb, K, qd, sd, G, yd + m * N, N, o + r);
 #endif
             },
             [&](int64_t m, int mb, int64_t o0, int64_t o1) {
               int8_rows_plain(xd + m * K, mb, K, qd, sd, G, yd + m * N, N, o0, o1);
-            });
+            },
+            use != kPlain);
   return y.to(x.scalar_type());
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& z) {
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& z,
+                       int64_t path) {
   TORCH_CHECK(q.scalar_type() == at::kByte, "q must be uint8 (two 4-bit values per byte)");
+  const Path use = resolve_path(path, has_avx512(), "AVX-512");
   const int64_t K = 2 * q.size(1);
   check_common(x, q, s, K);
   TORCH_CHECK(z.is_floating_point() && z.sizes() == s.sizes(), "z must be float shaped like s");
@@ -348,8 +525,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const float* sd = sc.data_ptr<float>();
   const float* zd = zc.data_ptr<float>();
   float* yd = y.data_ptr<float>();
-  std::vector<float> xp;
-  if (has_avx512()) {  // evens then odds within every chunk of up to 32 columns of a group
+  const int64_t ng = K / G;
+  std::vector<float> xp, xs;
+  if (use == kAvx2) {
+    xs.assign(static_cast<size_t>(M * ng), 0.f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = 0; i < K; ++i) xs[m * ng + i / G] += xd[m * K + i];
+  }
+  if (use != kPlain) {  // evens then odds within every chunk of up to 32 columns of a group
     xp.resize(static_cast<size_t>(M * K));
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g0 = 0; g0 < K; g0 += G)
@@ -365,16 +548,23 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
             [&](int64_t m, int mb, int64_t o, int64_t rows) {
 #ifdef TF_X86
               const float* xm = xp.data() + m * K;
-              if (rows == kRowBlock)
+              if (use == kAvx2) {
+                const float* xsm = xs.data() + m * ng;
+                if (rows == kRowBlock)
+                  int4_avx2<kRowBlock>(xm, xsm, mb, K, qd, sd, zd, G, yd + m * N, N, o);
+                else
+                  for (int64_t r = 0; r < rows; ++r) int4_avx2<1>(xm, xsm, mb, K, qd, sd, zd, G, yd + m * N, N, o + r);
+              } else if (rows == kRowBlock) {
                 int4_avx512<kRowBlock>(xm, mb, K, qd, sd, zd, G, yd + m * N, N, o);
-              else
-                for (int64_t r = 0; r < rows; ++r)
-                  int4_avx512<1>(xm, mb, K, qd, sd, zd, G, yd + m * N, N, o + r);
+              } else {
+                for (int64_t r = 0; r < rows; ++r) int4_avx512<1>(xm, mb, K, qd, sd, zd, G, yd + m * N, N, o + r);
+              }
 #endif
             },
             [&](int64_t m, int mb, int64_t o0, int64_t o1) {
               int4_rows_plain(xd + m * K, mb, K, qd, sd, zd, G, yd + m * N, N, o0, o1);
-            });
+            },
+            use != kPlain);
   return y.to(x.scalar_type());
 }
 
@@ -805,16 +995,20 @@ at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& s, const c10::
 }
 
 bool cpu_has_vnni() { return has_vnni(); }
+bool cpu_has_avx512() { return has_avx512(); }
+bool cpu_has_avx2() { return has_avx2(); }
 
 }  // namespace
 
 TORCH_LIBRARY(tinyformer, m) {
-  m.def("int8_linear(Tensor x, Tensor q, Tensor s) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor q, Tensor s, Tensor z) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor q, Tensor s, int path=0) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor q, Tensor s, Tensor z, int path=0) -> Tensor");
   m.def("int8_linear_act8(Tensor x, Tensor q, Tensor s) -> Tensor");
   m.def("int4_linear_act8(Tensor x, Tensor q, Tensor s, Tensor z) -> Tensor");
   m.def("act8_gemm(Tensor x, Tensor wp, Tensor sp, Tensor aux, int N, int G, bool int4, int path) -> Tensor");
   m.def("cpu_has_vnni() -> bool", &cpu_has_vnni);
+  m.def("cpu_has_avx512() -> bool", &cpu_has_avx512);
+  m.def("cpu_has_avx2() -> bool", &cpu_has_avx2);
   m.def("dequantize_rows(Tensor q, Tensor s, Tensor? z, int o0, int o1) -> Tensor");
 }
 

@@ -93,11 +93,11 @@ def announce_build(name: str) -> bool:
     return True
 
 
-def _fake_int8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+def _fake_int8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, path: int = 0) -> torch.Tensor:
     return x.new_empty((x.shape[0], q.shape[0]))  # (M, N): the shape torch.compile traces with
 
 
-def _fake_int4(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+def _fake_int4(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, path: int = 0) -> torch.Tensor:
     return x.new_empty((x.shape[0], q.shape[0]))
 
 
@@ -187,17 +187,24 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(xb * inv) * d).reshape(x.shape)
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """y = x dequant(W)^T for int8 W (module doc): the compiled op where available, else the formula."""
+# The weight-only ops' ``path`` argument: "auto" takes the widest this CPU has (AVX-512 > AVX2 + FMA > plain C++);
+# naming one forces it (tests, benchmarks), and the op refuses one the CPU lacks.
+WEIGHT_ONLY_PATHS = {"auto": 0, "avx512": 1, "plain": 2, "avx2": 3}
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, path: str = "auto") -> torch.Tensor:
+    """y = x dequant(W)^T for int8 W (module doc): the compiled op where available (``path``:
+    ``WEIGHT_ONLY_PATHS``), else the formula."""
     if available():
-        return torch.ops.tinyformer.int8_linear(x, q, s)
+        return torch.ops.tinyformer.int8_linear(x, q, s, WEIGHT_ONLY_PATHS[path])
     return int8_linear_reference(x, q, s)
 
 
-def int4_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """y = x dequant(W)^T for int4 W (module doc): the compiled op where available, else the formula."""
+def int4_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, path: str = "auto") -> torch.Tensor:
+    """y = x dequant(W)^T for int4 W (module doc): the compiled op where available (``path``:
+    ``WEIGHT_ONLY_PATHS``), else the formula."""
     if available():
-        return torch.ops.tinyformer.int4_linear(x, q, s, z)
+        return torch.ops.tinyformer.int4_linear(x, q, s, z, WEIGHT_ONLY_PATHS[path])
     return int4_linear_reference(x, q, s, z)
 
 
@@ -235,12 +242,23 @@ def int4_linear_act8_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor
 
 # ---------------------------------------------------------------- the 8-bit-activation GEMM's packed weights
 
-GEMM_PATHS = {"auto": 0, "vnni": 1, "plain": 2}  # the C++ op's ``path`` argument
+# the C++ op's ``path`` argument: "auto" takes VNNI > AVX2 + FMA > plain C++ by the CPU's features
+GEMM_PATHS = {"auto": 0, "vnni": 1, "plain": 2, "avx2": 3}
 
 
 def has_vnni() -> bool:
     """Whether this CPU has AVX-512 VNNI (the compiled kernels' own run-time check); False without them."""
     return available() and bool(torch.ops.tinyformer.cpu_has_vnni())
+
+
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512 F/BW/VL + FMA (the weight-only kernels' wide path); False without them."""
+    return available() and bool(torch.ops.tinyformer.cpu_has_avx512())
+
+
+def has_avx2() -> bool:
+    """Whether this CPU has AVX2 + FMA (both kernels' 256-bit path); False without the compiled kernels."""
+    return available() and bool(torch.ops.tinyformer.cpu_has_avx2())
 
 
 def pack_act8(t: dict[str, torch.Tensor], quant_type: str) -> dict[str, torch.Tensor]:
