@@ -34,6 +34,8 @@ GEMM_LAYOUTS = [
     (QuantSpec("int4", 32), 37, 544),
     (QuantSpec("int4", 64), 50, 256),
     (QuantSpec("int4", 32), 100, 96),
+    (QuantSpec("int8", 0), 37, 544),  # the AVX2 path's chunks are twice as long: 17 blocks (int8: 16 a chunk)
+    (QuantSpec("int4", 32), 37, 1056),  # and 33 (int4: 32 a chunk)
 ]
 GEMM_ROWS = [1, 5, 13, 33]
 PATHS = ["vnni", "avx2", "plain"]
