@@ -7,8 +7,9 @@ Shapes are SmolLM2-135M's (d 576, d_ff 1536, vocab 49152): the fused gate/up mat
 down projection (576 x 1536) and the head (49152 x 576). For each, y = x W^T (x: rows x in) by
   * fp32:          F.linear on float32 W (the baseline; weights read: 4 bytes each)
   * int8_aten:     torch.ops.aten._weight_int8pack_mm, int8 W with one scale per output row
-  * int8_cpp / int4_cpp: tinyformer's C++ kernels (``tinyformer.components.quant_kernels``), the portable
-    layout read in place, each weight widened to float32 in registers (per channel, G = 32)
+  * int8_cpp_PATH / int4_cpp_PATH: tinyformer's C++ kernels (``tinyformer.components.quant_kernels``), the
+    portable layout read in place, each weight widened to float32 in registers (per channel, G = 32), once
+    for every code path this CPU has (avx512, avx2, plain)
   * int8_cpp_act8 / int4_cpp_act8: the same with the activations rounded to 8 bits per 32 columns and
     integer (VNNI) dot products, as llama.cpp's Q8_0 / Q4_0 products; not weight-only
   * int8_compiled: torch.compile of x @ (q * s)^T, per-channel and per-group (G = 32) scales (inductor
@@ -125,6 +126,17 @@ def bench_shape(name: str, n: int, k: int, rows: int, repeat: int, only: list[st
     from tinyformer.components.quantized import CPP_MAX_ROWS, QuantizedLinear, QuantSpec
 
     cpp = quant_kernels.available()
+    # every code path this CPU has, each forced (the kernels' "auto" takes the first)
+    gemm_paths = [p for p, has in [("vnni", quant_kernels.has_vnni()), ("avx2", quant_kernels.has_avx2()),
+                                   ("plain", cpp)] if has]
+    wo_paths = [p for p, has in [("avx512", quant_kernels.has_avx512()), ("avx2", quant_kernels.has_avx2()),
+                                 ("plain", cpp)] if has]
+    weight_only = {}
+    for path in wo_paths:
+        weight_only.update({
+            f"int8_cpp_{path} (per-channel)": lambda path=path: quant_kernels.int8_linear(x, q8, s8[:, None], path),
+            f"int8_cpp_{path} (G=32)": lambda path=path: quant_kernels.int8_linear(x, q8g, s8g, path),
+            f"int4_cpp_{path} (G=32)": lambda path=path: quant_kernels.int4_linear(x, nib_u8, s4_32, zeros4, path)})
     gemm = {}  # the 8-bit-activation GEMM over its packed weights, and the weight-only layer (its prefill path)
     if cpp:
         ports = {"int8 (per-channel)": ({"qweight": q8, "scales": s8[:, None]}, QuantSpec("int8", 0)),
@@ -134,7 +146,7 @@ def bench_shape(name: str, n: int, k: int, rows: int, repeat: int, only: list[st
         for label, (part, spec) in ports.items():
             width, layout = label.split(" ", 1)
             packed, group = quant_kernels.pack_act8(part, width), spec.groups(k)
-            for path in ("vnni", "plain") if quant_kernels.has_vnni() else ("plain",):
+            for path in gemm_paths:
                 gemm[f"{width}_gemm_{path} {layout}"] = (
                     lambda p=packed, w=width, g=group, path=path: quant_kernels.act8_gemm(x, p, n, g, w, path))
             if rows > CPP_MAX_ROWS:
@@ -142,9 +154,7 @@ def bench_shape(name: str, n: int, k: int, rows: int, repeat: int, only: list[st
                 gemm[f"{width}_cpp_dequant_blas {layout}"] = lambda layer=layer: layer(x)
     cases = {
         "fp32": lambda: F.linear(x, w),
-        "int8_cpp (per-channel)": (lambda: torch.ops.tinyformer.int8_linear(x, q8, s8[:, None])) if cpp else None,
-        "int8_cpp (G=32)": (lambda: torch.ops.tinyformer.int8_linear(x, q8g, s8g)) if cpp else None,
-        "int4_cpp (G=32)": (lambda: torch.ops.tinyformer.int4_linear(x, nib_u8, s4_32, zeros4)) if cpp else None,
+        **weight_only,
         "int8_cpp_act8 (per-channel)": (lambda: torch.ops.tinyformer.int8_linear_act8(x, q8, s8[:, None]))
         if cpp else None,
         "int8_cpp_act8 (G=32)": (lambda: torch.ops.tinyformer.int8_linear_act8(x, q8g, s8g)) if cpp else None,
@@ -230,7 +240,7 @@ def cpu_model() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, nargs="+", default=[2], help="one or more thread counts, in turn")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 128])
     ap.add_argument("--repeat", type=int, default=200)
     ap.add_argument("--only", nargs="+", default=None, help="kernels whose label contains one of these (and fp32)")
@@ -243,23 +253,23 @@ def main() -> None:
     args = ap.parse_args()
     global clock
     clock = CLOCKS[args.clock]
-    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     shapes = {"gate_up 3072x576": (3072, 576), "down 576x1536": (576, 1536), "head 49152x576": (49152, 576),
               "qkv 960x576": (960, 576), "o 576x576": (576, 576)}
     shapes = {k: v for k, v in shapes.items()
               if (args.shapes and k.split()[0] in args.shapes) or (not args.shapes and k.split()[0] in
                                                                    ("gate_up", "down", "head"))}
-    print(f"torch {torch.__version__}, {args.threads} threads, {args.clock} clock, load average {os.getloadavg()}, "
-          f"CPU {cpu_model()}")
-    if args.streaming:
-        streaming(args.streaming, args.repeat)
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        print(f"torch {torch.__version__}, {threads} threads, {args.clock} clock, load average {os.getloadavg()}, "
+              f"CPU {cpu_model()}")
+        if args.streaming:
+            streaming(args.streaming, args.repeat)
+        else:
+            for rows in args.rows:
+                for name, (n, k) in shapes.items():
+                    bench_shape(name, n, k, rows, args.repeat, args.only, args.rounds)
         print(f"load average at the end {os.getloadavg()}")
-        return
-    for rows in args.rows:
-        for name, (n, k) in shapes.items():
-            bench_shape(name, n, k, rows, args.repeat, args.only, args.rounds)
-    print(f"load average at the end {os.getloadavg()}")
 
 if __name__ == "__main__":
     main()

@@ -84,6 +84,41 @@ def test_cpp_kernel_equals_x_times_dequantized_weight(cpp_kernels, spec, n, k, r
     assert_matches(y, expected)
 
 
+def need_path(path: str) -> None:
+    """Skips a weight-only path (``quant_kernels.WEIGHT_ONLY_PATHS``) this CPU lacks."""
+    if path == "avx512" and not quant_kernels.has_avx512():
+        pytest.skip("this CPU has no AVX-512 F/BW/VL (lscpu: avx512f, avx512bw, avx512vl)")
+    if path == "avx2" and not quant_kernels.has_avx2():
+        pytest.skip("this CPU has no AVX2 + FMA (lscpu: avx2, fma)")
+
+
+@pytest.mark.parametrize("path", ["avx512", "avx2", "plain"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize(("spec", "n", "k"), LAYOUTS, ids=spec_id)
+def test_every_cpu_path_of_the_cpp_kernel_equals_x_times_dequantized_weight(cpp_kernels, spec, n, k, rows, path):
+    """Each path forced in turn: output rows off the 4-row block (37, 33), activation rows off the 2-row batch,
+    groups off the 8- and 16-float vectors (20, 50, 10: the AVX2 kernels' scalar tails), large weights and an
+    outlier activation column."""
+    need_path(path)
+    parts, x, _ = layer_case(spec, n, k, rows, seed=rows)
+    x[:, 1] *= 50
+    expected = x.double() @ dequantize_weight(parts, spec.type, torch.float64).t()
+    paths = {"int8": lambda *a: quant_kernels.int8_linear(*a, path=path),
+             "int4": lambda *a: quant_kernels.int4_linear(*a, path=path)}
+    assert_matches(run_kernel(paths, spec, parts, x), expected)
+
+
+def test_forcing_a_path_the_cpu_lacks_is_refused(cpp_kernels):
+    x, q, s = torch.randn(1, 32), torch.ones(4, 32, dtype=torch.int8), torch.ones(4, 1)
+    cases = [("avx512", quant_kernels.has_avx512(), "AVX-512"), ("avx2", quant_kernels.has_avx2(), "AVX2")]
+    for path, has, name in cases:
+        if not has:
+            with pytest.raises(RuntimeError, match=f"no {name}"):
+                quant_kernels.int8_linear(x, q, s, path=path)
+    with pytest.raises(RuntimeError, match="path must be"):
+        torch.ops.tinyformer.int8_linear(x, q, s, 7)
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize(("spec", "n", "k"), LAYOUTS[::2], ids=spec_id)
 def test_pytorch_fallback_equals_x_times_dequantized_weight(spec, n, k, rows):

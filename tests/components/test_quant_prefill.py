@@ -1,9 +1,10 @@
 """Quantized products over many rows (prefill, chunked prefill, batched decoding) against float64.
 
-Every code path is forced in turn: the 8-bit-activation GEMM (``quant_kernels.act8_gemm``) on AVX-512 VNNI
-and in plain C++, its PyTorch fallback, and the weight-only path (dequantized tiles + BLAS) that ``cpp`` takes
-above ``CPP_MAX_ROWS`` rows. Shapes are chosen off every tile: rows not a multiple of the register tile (4),
-output channels not a multiple of its 16-channel blocks or 48-channel panels, K spanning several of the GEMM's
+Every code path is forced in turn: the 8-bit-activation GEMM (``quant_kernels.act8_gemm``) on AVX-512 VNNI,
+on AVX2 and in plain C++ (a path this CPU lacks is skipped), its PyTorch fallback, and the weight-only path
+(dequantized tiles + BLAS) that ``cpp`` takes above ``CPP_MAX_ROWS`` rows. Shapes are chosen off every tile: rows
+not a multiple of the register tile (4; AVX2: 2), output channels not a multiple of its 16-channel blocks or
+48-channel panels (AVX2: 8-channel eighths, 32-channel panels), K spanning several of the GEMM's
 K chunks (256 int8 / 512 int4 columns) with a partial last one, and, for the weight-only path, K and groups
 off the 32-column grid.
 
@@ -33,9 +34,11 @@ GEMM_LAYOUTS = [
     (QuantSpec("int4", 32), 37, 544),
     (QuantSpec("int4", 64), 50, 256),
     (QuantSpec("int4", 32), 100, 96),
+    (QuantSpec("int8", 0), 37, 544),  # the AVX2 path's chunks are twice as long: 17 blocks (int8: 16 a chunk)
+    (QuantSpec("int4", 32), 37, 1056),  # and 33 (int4: 32 a chunk)
 ]
 GEMM_ROWS = [1, 5, 13, 33]
-PATHS = ["vnni", "plain"]
+PATHS = ["vnni", "avx2", "plain"]
 
 
 def spec_id(value: object) -> str | None:
@@ -52,6 +55,8 @@ def cpp() -> None:
 def need_path(path: str) -> None:
     if path == "vnni" and not quant_kernels.has_vnni():
         pytest.skip("this CPU has no AVX-512 VNNI (lscpu: avx512_vnni)")
+    if path == "avx2" and not quant_kernels.has_avx2():
+        pytest.skip("this CPU has no AVX2 + FMA (lscpu: avx2, fma)")
 
 
 def case(spec: QuantSpec, n: int, k: int, rows: int, seed: int):
@@ -137,6 +142,55 @@ def test_act8_pytorch_fallback_reads_the_packed_layout_as_the_formula(spec, n, k
     assert_within_bound(y, w, spec, parts, x, w_rounded)
 
 
+def saturating_case(quant_type: str, n: int, k: int, rows: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Weights and activations at the ends of their ranges, every product of x row 0 with channel 0 positive
+    and of row 1 negative (the rest random signs): the inputs on which vpmaddubsw's int16 pair sums saturate
+    if a kernel feeds it the wrong operands. x is +-3 everywhere, so xq = +-127. int8: q in {-128, 127}
+    (-128 is outside the quantizer's range but a valid int8) on channel 0, +-127 elsewhere; int4: u = 15
+    where x row 0 is positive, 0 where negative (channel 0: all 15)."""
+    g = torch.Generator().manual_seed(k)
+    sign = torch.where(torch.rand(n, k, generator=g) < 0.5, -1, 1)
+    x = 3.0 * torch.where(torch.rand(rows, k, generator=g) < 0.5, -1.0, 1.0)
+    s = torch.rand(n, k // 32, generator=g) + 0.5
+    if quant_type == "int8":
+        x[0], x[1] = 3.0 * sign[0], -3.0 * sign[0]
+        q = (127 * sign).to(torch.int8)
+        q[0] = torch.where(sign[0] < 0, -128, 127).to(torch.int8)
+        return {"qweight": q, "scales": s}, x
+    x[0], x[1] = 3.0, -3.0
+    u = torch.where(sign > 0, 15, 0)
+    u[0] = 15
+    return {"qweight": quant_kernels.pack_int4(u), "scales": s, "zeros": torch.randn(n, k // 32, generator=g)}, x
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("group", [32, 0])
+@pytest.mark.parametrize("quant_type", ["int8", "int4"])
+def test_act8_gemm_does_not_saturate_at_the_ends_of_the_ranges(cpp, quant_type, group, path):
+    """The exact integer sums are far from int16's limits here (they are int32 in every kernel), but the naive
+    vpmaddubsw operands would not be: activations stored as xq + 128 (0..255) times the signed weights give
+    pairs up to 2 x 255 x 128; int4's 8 pairs per 32-column block up to 8 x 2 x 255 x 15. Checked below on the
+    very inputs, so this test would catch such a kernel."""
+    need_path(path)
+    if quant_type == "int4" and group == 0:
+        pytest.skip("int4 has groups only")
+    n, k, rows = 37, 288, 7  # a partial 8- and 16-channel block, an odd row count, two int8 K chunks
+    parts, x = saturating_case(quant_type, n, k, rows)
+    if group == 0:
+        parts["scales"] = parts["scales"][:, :1].contiguous()
+    spec = QuantSpec(quant_type, group)
+    xq = torch.round(x / 3 * 127)  # the rounded activations: +-127
+    if quant_type == "int8":
+        naive = ((xq[:2, None, :] + 128) * parts["qweight"][0].float()).reshape(2, -1, 2).sum(-1)  # pair sums
+    else:
+        u = quant_kernels.unpack_int4(parts["qweight"])[0].float()
+        naive = ((xq[:2] + 128) * u).reshape(2, -1, 32).sum(-1)  # a block's int16 sum
+    assert naive.abs().max() > 32767
+    y = quant_kernels.act8_gemm(x, quant_kernels.pack_act8(parts, quant_type), n, spec.groups(k), quant_type, path)
+    formula, _ = act8_exact(spec, parts, x)
+    torch.testing.assert_close(y.double(), formula, rtol=1e-5, atol=1e-5 * float(formula.abs().max()))
+
+
 # the weight-only path over many rows: K and groups off the 32-grid too (100 = 5 x 20 = 2 x 50)
 WEIGHT_ONLY_LAYOUTS = [(QuantSpec("int8", 0, "cpp"), 37, 100), (QuantSpec("int8", 20, "cpp"), 50, 100),
                        (QuantSpec("int4", 50, "cpp"), 37, 100), (QuantSpec("int4", 32, "cpp"), 75, 288)]
@@ -159,6 +213,14 @@ def test_auto_stays_weight_only_and_act8_is_taken_by_name(cpp):
     layer = QuantizedLinear(parts, QuantSpec("int4", 32, "cpp_act8"), 64)
     assert layer.kernel == "cpp_act8" and not hasattr(layer, "qweight")  # only the packed form is held
     assert {"wp", "sp", "aux"} <= {name for name, _ in layer.named_buffers()}
+
+
+def test_forcing_avx2_on_a_cpu_without_it_is_refused(cpp):
+    if quant_kernels.has_avx2():
+        pytest.skip("this CPU has AVX2 + FMA: nothing to refuse")
+    parts = quantize_weight(torch.randn(16, 64), QuantSpec("int8", 0))
+    with pytest.raises(RuntimeError, match="no AVX2"):
+        quant_kernels.act8_gemm(torch.randn(2, 64), quant_kernels.pack_act8(parts, "int8"), 16, 64, "int8", "avx2")
 
 
 def test_forcing_vnni_on_a_cpu_without_it_is_refused(cpp):

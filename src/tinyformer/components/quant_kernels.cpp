@@ -8,8 +8,9 @@
 // y (M, N) has x's dtype. Each weight is read once per call and widened to float32 in registers (never
 // written back as a float matrix): decoding is bound by the bytes of weights read.
 //
-// AVX-512 (F, BW, VL) when the CPU has it, checked at run time; a plain C++ loop otherwise. Output rows
-// are split across threads with at::parallel_for (torch's thread count).
+// AVX-512 (F, BW, VL) when the CPU has it, else AVX2 + FMA, checked at run time; a plain C++ loop otherwise
+// (each op's `path` argument can force one). Output rows are split across threads with at::parallel_for
+// (torch's thread count).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -235,6 +236,158 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void act8_bl
 }
 
 
+// ------------------------------------------------------------------ AVX2 + FMA (no AVX-512)
+// Eight floats a vector. Columns past the last full vector of a group (G not a multiple of 8, or 16 for
+// int4) are summed in scalars: AVX2 has no byte-masked loads, and a group's tail is a few columns at most.
+
+// As int8_block_avx512. The register file is half as wide and half as deep (16 ymm), so a call covers at
+// most 2 activation rows x 2 output rows or 1 x 4 (p and acc: 2 MB R registers).
+template <int MB, int R, bool PER_ROW>
+__attribute__((target("avx2,fma"))) void int8_block_avx2(const float* x, int64_t K, const int8_t* q, const float* s,
+                                                        int64_t G, float* y, int64_t N, int64_t o) {
+  const int64_t ng = K / G;
+  __m256 acc[R][MB], p[R][MB];
+  float tacc[R][MB] = {}, tp[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) {
+        p[r][m] = _mm256_setzero_ps();
+        tp[r][m] = 0.f;
+      }
+    const int64_t end = (g + 1) * G;
+    int64_t c = g * G;
+    for (; c + 8 <= end; c += 8) {
+      __m256 xv[MB];
+      for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * K + c);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* qr = q + (o + r) * K + c;
+        if ((c & 63) < 8) _mm_prefetch(reinterpret_cast<const char*>(qr) + kPrefetch, _MM_HINT_T0);
+        const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr))));
+        for (int m = 0; m < MB; ++m) p[r][m] = _mm256_fmadd_ps(xv[m], w, p[r][m]);
+      }
+    }
+    for (; c < end; ++c)
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) tp[r][m] += x[m * K + c] * static_cast<float>(q[(o + r) * K + c]);
+    for (int r = 0; r < R; ++r) {
+      if (PER_ROW) {
+        for (int m = 0; m < MB; ++m) {
+          acc[r][m] = p[r][m];
+          tacc[r][m] = tp[r][m];
+        }
+      } else {
+        const float sv = s[(o + r) * ng + g];
+        for (int m = 0; m < MB; ++m) {
+          acc[r][m] = _mm256_fmadd_ps(p[r][m], _mm256_set1_ps(sv), acc[r][m]);
+          tacc[r][m] += sv * tp[r][m];
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) {
+      const float v = hsum256(acc[r][m]) + tacc[r][m];
+      y[m * N + o + r] = PER_ROW ? v * s[o + r] : v;
+    }
+}
+
+// xp as for int4_block_avx512 (per chunk of up to 32 columns: its even columns, then its odd ones), so 8 bytes
+// of q widen to the chunk's 8 next even columns (low nibbles) and 8 next odd ones (high nibbles). vpermps
+// reaches only 8 table entries here, so the nibbles u are converted instead and the zero points move out of
+// the sum: w = s (u - 8) + z, y = sum_g [ s_og sum_{i in g} x_i u_oi + (z_og - 8 s_og) xs_g ], xs (MB, K/G)
+// the exact group sums of x, shared by all output rows.
+template <int MB, int R>
+__attribute__((target("avx2,fma"))) void int4_block_avx2(const float* xp, const float* xs, int64_t K,
+                                                        const uint8_t* q, const float* s, const float* z,
+                                                        int64_t G, float* y, int64_t N, int64_t o) {
+  const int64_t ng = K / G;
+  const __m256i low = _mm256_set1_epi32(15);
+  __m256 acc[R][MB], p[R][MB];
+  float tacc[R][MB] = {}, tp[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) {
+        p[r][m] = _mm256_setzero_ps();
+        tp[r][m] = 0.f;
+      }
+    const int64_t end = (g + 1) * G;
+    for (int64_t c = g * G; c < end; c += 32) {
+      const int64_t half = std::min<int64_t>(32, end - c) / 2;
+      int64_t j = 0;
+      for (; j + 8 <= half; j += 8) {
+        __m256 xe[MB], xo[MB];
+        for (int m = 0; m < MB; ++m) {
+          xe[m] = _mm256_loadu_ps(xp + m * K + c + j);
+          xo[m] = _mm256_loadu_ps(xp + m * K + c + half + j);
+        }
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* qr = q + (o + r) * (K / 2) + c / 2 + j;
+          if (((c / 2 + j) & 63) < 8) _mm_prefetch(reinterpret_cast<const char*>(qr) + kPrefetch, _MM_HINT_T0);
+          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr)));
+          const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
+          const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+          for (int m = 0; m < MB; ++m) {
+            p[r][m] = _mm256_fmadd_ps(xe[m], lo, p[r][m]);
+            p[r][m] = _mm256_fmadd_ps(xo[m], hi, p[r][m]);
+          }
+        }
+      }
+      for (; j < half; ++j)
+        for (int r = 0; r < R; ++r) {
+          const uint8_t b = q[(o + r) * (K / 2) + c / 2 + j];
+          for (int m = 0; m < MB; ++m)
+            tp[r][m] += xp[m * K + c + j] * static_cast<float>(b & 15) +
+                        xp[m * K + c + half + j] * static_cast<float>(b >> 4);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float sv = s[(o + r) * ng + g], zs = z[(o + r) * ng + g] - 8.f * sv;
+      for (int m = 0; m < MB; ++m) {
+        acc[r][m] = _mm256_fmadd_ps(p[r][m], _mm256_set1_ps(sv), acc[r][m]);
+        tacc[r][m] += sv * tp[r][m] + zs * xs[m * ng + g];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) y[m * N + o + r] = hsum256(acc[r][m]) + tacc[r][m];
+}
+
+// R output rows (kRowBlock or 1) from o: one activation row 4 output rows a call, two rows 2 a call.
+template <int R>
+void int8_avx2(const float* x, int mb, int64_t K, const int8_t* q, const float* s, int64_t G, float* y, int64_t N,
+               int64_t o) {
+  const bool per_row = G == K;
+  if (mb == 1) {
+    if (per_row)
+      int8_block_avx2<1, R, true>(x, K, q, s, G, y, N, o);
+    else
+      int8_block_avx2<1, R, false>(x, K, q, s, G, y, N, o);
+    return;
+  }
+  constexpr int R2 = R < 2 ? R : 2;
+  for (int r = 0; r < R; r += R2) {
+    if (per_row)
+      int8_block_avx2<2, R2, true>(x, K, q, s, G, y, N, o + r);
+    else
+      int8_block_avx2<2, R2, false>(x, K, q, s, G, y, N, o + r);
+  }
+}
+
+template <int R>
+void int4_avx2(const float* xp, const float* xs, int mb, int64_t K, const uint8_t* q, const float* s, const float* z,
+               int64_t G, float* y, int64_t N, int64_t o) {
+  if (mb == 1) {
+    int4_block_avx2<1, R>(xp, xs, K, q, s, z, G, y, N, o);
+    return;
+  }
+  constexpr int R2 = R < 2 ? R : 2;
+  for (int r = 0; r < R; r += R2) int4_block_avx2<2, R2>(xp, xs, K, q, s, z, G, y, N, o + r);
+}
+
 template <int R>
 void int8_avx512(const float* x, int mb, int64_t K, const int8_t* q, const float* s, int64_t G, float* y,
                  int64_t N, int64_t o) {
@@ -269,15 +422,34 @@ bool has_vnni() {  // the act8 kernels: AVX-512 as above plus its integer dot pr
   static const bool yes = has_avx512() && __builtin_cpu_supports("avx512vnni");
   return yes;
 }
+
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
 #else
 bool has_avx512() { return false; }
 bool has_vnni() { return false; }
+bool has_avx2() { return false; }
 #endif
+
+// The ops' `path` argument (quant_kernels.py: WEIGHT_ONLY_PATHS, GEMM_PATHS). kWide is the AVX-512 kernel of
+// the op (weight-only: F/BW/VL; act8_gemm: VNNI); auto takes the widest this CPU has.
+enum Path : int64_t { kAuto = 0, kWide = 1, kPlain = 2, kAvx2 = 3 };
+
+Path resolve_path(int64_t path, bool wide_ok, const char* wide) {
+  TORCH_CHECK(path >= kAuto && path <= kAvx2, "path must be 0 (auto), 1 (", wide, "), 2 (plain) or 3 (avx2), got ",
+              path);
+  TORCH_CHECK(path != kWide || wide_ok, "this CPU has no ", wide);
+  TORCH_CHECK(path != kAvx2 || has_avx2(), "this CPU has no AVX2 + FMA");
+  if (path != kAuto) return static_cast<Path>(path);
+  return wide_ok ? kWide : has_avx2() ? kAvx2 : kPlain;
+}
 
 // Threads take blocks of kRowBlock output rows; each block runs over the activation rows kMaxBatch at a
 // time, so its weights (a few KiB) are widened from cache after the first pass.
 template <typename Block, typename Plain>
-void over_rows(int64_t M, int64_t N, int64_t K, Block block, Plain plain, bool fast = has_avx512()) {
+void over_rows(int64_t M, int64_t N, int64_t K, Block block, Plain plain, bool fast) {
   const int64_t n_blocks = (N + kRowBlock - 1) / kRowBlock;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
   at::parallel_for(0, n_blocks, grain, [&](int64_t b0, int64_t b1) {
@@ -303,8 +475,9 @@ void check_common(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
   TORCH_CHECK(s.size(1) > 0 && K % s.size(1) == 0, "the number of groups must divide K");
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t path) {
   TORCH_CHECK(q.scalar_type() == at::kChar, "q must be int8");
+  const Path use = resolve_path(path, has_avx512(), "AVX-512");
   const int64_t K = q.size(1);
   check_common(x, q, s, K);
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, q has ", K);
@@ -319,20 +492,25 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   over_rows(M, N, K,
             [&](int64_t m, int mb, int64_t o, int64_t rows) {
 #ifdef TF_X86
+              const auto kernel = use == kWide ? int8_avx512<kRowBlock> : int8_avx2<kRowBlock>;
+              const auto one = use == kWide ? int8_avx512<1> : int8_avx2<1>;
               if (rows == kRowBlock)
-                int8_avx512<kRowBlock>(xd + m * K, mb, K, qd, sd, G, yd + m * N, N, o);
+                kernel(xd + m * K, mb, K, qd, sd, G, yd + m * N, N, o);
               else
-                for (int64_t r = 0; r < rows; ++r) int8_avx512<1>(xd + m * K, mb, K, qd, sd, G, yd + m * N, N, o + r);
+                for (int64_t r = 0; r < rows; ++r) one(xd + m * K, mb, K, qd, sd, G, yd + m * N, N, o + r);
 #endif
             },
             [&](int64_t m, int mb, int64_t o0, int64_t o1) {
               int8_rows_plain(xd + m * K, mb, K, qd, sd, G, yd + m * N, N, o0, o1);
-            });
+            },
+            use != kPlain);
   return y.to(x.scalar_type());
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& z) {
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& z,
+                       int64_t path) {
   TORCH_CHECK(q.scalar_type() == at::kByte, "q must be uint8 (two 4-bit values per byte)");
+  const Path use = resolve_path(path, has_avx512(), "AVX-512");
   const int64_t K = 2 * q.size(1);
   check_common(x, q, s, K);
   TORCH_CHECK(z.is_floating_point() && z.sizes() == s.sizes(), "z must be float shaped like s");
@@ -348,8 +526,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const float* sd = sc.data_ptr<float>();
   const float* zd = zc.data_ptr<float>();
   float* yd = y.data_ptr<float>();
-  std::vector<float> xp;
-  if (has_avx512()) {  // evens then odds within every chunk of up to 32 columns of a group
+  const int64_t ng = K / G;
+  std::vector<float> xp, xs;
+  if (use == kAvx2) {
+    xs.assign(static_cast<size_t>(M * ng), 0.f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = 0; i < K; ++i) xs[m * ng + i / G] += xd[m * K + i];
+  }
+  if (use != kPlain) {  // evens then odds within every chunk of up to 32 columns of a group
     xp.resize(static_cast<size_t>(M * K));
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g0 = 0; g0 < K; g0 += G)
@@ -365,16 +549,23 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
             [&](int64_t m, int mb, int64_t o, int64_t rows) {
 #ifdef TF_X86
               const float* xm = xp.data() + m * K;
-              if (rows == kRowBlock)
+              if (use == kAvx2) {
+                const float* xsm = xs.data() + m * ng;
+                if (rows == kRowBlock)
+                  int4_avx2<kRowBlock>(xm, xsm, mb, K, qd, sd, zd, G, yd + m * N, N, o);
+                else
+                  for (int64_t r = 0; r < rows; ++r) int4_avx2<1>(xm, xsm, mb, K, qd, sd, zd, G, yd + m * N, N, o + r);
+              } else if (rows == kRowBlock) {
                 int4_avx512<kRowBlock>(xm, mb, K, qd, sd, zd, G, yd + m * N, N, o);
-              else
-                for (int64_t r = 0; r < rows; ++r)
-                  int4_avx512<1>(xm, mb, K, qd, sd, zd, G, yd + m * N, N, o + r);
+              } else {
+                for (int64_t r = 0; r < rows; ++r) int4_avx512<1>(xm, mb, K, qd, sd, zd, G, yd + m * N, N, o + r);
+              }
 #endif
             },
             [&](int64_t m, int mb, int64_t o0, int64_t o1) {
               int4_rows_plain(xd + m * K, mb, K, qd, sd, zd, G, yd + m * N, N, o0, o1);
-            });
+            },
+            use != kPlain);
   return y.to(x.scalar_type());
 }
 
@@ -519,12 +710,12 @@ namespace gemm {
 constexpr int kMaxMR = TF_GEMM_MR;  // activation rows per register tile
 constexpr int kMaxNR = TF_GEMM_NR;  // 16-channel blocks per register tile
 
-struct Act {  // x rounded: xq (M, K) (int8 path: xq + 128 as unsigned), d (M, K/32), xs (M, K/G) exact sums
+struct Act {  // x rounded: xq (M, K) (offset: xq + 128 as unsigned, else signed), d (M, K/32), xs (M, K/G) exact sums
   std::vector<uint8_t> xq;
   std::vector<float> d, xs;
 };
 
-Act quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, bool int4) {
+Act quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, bool offset) {
   const int64_t nb = K / 32, ng = K / G;
   Act a;
   a.xq.resize(static_cast<size_t>(M * K));
@@ -543,7 +734,7 @@ Act quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, bool int4) {
         uint8_t* out = a.xq.data() + m * K + b * 32;
         for (int i = 0; i < 32; ++i) {
           const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
-          out[i] = static_cast<uint8_t>(int4 ? v : v + 128);
+          out[i] = static_cast<uint8_t>(offset ? v + 128 : v);
         }
         a.d[m * nb + b] = amax / 127.f;
         a.xs[m * ng + b * 32 / G] += sum;
@@ -708,11 +899,151 @@ void tile_vnni_any(const Args& a, bool int4, bool per_row, int64_t m0, int mr, i
     default: tile_vnni_nr<4>(a, int4, per_row, m0, ob0, nr, b0, b1); break;
   }
 }
+
+// ---- AVX2 (no VNNI): the same packed layout read in halves, one 32-byte vector = 8 channels x 4 columns
+// (channel block ob's half h: bytes h*32..h*32+31 of each 64-byte vector; "eighth" e = 2 ob + h below).
+// vpmaddubsw multiplies unsigned by signed bytes and adds adjacent pairs into int16 with saturation, so the
+// operands are chosen so that no pair can leave [-32768, 32767]:
+//   int8: the activations are stored signed (xq in [-127, 127], no +128 offset, no aux correction) and each
+//         product is |q| * (xq sign(q)) (vpabsb, vpsignb): |q| <= 128 (vpabsb of -128 is 0x80 = 128 as an
+//         unsigned byte), |xq sign(q)| <= 127, so a pair is at most 2 x 128 x 127 = 32512; vpmaddwd by ones
+//         then sums each quad's two pairs into int32.
+//   int4: u in [0, 15] times xq: a pair is at most 2 x 15 x 127 = 3810, and a 32-column block's 8 such
+//         products (4 vectors of low nibbles, 4 of high) add up to 30480 < 32767, so the block is summed in
+//         int16 and widened to int32 once.
+constexpr int kAvx2MR = 2;  // rows x 8-channel eighths of a register tile over many rows (16 ymm registers)
+constexpr int kAvx2NR = 2;
+constexpr int kAvx2NR1 = 4;  // one row (decoding): a wider tile for more independent sums
+
+template <int MR, int NR, bool INT4, bool PER_ROW>
+__attribute__((target("avx2,fma"))) void tile_avx2(const Args& a, int64_t m0, int64_t e0, int64_t b0, int64_t b1) {
+  const int64_t K = a.K, G = a.G, nb = K / 32, ng = K / G, ob_bytes = INT4 ? K * 8 : K * 16;
+  const uint8_t* xr[MR];
+  for (int m = 0; m < MR; ++m) xr[m] = a.xq + (m0 + m) * K;
+  const uint8_t* wr[NR];
+  int64_t col[NR];  // offset of eighth e's 8 floats in a (N/16, X, 16) array, X = 0
+  __m256i mask[NR];  // the channels of the eighth below N
+  for (int n = 0; n < NR; ++n) {
+    const int64_t e = e0 + n;
+    wr[n] = a.wp + (e / 2) * ob_bytes + (e % 2) * 32;
+    col[n] = (e / 2) * 16 * (K / G) + (e % 2) * 8;
+    mask[n] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(a.N - e * 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+  __m256 facc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n)
+      facc[m][n] = b0 == 0 ? _mm256_setzero_ps() : _mm256_maskload_ps(a.y + (m0 + m) * a.N + (e0 + n) * 8, mask[n]);
+  // the group of block b counted, not divided for: a 64-bit division costs as much as a block's products
+  const int64_t bpg = G / 32;
+  int64_t g = b0 / bpg, left = bpg - b0 % bpg;  // blocks of group g from b on
+  for (int64_t b = b0; b < b1; ++b) {
+    __m256i iacc[MR][NR];
+    if constexpr (INT4) {
+      for (int m = 0; m < MR; ++m)
+        for (int n = 0; n < NR; ++n) iacc[m][n] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+      for (int p = 0; p < 4; ++p) {
+        __m256i x0[MR], x1[MR];
+        for (int m = 0; m < MR; ++m) {
+          int32_t v0, v1;
+          std::memcpy(&v0, xr[m] + b * 32 + p * 8, 4);
+          std::memcpy(&v1, xr[m] + b * 32 + p * 8 + 4, 4);
+          x0[m] = _mm256_set1_epi32(v0);
+          x1[m] = _mm256_set1_epi32(v1);
+        }
+        for (int n = 0; n < NR; ++n) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[n] + (b * 4 + p) * 64));
+          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int m = 0; m < MR; ++m)
+            iacc[m][n] = _mm256_add_epi16(
+                iacc[m][n], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0[m]), _mm256_maddubs_epi16(hi, x1[m])));
+        }
+      }
+      for (int m = 0; m < MR; ++m)
+        for (int n = 0; n < NR; ++n) iacc[m][n] = _mm256_madd_epi16(iacc[m][n], ones);
+    } else {
+      for (int m = 0; m < MR; ++m)
+        for (int n = 0; n < NR; ++n) iacc[m][n] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+      for (int qd = 0; qd < 8; ++qd) {
+        __m256i xv[MR];
+        for (int m = 0; m < MR; ++m) {
+          int32_t v0;
+          std::memcpy(&v0, xr[m] + b * 32 + qd * 4, 4);
+          xv[m] = _mm256_set1_epi32(v0);
+        }
+        for (int n = 0; n < NR; ++n) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[n] + (b * 8 + qd) * 64));
+          const __m256i aw = _mm256_abs_epi8(w);
+          for (int m = 0; m < MR; ++m)
+            iacc[m][n] = _mm256_add_epi32(
+                iacc[m][n], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[m], w)), ones));
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m256 dv = _mm256_set1_ps(a.d[(m0 + m) * nb + b]);
+      for (int n = 0; n < NR; ++n) {
+        const __m256 sc = PER_ROW ? dv : _mm256_mul_ps(_mm256_loadu_ps(a.sp + col[n] + g * 16), dv);
+        facc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m][n]), sc, facc[m][n]);
+      }
+    }
+    if (INT4 && left == 1)  // the group's last block: its zero points times the exact sums of x
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xs = _mm256_set1_ps(a.xs[(m0 + m) * ng + g]);
+        for (int n = 0; n < NR; ++n)
+          facc[m][n] = _mm256_fmadd_ps(_mm256_loadu_ps(static_cast<const float*>(a.aux) + col[n] + g * 16), xs,
+                                       facc[m][n]);
+      }
+    if (--left == 0) {
+      ++g;
+      left = bpg;
+    }
+  }
+  const bool scale = PER_ROW && b1 == nb;
+  for (int n = 0; n < NR; ++n) {
+    const __m256 sc = scale ? _mm256_loadu_ps(a.sp + col[n]) : _mm256_set1_ps(1.f);
+    for (int m = 0; m < MR; ++m)
+      _mm256_maskstore_ps(a.y + (m0 + m) * a.N + (e0 + n) * 8, mask[n], scale ? _mm256_mul_ps(facc[m][n], sc) : facc[m][n]);
+  }
+}
+
+template <int MR, int NR>
+void tile_avx2_dispatch(const Args& a, bool int4, bool per_row, int64_t m0, int64_t e0, int64_t b0, int64_t b1) {
+  if (int4)
+    tile_avx2<MR, NR, true, false>(a, m0, e0, b0, b1);
+  else if (per_row)
+    tile_avx2<MR, NR, false, true>(a, m0, e0, b0, b1);
+  else
+    tile_avx2<MR, NR, false, false>(a, m0, e0, b0, b1);
+}
+
+// Rows m0..m0+mr (mr <= kAvx2MR) times eighths e0..e0+ne (ne <= kAvx2NR1), in register tiles.
+void tile_avx2_any(const Args& a, bool int4, bool per_row, int64_t m0, int mr, int64_t e0, int ne, int64_t b0,
+                   int64_t b1) {
+  if (mr == 1) {
+    switch (ne) {
+      case 1: tile_avx2_dispatch<1, 1>(a, int4, per_row, m0, e0, b0, b1); break;
+      case 2: tile_avx2_dispatch<1, 2>(a, int4, per_row, m0, e0, b0, b1); break;
+      case 3: tile_avx2_dispatch<1, 3>(a, int4, per_row, m0, e0, b0, b1); break;
+      default: tile_avx2_dispatch<1, kAvx2NR1>(a, int4, per_row, m0, e0, b0, b1); break;
+    }
+    return;
+  }
+  if (mr < kAvx2MR) {
+    for (int m = 0; m < mr; ++m) tile_avx2_any(a, int4, per_row, m0 + m, 1, e0, ne, b0, b1);
+    return;
+  }
+  int e = 0;
+  for (; e + kAvx2NR <= ne; e += kAvx2NR) tile_avx2_dispatch<kAvx2MR, kAvx2NR>(a, int4, per_row, m0, e0 + e, b0, b1);
+  for (; e < ne; ++e) tile_avx2_dispatch<kAvx2MR, 1>(a, int4, per_row, m0, e0 + e, b0, b1);
+}
 #endif
 
 }  // namespace gemm
 
-// path: 0 the fastest this CPU has, 1 AVX-512 VNNI, 2 plain C++ (both on the packed layout).
+// path (Path): 0 the fastest this CPU has, 1 AVX-512 VNNI, 2 plain C++, 3 AVX2 (all on the packed layout).
 at::Tensor act8_gemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& sp, const at::Tensor& aux,
                      int64_t N, int64_t G, bool int4, int64_t path) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be a (M, K) CPU tensor, got ", x.sizes());
@@ -727,14 +1058,12 @@ at::Tensor act8_gemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor
   TORCH_CHECK(aux.is_contiguous() && aux.scalar_type() == (int4 ? at::kFloat : at::kInt) &&
                   aux.numel() == nob * 16 * (int4 ? K / G : K / 32),
               "aux must be ", int4 ? "float32 (N/16, K/G, 16) z - 8 s" : "int32 (N/16, K/32, 16) corrections");
-  TORCH_CHECK(path >= 0 && path <= 2, "path must be 0 (auto), 1 (vnni) or 2 (plain)");
-  TORCH_CHECK(path != 1 || has_vnni(), "this CPU has no AVX-512 VNNI");
-  const bool vnni = path == 1 || (path == 0 && has_vnni());
+  const Path use = resolve_path(path, has_vnni(), "AVX-512 VNNI");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0);
   at::Tensor y = at::empty({M, N}, xf.options());
   if (M == 0 || N == 0) return y.to(x.scalar_type());
-  const gemm::Act act = gemm::quantize_rows(xf.data_ptr<float>(), M, K, G, int4);
+  const gemm::Act act = gemm::quantize_rows(xf.data_ptr<float>(), M, K, G, !int4 && use != kAvx2);
   const gemm::Args a{act.xq.data(), act.d.data(), act.xs.data(), K, G, N,
                      static_cast<const uint8_t*>(wp.data_ptr()), sp.data_ptr<float>(), aux.data_ptr(),
                      y.data_ptr<float>()};
@@ -746,11 +1075,27 @@ at::Tensor act8_gemm(const at::Tensor& x, const at::Tensor& wp, const at::Tensor
   // 16 KiB, 256 columns of int8 or 512 of int4 (and the partial sums go through y between chunks).
   const int64_t nb = K / 32, chunk = M <= gemm::kMaxMR ? nb : (int4 ? 16 : 8);
   const int64_t n_panels = (nob + nr - 1) / nr;
+#ifdef TF_X86
+  if (use == kAvx2) {  // panels of kAvx2NR1 eighths (8 channels each), the rows kAvx2MR at a time
+    // a panel is 32 channels, so twice the columns of the VNNI panel's chunk fill the same 16 KiB of L1
+    const int64_t ne = (N + 7) / 8, pe = gemm::kAvx2NR1, chunk2 = M <= gemm::kMaxMR ? nb : 2 * chunk;
+    at::parallel_for(0, (ne + pe - 1) / pe, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int nep = static_cast<int>(std::min<int64_t>(pe, ne - p * pe));
+        for (int64_t b0 = 0; b0 < nb; b0 += chunk2)
+          for (int64_t m0 = 0; m0 < M; m0 += gemm::kAvx2MR)
+            gemm::tile_avx2_any(a, int4, per_row, m0, static_cast<int>(std::min<int64_t>(gemm::kAvx2MR, M - m0)),
+                                p * pe, nep, b0, std::min(nb, b0 + chunk2));
+      }
+    });
+    return y.to(x.scalar_type());
+  }
+#endif
   at::parallel_for(0, n_panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t ob0 = p * nr;
       const int nrp = static_cast<int>(std::min<int64_t>(nr, nob - ob0));
-      if (!vnni) {
+      if (use == kPlain) {
         for (int64_t m0 = 0; m0 < M; m0 += gemm::kMaxMR)
           gemm::tile_plain(a, int4, m0, static_cast<int>(std::min<int64_t>(gemm::kMaxMR, M - m0)), ob0, nrp);
         continue;
@@ -805,16 +1150,20 @@ at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& s, const c10::
 }
 
 bool cpu_has_vnni() { return has_vnni(); }
+bool cpu_has_avx512() { return has_avx512(); }
+bool cpu_has_avx2() { return has_avx2(); }
 
 }  // namespace
 
 TORCH_LIBRARY(tinyformer, m) {
-  m.def("int8_linear(Tensor x, Tensor q, Tensor s) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor q, Tensor s, Tensor z) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor q, Tensor s, int path=0) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor q, Tensor s, Tensor z, int path=0) -> Tensor");
   m.def("int8_linear_act8(Tensor x, Tensor q, Tensor s) -> Tensor");
   m.def("int4_linear_act8(Tensor x, Tensor q, Tensor s, Tensor z) -> Tensor");
   m.def("act8_gemm(Tensor x, Tensor wp, Tensor sp, Tensor aux, int N, int G, bool int4, int path) -> Tensor");
   m.def("cpu_has_vnni() -> bool", &cpu_has_vnni);
+  m.def("cpu_has_avx512() -> bool", &cpu_has_avx512);
+  m.def("cpu_has_avx2() -> bool", &cpu_has_avx2);
   m.def("dequantize_rows(Tensor q, Tensor s, Tensor? z, int o0, int o1) -> Tensor");
 }
 

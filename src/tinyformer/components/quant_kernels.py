@@ -9,7 +9,8 @@ in place (no second copy of the weights). Each weight is widened to float32 in r
 with every activation row there; the float matrix is never written. Decoding one token reads every weight
 once, so this reads 1 (int8) or 0.5 (int4) byte per weight where float32 reads 4.
 
-The source (``quant_kernels.cpp``: AVX-512 with a run-time check, a plain C++ loop otherwise, threads over
+The source (``quant_kernels.cpp``: AVX-512, else AVX2 + FMA, chosen by a run-time check, a plain C++ loop
+otherwise; the ops' ``path`` argument forces one, see ``WEIGHT_ONLY_PATHS`` / ``GEMM_PATHS``; threads over
 output rows) is compiled at first use with ``torch.utils.cpp_extension.load`` (a C++ compiler and
 ``ninja``, as ``torch.compile`` on the CPU needs too) and cached under torch's extensions folder
 (``TORCH_EXTENSIONS_DIR``); later processes load the cached library. The ops are registered with
@@ -21,7 +22,8 @@ Not weight-only (``int8_linear_act8`` / ``int4_linear_act8`` on the portable lay
 weights packed once by ``pack_act8``, the form ``cpp_act8`` layers hold): the activations are rounded to 8 bits
 per block of 32 columns first, as llama.cpp does for its Q8_0 / Q4_0 products (``round_activations``:
 x_i ~ d_b xq_i, d_b = max_b |x| / 127, |error| <= d_b / 2), and the products are integer dot products
-(AVX-512 VNNI), several times fewer instructions per weight. int4's zero points multiply the exact sums of x.
+(AVX-512 VNNI ``vpdpbusd``; on AVX2 ``vpmaddubsw`` + ``vpmaddwd``, with operands that cannot saturate its
+int16 pair sums), several times fewer instructions per weight. int4's zero points multiply the exact sums of x.
 ``act8_gemm`` tiles 4 rows x 48 output channels in registers, for one row (decoding) or many (prefill);
 ``dequantize_rows`` widens rows of W to float32 for the weight-only prefill (tiles handed to the BLAS).
 """
@@ -93,11 +95,11 @@ def announce_build(name: str) -> bool:
     return True
 
 
-def _fake_int8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+def _fake_int8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, path: int = 0) -> torch.Tensor:
     return x.new_empty((x.shape[0], q.shape[0]))  # (M, N): the shape torch.compile traces with
 
 
-def _fake_int4(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+def _fake_int4(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, path: int = 0) -> torch.Tensor:
     return x.new_empty((x.shape[0], q.shape[0]))
 
 
@@ -187,17 +189,24 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(xb * inv) * d).reshape(x.shape)
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """y = x dequant(W)^T for int8 W (module doc): the compiled op where available, else the formula."""
+# The weight-only ops' ``path`` argument: "auto" takes the widest this CPU has (AVX-512 > AVX2 + FMA > plain C++);
+# naming one forces it (tests, benchmarks), and the op refuses one the CPU lacks.
+WEIGHT_ONLY_PATHS = {"auto": 0, "avx512": 1, "plain": 2, "avx2": 3}
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, path: str = "auto") -> torch.Tensor:
+    """y = x dequant(W)^T for int8 W (module doc): the compiled op where available (``path``:
+    ``WEIGHT_ONLY_PATHS``), else the formula."""
     if available():
-        return torch.ops.tinyformer.int8_linear(x, q, s)
+        return torch.ops.tinyformer.int8_linear(x, q, s, WEIGHT_ONLY_PATHS[path])
     return int8_linear_reference(x, q, s)
 
 
-def int4_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """y = x dequant(W)^T for int4 W (module doc): the compiled op where available, else the formula."""
+def int4_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, path: str = "auto") -> torch.Tensor:
+    """y = x dequant(W)^T for int4 W (module doc): the compiled op where available (``path``:
+    ``WEIGHT_ONLY_PATHS``), else the formula."""
     if available():
-        return torch.ops.tinyformer.int4_linear(x, q, s, z)
+        return torch.ops.tinyformer.int4_linear(x, q, s, z, WEIGHT_ONLY_PATHS[path])
     return int4_linear_reference(x, q, s, z)
 
 
@@ -235,12 +244,23 @@ def int4_linear_act8_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor
 
 # ---------------------------------------------------------------- the 8-bit-activation GEMM's packed weights
 
-GEMM_PATHS = {"auto": 0, "vnni": 1, "plain": 2}  # the C++ op's ``path`` argument
+# the C++ op's ``path`` argument: "auto" takes VNNI > AVX2 + FMA > plain C++ by the CPU's features
+GEMM_PATHS = {"auto": 0, "vnni": 1, "plain": 2, "avx2": 3}
 
 
 def has_vnni() -> bool:
     """Whether this CPU has AVX-512 VNNI (the compiled kernels' own run-time check); False without them."""
     return available() and bool(torch.ops.tinyformer.cpu_has_vnni())
+
+
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512 F/BW/VL + FMA (the weight-only kernels' wide path); False without them."""
+    return available() and bool(torch.ops.tinyformer.cpu_has_avx512())
+
+
+def has_avx2() -> bool:
+    """Whether this CPU has AVX2 + FMA (both kernels' 256-bit path); False without the compiled kernels."""
+    return available() and bool(torch.ops.tinyformer.cpu_has_avx2())
 
 
 def pack_act8(t: dict[str, torch.Tensor], quant_type: str) -> dict[str, torch.Tensor]:
@@ -279,8 +299,9 @@ def act8_gemm(x: torch.Tensor, packed: dict[str, torch.Tensor], n: int, group: i
               path: str = "auto") -> torch.Tensor:
     """y (M, N) = round_activations(x) dequant(W)^T (int4: the zero points times the exact x, as
     ``int4_linear_act8``) from ``pack_act8``'s layout: integer dot products over register tiles of 4 rows x
-    64 output channels (AVX-512 VNNI), or the same sums in plain C++ (``path`` "plain", and "auto" on a CPU
-    without VNNI); without the compiled kernels, ``act8_gemm_reference``."""
+    48 output channels (AVX-512 VNNI), of 2 rows x 16 channels (AVX2, the layout read in 32-byte halves), or
+    the same sums in plain C++; ``path`` (``GEMM_PATHS``) forces one, "auto" takes VNNI > AVX2 > plain by
+    the CPU's features; without the compiled kernels, ``act8_gemm_reference``."""
     if not available():
         return act8_gemm_reference(x, packed, n, group, quant_type)
     return torch.ops.tinyformer.act8_gemm(x, packed["wp"], packed["sp"], packed["aux"], n, group,

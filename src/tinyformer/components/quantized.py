@@ -18,20 +18,21 @@ nibble and column 2j+1 in the high one. The int4 zero point also expresses llama
 (x = d q), exactly.
 
 Forward: y = x dequant(W)^T + b, x (..., in) -> y (..., out), computed by one of these ``kernel`` s:
-  * ``cpp`` (weight-only): ``tinyformer.components.quant_kernels``, a C++ extension (AVX-512) that
+  * ``cpp`` (weight-only): ``tinyformer.components.quant_kernels``, a C++ extension (AVX-512, else AVX2) that
     reads the portable layout in place and widens each weight to float32 in registers, for M <=
     ``CPP_MAX_ROWS`` activation rows (M = batch x tokens; decoding). More rows (a prefill) widen
     ``DEQUANT_TILE_BYTES`` of output rows at a time in C++ (``dequantize_rows``) and call the BLAS, where the
     widening's cost is shared by the rows. Built at first use; without a C++ compiler the same formula runs
     in PyTorch.
-  * ``cpp_act8`` (opt-in; in and G multiples of 32; the fast one where the CPU has AVX-512 VNNI): the
+  * ``cpp_act8`` (opt-in; in and G multiples of 32; the fast one where the CPU has AVX-512 VNNI or AVX2): the
     activations are rounded to 8 bits per row and block b of 32 columns,
     x_i ~ d_b xq_i with d_b = max_b |x| / 127 (as llama.cpp's Q8_0 / Q4_0 products do), and multiplied as
     integers by weights packed once at load (``quant_kernels.pack_act8``; the layer keeps only that form) in
     a register-tiled GEMM (``quant_kernels.act8_gemm``: VNNI ``vpdpbusd``, 4 rows x 48 output channels a
-    tile; int4 nibbles widened to bytes in registers), for any number of rows, one (decoding) to thousands
-    (prefill). y differs from x dequant(W)^T by at most sum_b d_b / 2 sum_{i in b} |dequant(W)_oi| (int4:
-    |s_og (u_oi - 8)| there, the zero points multiply the exact x).
+    tile; on AVX2 ``vpmaddubsw``, 2 rows x 16 channels; int4 nibbles widened to bytes in registers), for any
+    number of rows, one (decoding) to thousands (prefill). y differs from x dequant(W)^T by at most
+    sum_b d_b / 2 sum_{i in b} |dequant(W)_oi| (int4: |s_og (u_oi - 8)| there, the zero points multiply the
+    exact x).
   * ``dequant``: F.linear(x, dequant(W)), the formula itself. Eager, every call widens the weights
     (slower than float weights); under ``torch.compile`` the widening fuses into the product.
   * ``aten``: PyTorch's weight-only CPU kernels, ``aten._weight_int8pack_mm`` (int8 per output channel)
@@ -196,7 +197,7 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(bias.to(dtype), requires_grad=False) if bias is not None else None
         self.dtype = dtype
         self._fbgemm: Any = None
-        self.gemm_path = "auto"  # cpp_act8: the C++ op's code path ("vnni" / "plain" force one: tests)
+        self.gemm_path = "auto"  # cpp_act8: the C++ op's code path ("vnni" / "avx2" / "plain" force one: tests)
         scales = portable["scales"].float()
         if self.kernel == "cpp_act8":  # packed once for the GEMM (quant_kernels.pack_act8); no portable copy kept
             for name, t in quant_kernels.pack_act8({**portable, "scales": scales}, spec.type).items():
