@@ -152,7 +152,8 @@ def test_cpp_layer_takes_the_kernel_for_few_rows_and_the_float_product_for_many(
     for shape in [(1, 1, k), (2, CPP_MAX_ROWS // 2, k), (3, CPP_MAX_ROWS, k)]:  # 1, 8 and 24 rows
         x = torch.randn(*shape)
         assert_matches(layer(x), x.double() @ wd.t() + b.double())
-    assert QuantizedLinear(parts, QuantSpec(spec.type, spec.group_size), k).kernel == "cpp"  # auto
+    auto = QuantizedLinear(parts, QuantSpec(spec.type, spec.group_size), k).kernel
+    assert auto == ("cpp_act8" if k % 32 == 0 and integer_dots() else "cpp")
 
 
 @pytest.mark.slow
@@ -231,15 +232,23 @@ def test_act8_pytorch_fallback_equals_the_formula(spec, n, k, monkeypatch):
     assert_matches(run_kernel(fn, spec, parts, x), act8_reference(spec, parts, x))
 
 
-def test_act8_kernel_is_opt_in_and_refuses_widths_off_the_32_grid(cpp_kernels):
+def integer_dots() -> bool:
+    """Whether this CPU has the integer dot products ``auto`` takes the act8 kernel for (VNNI or AVX2)."""
+    return quant_kernels.has_vnni() or quant_kernels.has_avx2()
+
+
+def test_auto_takes_act8_where_the_cpu_has_integer_dots_and_refuses_widths_off_the_32_grid(cpp_kernels):
     parts = quantize_weight(torch.randn(8, 100), QuantSpec("int8", 0))
     with pytest.raises(ConfigError, match="multiples of 32"):
         QuantizedLinear(parts, QuantSpec("int8", 0, "cpp_act8"), 100)
     spec = QuantSpec("int4", 32, "cpp_act8")
     parts, x, _ = layer_case(spec, 24, 64, 2, seed=6)
     layer = QuantizedLinear(parts, spec, 64)
-    assert layer.kernel == "cpp_act8" and QuantizedLinear(parts, QuantSpec("int4", 32), 64).kernel == "cpp"
+    assert layer.kernel == "cpp_act8"
+    assert QuantizedLinear(parts, QuantSpec("int4", 32), 64).kernel == ("cpp_act8" if integer_dots() else "cpp")
     assert_matches(layer(x), act8_reference(spec, parts, x))
+    off_grid = quantize_weight(torch.randn(8, 100), QuantSpec("int8", 0))
+    assert QuantizedLinear(off_grid, QuantSpec("int8", 0), 100).kernel == "cpp"  # auto: the weight-only kernel
 
 
 def test_tied_int4_head_and_token_table_share_one_copy_of_the_weights(cpp_kernels, tmp_path):

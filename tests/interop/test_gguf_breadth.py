@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from quant_helpers import load_weight_only
 from test_interop_common import (
     hf_logits,
     hf_model,
@@ -141,7 +142,7 @@ def transformers_gguf(folder: Path):
 def assert_logits_match(run: Path, reference, length: int = 24, atol: float = 1e-4) -> None:
     ids, mask = padded_batch(length=length)
     with torch.no_grad():
-        ours = load_model(run, dtype=torch.float32)(ids, attention_mask=mask)
+        ours = load_weight_only(run, dtype=torch.float32)(ids, attention_mask=mask)
     ref = hf_logits(reference, ids, mask)
     real = mask.bool()
     scale = ref[real].abs().max()

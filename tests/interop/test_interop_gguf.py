@@ -14,6 +14,7 @@ import json
 
 import pytest
 import torch
+from quant_helpers import load_weight_only
 from test_interop_common import (
     CHAT_TEMPLATE,
     SAMPLES,
@@ -225,9 +226,15 @@ def test_keep_quant_holds_the_file_bits_and_matches_transformers(qtype, kind, tm
     theirs = transformers_gguf(tmp_path)
     ids, mask = padded_batch()
     with torch.no_grad():
-        logits = load_model(tmp_path / "run")(ids, attention_mask=mask)[mask.bool()]
+        logits = load_weight_only(tmp_path / "run")(ids, attention_mask=mask)[mask.bool()]
+        default = load_model(tmp_path / "run")(ids, attention_mask=mask)[mask.bool()]
     ref = hf_logits(theirs, ids, mask)[mask.bool()]
-    torch.testing.assert_close(logits / ref.abs().max(), ref / ref.abs().max(), atol=1e-4, rtol=0)
+    scale = ref.abs().max()
+    torch.testing.assert_close(logits / scale, ref / scale, atol=1e-4, rtol=0)
+    # the default kernel (8-bit activations where the CPU has integer dot products, as llama.cpp rounds them)
+    # moves the logits by the rounding of each layer's inputs: up to a few hundredths of their range on this
+    # random model (each layer's bound is tested in tests/components/test_quant_prefill.py)
+    torch.testing.assert_close(default / scale, ref / scale, atol=5e-2, rtol=0)
 
 
 def test_keep_quant_rounds_k_quants_into_int4_and_says_so(tmp_path):

@@ -24,7 +24,7 @@ Forward: y = x dequant(W)^T + b, x (..., in) -> y (..., out), computed by one of
     ``DEQUANT_TILE_BYTES`` of output rows at a time in C++ (``dequantize_rows``) and call the BLAS, where the
     widening's cost is shared by the rows. Built at first use; without a C++ compiler the same formula runs
     in PyTorch.
-  * ``cpp_act8`` (opt-in; in and G multiples of 32; the fast one where the CPU has AVX-512 VNNI or AVX2): the
+  * ``cpp_act8`` (``auto``'s choice where in and G are multiples of 32 and the CPU has AVX-512 VNNI or AVX2): the
     activations are rounded to 8 bits per row and block b of 32 columns,
     x_i ~ d_b xq_i with d_b = max_b |x| / 127 (as llama.cpp's Q8_0 / Q4_0 products do), and multiplied as
     integers by weights packed once at load (``quant_kernels.pack_act8``; the layer keeps only that form) in
@@ -41,7 +41,10 @@ Forward: y = x dequant(W)^T + b, x (..., in) -> y (..., out), computed by one of
     the activations to 8 bits, x ~ s_x (q_x - z_x) with one s_x = (max x - min(min x, 0)) / 255 per call
     (one row when decoding), and multiplies integers, as llama.cpp does for its Q8_0 dot products (there
     per 32 values) -- so it is not weight-only: y differs from x dequant(W)^T by the activation rounding,
-    at most sum_i |dequant(W)_oi| s_x / 2 per output. ``torch.compile`` cannot trace it.
+    at most sum_i |dequant(W)_oi| s_x / 2 per output. On a CPU without VNNI its integer products are
+    ``vpmaddubsw``, whose int16 pair sums saturate for 8-bit activations (the outputs came out wrong by tens
+    on an AVX2 EPYC): there x is rounded to 7 bits, s_x = (max x - min(min x, 0)) / 127
+    (:func:`fbgemm_reduce_range`). ``torch.compile`` cannot trace it.
 ``benchmarks/bench_quant_kernels.py`` measures them (docs/benchmarks/quantized.md has the figures).
 """
 
@@ -74,9 +77,10 @@ INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 class QuantSpec:
     """How a run's linear weights are quantized: ``type`` int8 | int4; ``group_size`` G (0 = one scale per
     output row, int8 only; int4 needs G >= 2, even); ``kernel`` the forward computation (see module doc;
-    ``auto`` picks a weight-only one: on a CPU ``cpp`` (``aten`` for int8 per channel and for int4 where its
-    kernel applies, else ``dequant``, when the C++ kernels cannot be built), elsewhere ``dequant``;
-    ``cpp_act8`` and ``fbgemm``, which round the activations too, are only used when asked for)."""
+    ``auto`` picks, on a CPU with the C++ kernels, ``cpp_act8`` where the CPU has integer dot products
+    (AVX-512 VNNI or AVX2) and in and G are multiples of 32, else the weight-only ``cpp``; without the C++
+    kernels ``aten`` for int8 per channel and for int4 where its kernel applies, else ``dequant``; off the
+    CPU ``dequant``. ``fbgemm`` is only used when asked for)."""
 
     type: str
     group_size: int = 0
@@ -139,6 +143,22 @@ def quantize_weight(w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]
     return {"qweight": pack_int4(u.reshape(out_f, in_f)), "scales": scale.contiguous(), "zeros": zeros.contiguous()}
 
 
+def fbgemm_reduce_range() -> bool:
+    """Whether fbgemm's dynamic linear must round activations to 7 bits on this CPU: where it has no VNNI
+    (``avx512_vnni`` / ``avx_vnni`` in /proc/cpuinfo's flags) its products saturate with 8 (PyTorch's own
+    x86 quantization config sets ``reduce_range`` for the same reason)."""
+    if "fbgemm_reduce_range" not in _CPU_FLAGS:
+        try:
+            flags = set(open("/proc/cpuinfo").read().split())
+        except OSError:
+            flags = set()
+        _CPU_FLAGS["fbgemm_reduce_range"] = not flags & {"avx512_vnni", "avx_vnni"}
+    return _CPU_FLAGS["fbgemm_reduce_range"]
+
+
+_CPU_FLAGS: dict[str, bool] = {}
+
+
 def int4_kernel_applies(out_features: int, group: int, device: torch.device) -> bool:
     return device.type == "cpu" and out_features % 16 == 0 and group in INT4_KERNEL_GROUPS
 
@@ -151,7 +171,11 @@ def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device:
         if device.type != "cpu":
             return "dequant"
         if quant_kernels.available():
-            return "cpp"
+            # 8-bit activations as llama.cpp rounds them, integer products: ~2x the weight-only kernel's rate
+            # at one row and the only quantized product faster than float32 over many rows, where the CPU
+            # has integer dot products (docs/benchmarks/quantized.md); else the weight-only kernel
+            integer_dots = quant_kernels.has_vnni() or quant_kernels.has_avx2()
+            return "cpp_act8" if integer_dots and in_features % 32 == 0 and g % 32 == 0 else "cpp"
         if spec.type == "int8":
             return "aten" if spec.group_size == 0 else "dequant"
         return "aten" if int4_kernel_applies(out_features, g, device) else "dequant"
@@ -257,7 +281,7 @@ class QuantizedLinear(nn.Module):
             y = op(x2, self.qweight, self.scales) if self.spec.type == "int8" else \
                 op(x2, self.qweight, self.scales, self.zeros)
         elif self.kernel == "fbgemm":
-            y = torch.ops.quantized.linear_dynamic(x2.float(), self._fbgemm).to(x.dtype)
+            y = torch.ops.quantized.linear_dynamic(x2.float(), self._fbgemm, fbgemm_reduce_range()).to(x.dtype)
         elif self.kernel == "aten" and self.spec.type == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         elif self.kernel == "aten":
