@@ -10,8 +10,9 @@ down projection (576 x 1536) and the head (49152 x 576). For each, y = x W^T (x:
   * int8_cpp_PATH / int4_cpp_PATH: tinyformer's C++ kernels (``tinyformer.components.quant_kernels``), the
     portable layout read in place, each weight widened to float32 in registers (per channel, G = 32), once
     for every code path this CPU has (avx512, avx2, plain)
-  * int8_cpp_act8 / int4_cpp_act8: the same with the activations rounded to 8 bits per 32 columns and
-    integer (VNNI) dot products, as llama.cpp's Q8_0 / Q4_0 products; not weight-only
+  * int8_gemm_PATH / int4_gemm_PATH: the act8 GEMM (``quant_kernels.act8_gemm``, the ``cpp_act8`` kernel): the
+    activations rounded to 8 bits per 32 columns and integer dot products (VNNI, AVX2) on weights packed at
+    load, as llama.cpp's Q8_0 / Q4_0 products; not weight-only
   * int8_compiled: torch.compile of x @ (q * s)^T, per-channel and per-group (G = 32) scales (inductor
     writes the float matrix, then calls the BLAS)
   * int8_compiled_sum: torch.compile of (x[:, None, :] * q) .sum(-1) * s, written so that inductor fuses
@@ -155,11 +156,6 @@ def bench_shape(name: str, n: int, k: int, rows: int, repeat: int, only: list[st
     cases = {
         "fp32": lambda: F.linear(x, w),
         **weight_only,
-        "int8_cpp_act8 (per-channel)": (lambda: torch.ops.tinyformer.int8_linear_act8(x, q8, s8[:, None]))
-        if cpp else None,
-        "int8_cpp_act8 (G=32)": (lambda: torch.ops.tinyformer.int8_linear_act8(x, q8g, s8g)) if cpp else None,
-        "int4_cpp_act8 (G=32)": (lambda: torch.ops.tinyformer.int4_linear_act8(x, nib_u8, s4_32, zeros4))
-        if cpp else None,
         "int8_compiled_sum (per-channel)": lambda: sum8(x, q8, s8),
         "int8_compiled_sum (input-major)": lambda: sum8_in_major(x, q8t, s8),
         "int8_aten (per-channel)": lambda: torch.ops.aten._weight_int8pack_mm(x, q8, s8),
@@ -210,12 +206,8 @@ def streaming(layers: int, repeat: int) -> None:
     cases = {  # label: (pass over all layers, bytes of weights and scales per matrix)
         "fp32": (lambda: [F.linear(x, w) for w in ws], n * k * 4),
         "int8_cpp (per-channel)": (lambda: [ops.int8_linear(x, q, s) for q, s in zip(q8, s8)], n * k + n * 4),
-        "int8_cpp_act8 (per-channel)": (lambda: [ops.int8_linear_act8(x, q, s) for q, s in zip(q8, s8)],
-                                        n * k + n * 4),
         "int4_cpp (G=32)": (lambda: [ops.int4_linear(x, q, s, z) for q, s, z in zip(q4, s4, z4)],
                             n * k // 2 + n * k // 32 * 8),
-        "int4_cpp_act8 (G=32)": (lambda: [ops.int4_linear_act8(x, q, s, z) for q, s, z in zip(q4, s4, z4)],
-                                 n * k // 2 + n * k // 32 * 8),
         "int8_gemm (per-channel)": (lambda: [quant_kernels.act8_gemm(x, p, n, k, "int8") for p in p8],
                                     n * k + n * 4 + n * k // 32 * 4),
         "int4_gemm (G=32)": (lambda: [quant_kernels.act8_gemm(x, p, n, 32, "int4") for p in p4],

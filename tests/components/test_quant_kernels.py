@@ -186,7 +186,7 @@ def test_compiled_decode_step_with_the_cpp_kernel_gives_the_eager_greedy_tokens(
     assert tokens[True] == tokens[False]
 
 
-# ------------------------------------------------------------------ activations rounded to 8 bits (opt-in)
+# ------------------------------------------------------------------ activations rounded to 8 bits (the act8 kernel)
 
 ACT8_LAYOUTS = [(QuantSpec("int8", 0), 37, 128), (QuantSpec("int8", 32), 40, 256), (QuantSpec("int8", 64), 33, 192),
                 (QuantSpec("int4", 32), 37, 128), (QuantSpec("int4", 64), 33, 192), (QuantSpec("int4", 128), 20, 384)]
@@ -204,32 +204,6 @@ def act8_reference(spec: QuantSpec, parts: dict[str, torch.Tensor], x: torch.Ten
     g = spec.groups(x.shape[1])
     m = parts["zeros"].double() - 8 * parts["scales"].double()
     return xr @ (wd - m.repeat_interleave(g, dim=1)).t() + x.double().reshape(x.shape[0], -1, g).sum(-1) @ m.t()
-
-
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize(("spec", "n", "k"), ACT8_LAYOUTS, ids=spec_id)
-def test_act8_kernel_equals_rounded_activations_times_dequantized_weight(cpp_kernels, spec, n, k, rows):
-    parts, x, exact = layer_case(spec, n, k, rows, seed=4)
-    ops = {"int8": torch.ops.tinyformer.int8_linear_act8, "int4": torch.ops.tinyformer.int4_linear_act8}
-    y = run_kernel(ops, spec, parts, x)
-    assert_matches(y, act8_reference(spec, parts, x))
-    # and within the rounding's bound of the weight-only product: sum_b d_b / 2 sum_{i in b} |w_i|
-    wd = dequantize_weight(parts, spec.type, torch.float64)
-    if spec.type == "int4":
-        m = parts["zeros"].double() - 8 * parts["scales"].double()
-        wd = wd - m.repeat_interleave(spec.groups(k), dim=1)
-    d = x.double().reshape(rows, -1, 32).abs().amax(-1) / 127  # (rows, blocks)
-    bound = (d / 2) @ wd.abs().reshape(n, -1, 32).sum(-1).t()
-    assert torch.all((y.double() - exact).abs() <= bound + 1e-5 * float(exact.abs().max()))
-    assert not torch.allclose(y.double(), exact, rtol=1e-6, atol=1e-6)  # it is not the weight-only product
-
-
-@pytest.mark.parametrize(("spec", "n", "k"), ACT8_LAYOUTS[::3], ids=spec_id)
-def test_act8_pytorch_fallback_equals_the_formula(spec, n, k, monkeypatch):
-    parts, x, _ = layer_case(spec, n, k, 2, seed=5)
-    monkeypatch.setitem(quant_kernels._state, "ok", False)  # as if no compiler were found
-    fn = {"int8": quant_kernels.int8_linear_act8, "int4": quant_kernels.int4_linear_act8}
-    assert_matches(run_kernel(fn, spec, parts, x), act8_reference(spec, parts, x))
 
 
 def integer_dots() -> bool:

@@ -207,9 +207,10 @@ def test_weight_only_layer_over_many_rows_equals_x_times_dequantized_weight(cpp,
     assert_within_bound(y, w, spec, parts, x, None)
 
 
-def test_auto_stays_weight_only_and_act8_is_taken_by_name(cpp):
+def test_auto_takes_act8_only_with_integer_dots_and_act8_holds_only_the_packed_form(cpp):
     parts = quantize_weight(torch.randn(16, 64), QuantSpec("int4", 32))
-    assert QuantizedLinear(parts, QuantSpec("int4", 32), 64).kernel == "cpp"
+    integer_dots = quant_kernels.has_vnni() or quant_kernels.has_avx2()
+    assert QuantizedLinear(parts, QuantSpec("int4", 32), 64).kernel == ("cpp_act8" if integer_dots else "cpp")
     layer = QuantizedLinear(parts, QuantSpec("int4", 32, "cpp_act8"), 64)
     assert layer.kernel == "cpp_act8" and not hasattr(layer, "qweight")  # only the packed form is held
     assert {"wp", "sp", "aux"} <= {name for name, _ in layer.named_buffers()}

@@ -165,76 +165,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void int4_block_avx512(
     for (int m = 0; m < MB; ++m) y[m * N + o + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-// ---- activations rounded to 8 bits (opt-in): x_i ~ d_b xq_i over blocks b of 32 columns,
-// d_b = max_{i in b} |x_i| / 127, xq_i = round(x_i / d_b) in [-127, 127], as llama.cpp's Q8_0 activations.
-// Integer dot products (VNNI vpdpbusd: unsigned bytes times signed bytes, summed in fours into int32).
-// int8: q + 128 (= q ^ 0x80) is unsigned; sum_i (q_i + 128) xq_i - 128 sum_i xq_i = sum_i q_i xq_i, the
-// second sum (per block, shared by all rows) taken off once per group: side[g] = 128 sum_{b in g} d_b sum xq.
-// int4: u in [0, 15] is unsigned already. A 32-column block's 16 bytes widen to [low nibbles | high
-// nibbles] (even columns, then odd ones); xq is stored in that order. w = s u + (z - 8 s), so
-// y = sum_g s sum_{b in g} d_b sum_i u_i xq_i + (z - 8 s) side[g], side[g] the exact sum of x over the group.
+// Horizontal sum of a ymm register's eight floats.
 __attribute__((target("avx2"))) inline float hsum256(__m256 v) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
-
-template <int MB, int R, bool PER_ROW, bool INT4>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void act8_block(
-    const int8_t* xq, const float* d, const float* side, int64_t K, const void* qv, const float* s,
-    const float* z, int64_t G, float* y, int64_t N, int64_t o) {
-  const int64_t ng = K / G, nb = K / 32, row_bytes = INT4 ? K / 2 : K;
-  const uint8_t* q = static_cast<const uint8_t*>(qv);
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  const __m128i low = _mm_set1_epi8(15);
-  __m256 acc[R][MB], p[R][MB];
-  float off[R][MB] = {};
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < ng; ++g) {
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) p[r][m] = _mm256_setzero_ps();
-    for (int64_t c = g * G; c < (g + 1) * G; c += 32) {
-      __m256i xv[MB];
-      __m256 dv[MB];
-      for (int m = 0; m < MB; ++m) {
-        xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + c));
-        dv[m] = _mm256_set1_ps(d[m * nb + c / 32]);
-      }
-      const int64_t at = INT4 ? c / 2 : c;  // byte offset of the block in a row
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* qr = q + (o + r) * row_bytes + at;
-        if ((at & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(qr) + kPrefetch, _MM_HINT_T0);
-        __m256i w;
-        if constexpr (INT4) {
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr));
-          w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
-        } else {
-          w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr)), flip);
-        }
-        for (int m = 0; m < MB; ++m) {
-          const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv[m]);
-          p[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), dv[m], p[r][m]);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const float sv = PER_ROW ? 1.f : s[(o + r) * ng + g];
-      const float wside = INT4 ? z[(o + r) * ng + g] - 8.f * sv : -sv;  // weight of side[g]
-      const __m256 sc = _mm256_set1_ps(sv);
-      for (int m = 0; m < MB; ++m) {
-        acc[r][m] = _mm256_fmadd_ps(p[r][m], sc, acc[r][m]);
-        off[r][m] += wside * side[m * ng + g];
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) {
-      const float v = hsum256(acc[r][m]) + off[r][m];
-      y[m * N + o + r] = PER_ROW ? v * s[o + r] : v;
-    }
-}
-
 
 // ------------------------------------------------------------------ AVX2 + FMA (no AVX-512)
 // Eight floats a vector. Columns past the last full vector of a group (G not a multiple of 8, or 16 for
@@ -569,127 +505,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   return y.to(x.scalar_type());
 }
 
-// Rounds x (M, K) to 8 bits per block of 32 columns: xq (M, K) (for int4 each block stored even columns
-// first, then odd ones), d (M, K / 32), xs (M, K / G) exact group sums of x, corr (M, K / G) for int8.
-struct Act8 {
-  std::vector<int8_t> xq;
-  std::vector<float> d, xs, corr;
-};
-
-Act8 round_activations(const float* x, int64_t M, int64_t K, int64_t G, bool int4_order) {
-  const int64_t nb = K / 32, ng = K / G;
-  Act8 a;
-  a.xq.resize(static_cast<size_t>(M * K));
-  a.d.resize(static_cast<size_t>(M * nb));
-  a.xs.assign(static_cast<size_t>(M * ng), 0.f);
-  a.corr.assign(static_cast<size_t>(M * ng), 0.f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + m * K + b * 32;
-      float amax = 0.f, sum = 0.f;
-      for (int i = 0; i < 32; ++i) {
-        amax = std::max(amax, std::fabs(xb[i]));
-        sum += xb[i];
-      }
-      const float dv = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int qsum = 0;
-      int8_t* out = a.xq.data() + m * K + b * 32;
-      for (int i = 0; i < 32; ++i) {
-        const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
-        qsum += v;
-        out[int4_order ? (i % 2) * 16 + i / 2 : i] = static_cast<int8_t>(v);
-      }
-      a.d[m * nb + b] = dv;
-      a.xs[m * ng + b * 32 / G] += sum;
-      a.corr[m * ng + b * 32 / G] += 128.f * dv * static_cast<float>(qsum);
-    }
-  return a;
-}
-
-void check_act8(int64_t K, int64_t G) {
-  TORCH_CHECK(K % 32 == 0 && G % 32 == 0, "8-bit activations need K and the group size to be multiples of 32, got K ",
-              K, ", G ", G);
-}
-
-// Both widths' 8-bit-activation products: int4 when z is given (q uint8, two values per byte), else int8.
-at::Tensor act8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor* z) {
-  const bool int4 = z != nullptr;
-  TORCH_CHECK(q.scalar_type() == (int4 ? at::kByte : at::kChar),
-              int4 ? "q must be uint8 (two 4-bit values per byte)" : "q must be int8");
-  const int64_t K = int4 ? 2 * q.size(1) : q.size(1);
-  check_common(x, q, s, K);
-  TORCH_CHECK(!int4 || (z->is_floating_point() && z->sizes() == s.sizes()), "z must be float shaped like s");
-  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, q holds ", K);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const at::Tensor qc = q.contiguous(), sc = s.to(at::kFloat).contiguous();
-  const at::Tensor zc = int4 ? z->to(at::kFloat).contiguous() : at::Tensor();
-  const int64_t M = xf.size(0), N = qc.size(0), G = K / sc.size(1), ng = K / G, nb = K / 32;
-  check_act8(K, G);
-  at::Tensor y = at::empty({M, N}, xf.options());
-  const Act8 a = round_activations(xf.data_ptr<float>(), M, K, G, int4);
-  const uint8_t* qd = static_cast<const uint8_t*>(qc.data_ptr());
-  const float* sd = sc.data_ptr<float>();
-  const float* zd = int4 ? zc.data_ptr<float>() : nullptr;
-  const std::vector<float>& side = int4 ? a.xs : a.corr;
-  float* yd = y.data_ptr<float>();
-  const bool per_row = !int4 && G == K;
-  over_rows(M, N, K,
-            [&](int64_t m, int mb, int64_t o, int64_t rows) {
-#ifdef TF_X86
-              const int8_t* xm = a.xq.data() + m * K;
-              const float *dm = a.d.data() + m * nb, *sm = side.data() + m * ng;
-              const bool full = rows == kRowBlock;
-              for (int64_t r = 0; r < rows; r += (full ? kRowBlock : 1)) {
-#define TF_ACT8_CALL(MB, R)                                                                               \
-  (int4      ? act8_block<MB, R, false, true>(xm, dm, sm, K, qd, sd, zd, G, yd + m * N, N, o + r)        \
-   : per_row ? act8_block<MB, R, true, false>(xm, dm, sm, K, qd, sd, zd, G, yd + m * N, N, o + r)        \
-             : act8_block<MB, R, false, false>(xm, dm, sm, K, qd, sd, zd, G, yd + m * N, N, o + r))
-                if (mb == 1) { if (full) TF_ACT8_CALL(1, 4); else TF_ACT8_CALL(1, 1); }
-                else { if (full) TF_ACT8_CALL(2, 4); else TF_ACT8_CALL(2, 1); }
-#undef TF_ACT8_CALL
-              }
-#endif
-            },
-            [&](int64_t m, int mb, int64_t o0, int64_t o1) {
-              const int8_t* q8 = reinterpret_cast<const int8_t*>(qd);
-              for (int64_t o = o0; o < o1; ++o)
-                for (int64_t mm = m; mm < m + mb; ++mm) {
-                  float acc = 0.f;
-                  for (int64_t g = 0; g < ng; ++g) {
-                    float p = 0.f;
-                    for (int64_t b = g * G / 32; b < (g + 1) * G / 32; ++b) {
-                      int dot = 0;
-                      for (int i = 0; i < 32; ++i) {  // int4: xq holds the block's even columns, then its odd ones
-                        const uint8_t byte = int4 ? qd[o * (K / 2) + b * 16 + i % 16] : 0;
-                        const int w = int4 ? (i < 16 ? (byte & 15) : (byte >> 4)) : int(q8[o * K + b * 32 + i]);
-                        dot += w * int(a.xq[mm * K + b * 32 + i]);
-                      }
-                      p += a.d[mm * nb + b] * static_cast<float>(dot);
-                    }
-                    acc += sd[o * ng + g] * p + (int4 ? (zd[o * ng + g] - 8.f * sd[o * ng + g]) * a.xs[mm * ng + g] : 0.f);
-                  }
-                  yd[mm * N + o] = acc;
-                }
-            },
-            has_vnni());
-  return y.to(x.scalar_type());
-}
-
-at::Tensor int8_linear_act8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s) {
-  return act8_linear(x, q, s, nullptr);
-}
-
-at::Tensor int4_linear_act8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& z) {
-  return act8_linear(x, q, s, &z);
-}
-
-
 // ------------------------------------------------------------------ the 8-bit-activation GEMM (packed weights)
 //
 //   tinyformer::act8_gemm(x, wp, sp, aux, N, G, int4, path)  y (M, N) ~ x dequant(W)^T
 //
-// Activations rounded per row and block b of 32 columns as round_activations does (x ~ d_b xq, Q8_0's
-// rounding), weights in a layout packed once at load (quant_kernels.py::pack_act8): output channels in
+// Activations rounded per row and block b of 32 columns (x ~ d_b xq with d_b = max_b |x| / 127, Q8_0's
+// rounding; quantize_rows), weights in a layout packed once at load (quant_kernels.py::pack_act8): output channels in
 // blocks of 16 (N padded with zero rows), each block's columns in 4-byte quads, so one 64-byte vector holds
 // 16 channels x 4 columns and `vpdpbusd` (unsigned bytes x signed bytes, summed in fours) multiplies it by
 // one row's 4 activations broadcast. A register tile of MR rows x NR channel blocks (MR x NR x 16 outputs)
@@ -1158,8 +979,6 @@ bool cpu_has_avx2() { return has_avx2(); }
 TORCH_LIBRARY(tinyformer, m) {
   m.def("int8_linear(Tensor x, Tensor q, Tensor s, int path=0) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor q, Tensor s, Tensor z, int path=0) -> Tensor");
-  m.def("int8_linear_act8(Tensor x, Tensor q, Tensor s) -> Tensor");
-  m.def("int4_linear_act8(Tensor x, Tensor q, Tensor s, Tensor z) -> Tensor");
   m.def("act8_gemm(Tensor x, Tensor wp, Tensor sp, Tensor aux, int N, int G, bool int4, int path) -> Tensor");
   m.def("cpu_has_vnni() -> bool", &cpu_has_vnni);
   m.def("cpu_has_avx512() -> bool", &cpu_has_avx512);
@@ -1170,8 +989,6 @@ TORCH_LIBRARY(tinyformer, m) {
 TORCH_LIBRARY_IMPL(tinyformer, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
-  m.impl("int8_linear_act8", &int8_linear_act8);
-  m.impl("int4_linear_act8", &int4_linear_act8);
   m.impl("act8_gemm", &act8_gemm);
   m.impl("dequantize_rows", &dequantize_rows);
 }

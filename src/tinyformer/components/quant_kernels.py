@@ -18,12 +18,13 @@ output rows) is compiled at first use with ``torch.utils.cpp_extension.load`` (a
 ``torch.compile``-d decode step calls them. Without a compiler the same formulas run in PyTorch
 (``int8_linear_reference`` / ``int4_linear_reference``) and one line on stderr says so.
 
-Not weight-only (``int8_linear_act8`` / ``int4_linear_act8`` on the portable layout, and ``act8_gemm`` on
-weights packed once by ``pack_act8``, the form ``cpp_act8`` layers hold): the activations are rounded to 8 bits
-per block of 32 columns first, as llama.cpp does for its Q8_0 / Q4_0 products (``round_activations``:
-x_i ~ d_b xq_i, d_b = max_b |x| / 127, |error| <= d_b / 2), and the products are integer dot products
-(AVX-512 VNNI ``vpdpbusd``; on AVX2 ``vpmaddubsw`` + ``vpmaddwd``, with operands that cannot saturate its
-int16 pair sums), several times fewer instructions per weight. int4's zero points multiply the exact sums of x.
+Not weight-only (``act8_gemm``, on weights packed once by ``pack_act8``, the form ``cpp_act8`` layers hold;
+its formula on the portable layout is ``int8_linear_act8_reference`` / ``int4_linear_act8_reference``): the
+activations are rounded to 8 bits per block of 32 columns first, as llama.cpp does for its Q8_0 / Q4_0
+products (``round_activations``: x_i ~ d_b xq_i, d_b = max_b |x| / 127, |error| <= d_b / 2), and the
+products are integer dot products (AVX-512 VNNI ``vpdpbusd``; on AVX2 ``vpmaddubsw`` + ``vpmaddwd``, with
+operands that cannot saturate its int16 pair sums), several times fewer instructions per weight. int4's zero
+points multiply the exact sums of x.
 ``act8_gemm`` tiles 4 rows x 48 output channels in registers, for one row (decoding) or many (prefill);
 ``dequantize_rows`` widens rows of W to float32 for the weight-only prefill (tiles handed to the BLAS).
 """
@@ -70,10 +71,8 @@ def _build() -> None:
     load(name=name, sources=[str(_SOURCE)], is_python_module=False,
          extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
-    for name in ("int8_linear", "int8_linear_act8"):
-        torch.library.register_fake(f"tinyformer::{name}")(_fake_int8)
-    for name in ("int4_linear", "int4_linear_act8"):
-        torch.library.register_fake(f"tinyformer::{name}")(_fake_int4)
+    torch.library.register_fake("tinyformer::int8_linear")(_fake_int8)
+    torch.library.register_fake("tinyformer::int4_linear")(_fake_int4)
     torch.library.register_fake("tinyformer::act8_gemm")(_fake_gemm)
     torch.library.register_fake("tinyformer::dequantize_rows")(_fake_dequantize_rows)
 
@@ -210,28 +209,15 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tens
     return int4_linear_reference(x, q, s, z)
 
 
-def int8_linear_act8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """y = round_activations(x) dequant(W)^T for int8 W: integer dot products (VNNI) where compiled."""
-    if available():
-        return torch.ops.tinyformer.int8_linear_act8(x, q, s)
-    return int8_linear_act8_reference(x, q, s)
-
-
-def int4_linear_act8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """y = round_activations(x) (s (u - 8))^T + z-terms on the exact x: the zero points multiply the exact
-    group sums of x, the 4-bit values the rounded x (as the kernel computes them)."""
-    if available():
-        return torch.ops.tinyformer.int4_linear_act8(x, q, s, z)
-    return int4_linear_act8_reference(x, q, s, z)
-
-
 def int8_linear_act8_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """``int8_linear_act8``'s formula in PyTorch."""
+    """y = round_activations(x) dequant(W)^T for int8 W: the act8 GEMM's formula in PyTorch (on the portable
+    layout)."""
     return int8_linear_reference(round_activations(x).to(x.dtype), q, s)
 
 
 def int4_linear_act8_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """``int4_linear_act8``'s formula in PyTorch."""
+    """y = round_activations(x) (s (u - 8))^T plus the zero points' terms on the exact x (z - 8 s times the exact
+    group sums of x): the act8 GEMM's int4 formula in PyTorch (on the portable layout)."""
     xr = round_activations(x)
     n = q.shape[0]
     g = q.shape[1] * 2 // s.shape[1]
@@ -298,8 +284,8 @@ def pack_act8(t: dict[str, torch.Tensor], quant_type: str) -> dict[str, torch.Te
 def act8_gemm(x: torch.Tensor, packed: dict[str, torch.Tensor], n: int, group: int, quant_type: str,
               path: str = "auto") -> torch.Tensor:
     """y (M, N) = round_activations(x) dequant(W)^T (int4: the zero points times the exact x, as
-    ``int4_linear_act8``) from ``pack_act8``'s layout: integer dot products over register tiles of 4 rows x
-    48 output channels (AVX-512 VNNI), of 2 rows x 16 channels (AVX2, the layout read in 32-byte halves), or
+    ``int4_linear_act8_reference``) from ``pack_act8``'s layout: integer dot products over register tiles of
+    4 rows x 48 output channels (AVX-512 VNNI), of 2 rows x 16 channels (AVX2, the layout read in 32-byte halves), or
     the same sums in plain C++; ``path`` (``GEMM_PATHS``) forces one, "auto" takes VNNI > AVX2 > plain by
     the CPU's features; without the compiled kernels, ``act8_gemm_reference``."""
     if not available():
