@@ -742,7 +742,8 @@ class BatchEngine:
         """One step of the search of ``rows`` (all of its rows, in its order, at one position): each row
         takes over the cache row and the tokens of the row its next token continues, and feeds that token
         next. The rows end together, when the search is over; the caller reads the hypotheses from it."""
-        if not bool(torch.isfinite(logits).all()):
+        # finite iff its largest and smallest logits are (see _sample)
+        if not bool((torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))).all()):
             message = non_finite_message(f"for generated token {len(rows[0].token_ids) + 1}")
             return self._sample_but(logits, rows, [True] * len(rows), lambda r: message)
         picked = rows[0].search.advance(logits)
@@ -752,10 +753,15 @@ class BatchEngine:
             return [RowOutput(r, None, "", "stop") for r in rows]
         tokens, index = picked
         if index is not None:
-            slots = torch.tensor([r.slot for r in rows], device=self.device)
-            src = slots[index.to(self.device)]
-            for k, v in self.cache.layers:  # whole cache rows: a ring's slots are the same in every row
-                k[slots], v[slots] = k[src], v[src]
+            lo, hi = rows[0].slot, rows[-1].slot + 1
+            if hi - lo != len(rows):
+                raise RuntimeError("the rows of a search must sit in neighbouring slots")
+            # the filled positions of each row (a ring: all its slots, at the same places in every row)
+            n = rows[0].pos if self.cache.indexed_by_position else None
+            moved = index.to(self.device)
+            for k, v in self.cache.layers:
+                for x in (k, v):
+                    x[lo:hi, :, :n].copy_(x[lo:hi, :, :n].index_select(0, moved))
             history = [rows[i].token_ids for i in index.tolist()]
             for r, h in zip(rows, history):
                 r.token_ids = list(h)

@@ -47,7 +47,8 @@ class SourceDecoder(nn.Module):
     """The decoder of an encoder-decoder over N fixed source rows, called as a decoder-only model is:
     ``self(ids (N, T), cache=...)`` -> logits (N, T, V), row n attending to the cross-attention K/V of
     source row n (``cross``: each layer's (k, v), (N, H, S, d_head)) under its padding mask ``src_mask``
-    (N, S). The engine that steps it holds exactly these N rows and feeds them all together."""
+    (N, S). The engine that steps it holds exactly these N rows and feeds them all together, and the same
+number of tokens to each (so it never asks for ``hidden_states``)."""
 
     def __init__(self, model: nn.Module, cross: list[tuple[Tensor, Tensor]], src_mask: Tensor | None) -> None:
         super().__init__()
@@ -56,15 +57,9 @@ class SourceDecoder(nn.Module):
     def new_cache(self, batch_size: int, max_len: int | None = None, spare_slots: int = 0):
         return self.model.new_cache(batch_size, max_len)
 
-    def hidden_states(self, input_ids: Tensor, *, cache) -> Tensor:
-        return self.model.decode(input_ids, self.cross, self.src_mask, cache)
-
-    def logits(self, h: Tensor) -> Tensor:
-        return self.model.lm_head(h)
-
     def forward(self, input_ids: Tensor, *, cache, last_only: bool = False) -> Tensor:
-        h = self.hidden_states(input_ids, cache=cache)
-        return self.logits(h[:, -1:] if last_only else h)
+        h = self.model.decode(input_ids, self.cross, self.src_mask, cache)  # (N, T, d)
+        return self.model.lm_head(h[:, -1:] if last_only else h)
 
 
 @torch.no_grad()
