@@ -11,7 +11,7 @@ import torch
 from test_classic_seq2seq import BOS, EOS, _peaked_model  # noqa: E402
 from test_engine import hf_llama, random_lm  # noqa: E402
 
-from tinyformer.errors import GenerationError
+from tinyformer.errors import GenerationError, NonFiniteOutputError
 from tinyformer.generation.beam import new_search
 from tinyformer.generation.generator import Generator
 from tinyformer.generation.seq2seq import beam_search as seq2seq_beam_search
@@ -286,6 +286,15 @@ def test_generator_beam_search_options():
         kwargs = dict(num_beams=3, max_new_tokens=4) | bad
         with pytest.raises(GenerationError):
             gen.beam_search([5, 6, 7, 8], **kwargs)
+
+
+def test_non_finite_logits_after_the_prompt_end_beam_search_with_the_engine_error():
+    model = eos_lm()
+    with torch.no_grad():
+        model.lm_head.weight[3] = float("nan")
+    for K in (1, 3):
+        with pytest.raises(NonFiniteOutputError, match=r"non-finite logits \(NaN or inf\) for generated token 1"):
+            Generator(model).beam_search([5, 6, 7, 8], K, 4)
 
 
 # ------------------------------------------------------------------ exhaustive search (a property)

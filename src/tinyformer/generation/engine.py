@@ -734,7 +734,7 @@ class BatchEngine:
             if rows[idx[0]].search is not None:  # a search's rows in its order, which is their slots'
                 idx.sort(key=lambda i: rows[i].slot)
             part = [rows[i] for i in idx]
-            x = logits[torch.tensor(idx, device=logits.device)]
+            x = logits if idx == list(range(len(rows))) else logits[torch.tensor(idx, device=logits.device)]
             out += self._sample(x, part) if part[0].search is None else self._search(x, part)
         return out
 
@@ -742,8 +742,9 @@ class BatchEngine:
         """One step of the search of ``rows`` (all of its rows, in its order, at one position): each row
         takes over the cache row and the tokens of the row its next token continues, and feeds that token
         next. The rows end together, when the search is over; the caller reads the hypotheses from it."""
-        # finite iff its largest and smallest logits are (see _sample)
-        if not bool((torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))).all()):
+        # the prompt's logits are checked, as a search's log-softmax would turn NaN into any token; a later
+        # step's check would cost as much as the log-softmax itself
+        if not rows[0].token_ids and not bool(torch.isfinite(logits).all()):
             message = non_finite_message(f"for generated token {len(rows[0].token_ids) + 1}")
             return self._sample_but(logits, rows, [True] * len(rows), lambda r: message)
         picked = rows[0].search.advance(logits)
