@@ -11,10 +11,9 @@ import torch
 from test_classic_seq2seq import BOS, EOS, _peaked_model  # noqa: E402
 from test_engine import hf_llama, random_lm  # noqa: E402
 
-from tinyformer.errors import GenerationError
-from tinyformer.generation.beam import beam_search
+from tinyformer.errors import GenerationError, NonFiniteOutputError
+from tinyformer.generation.beam import new_search
 from tinyformer.generation.generator import Generator
-from tinyformer.generation.seq2seq import DecoderState
 from tinyformer.generation.seq2seq import beam_search as seq2seq_beam_search
 
 NEG_INF = float("-inf")
@@ -146,6 +145,40 @@ def old_seq2seq_beam_search(model, src_ids, src_mask, *, bos_id, eos_id, max_new
     return [finished[b][0] for b in range(B)]
 
 
+class OldDecoderState:
+    """generation/seq2seq.py's decoder state before the engine ran the encoder-decoder: one source's
+    self-attention cache and cross K/V, stepped one token at a time and reordered like a cache."""
+
+    def __init__(self, model, src_ids, src_mask, max_new_tokens):
+        self.model = model
+        self.cross = model.cross_kv(model.encode(src_ids, src_mask))
+        self.mask = src_mask
+        self.cache = model.new_cache(src_ids.shape[0], max_new_tokens)
+
+    def reorder(self, index):
+        if index.numel() != self.cache.batch_size:
+            self.cross = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross]
+            self.mask = self.mask.index_select(0, index) if self.mask is not None else None
+        self.cache.reorder(index)
+
+    def step(self, tokens):
+        return self.model.lm_head(self.model.decode(tokens[:, None], self.cross, self.mask, self.cache))[:, -1]
+
+
+def search_over(step, logits, state, *, num_beams, max_new_tokens, num_return_sequences=1, **kwargs):
+    """The search of generation/beam.py over a hand-made 'model' without a KV cache: the moves the engine
+    makes (BatchEngine._search) on a ``state`` with ``reorder(index)``, from K copies of each source's row."""
+    search = new_search(logits.shape[0], num_beams, max_new_tokens, **kwargs)
+    state.reorder(torch.arange(logits.shape[0]).repeat_interleave(num_beams))
+    logits = logits.repeat_interleave(num_beams, 0)
+    while (picked := search.advance(logits)) is not None:
+        tokens, index = picked
+        if index is not None:
+            state.reorder(index)
+        logits = step(tokens, state)
+    return search.results(num_return_sequences)
+
+
 # ------------------------------------------------------------------ decoder-only: transformers' generate
 
 EOS_LM = 34  # a token the model below often predicts: hypotheses end on it, before max_new_tokens
@@ -255,6 +288,15 @@ def test_generator_beam_search_options():
             gen.beam_search([5, 6, 7, 8], **kwargs)
 
 
+def test_non_finite_logits_after_the_prompt_end_beam_search_with_the_engine_error():
+    model = eos_lm()
+    with torch.no_grad():
+        model.lm_head.weight[3] = float("nan")
+    for K in (1, 3):
+        with pytest.raises(NonFiniteOutputError, match=r"non-finite logits \(NaN or inf\) for generated token 1"):
+            Generator(model).beam_search([5, 6, 7, 8], K, 4)
+
+
 # ------------------------------------------------------------------ exhaustive search (a property)
 
 
@@ -293,7 +335,7 @@ def test_beam_search_keeping_every_prefix_ranks_every_sequence_like_brute_force(
 
     sources = [0, 1]
     K = V**L  # every candidate of every step ranks among the first K: nothing is ever dropped
-    got = beam_search(step, torch.stack([model.logits(s, ()) for s in sources]), PrefixState(sources),
+    got = search_over(step, torch.stack([model.logits(s, ()) for s in sources]), PrefixState(sources),
                       num_beams=K, max_new_tokens=L, eos_token_ids=[eos], length_penalty=length_penalty,
                       early_stopping=early_stopping, num_return_sequences=K)
     for b, s in enumerate(sources):
@@ -315,7 +357,7 @@ def test_beam_search_takes_no_candidate_from_a_beam_that_does_not_exist():
         state.rows = [(s, p + (t,)) for (s, p), t in zip(state.rows, tokens.tolist())]
         return torch.stack([model.logits(s, p) for s, p in state.rows])
 
-    got = beam_search(step, model.logits(0, ())[None], PrefixState([0]), num_beams=20, max_new_tokens=2,
+    got = search_over(step, model.logits(0, ())[None], PrefixState([0]), num_beams=20, max_new_tokens=2,
                       num_return_sequences=20)[0]
     assert sorted(tuple(h.token_ids) for h in got) == sorted(itertools.product(range(3), repeat=2))
     assert all(math.isfinite(h.score) for h in got)
@@ -331,12 +373,12 @@ def prefix_step(model: PrefixModel):
 
 @pytest.mark.parametrize("length_penalty", [0.0, 1.0, 2.0])
 def test_one_beam_is_the_stepwise_argmax_of_every_source_until_its_end_token(length_penalty):
-    """num_beams=1 (greedy search, through the one token loop and the sampler's greedy case) against the
+    """num_beams=1 (greedy search, through the sampler's greedy case) against the
     argmax of each source's prefix recomputed by hand: tokens, log-probabilities, score, finish reason."""
     V, L, eos = 6, 7, 0
     model = PrefixModel(V, seed=3)
     sources = list(range(12))  # some end on EOS early, some run to max_new_tokens
-    got = beam_search(prefix_step(model), torch.stack([model.logits(s, ()) for s in sources]), PrefixState(sources),
+    got = search_over(prefix_step(model), torch.stack([model.logits(s, ()) for s in sources]), PrefixState(sources),
                       num_beams=1, max_new_tokens=L, eos_token_ids=[eos], length_penalty=length_penalty)
     reasons = set()
     for b, s in enumerate(sources):
@@ -350,37 +392,6 @@ def test_one_beam_is_the_stepwise_argmax_of_every_source_until_its_end_token(len
         assert hyp.score == pytest.approx(model.logp(s, seq) / len(seq) ** length_penalty, abs=1e-12)
         reasons.add(hyp.finish_reason)
     assert reasons == {"stop", "length"}  # both ways of ending were seen
-
-
-def test_the_token_loop_steps_until_the_search_stops_and_reorders_only_when_asked():
-    """beam.decode: one step per token the search picks, none after the search stops or after the last token."""
-    from tinyformer.generation.beam import decode
-
-    class Picks:
-        def __init__(self, stop_at: int) -> None:
-            self.stop_at, self.seen = stop_at, []
-
-        def advance(self, logits, t):
-            self.seen.append(t)
-            if t == self.stop_at:
-                return None
-            return torch.tensor([t]), (torch.tensor([0]) if t % 2 else None)
-
-    class State:
-        reorders = 0
-
-        def reorder(self, index):
-            State.reorders += 1
-
-    steps = []
-    for stop_at, max_new in ((2, 10), (99, 4)):
-        steps.clear()
-        State.reorders = 0
-        picks = Picks(stop_at)
-        decode(lambda tok, st: steps.append(int(tok)) or torch.zeros(1, 3), torch.zeros(1, 3), State(), picks, max_new)
-        assert picks.seen == list(range(min(stop_at, max_new - 1) + 1))
-        assert steps == list(range(min(stop_at, max_new - 1)))  # no step after the last token
-        assert State.reorders == sum(t % 2 for t in steps)
 
 
 # ------------------------------------------------------------------ encoder-decoder
@@ -398,7 +409,7 @@ def test_encoder_decoder_beam_search_equals_the_generic_search_before_the_merge(
         new = seq2seq_beam_search(model, src, mask, bos_id=BOS, eos_id=EOS, max_new_tokens=8, num_beams=K,
                                   length_penalty=lp, early_stopping="never", num_return_sequences=K)
         for b in range(3):
-            state = DecoderState(model, src[b : b + 1], mask[b : b + 1], 8)
+            state = OldDecoderState(model, src[b : b + 1], mask[b : b + 1], 8)
             with torch.no_grad():
                 first = state.step(torch.tensor([BOS]))
                 old = old_generic_beam_search(lambda tok, st: st.step(tok), first, state, num_beams=K,

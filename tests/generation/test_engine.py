@@ -4,7 +4,6 @@ at a time, Hugging Face ``generate()``, brute-force search, and ``bytes.decode``
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
@@ -13,9 +12,10 @@ from tinyformer.components.kv_cache import KVCache
 from tinyformer.config import ModelConfig
 from tinyformer.data.tokenizer import build_tokenizer
 from tinyformer.errors import GenerationError
-from tinyformer.generation.beam import beam_search
+from tinyformer.generation.engine import BatchEngine, EngineRow
 from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams
+from tinyformer.generation.streaming import TextState
 from tinyformer.generation.weight_layout import store_input_major
 from tinyformer.models.decoder import DecoderLM
 
@@ -449,28 +449,41 @@ def test_beam_logprobs_are_the_model_logprobs_of_the_sequence():
         assert beam.logprobs == pytest.approx(want.tolist(), abs=1e-9)
 
 
-def test_generic_beam_search_works_with_any_step_function():
-    """A hand-made 'model' (a fixed bigram table) with a cache that only records reorders: the beam
-    search needs nothing but step(tokens, cache) -> logits and cache.reorder(index)."""
-    table = torch.log_softmax(torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 5.0]]), -1)
+@torch.no_grad()
+def test_a_search_picks_its_rows_tokens_and_moves_their_cache_rows():
+    """BatchEngine._search: a scripted search's rows feed the tokens it picks after taking over the cache
+    rows it names; at every step the logits it is given are each row's own sequence recomputed without a
+    cache, and the engine steps until the search stops (its rows then end together)."""
+    model = random_lm()
+    prompt = [5, 6, 7]
+    script = [([1, 2, 3], [0, 0, 0]), ([4, 5, 6], None), ([7, 8, 9], [2, 0, 1]), ([1, 1, 1], [1, 1, 2])]
 
-    class RowCache:
+    class Scripted:
         def __init__(self) -> None:
-            self.rows = 1
+            self.seen: list[torch.Tensor] = []  # the logits of each step
 
-        def reorder(self, index: torch.Tensor) -> None:
-            self.rows = len(index)
+        def advance(self, logits):
+            self.seen.append(logits.clone())
+            if len(self.seen) > len(script):
+                return None
+            tokens, index = script[len(self.seen) - 1]
+            return torch.tensor(tokens), None if index is None else torch.tensor(index)
 
-    def step(tokens: torch.Tensor, cache: RowCache) -> torch.Tensor:
-        assert len(tokens) == cache.rows
-        return table[tokens]
-
-    # 9 = 3**2 beams keep every prefix, so the search is exhaustive over the 3**3 sequences
-    beams = beam_search(step, table[:1], RowCache(), num_beams=9, max_new_tokens=3, length_penalty=0.0,
-                        num_return_sequences=9)[0]
-    scores = {s: sum(table[a, b] for a, b in zip((0, *s), s)).item()
-              for s in itertools.product(range(3), repeat=3)}
-    want = max(scores, key=scores.get)
-    assert tuple(beams[0].token_ids) == want
-    assert beams[0].logprob == pytest.approx(scores[want])
-    assert not math.isinf(beams[-1].logprob)
+    search = Scripted()
+    engine = BatchEngine(model, max_batch=3, max_len=12)
+    params = SamplingParams(max_new_tokens=12)
+    rows = [EngineRow(prompt, params, TextState(lambda t: b""), search=search) for _ in range(3)]
+    engine.add_group(rows)
+    steps = list(engine.run())
+    assert len(steps) == len(script) + 1 and not engine.rows
+    assert all(o.finish_reason == "stop" for o in steps[-1]) and len(steps[-1]) == 3
+    # each row's sequence, by following the script's moves
+    seqs = [[] for _ in range(3)]
+    for logits, (tokens, index) in zip(search.seen, [([], None)] + script):
+        if index is not None:
+            seqs = [list(seqs[i]) for i in index]
+        seqs = [s + [t] for s, t in zip(seqs, tokens)] if tokens else seqs
+        for r in range(3):
+            want = model(torch.tensor([prompt + seqs[r]]))[0, -1]
+            assert torch.allclose(logits[r], want, atol=1e-9)
+    assert [r.token_ids for r in rows] == seqs

@@ -1,15 +1,14 @@
 """Beam search: the most probable continuations under a model that decodes one token per step.
 
-One search for every model type, run by one token loop (:func:`decode`; greedy search, ``num_beams=1``,
-runs on it too). The model-specific part is a callable and a state:
+One search for every model type, stepped by the one decode loop, the engine
+(:class:`~tinyformer.generation.engine.BatchEngine`): a search is the engine's way of picking tokens for
+its rows instead of sampling them. Each step it takes the next-token logits of its B*K rows and returns
 
-    step(tokens (N,), state) -> logits (N, V)     append one token to each of the N rows of ``state``
-    state.reorder(index (N',))                    keep rows ``index``, in that order (rows may repeat,
-                                                  and N' may differ from N)
+    tokens (B*K,), index (B*K,)       row i next feeds tokens[i], after taking over the cache row index[i]
 
-A decoder-only model steps its KV cache (:meth:`Generator.beam_search
-<tinyformer.generation.generator.Generator.beam_search>`); an encoder-decoder model steps its decoder
-against the encoder's memory (:func:`tinyformer.generation.seq2seq.beam_search`).
+(greedy search, ``num_beams=1``, never moves a row). A decoder-only model's rows are its prompt's
+(:meth:`Generator.beam_search <tinyformer.generation.generator.Generator.beam_search>`); an
+encoder-decoder's are its decoder's, against the encoder's memory (:func:`tinyformer.generation.seq2seq.beam_search`).
 
 Names, defaults and results are Hugging Face ``generate(num_beams=K, do_sample=False)``'s
 (transformers' vectorised beam search), so that the same arguments give the same hypotheses:
@@ -45,8 +44,8 @@ and at ``max_new_tokens`` in any case. ``num_beams=1`` is greedy decoding, as in
 whatever ``early_stopping`` says; the argmax is the top candidate, so the rules above give the same.
 The result of a row is its finished hypotheses, best score first, ``num_return_sequences`` of them.
 
-One difference from HF, on degenerate inputs only: HF starts with K copies of the prompt, all but
-one scored -1e9, and takes candidates from those copies when the first beam has fewer than
+One difference from HF, on degenerate inputs only: both start with K copies of the prompt, all but
+one scored -1e9 in HF, which takes candidates from those copies when the first beam has fewer than
 max(2, 1 + E) * K tokens to offer (a vocabulary smaller than 2K); here they score -inf and are
 never taken, so no hypothesis is ever a copy of another.
 """
@@ -54,9 +53,9 @@ never taken, so no hypothesis is ever a copy of another.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -69,10 +68,10 @@ __all__ = [
     "DEFAULT_LENGTH_PENALTY",
     "DEFAULT_NUM_RETURN_SEQUENCES",
     "BeamHypothesis",
-    "DecodeState",
+    "BeamSearch",
     "EarlyStopping",
-    "beam_search",
-    "decode",
+    "GreedySearch",
+    "new_search",
     "validate_beam_args",
 ]
 
@@ -124,142 +123,86 @@ def validate_beam_args(num_beams: object, length_penalty: object, early_stopping
                               f"got {num_return_sequences!r}")
 
 
-class DecodeState(Protocol):
-    """The rows a search steps: ``step(tokens (N,), state) -> logits (N, V)`` appends one token to each
-    row, and ``state.reorder(index (N',))`` keeps rows ``index``, in that order (rows may repeat)."""
-
-    def reorder(self, index: Tensor) -> None: ...
-
-
-Step = Callable[[Tensor, Any], Tensor]
-
-
-class _Search(Protocol):
-    def advance(self, logits: Tensor, t: int) -> tuple[Tensor, Tensor | None] | None: ...
-
-
-def decode(step: Step, logits: Tensor, state: Any, search: _Search, max_new_tokens: int) -> None:
-    """The one token loop of every search (greedy, beam; decoder-only and encoder-decoder)::
-
-        for t = 0 .. max_new_tokens - 1:
-            tokens, index = search.advance(logits_t, t)      or stop: the search has what it needs
-            stop after the last token (its logits would go unused)
-            state.reorder(index)                             (index None: every row stays where it is)
-            logits_{t+1} = step(tokens, state)
-
-    ``logits`` are the next-token logits of ``state``'s rows after their prompts; the search records
-    what it chose at every ``advance``, and ends at ``max_new_tokens`` tokens whatever it returns.
-    """
-    for t in range(max_new_tokens):
-        picked = search.advance(logits, t)
-        if picked is None or t + 1 == max_new_tokens:
-            return
-        tokens, index = picked
-        if index is not None:
-            state.reorder(index)
-        logits = step(tokens, state)
-
-
-@torch.no_grad()
-def beam_search(
-    step: Step,
-    logits: Tensor,
-    state: Any,
-    *,
-    num_beams: int,
-    max_new_tokens: int,
-    eos_token_ids: Sequence[int] = (),
-    length_penalty: float = DEFAULT_LENGTH_PENALTY,
-    early_stopping: EarlyStopping = DEFAULT_EARLY_STOPPING,
-    num_return_sequences: int = DEFAULT_NUM_RETURN_SEQUENCES,
-) -> list[list[BeamHypothesis]]:
-    """Beam search for B source rows at once (see the module docstring for the rules); ``num_beams=1`` is
-    greedy search, each row's argmax (:func:`~tinyformer.generation.sampling.sample`'s greedy case).
-
-    Args:
-        step: ``step(tokens (B*K,), state) -> logits (B*K, V)``, rows grouped by source (row b*K + j is
-            beam j of source b).
-        logits: ``(B, V)`` next-token logits after each source's prompt; ``state`` holds those B rows.
-        state: per-row model state with ``reorder(index)`` (:class:`DecodeState`); the first reorder takes
-            it from B rows to B*K, every later one keeps B*K rows (a beam never moves to another source).
-            Greedy search never reorders.
-        num_beams: K, the hypotheses kept per source and step.
-        max_new_tokens: the most tokens a hypothesis has (0 gives no hypotheses).
-        eos_token_ids: tokens that end a hypothesis.
-        length_penalty, early_stopping, num_return_sequences: as in HF ``generate``.
-
-    Returns, per source row, its best ``num_return_sequences`` hypotheses, best score first. The
-    log-probabilities are computed in float32 (float64 when ``logits`` are float64).
-    """
-    validate_beam_args(num_beams, length_penalty, early_stopping, num_return_sequences)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise GenerationError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
-    if max_new_tokens == 0:
-        return [[] for _ in range(logits.shape[0])]
-    ends = torch.tensor(sorted({int(t) for t in eos_token_ids}), dtype=torch.long, device=logits.device)
-    search: _Greedy | _Beams
+def new_search(sources: int, num_beams: int, max_new_tokens: int, eos_token_ids: Sequence[int] = (),
+               length_penalty: float = DEFAULT_LENGTH_PENALTY,
+               early_stopping: EarlyStopping = DEFAULT_EARLY_STOPPING) -> GreedySearch | BeamSearch:
+    """The search of ``sources`` source rows (the module docstring gives the rules), for the engine to step
+    (:class:`~tinyformer.generation.engine.EngineRow`'s ``search``): its B*K rows, row b*K + j beam j of
+    source b, all start from their source's prompt. Each step ``advance(logits (B*K, V))`` returns the rows'
+    next tokens (B*K,) and the row each extends (B*K,) (None: every row extends itself), or None when the
+    search is over (at ``max_new_tokens``, at least 1, or once every source has its hypotheses); then
+    ``results(n)`` gives each source's best ``n`` (``num_return_sequences``) hypotheses, best score first.
+    ``num_beams=1`` is greedy search. Log-probabilities are computed in float32 (float64 for float64 logits)."""
+    validate_beam_args(num_beams, length_penalty, early_stopping, 1)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    ends = sorted({int(t) for t in eos_token_ids})
     if num_beams == 1:  # greedy, as HF generate decodes num_beams=1
-        search = _Greedy(logits, ends)
-    else:
-        search = _Beams(logits, num_beams, max_new_tokens, ends, length_penalty, early_stopping)
-    decode(step, logits, state, search, max_new_tokens)
-    return search.results(length_penalty, num_return_sequences)
+        return GreedySearch(max_new_tokens, ends, length_penalty)
+    return BeamSearch(sources, num_beams, max_new_tokens, ends, length_penalty, early_stopping)
 
 
-class _Greedy:
+class GreedySearch:
     """Greedy search: every row takes its argmax (``sample`` with the greedy sampler) until it emits an
     end token; the search stops when every row has, or at ``max_new_tokens``. Log-probabilities and
     scores are computed as the beam search computes them (log-softmax in float32 or float64, summed step
     by step), so that a search of one beam gives what a beam search of one beam would."""
 
-    def __init__(self, logits: Tensor, ends: Tensor) -> None:
-        self.ends = ends
-        self.dtype = torch.promote_types(logits.dtype, torch.float32)
+    def __init__(self, max_new_tokens: int, ends: list[int], length_penalty: float) -> None:
+        self.T, self.ends, self.length_penalty = max_new_tokens, ends, length_penalty
         self.tokens: list[Tensor] = []  # (B,) per step
         self.logprobs: list[Tensor] = []
-        self.done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        self.done: Tensor | None = None  # (B,) bool: the rows that have emitted an end token
 
-    def advance(self, logits: Tensor, t: int) -> tuple[Tensor, None] | None:
+    def advance(self, logits: Tensor) -> tuple[Tensor, None] | None:
         token = sample(logits, GREEDY, want_logprobs=False)[0]
         self.tokens.append(token)
-        self.logprobs.append(torch.log_softmax(logits.to(self.dtype), dim=-1).gather(1, token[:, None])[:, 0])
-        if len(self.ends):
-            self.done |= torch.isin(token, self.ends)
-        if bool(self.done.all()):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        self.logprobs.append(torch.log_softmax(logits.to(dtype), dim=-1).gather(1, token[:, None])[:, 0])
+        if self.done is None:
+            self.done = torch.zeros_like(token, dtype=torch.bool)
+        if self.ends:
+            self.done |= torch.isin(token, token.new_tensor(self.ends))
+        if len(self.tokens) == self.T or bool(self.done.all()):
             return None
         return token, None
 
-    def results(self, length_penalty: float, num_return_sequences: int) -> list[list[BeamHypothesis]]:
-        ends = set(self.ends.tolist())
+    def results(self, num_return_sequences: int = 1) -> list[list[BeamHypothesis]]:
+        ends = set(self.ends)
         lps = torch.stack(self.logprobs, dim=1)  # (B, steps)
         ids = torch.stack(self.tokens, dim=1).tolist()
         lengths = [next((i + 1 for i, y in enumerate(row) if y in ends), len(row)) for row in ids]  # to its end
         # the running total, added step by step as the beam search adds it, at each row's last token
         totals = lps.cumsum(dim=1).gather(1, torch.tensor(lengths, device=lps.device)[:, None] - 1)[:, 0]
-        divisors = torch.tensor([n**length_penalty for n in lengths], dtype=torch.float64, device=lps.device)
+        divisors = torch.tensor([n**self.length_penalty for n in lengths], dtype=torch.float64, device=lps.device)
         scores = totals / divisors.to(totals.dtype)
         return [[BeamHypothesis(row[:n], lp[:n], total, score, "stop" if row[n - 1] in ends else "length")]
                 for row, lp, n, total, score in zip(ids, lps.tolist(), lengths, totals.tolist(), scores.tolist())]
 
 
-class _Beams:
-    """The beam search of the module docstring, one step per :meth:`advance` for B sources at once."""
+class BeamSearch:
+    """The beam search of the module docstring, one step per :meth:`advance` for B sources of K rows each.
+    Before the first step the K rows of a source hold the same prompt; beam 0 stands for it and the others
+    score -inf (they are never extended)."""
 
-    def __init__(self, logits: Tensor, num_beams: int, max_new_tokens: int, ends: Tensor, length_penalty: float,
+    def __init__(self, sources: int, num_beams: int, max_new_tokens: int, ends: list[int], length_penalty: float,
                  early_stopping: EarlyStopping) -> None:
-        B, device = logits.shape[0], logits.device
-        K, T = num_beams, max_new_tokens
-        self.B, self.K, self.T, self.ends = B, K, T, ends
+        self.B, self.K, self.T, self.ends = sources, num_beams, max_new_tokens, ends
         self.length_penalty, self.early_stopping = length_penalty, early_stopping
+        self.width = max(2, 1 + len(ends)) * num_beams  # candidates kept per step, as in HF
+        self.n = 0  # tokens per hypothesis so far
+
+    def _start(self, logits: Tensor) -> None:
+        """The empty hypotheses, in the dtype and on the device of the first logits."""
+        B, K, T, device = self.B, self.K, self.T, logits.device
         self.dtype = dtype = torch.promote_types(logits.dtype, torch.float32)
-        self.width = max(2, 1 + len(ends)) * K  # candidates kept per step, as in HF
+        self.end_ids = torch.tensor(self.ends, dtype=torch.long, device=device)
         self.rows = torch.arange(B, device=device)[:, None]
-        # open hypotheses: R per source (1 before the first step, K after)
-        self.scores = torch.zeros(B, 1, dtype=dtype, device=device)  # total log-prob
-        self.seqs = torch.zeros(B, 1, 0, dtype=torch.long, device=device)
-        self.seq_lps = torch.zeros(B, 1, 0, dtype=dtype, device=device)
+        # open hypotheses, K per source: total log-prob, tokens and their log-probs
+        self.scores = torch.full((B, K), _NEG_INF, dtype=dtype, device=device)
+        self.scores[:, 0] = 0.0
+        self.seqs = torch.zeros(B, K, 0, dtype=torch.long, device=device)
+        self.seq_lps = torch.zeros(B, K, 0, dtype=dtype, device=device)
         # finished hypotheses: K slots per source, best first; score -inf marks an empty slot
         self.fin_scores = torch.full((B, K), _NEG_INF, dtype=dtype, device=device)
         self.fin_totals = torch.full((B, K), _NEG_INF, dtype=dtype, device=device)
@@ -269,21 +212,22 @@ class _Beams:
         self.fin_ended = torch.zeros(B, K, dtype=torch.bool, device=device)
         self.improvable = torch.ones(B, dtype=torch.bool, device=device)  # may a row still take finished ones
 
-    def advance(self, logits: Tensor, t: int) -> tuple[Tensor, Tensor] | None:
-        """Rank the candidates of step ``t``: the next tokens of the open beams and the rows they extend
+    def advance(self, logits: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Rank the candidates of the next step: the next tokens of the open beams and the rows they extend
         (indices into the rows ``logits`` came from), or None when the search is over."""
+        if self.n == 0:
+            self._start(logits)
         B, K, T, V, rows = self.B, self.K, self.T, logits.shape[-1], self.rows
         length_penalty, early_stopping = self.length_penalty, self.early_stopping
-        n = t + 1  # the candidates' length
-        R = self.scores.shape[1]
-        logp = torch.log_softmax(logits.to(self.dtype), dim=-1).view(B, R, V)
-        cand = (self.scores[:, :, None] + logp).view(B, R * V)
-        C = min(self.width, R * V)
+        self.n = n = self.n + 1  # the candidates' length
+        logp = torch.log_softmax(logits.to(self.dtype), dim=-1).view(B, K, V)
+        cand = (self.scores[:, :, None] + logp).view(B, K * V)
+        C = min(self.width, K * V)  # >= K: the width is at least 2K
         top_scores, top_index = cand.topk(C, dim=-1)  # (B, C), best first
         beam, token = top_index // V, top_index % V
         token_lp = logp[rows, beam, token]
         valid = top_scores > _NEG_INF
-        ended = torch.isin(token, self.ends) if len(self.ends) else torch.zeros_like(valid)
+        ended = torch.isin(token, self.end_ids) if self.ends else torch.zeros_like(valid)
         finishes = ended | (n == T)  # at the length limit every candidate finishes
 
         # 2. the finished candidates among the first K join the finished slots (if the row takes them)
@@ -308,12 +252,6 @@ class _Beams:
 
         # 3. the best K candidates that did not finish stay open
         open_scores = top_scores.masked_fill(finishes, _NEG_INF)
-        if C < K:  # a vocabulary smaller than the beam: the missing beams are dead (-inf)
-            open_scores = torch.nn.functional.pad(open_scores, (0, K - C), value=_NEG_INF)
-            beam = torch.nn.functional.pad(beam, (0, K - C))
-            token = torch.nn.functional.pad(token, (0, K - C))
-            cand_seqs = torch.nn.functional.pad(cand_seqs, (0, 0, 0, K - C))
-            cand_lps = torch.nn.functional.pad(cand_lps, (0, 0, 0, K - C))
         scores, chosen = open_scores.topk(K, dim=-1)  # best first
         beam, token = beam.gather(1, chosen), token.gather(1, chosen)
         self.scores = scores
@@ -330,9 +268,9 @@ class _Beams:
         self.improvable &= scores[:, 0] > _NEG_INF  # no open hypothesis left
         if not bool((self.improvable & ~(full & (early_stopping is True))).any()):
             return None
-        return token.view(-1), (rows * R + beam).view(-1)
+        return token.view(-1), (rows * K + beam).view(-1)
 
-    def results(self, length_penalty: float, num_return_sequences: int) -> list[list[BeamHypothesis]]:
+    def results(self, num_return_sequences: int = 1) -> list[list[BeamHypothesis]]:
         out: list[list[BeamHypothesis]] = []
         for b in range(self.B):
             hyps = []

@@ -35,6 +35,11 @@ other step returns logits, and all its rows are sampled in one :func:`~tinyforme
 call, each with its own parameters. On CPU the model's linear weights
 are then stored input-major (:func:`~tinyformer.generation.weight_layout.store_input_major`).
 
+Rows that carry a :class:`RowSearch` (beam search, greedy search: ``generation/beam.py``, for decoder-only
+and encoder-decoder models alike) take their tokens from it instead of the sampler: given the logits of all
+its rows, it picks each row's token and the row it continues, whose cache row (and tokens) the row then
+takes over; its rows end together, when it says so.
+
 A row ends on an end token or stop string (:class:`~tinyformer.generation.streaming.TextState`),
 after ``max_new_tokens``, or when its cache row is full: ``context_policy="slide"`` then keeps its
 last ``slide_keep`` tokens and prefills them again at positions 0 .. (positions stay inside the
@@ -45,15 +50,15 @@ LongRoPE models decode row by row, since their rotary tables depend on each row'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from tinyformer.components.kv_cache import KVCache
-from tinyformer.errors import ConfigError, GenerationError, non_finite_message
+from tinyformer.errors import ConfigError, GenerationError, NonFiniteOutputError, non_finite_message
 from tinyformer.generation.constraint import Matcher, allowed_tokens, draft_masks
 from tinyformer.generation.prefix_cache import PrefixCache, PrefixHit
 from tinyformer.generation.sampling import (
@@ -76,7 +81,7 @@ from tinyformer.generation.speculative import (
 from tinyformer.generation.streaming import TextState
 from tinyformer.generation.weight_layout import store_input_major
 
-__all__ = ["BatchEngine", "CompiledStep", "EngineRow", "RowOutput", "TokenInfo", "new_prefix_cache"]
+__all__ = ["BatchEngine", "CompiledStep", "EngineRow", "RowOutput", "RowSearch", "TokenInfo", "new_prefix_cache"]
 
 CONTEXT_POLICIES = ("error", "slide")
 
@@ -103,6 +108,13 @@ class RowOutput:
     error: str | None = None
 
 
+class RowSearch(Protocol):
+    """Picks the next tokens of its N rows together (beam search): from their logits (N, V), the tokens (N,)
+    and the row each continues (N,) (None: each its own), or None when the search is over."""
+
+    def advance(self, logits: Tensor) -> tuple[Tensor, Tensor | None] | None: ...
+
+
 class EngineRow:
     """One sequence: its prompt, sampling parameters, text state, and where it stands in the cache.
 
@@ -118,13 +130,16 @@ class EngineRow:
     ``constraint``: the row's own :class:`~tinyformer.generation.constraint.Matcher` (its place in the
     language of ``params.constraint``): each token is drawn from the tokens it allows and advances it, an
     end token only once the output is complete, and the row ends ("stop") when nothing can follow.
+    ``search``: a :class:`RowSearch` (beam search, ``generation/beam.py``) that picks this row's tokens, and
+    those of the other rows it holds, instead of the sampler; its rows sit in neighbouring slots, in its order.
     """
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, text: TextState, *,
                  want_logprobs: bool = True, top_logprobs: int = 0, tag: Any = None,
                  speculative: SpeculativeConfig | None = None, constraint: Matcher | None = None,
-                 sampled_logprobs: bool = False) -> None:
+                 sampled_logprobs: bool = False, search: RowSearch | None = None) -> None:
         self.prompt_ids = list(prompt_ids)
+        self.search = search
         self.speculative = None if speculative is None else speculative.validate()
         self.drafts: RowDrafts | None = None
         self.params = params
@@ -388,6 +403,19 @@ class BatchEngine:
             self.moves += 1
 
     # ------------------------------------------------------------------ one step
+    def run(self) -> Iterator[list[RowOutput]]:
+        """Step until no row is left: yields each step's outputs, then removes the rows that finished in it.
+        A row that failed raises :class:`NonFiniteOutputError` with its error (rows still held then stay)."""
+        while self.rows:
+            outs = self.step()
+            for o in outs:
+                if o.error is not None:
+                    raise NonFiniteOutputError(o.error)
+            yield outs
+            for o in outs:
+                if o.finish_reason is not None:
+                    self.remove(o.row)
+
     def step(self) -> list[RowOutput]:
         """One decode step for the decoding rows, then one prefill round for the prefilling ones."""
         out: list[RowOutput] = []
@@ -446,7 +474,7 @@ class BatchEngine:
         dev = self.device
         if self.per_row:
             logits = torch.cat([self._forward_row(r, r.pending) for r in rows])
-            return self._sample(logits, rows)
+            return self._pick(logits, rows)
         n = max(r.slot for r in rows) + 1
         if self.max_draft_tokens:
             drafts = self._propose(rows, n)
@@ -500,7 +528,7 @@ class BatchEngine:
         assert logits is not None
         if len(rows) != n or any(r.slot != i for i, r in enumerate(rows)):
             logits = logits[index]
-        return self._sample(logits, rows)
+        return self._pick(logits, rows)
 
     # ------------------------------------------------------------------ speculative decoding
     def _propose(self, rows: list[EngineRow], n: int) -> dict[int, list[int]]:
@@ -671,7 +699,7 @@ class BatchEngine:
                     r.prefilling = False
                     done.append(r)
                     logits.append(out[i : i + 1])
-        return self._sample(torch.cat(logits), done) if done else []
+        return self._pick(torch.cat(logits), done) if done else []
 
     def _forward_rows(self, group: list[EngineRow], feeds: list[list[int]]) -> Tensor:
         """Feed ``feeds[i]`` to the rows of ``group`` (neighbouring slots, same position), right padded:
@@ -693,6 +721,58 @@ class BatchEngine:
         return logits
 
     # ------------------------------------------------------------------ sampling
+    def _pick(self, logits: Tensor, rows: list[EngineRow]) -> list[RowOutput]:
+        """The next token of each row of ``logits`` (A, V): the rows of a search from their search
+        (:meth:`_search`), the others sampled (:meth:`_sample`)."""
+        if all(r.search is None for r in rows):
+            return self._sample(logits, rows)
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            groups.setdefault(id(r.search), []).append(i)
+        out: list[RowOutput] = []
+        for idx in groups.values():
+            if rows[idx[0]].search is not None:  # a search's rows in its order, which is their slots'
+                idx.sort(key=lambda i: rows[i].slot)
+            part = [rows[i] for i in idx]
+            x = logits if idx == list(range(len(rows))) else logits[torch.tensor(idx, device=logits.device)]
+            out += self._sample(x, part) if part[0].search is None else self._search(x, part)
+        return out
+
+    def _search(self, logits: Tensor, rows: list[EngineRow]) -> list[RowOutput]:
+        """One step of the search of ``rows`` (all of its rows, in its order, at one position): each row
+        takes over the cache row and the tokens of the row its next token continues, and feeds that token
+        next. The rows end together, when the search is over; the caller reads the hypotheses from it."""
+        # the prompt's logits are checked, as a search's log-softmax would turn NaN into any token; a later
+        # step's check would cost as much as the log-softmax itself
+        if not rows[0].token_ids and not bool(torch.isfinite(logits).all()):
+            message = non_finite_message(f"for generated token {len(rows[0].token_ids) + 1}")
+            return self._sample_but(logits, rows, [True] * len(rows), lambda r: message)
+        picked = rows[0].search.advance(logits)
+        if picked is None:
+            for r in rows:
+                r.finish_reason = "stop"
+            return [RowOutput(r, None, "", "stop") for r in rows]
+        tokens, index = picked
+        if index is not None:
+            lo, hi = rows[0].slot, rows[-1].slot + 1
+            if hi - lo != len(rows):
+                raise RuntimeError("the rows of a search must sit in neighbouring slots")
+            # the filled positions of each row (a ring: all its slots, at the same places in every row)
+            n = rows[0].pos if self.cache.indexed_by_position else None
+            moved = index.to(self.device)
+            for k, v in self.cache.layers:
+                for x in (k, v):
+                    x[lo:hi, :, :n].copy_(x[lo:hi, :, :n].index_select(0, moved))
+            history = [rows[i].token_ids for i in index.tolist()]
+            for r, h in zip(rows, history):
+                r.token_ids = list(h)
+        out = []
+        for r, tok in zip(rows, tokens.tolist()):
+            r.token_ids.append(tok)
+            r.pending = [tok]
+            out.append(RowOutput(r, TokenInfo(tok, None), ""))
+        return out
+
     def _sample(self, logits: Tensor, rows: list[EngineRow]) -> list[RowOutput]:
         """One token per row of ``logits`` (A, V), with each row's own parameters, in one :func:`sample` call
         (rows with equal sampler keys share their processors; a seeded row draws from its own generator, so

@@ -24,9 +24,9 @@ is full it keeps the row's last ``slide_keep`` tokens and prefills them again (p
 so they stay inside the trained range).
 
 Every token is chosen by :func:`tinyformer.generation.sampling.sample` (greedy is its temperature-0
-case). Beam search (``Generator.beam_search``) is :func:`tinyformer.generation.beam.beam_search`, the one
-search shared with encoder-decoder models, run by the one token loop of the searches
-(:func:`tinyformer.generation.beam.decode`) stepping the KV cache; ``num_beams=1`` is greedy search.
+case). Beam search (``Generator.beam_search``) runs on the same engine: its rows' tokens are picked by
+the search of :mod:`tinyformer.generation.beam` (the one shared with encoder-decoder models) instead of
+sampled; ``num_beams=1`` is greedy search.
 """
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from tinyformer.errors import GenerationError, NonFiniteOutputError, TinyformerError, non_finite_message
+from tinyformer.errors import GenerationError, TinyformerError
 from tinyformer.generation.beam import (
     DEFAULT_EARLY_STOPPING,
     DEFAULT_LENGTH_PENALTY,
     DEFAULT_NUM_RETURN_SEQUENCES,
     EarlyStopping,
-    beam_search,
+    new_search,
     validate_beam_args,
 )
 from tinyformer.generation.constraint import Matcher, TokenVocabulary
@@ -172,15 +172,6 @@ def check_draft(model: nn.Module, tokenizer: Any, draft: nn.Module, draft_tokeni
         raise GenerationError("a draft model with dynamic-NTK or LongRoPE positions is not supported")
     if tokenizer is not None or draft_tokenizer is not None:
         check_same_tokenizer(tokenizer, draft_tokenizer)
-
-
-def check_finite(logits: Tensor, index: int) -> Tensor:
-    """``logits`` unchanged when every value is finite; else NonFiniteOutputError. NaN logits would
-    otherwise sample token 0 or nothing at all, and inf ones an arbitrary token, silently. One reduction
-    over (B, V) per step, small beside the forward pass that produced them."""
-    if not bool(torch.isfinite(logits).all()):
-        raise NonFiniteOutputError(non_finite_message(f"for generated token {index + 1}"))
-    return logits
 
 
 # ------------------------------------------------------------------------------------------------
@@ -376,17 +367,15 @@ class Generator:
         ends = set(int(t) for t in stop_token_ids)
         if self.eos_token_id is not None:
             ends.add(self.eos_token_id)
-        with torch.inference_mode():
-            cache = self.model.new_cache(1, len(ids) + max_new_tokens)
-            x = torch.tensor([ids], device=self.device)
-            logits = check_finite(self.model(x, cache=cache, last_only=True)[:, -1], 0)
-
-            def step(tokens: Tensor, cache: Any) -> Tensor:
-                return self.model(tokens[:, None], cache=cache)[:, -1]
-
-            hyps = beam_search(step, logits, cache, num_beams=num_beams, max_new_tokens=max_new_tokens,
-                               eos_token_ids=sorted(ends), length_penalty=length_penalty,
-                               early_stopping=early_stopping, num_return_sequences=num_return_sequences)[0]
+        if max_new_tokens == 0:
+            return []
+        # K rows of the prompt, prefilled once (BatchEngine.add_group), whose tokens the search picks
+        search = new_search(1, num_beams, max_new_tokens, sorted(ends), length_penalty, early_stopping)
+        params = SamplingParams(max_new_tokens=max_new_tokens)
+        rows = [EngineRow(ids, params, TextState(self.token_bytes, ends), search=search) for _ in range(num_beams)]
+        for _ in self._decode(rows):
+            pass
+        hyps = search.results(num_return_sequences)[0]
         results = []
         for hyp in hyps:
             text = b"".join(self.token_bytes(i) for i in hyp.output_ids).decode("utf-8", errors="replace")
@@ -479,15 +468,10 @@ class Generator:
             # rows still held when decoding stops early (an error, a stream left unfinished) release their
             # prefix-cache blocks
             stack.callback(lambda: [engine.remove(r) for r in list(engine.rows)])
-            while engine.rows:
-                outs = engine.step()
+            for outs in engine.run():
                 deltas = [""] * len(rows)
                 for o in outs:
-                    if o.error is not None:
-                        raise NonFiniteOutputError(o.error)
                     deltas[index[id(o.row)]] = o.text
-                    if o.finish_reason is not None:
-                        engine.remove(o.row)
                 n = max(len(r.token_ids) for r in rows)
                 if self.timings.completion_tokens == 0:
                     prefilled = time.perf_counter()

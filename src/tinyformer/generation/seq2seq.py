@@ -1,32 +1,38 @@
 """Decoding an encoder-decoder model: greedy search and beam search.
 
 Both run the encoder once, project each decoder layer's cross-attention K/V once (``cross_kv``),
-and feed the decoder one token per step through its self-attention KV cache, starting from BOS:
+and hand the decoder to the one decode loop, the engine (:class:`~tinyformer.generation.engine.BatchEngine`),
+as a decoder-only model over fixed sources (:class:`SourceDecoder`): its rows start from BOS and feed one
+token per step through the decoder's self-attention KV cache,
 
-    step(y_t) = lm_head(decoder(y_t | self-attention cache, cross K/V of the source))   (N, V)
+    logits(y_t) = lm_head(decoder(y_t | self-attention cache, cross K/V of the row's source))   (N, V)
 
 Greedy:  y_t = argmax_v log p(v | y_<t, x), until EOS or ``max_new_tokens``.
 
-Both are :func:`tinyformer.generation.beam.beam_search` over this step (the one search shared with
-decoder-only models, run by the one token loop :func:`tinyformer.generation.beam.decode`: HF
-``generate(num_beams=...)``'s rules, names and defaults); greedy is its ``num_beams=1`` case, which
-takes each row's argmax through the sampler (:func:`tinyformer.generation.sampling.sample`).
+The engine's rows take their tokens from the search of :mod:`tinyformer.generation.beam` (the one shared
+with decoder-only models: HF ``generate(num_beams=...)``'s rules, names and defaults); greedy is its
+``num_beams=1`` case, which takes each row's argmax through the sampler
+(:func:`tinyformer.generation.sampling.sample`).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from tinyformer.errors import GenerationError
-from tinyformer.generation import beam
 from tinyformer.generation.beam import (
     DEFAULT_EARLY_STOPPING,
     DEFAULT_LENGTH_PENALTY,
     DEFAULT_NUM_RETURN_SEQUENCES,
     BeamHypothesis,
     EarlyStopping,
+    new_search,
+    validate_beam_args,
 )
+from tinyformer.generation.engine import BatchEngine, EngineRow
+from tinyformer.generation.sampling import SamplingParams
+from tinyformer.generation.streaming import TextState
 
 
 def _check(model, max_new_tokens: int) -> None:
@@ -37,34 +43,23 @@ def _check(model, max_new_tokens: int) -> None:
                               f"(max_seq_len={model.cfg.max_seq_len})")
 
 
-class DecoderState:
-    """What the decoder needs per row besides the token: its self-attention cache, the cross-attention
-    K/V of the row's source and the source's padding mask.
+class SourceDecoder(nn.Module):
+    """The decoder of an encoder-decoder over N fixed source rows, called as a decoder-only model is:
+    ``self(ids (N, T), cache=...)`` -> logits (N, T, V), row n attending to the cross-attention K/V of
+    source row n (``cross``: each layer's (k, v), (N, H, S, d_head)) under its padding mask ``src_mask``
+    (N, S). The engine that steps it holds exactly these N rows and feeds them all together, and the same
+number of tokens to each (so it never asks for ``hidden_states``)."""
 
-    ``reorder(index)`` keeps rows ``index``. The beam search only ever reorders rows within a source's
-    block (after the first reorder, from B sources to B*K beams), so the cross K/V and the mask, which
-    depend on the source alone, are gathered only when the row count changes.
-    """
+    def __init__(self, model: nn.Module, cross: list[tuple[Tensor, Tensor]], src_mask: Tensor | None) -> None:
+        super().__init__()
+        self.model, self.cfg, self.cross, self.src_mask = model, model.cfg, cross, src_mask
 
-    def __init__(self, model, src_ids: Tensor, src_mask: Tensor | None, max_new_tokens: int) -> None:
-        self.model = model
-        self.cross = model.cross_kv(model.encode(src_ids, src_mask))
-        self.mask = src_mask
-        self.cache = model.new_cache(src_ids.shape[0], max_new_tokens)
+    def new_cache(self, batch_size: int, max_len: int | None = None, spare_slots: int = 0):
+        return self.model.new_cache(batch_size, max_len)
 
-    def reorder(self, index: Tensor) -> None:
-        if index.numel() != self.cache.batch_size:
-            self.cross = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross]
-            self.mask = self.mask.index_select(0, index) if self.mask is not None else None
-        self.cache.reorder(index)
-
-    def step(self, tokens: Tensor) -> Tensor:
-        """Feed one token per row (N,): next-token logits (N, V)."""
-        return self.model.lm_head(self.model.decode(tokens[:, None], self.cross, self.mask, self.cache))[:, -1]
-
-
-def _step(tokens: Tensor, state: DecoderState) -> Tensor:
-    return state.step(tokens)
+    def forward(self, input_ids: Tensor, *, cache, last_only: bool = False) -> Tensor:
+        h = self.model.decode(input_ids, self.cross, self.src_mask, cache)  # (N, T, d)
+        return self.model.lm_head(h[:, -1:] if last_only else h)
 
 
 @torch.no_grad()
@@ -85,9 +80,18 @@ def beam_search(model, src_ids: Tensor, src_mask: Tensor | None = None, *, bos_i
     :mod:`tinyformer.generation.beam` for the rules and the score). ``BeamHypothesis.output_ids`` is a
     hypothesis without its EOS."""
     _check(model, max_new_tokens)
-    beam.validate_beam_args(num_beams, length_penalty, early_stopping, num_return_sequences)
-    state = DecoderState(model, src_ids, src_mask, max_new_tokens)
-    bos = torch.full((src_ids.shape[0],), bos_id, dtype=torch.long, device=src_ids.device)
-    return beam.beam_search(_step, state.step(bos), state, num_beams=num_beams, max_new_tokens=max_new_tokens,
-                            eos_token_ids=[eos_id], length_penalty=length_penalty, early_stopping=early_stopping,
-                            num_return_sequences=num_return_sequences)
+    validate_beam_args(num_beams, length_penalty, early_stopping, num_return_sequences)
+    B, K = src_ids.shape[0], num_beams
+    search = new_search(B, K, max_new_tokens, [eos_id], length_penalty, early_stopping)
+    # rows b*K .. b*K + K - 1 are source b's beams: they share its cross K/V and its mask, which a beam
+    # search's moves (always within a source's rows) leave in place
+    memory = model.encode(src_ids, src_mask)
+    cross = [(k.repeat_interleave(K, 0), v.repeat_interleave(K, 0)) for k, v in model.cross_kv(memory)]
+    mask = src_mask.repeat_interleave(K, 0) if src_mask is not None else None
+    engine = BatchEngine(SourceDecoder(model, cross, mask), max_batch=B * K, max_len=max_new_tokens)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    for _ in range(B * K):
+        engine.add(EngineRow([bos_id], params, TextState(lambda token: b""), search=search))
+    for _ in engine.run():
+        pass
+    return search.results(num_return_sequences)

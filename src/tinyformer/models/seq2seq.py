@@ -30,7 +30,7 @@ from tinyformer.components.attention import SelfAttention
 from tinyformer.components.block import Block, build_ffn
 from tinyformer.components.cross_attention import CrossAttention, source_padding_mask
 from tinyformer.components.initialization import init_weights
-from tinyformer.components.kv_cache import WHOLE_SEQUENCE, KVCache, Step
+from tinyformer.components.kv_cache import WHOLE_SEQUENCE, KVCache, RowCalls, Step
 from tinyformer.components.norm import build_norm
 from tinyformer.components.positions import LearnedPositions, SinusoidalPositions
 from tinyformer.components.rope import RotaryEmbedding
@@ -104,16 +104,19 @@ class Seq2SeqModel(nn.Module):
 
     # ------------------------------------------------------------------ embeddings
     def _embed(self, ids: torch.Tensor, table: nn.Embedding, positions: nn.Module | None, norm: nn.Module | None,
-               start: int = 0) -> torch.Tensor:
+               pos: torch.Tensor | None = None) -> torch.Tensor:
+        """ids (B, T) -> (B, T, d); ``pos`` the tokens' positions (B|1, T), by default 0 .. T - 1."""
         T = ids.shape[1]
-        if start + T > self.cfg.max_seq_len:
-            raise GenerationError(f"position {start + T - 1} is beyond the model's context "
-                                  f"(max_seq_len={self.cfg.max_seq_len})")
+        if pos is None:
+            if T > self.cfg.max_seq_len:
+                raise GenerationError(f"position {T - 1} is beyond the model's context "
+                                      f"(max_seq_len={self.cfg.max_seq_len})")
+            pos = torch.arange(T, device=ids.device)[None]  # (1, T)
         x = table(ids)
         if self.emb_scale != 1.0:
             x = x * self.emb_scale
         if positions is not None:
-            x = x + positions(torch.arange(start, start + T, device=ids.device))
+            x = positions.add_to(x, pos)
         if norm is not None:
             x = norm(x)
         return self.emb_drop(x)
@@ -136,14 +139,16 @@ class Seq2SeqModel(nn.Module):
 
     # ------------------------------------------------------------------ decoder
     def decode(self, tgt_ids: torch.Tensor, cross: CrossKV, src_mask: torch.Tensor | None = None,
-               cache: KVCache | None = None) -> torch.Tensor:
+               cache: KVCache | RowCalls | None = None) -> torch.Tensor:
         """Target ids (B, T) -> decoder hidden states (B, T, d), attending to the source through
-        ``cross`` (from ``cross_kv``). With a ``cache``, the T tokens continue what it holds."""
-        T = tgt_ids.shape[1]
-        start = cache.length if cache is not None else 0
-        x = self._embed(tgt_ids, self.tok_emb, self.pos_emb, self.emb_norm, start)
+        ``cross`` (from ``cross_kv``). With a ``cache``, the T tokens continue what it holds (``cache.at``:
+        row b from its own position, as the engine feeds rows)."""
         step = cache.begin(tgt_ids) if cache is not None else Step.whole()  # the cache checks its room
-        step.rope = [self.rope(start, T) if self.rope is not None else None] * len(self.decoder)
+        x = self._embed(tgt_ids, self.tok_emb, self.pos_emb, self.emb_norm, step.positions)
+        if step.positions is None:  # no cache: positions 0 .. T - 1
+            step.positions = torch.arange(tgt_ids.shape[1], device=tgt_ids.device)[None]  # (1, T)
+        step.rope = [self.rope.tables(step.positions, step.seen) if self.rope is not None else None] \
+            * len(self.decoder)
         mask = source_padding_mask(src_mask)
         for i, block in enumerate(self.decoder):
             x = block(x, cross[i], mask, step)
