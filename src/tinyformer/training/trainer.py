@@ -360,30 +360,8 @@ class Trainer:
                 if self.stop_request:
                     interrupted = self._stop_and_save()
                     break
-                t0 = time.perf_counter()
-                loss, grad_norm, tokens = self.train_step()
-                win.add(loss, tokens, time.perf_counter() - t0)
-                pbar.update(1)
+                self.advance(pbar)
                 last = self.step == cfg.max_steps
-                if self.step % cfg.log_interval == 0 or last:
-                    tps = win.tokens / win.seconds if win.seconds > 0 else 0.0
-                    flops = tps * self.flops_per_token if self.flops_per_token else None
-                    record = {"kind": "train", "step": self.step, "loss": win.loss / win.steps,
-                              "lr": lr_at(self.step - 1, cfg), "grad_norm": grad_norm, "tokens": self.tokens_seen,
-                              "tokens_per_s": tps, "flops_per_s": flops,
-                              "mfu": flops / (self.peak_flops * self.world_size) if flops and self.peak_flops
-                              else None,
-                              "time": self.train_seconds}
-                    # MoE auxiliary losses of the last micro-step (unweighted), when the model has any
-                    for name, value in getattr(self.model, "last_moe_losses", {}).items():
-                        record[name] = float(value)
-                    record.update(self.objective.train_metrics())
-                    self.metrics.log(record)
-                    postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
-                    if record["mfu"] is not None:
-                        postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
-                    pbar.set_postfix(postfix, refresh=False)
-                    win.reset_log()
                 if self.step % cfg.eval_interval == 0 or last:
                     self._resample_threads(pbar)
                     val_loss, sample = self._evaluate_and_log(pbar, win.eval_loss / win.eval_steps, win.eval_steps)
@@ -399,6 +377,36 @@ class Trainer:
         train_loss = self._last_train_loss()
         return TrainSummary(self.step, self.tokens_seen, self.train_seconds, train_loss, val_loss, sample, plot_note,
                             interrupted)
+
+    def advance(self, pbar: Any = None) -> None:
+        """One step of :meth:`fit`'s loop without its evaluations and checkpoints: the update, the running
+        window, and every ``log_interval`` steps (and at ``max_steps``) a train record in metrics.jsonl and
+        the progress bar's figures (``pbar`` None: none)."""
+        cfg, win = self.cfg, self.window
+        t0 = time.perf_counter()
+        loss, grad_norm, tokens = self.train_step()
+        win.add(loss, tokens, time.perf_counter() - t0)
+        if pbar is not None:
+            pbar.update(1)
+        if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
+            tps = win.tokens / win.seconds if win.seconds > 0 else 0.0
+            flops = tps * self.flops_per_token if self.flops_per_token else None
+            record = {"kind": "train", "step": self.step, "loss": win.loss / win.steps,
+                      "lr": lr_at(self.step - 1, cfg), "grad_norm": grad_norm, "tokens": self.tokens_seen,
+                      "tokens_per_s": tps, "flops_per_s": flops,
+                      "mfu": flops / (self.peak_flops * self.world_size) if flops and self.peak_flops else None,
+                      "time": self.train_seconds}
+            # MoE auxiliary losses of the last micro-step (unweighted), when the model has any
+            for name, value in getattr(self.model, "last_moe_losses", {}).items():
+                record[name] = float(value)
+            record.update(self.objective.train_metrics())
+            self.metrics.log(record)
+            if pbar is not None:
+                postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
+                if record["mfu"] is not None:
+                    postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
+                pbar.set_postfix(postfix, refresh=False)
+            win.reset_log()
 
     def write_report(self) -> None:
         """Write report.md (:mod:`tinyformer.report_card`) for the model as it is now."""
