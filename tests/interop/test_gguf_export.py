@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from quant_helpers import load_weight_only
 from test_interop_common import (
     CHAT_TEMPLATE,
     SAMPLES,
@@ -116,7 +117,8 @@ def test_quantized_run_exports_its_dequantized_weights(trained_char_run, tmp_pat
     import_gguf(tmp_path / "model.gguf", tmp_path / "back")
     ids = torch.tensor([load_tokenizer(run).encode("the quick brown fox")])
     with torch.no_grad():
-        torch.testing.assert_close(load_model(tmp_path / "back")(ids), load_model(tmp_path / "q")(ids),
+        # the weight-only kernel: the file holds dequant(W), which the default (8-bit activations) only nears
+        torch.testing.assert_close(load_model(tmp_path / "back")(ids), load_weight_only(tmp_path / "q")(ids),
                                    rtol=1e-4, atol=1e-4)
 
 
