@@ -216,17 +216,10 @@ def test_auto_takes_act8_only_with_integer_dots_and_act8_holds_only_the_packed_f
     assert {"wp", "sp", "aux"} <= {name for name, _ in layer.named_buffers()}
 
 
-def test_forcing_avx2_on_a_cpu_without_it_is_refused(cpp):
-    if quant_kernels.has_avx2():
-        pytest.skip("this CPU has AVX2 + FMA: nothing to refuse")
+@pytest.mark.parametrize(("path", "has", "name"), [("avx2", "has_avx2", "AVX2"), ("vnni", "has_vnni", "AVX-512 VNNI")])
+def test_forcing_a_path_the_cpu_lacks_is_refused(cpp, path, has, name):
+    if getattr(quant_kernels, has)():
+        pytest.skip(f"this CPU has {name}: nothing to refuse")
     parts = quantize_weight(torch.randn(16, 64), QuantSpec("int8", 0))
-    with pytest.raises(RuntimeError, match="no AVX2"):
-        quant_kernels.act8_gemm(torch.randn(2, 64), quant_kernels.pack_act8(parts, "int8"), 16, 64, "int8", "avx2")
-
-
-def test_forcing_vnni_on_a_cpu_without_it_is_refused(cpp):
-    if quant_kernels.has_vnni():
-        pytest.skip("this CPU has AVX-512 VNNI: nothing to refuse")
-    parts = quantize_weight(torch.randn(16, 64), QuantSpec("int8", 0))
-    with pytest.raises(RuntimeError, match="no AVX-512 VNNI"):
-        quant_kernels.act8_gemm(torch.randn(2, 64), quant_kernels.pack_act8(parts, "int8"), 16, 64, "int8", "vnni")
+    with pytest.raises(RuntimeError, match=f"no {name}"):
+        quant_kernels.act8_gemm(torch.randn(2, 64), quant_kernels.pack_act8(parts, "int8"), 16, 64, "int8", path)
