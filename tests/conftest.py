@@ -19,9 +19,9 @@ for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
     if _folder.is_dir() and _folder.name not in {"fixtures", "__pycache__"} and str(_folder) not in sys.path:
         sys.path.append(str(_folder))
 
-# generate, chat and serve compile their decode step by default; the suite decodes eagerly (tens of seconds
-# saved per command), except in the tests of the compiled step, which ask for it (--compile, compile=True).
-# Set here, so that the CLI subprocesses the tests start inherit it.
+# TINYFORMER_COMPILE=1 would make generate, chat and serve compile their decode step: the suite decodes
+# eagerly whatever the developer's environment says (tens of seconds saved per command), except in the tests
+# of the compiled step, which ask for it. Set here, so that the CLI subprocesses the tests start inherit it.
 os.environ["TINYFORMER_COMPILE"] = "0"
 
 # Tests run on 2 cores; more threads than cores only adds contention.

@@ -47,24 +47,25 @@ def tiny_model() -> DecoderLM:
                                  max_seq_len=64))
 
 
-def test_compiled_is_the_default_unless_the_environment_or_the_flag_says_eager(monkeypatch):
+def test_eager_is_the_default_unless_the_flag_or_the_environment_asks_for_compiled(monkeypatch):
     model = tiny_model()
     monkeypatch.delenv(compile_cache.ENV_DEFAULT, raising=False)
-    assert compile_cache.resolve_compile(None, model) == (True, None)
-    assert compile_cache.resolve_compile(False, model) == (False, None)
-    monkeypatch.setenv(compile_cache.ENV_DEFAULT, "0")
     assert compile_cache.resolve_compile(None, model) == (False, None)
-    assert compile_cache.resolve_compile(True, model) == (True, None)  # an explicit --compile wins
+    assert compile_cache.resolve_compile(True, model) == (True, None)
+    monkeypatch.setenv(compile_cache.ENV_DEFAULT, "1")
+    assert compile_cache.resolve_compile(None, model) == (True, None)
+    assert compile_cache.resolve_compile(False, model) == (False, None)  # an explicit --no-compile wins
 
 
-def test_without_a_cpp_compiler_the_default_decodes_eagerly_with_one_line_but_compile_is_an_error(monkeypatch):
+def test_without_a_cpp_compiler_the_environment_default_decodes_eagerly_with_one_line_but_compile_fails(
+        monkeypatch):
     from torch._inductor import cpp_builder
 
     def missing():
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(cpp_builder, "get_cpp_compiler", missing)
-    monkeypatch.delenv(compile_cache.ENV_DEFAULT, raising=False)
+    monkeypatch.setenv(compile_cache.ENV_DEFAULT, "1")
     use, notice = compile_cache.resolve_compile(None, tiny_model())
     assert use is False and notice is not None and "\n" not in notice
     assert notice.startswith("tinyformer: decoding eagerly") and "C++ compiler" in notice
@@ -97,7 +98,7 @@ def test_a_second_process_compiles_nothing_and_a_changed_model_compiles_again(tm
     run = make_run(tmp_path / "run")
     env = dict(cli_env, TINYFORMER_CACHE=str(tmp_path / "cache"))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    env.pop(compile_cache.ENV_DEFAULT)  # the suite's eager default off: the command's own default
+    env[compile_cache.ENV_DEFAULT] = "1"  # compiled unless --no-compile, as --compile on every command
     first, graphs1, err1 = child(["--model", str(run)], env)
     second, graphs2, err2 = child(["--model", str(run)], env)
     eager, graphs3, _ = child(["--model", str(run), "--no-compile"], env)

@@ -52,19 +52,20 @@ def compile_notice(what: str) -> str:
 
 
 def add_compile_flag(p: Any, what: str) -> None:
-    """``--compile`` / ``--no-compile`` of the commands that decode (generate, chat, serve); default: compiled
-    where it can be (see :mod:`tinyformer.generation.compile_cache`)."""
+    """``--compile`` / ``--no-compile`` of the commands that decode (generate, chat, serve); default: eager,
+    or ``TINYFORMER_COMPILE=1`` (see :mod:`tinyformer.generation.compile_cache`)."""
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"decode with {what} (the default where a C++ compiler exists on a CPU, or on a CUDA "
-                        "GPU; the first run of a model compiles for tens of seconds, later runs load the cached "
-                        "kernels); --no-compile decodes eagerly, the plain PyTorch code path; "
-                        "TINYFORMER_COMPILE=0 makes that the default")
+                   help=f"decode with {what} (on a CPU it needs a C++ compiler; the first run of a model compiles "
+                        "for tens of seconds to minutes, later runs load the cached kernels and trace the step "
+                        "again, seconds to tens of seconds): faster tokens, worth it for long outputs; default "
+                        "eager, TINYFORMER_COMPILE=1 makes --compile the default")
 
 
 def decide_compile(flag: bool | None, model: Any, what: str = "the decode step") -> bool:
     """Resolve ``--compile`` for ``model`` (:func:`~tinyformer.generation.compile_cache.resolve_compile`),
     point inductor at the persistent cache and print one line on stderr: why the command decodes eagerly
-    (where it would have compiled by default), or that this model compiles for the first time."""
+    (where ``TINYFORMER_COMPILE=1`` asked for the compiled step), or that this model compiles for the first
+    time."""
     from tinyformer.generation.compile_cache import resolve_compile, use_compile_cache
 
     use, notice = resolve_compile(flag, model)
@@ -73,8 +74,8 @@ def decide_compile(flag: bool | None, model: Any, what: str = "the decode step")
     if use:
         folder, seen = use_compile_cache(model)
         if not seen:
-            print(f"tinyformer: compiling {what} for this model, once (tens of seconds; the kernels are cached in "
-                  f"{folder} for later runs; --no-compile skips this) ...", file=sys.stderr, flush=True)
+            print(f"tinyformer: compiling {what} for this model, once (tens of seconds to minutes; the kernels are "
+                  f"cached in {folder} for later runs; --no-compile skips this) ...", file=sys.stderr, flush=True)
     return use
 
 

@@ -1,11 +1,13 @@
-"""Compiled decoding by default, with the compiled kernels kept on disk between invocations.
+"""The compiled decode step of generate, chat and serve, with its kernels kept on disk between invocations.
 
-``tinyformer generate``, ``chat`` and ``serve`` decode with the ``torch.compile``-d step
-(:class:`~tinyformer.generation.engine.CompiledStep`) unless told ``--no-compile``: on a CPU a small model's
-eager step is mostly Python and kernel-launch overhead, which the compiled step removes
-(docs/benchmarks/decode.md). Compiling costs tens of seconds the first time; inductor's on-disk caches (the FX
-graph cache and the AOTAutograd cache) make every later process load the generated code instead of
-building it again, leaving dynamo's trace of the step (a few seconds).
+``--compile`` (or ``TINYFORMER_COMPILE=1`` in the environment) decodes with the ``torch.compile``-d step
+(:class:`~tinyformer.generation.engine.CompiledStep`): on a CPU a small model's eager step is mostly Python and
+kernel-launch overhead, which the compiled step removes (docs/benchmarks/decode.md). Compiling costs from tens
+of seconds (a few layers) to minutes (SmolLM2-135M's 30: 240 s on 2 cores) the first time; inductor's on-disk
+caches (the FX graph cache and the AOTAutograd cache) make every later process load the generated code
+instead of building it again, leaving dynamo's trace of the step (18 s of a 28 s run for SmolLM2-135M, where
+the eager command took 10 s). That is why eager decoding stays the default: the compiled step pays for itself
+only over long outputs (docs/benchmarks/quantized.md has the figures).
 
 Where the cache lives::
 
@@ -17,13 +19,11 @@ folder inductor keys every graph by its own content (the model's shapes and dtyp
 settings), so a changed model misses and compiles anew. A ``TORCHINDUCTOR_CACHE_DIR`` set by the user is
 left alone. The command line sets the variable before torch's compiler is imported (importing
 ``torch._dynamo`` fixes its cache folders). The folder ``seen/`` beside the caches remembers which model
-shapes have compiled here, so the command says so when this start compiles (tens of seconds) rather than
-loads (seconds).
+shapes have compiled here, so the command says so when this start compiles rather than loads.
 
-The default is decided by :func:`resolve_compile`: an explicit ``--compile`` that cannot be honoured is an
-error; the default falls back to eager decoding with a one-line notice (no C++ compiler, a kernel that
-cannot be traced, a device the compiler does not serve), and ``TINYFORMER_COMPILE=0`` in the environment
-turns the default off (the test suite runs eagerly so, except in the tests of the compiled step).
+:func:`resolve_compile` decides: an explicit ``--compile`` that cannot be honoured is an error; the
+environment's ``TINYFORMER_COMPILE=1`` falls back to eager decoding with a one-line notice (no C++ compiler,
+a kernel that cannot be traced, a device the compiler does not serve).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from tinyformer.generation.engine import check_compilable
 __all__ = ["ENV_DEFAULT", "cache_root", "compile_cache_dir", "compiled_graphs", "cpu_tag", "default_inductor_cache",
            "model_key", "point_inductor_at_cache", "resolve_compile", "use_compile_cache"]
 
-ENV_DEFAULT = "TINYFORMER_COMPILE"  # "0" turns the compiled default off, "1" keeps it on
+ENV_DEFAULT = "TINYFORMER_COMPILE"  # "1": generate, chat and serve compile unless --no-compile
 
 
 def cache_root() -> Path:
@@ -137,13 +137,13 @@ def resolve_compile(flag: bool | None, model: nn.Module) -> tuple[bool, str | No
     """Whether to decode with the compiled step, and the one-line notice to print (None for none).
 
     ``flag`` True (``--compile``): compile, or raise :class:`GenerationError` saying why it cannot.
-    ``flag`` False (``--no-compile``): eager. ``flag`` None (the default): compile where the device is a CPU
-    or a CUDA GPU, the model's kernels can be traced and a C++ compiler exists (CPU), unless
-    ``TINYFORMER_COMPILE=0``; otherwise eager, with a notice naming the reason.
+    ``flag`` False (``--no-compile``): eager. ``flag`` None (neither): eager, unless ``TINYFORMER_COMPILE=1``,
+    which compiles where the device is a CPU or a CUDA GPU, the model's kernels can be traced and a C++
+    compiler exists (CPU), and otherwise decodes eagerly with a notice naming the reason.
     """
     if flag is False:
         return False, None
-    if flag is None and os.environ.get(ENV_DEFAULT, "1").strip() in ("0", "false", "no", "off"):
+    if flag is None and os.environ.get(ENV_DEFAULT, "0").strip().lower() not in ("1", "true", "yes", "on"):
         return False, None
     try:
         point_inductor_at_cache()
