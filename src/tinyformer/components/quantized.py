@@ -50,9 +50,11 @@ Forward: y = x dequant(W)^T + b, x (..., in) -> y (..., out), computed by one of
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -143,20 +145,16 @@ def quantize_weight(w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]
     return {"qweight": pack_int4(u.reshape(out_f, in_f)), "scales": scale.contiguous(), "zeros": zeros.contiguous()}
 
 
+@functools.cache
 def fbgemm_reduce_range() -> bool:
     """Whether fbgemm's dynamic linear must round activations to 7 bits on this CPU: where it has no VNNI
     (``avx512_vnni`` / ``avx_vnni`` in /proc/cpuinfo's flags) its products saturate with 8 (PyTorch's own
-    x86 quantization config sets ``reduce_range`` for the same reason)."""
-    if "fbgemm_reduce_range" not in _CPU_FLAGS:
-        try:
-            flags = set(open("/proc/cpuinfo").read().split())
-        except OSError:
-            flags = set()
-        _CPU_FLAGS["fbgemm_reduce_range"] = not flags & {"avx512_vnni", "avx_vnni"}
-    return _CPU_FLAGS["fbgemm_reduce_range"]
-
-
-_CPU_FLAGS: dict[str, bool] = {}
+    x86 quantization config sets ``reduce_range`` for the same reason). Read once per process."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    return not flags & {"avx512_vnni", "avx_vnni"}
 
 
 def int4_kernel_applies(out_features: int, group: int, device: torch.device) -> bool:

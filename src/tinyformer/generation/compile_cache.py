@@ -11,7 +11,7 @@ only over long outputs (docs/benchmarks/quantized.md has the figures).
 
 Where the cache lives::
 
-    $TINYFORMER_CACHE (default ~/.cache/tinyformer) / compile / torch-<version>-<cpu tag>
+    $TINYFORMER_CACHE (default $XDG_CACHE_HOME/tinyformer, ~/.cache/tinyformer) / compile / torch-<version>-<cpu tag>
 
 The torch version and the CPU are part of the folder name, so that a new torch or another CPU (kernels are
 generated for the CPU's instruction set) starts a fresh cache instead of reading stale code; within the
@@ -38,18 +38,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tinyformer.data.named import default_cache_dir
 from tinyformer.errors import GenerationError
 from tinyformer.generation.engine import check_compilable
 
-__all__ = ["ENV_DEFAULT", "cache_root", "compile_cache_dir", "compiled_graphs", "cpu_tag", "default_inductor_cache",
+__all__ = ["ENV_DEFAULT", "compile_cache_dir", "compiled_graphs", "cpu_tag", "default_inductor_cache",
            "model_key", "point_inductor_at_cache", "resolve_compile", "use_compile_cache"]
 
 ENV_DEFAULT = "TINYFORMER_COMPILE"  # "1": generate, chat and serve compile unless --no-compile
-
-
-def cache_root() -> Path:
-    """``$TINYFORMER_CACHE``, or ``~/.cache/tinyformer`` (the data sets' cache too)."""
-    return Path(os.environ.get("TINYFORMER_CACHE") or Path.home() / ".cache" / "tinyformer")
 
 
 def cpu_tag() -> str:
@@ -66,9 +62,10 @@ def cpu_tag() -> str:
 
 
 def compile_cache_dir(version: str | None = None) -> Path:
-    """``<cache root>/compile/torch-<version>-<cpu tag>`` (``version``: torch's own by default)."""
+    """``<tinyformer's cache>/compile/torch-<version>-<cpu tag>`` (the data sets' cache folder,
+    :func:`~tinyformer.data.named.default_cache_dir`; ``version``: torch's own by default)."""
     version = torch.__version__ if version is None else version
-    return cache_root() / "compile" / f"torch-{version.replace('+', '_')}-{cpu_tag()}"
+    return default_cache_dir() / "compile" / f"torch-{version.replace('+', '_')}-{cpu_tag()}"
 
 
 def model_key(model: nn.Module) -> str:
