@@ -234,10 +234,10 @@ def load_state_into(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]
 
 def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                cfg: ModelConfig | None = None, verify: bool = True) -> nn.Module:
-    """Build the model of ``run_dir`` without a random init (meta device) and load its weights (checked
-    against the run's manifest first unless ``verify`` is False); for a LoRA run, the base run's model with
-    the adapter merged in (:func:`load_adapter_run`)."""
-    from tinyformer.models import build_model
+    """Build the model of ``run_dir`` without a random init (:func:`~tinyformer.models.empty_model`) and
+    load its weights (checked against the run's manifest first unless ``verify`` is False); for a LoRA run,
+    the base run's model with the adapter merged in (:func:`load_adapter_run`)."""
+    from tinyformer.models import empty_model
     from tinyformer.sizing import check_buildable
 
     if is_adapter_run(run_dir):
@@ -246,8 +246,7 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: t
     # the weights' own dtype is only known once read: bound with the smallest float a run folder stores
     check_buildable(cfg, torch.empty(0, dtype=dtype).element_size() if dtype is not None else 2)
     spec = quant_spec(cfg)
-    with torch.device("meta"):
-        model = build_model(cfg)
+    model = empty_model(cfg, device)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for k, v in iter_tensors(run_dir, verify=verify):

@@ -1,5 +1,5 @@
-"""The compiled decode step by default, and its kernels cached on disk between processes
-(tinyformer.generation.compile_cache)."""
+"""The compiled decode step by default: packages built once (in the background by default) and loaded by
+every later process (tinyformer.generation.compile_cache)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,28 +20,43 @@ from tinyformer.generation import compile_cache
 from tinyformer.models.decoder import DecoderLM
 from tinyformer.run_folder import load_model, save_model
 
-# A process that runs `tinyformer generate` in-process, then prints the graphs inductor built anew and loaded
-# from its cache (stderr keeps the command's own notices).
+# A process that runs `tinyformer generate` in-process, then prints whether torch's compiler was imported and
+# the packages it built (stderr keeps the command's own notices).
 CHILD = """
 import json, sys
 from tinyformer.cli.main import main
-from tinyformer.generation.compile_cache import compiled_graphs
+from tinyformer.generation import compile_cache
+built = []
+build = compile_cache.build_package
+compile_cache.build_package = lambda graph, path, *a: (built.append(path.name), build(graph, path, *a))
 code = main(sys.argv[1:])
-print("GRAPHS " + json.dumps(compiled_graphs()), flush=True)
+print("STEP " + json.dumps({"built": built, "compiler": "torch._dynamo" in sys.modules}), flush=True)
 sys.exit(code)
 """
 
 
 def child(args: list[str], env: dict[str, str]) -> tuple[dict, dict, str]:
-    """(the generated sample, the graph counts, stderr) of one `generate --json` process."""
+    """(the generated sample, what the process built and imported, stderr) of one `generate --json` process."""
     proc = subprocess.run([sys.executable, "-c", CHILD, "generate", *args, "--json", "--temperature", "0",
                            "--max-new-tokens", "12", "--prompt", "the fox"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    graphs = json.loads(next(x for x in lines if x.startswith("GRAPHS "))[len("GRAPHS "):])
+    step = json.loads(next(x for x in lines if x.startswith("STEP "))[len("STEP "):])
     sample = json.loads(next(x for x in lines if x.startswith("{")))
-    return sample, graphs, proc.stderr
+    return sample, step, proc.stderr
+
+
+def packages(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.glob("compile/*/packages/*.pt2"))
+
+
+def wait_for_builder(cache: Path, timeout: float = 600) -> None:
+    """Until the background builder has released its lock (or the time is up: the caller's asserts fail)."""
+    end = time.monotonic() + timeout
+    time.sleep(1)
+    while time.monotonic() < end and any(cache.glob("compile/*/packages/.building")):
+        time.sleep(1)
 
 
 def tiny_model() -> DecoderLM:
@@ -47,27 +64,28 @@ def tiny_model() -> DecoderLM:
                                  max_seq_len=64))
 
 
-def test_eager_is_the_default_unless_the_flag_or_the_environment_asks_for_compiled(monkeypatch):
+def test_the_default_is_the_packaged_step_built_in_the_background_unless_a_flag_or_the_environment_says(
+        monkeypatch):
     model = tiny_model()
     monkeypatch.delenv(compile_cache.ENV_DEFAULT, raising=False)
-    assert compile_cache.resolve_compile(None, model) == (False, None)
-    assert compile_cache.resolve_compile(True, model) == (True, None)
+    assert compile_cache.resolve_compile(None, model) == ("background", None)
+    assert compile_cache.resolve_compile(True, model) == ("compile", None)
+    assert compile_cache.resolve_compile(False, model) == ("eager", None)
     monkeypatch.setenv(compile_cache.ENV_DEFAULT, "1")
-    assert compile_cache.resolve_compile(None, model) == (True, None)
-    assert compile_cache.resolve_compile(False, model) == (False, None)  # an explicit --no-compile wins
+    assert compile_cache.resolve_compile(None, model) == ("compile", None)
+    assert compile_cache.resolve_compile(False, model) == ("eager", None)  # an explicit --no-compile wins
+    monkeypatch.setenv(compile_cache.ENV_DEFAULT, "0")
+    assert compile_cache.resolve_compile(None, model) == ("eager", None)
+    assert compile_cache.resolve_compile(True, model) == ("compile", None)
 
 
-def test_without_a_cpp_compiler_the_environment_default_decodes_eagerly_with_one_line_but_compile_fails(
-        monkeypatch):
-    from torch._inductor import cpp_builder
-
-    def missing():
-        raise RuntimeError("no C++ compiler found")
-
-    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", missing)
+def test_without_a_cpp_compiler_the_default_decodes_eagerly_and_compile_fails(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-c++-compiler")  # the compiler inductor would call, not on PATH
+    monkeypatch.delenv(compile_cache.ENV_DEFAULT, raising=False)
+    assert compile_cache.resolve_compile(None, tiny_model()) == ("eager", None)
     monkeypatch.setenv(compile_cache.ENV_DEFAULT, "1")
-    use, notice = compile_cache.resolve_compile(None, tiny_model())
-    assert use is False and notice is not None and "\n" not in notice
+    how, notice = compile_cache.resolve_compile(None, tiny_model())
+    assert how == "eager" and notice is not None and "\n" not in notice
     assert notice.startswith("tinyformer: decoding eagerly") and "C++ compiler" in notice
     with pytest.raises(GenerationError, match="C\\+\\+ compiler"):
         compile_cache.resolve_compile(True, tiny_model())
@@ -92,26 +110,46 @@ def test_the_model_key_follows_shapes_and_dtypes_not_values():
     assert compile_cache.model_key(a) != compile_cache.model_key(wider)
 
 
-def test_a_second_process_compiles_nothing_and_a_changed_model_compiles_again(tmp_path, cli_env):
-    """The first `generate` compiles (and says so once), the second loads every graph from the cache and
-    decodes the same tokens, and eager decoding gives them too; another model's shapes miss the cache."""
+def test_the_package_name_follows_the_source_the_rows_and_the_weights_layout(monkeypatch, tmp_path):
+    model = tiny_model()
+    step = compile_cache.PackagedStep(model, tmp_path)
+    cache = model.new_cache(2, 32)
+    name = step.name(False, 2, cache)
+    assert name == compile_cache.PackagedStep(tiny_model(), tmp_path).name(False, 2, cache)  # values: no
+    assert step.name(True, 2, cache) != name and step.name(False, 1, cache) != name
+    assert step.name(False, 2, model.new_cache(2, 32, dtype=torch.bfloat16)) != name
+    monkeypatch.setattr(compile_cache, "source_digest", lambda: "changedcode")
+    assert step.name(False, 2, cache) != name  # tinyformer's code changed: the graph may have too
+    monkeypatch.undo()
+    from tinyformer.generation.weight_layout import store_input_major
+
+    store_input_major(model)  # same values, other strides: a package reads constants by their layout
+    assert step.name(False, 2, cache) != name
+
+
+def test_a_package_built_in_the_background_is_loaded_by_later_processes_without_the_compiler(tmp_path, cli_env):
+    """The first `generate` (no flag) decodes eagerly and starts a background build (saying so once); the next
+    loads the package, imports none of torch's compiler, builds nothing and decodes the same tokens as
+    eager decoding; a model of another shape is built anew by `--compile`, in the foreground."""
     run = make_run(tmp_path / "run")
-    env = dict(cli_env, TINYFORMER_CACHE=str(tmp_path / "cache"))
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    env[compile_cache.ENV_DEFAULT] = "1"  # compiled unless --no-compile, as --compile on every command
-    first, graphs1, err1 = child(["--model", str(run)], env)
-    second, graphs2, err2 = child(["--model", str(run)], env)
-    eager, graphs3, _ = child(["--model", str(run), "--no-compile"], env)
-    assert graphs1["compiled"] > 0 and graphs1["cached"] == 0
-    assert "compiling the decode step for this model, once" in err1
-    assert graphs2 == {"compiled": 0, "cached": graphs1["compiled"]}
-    assert "compiling" not in err2
-    assert graphs3 == {"compiled": 0, "cached": 0}
+    cache = tmp_path / "cache"
+    env = dict(cli_env, TINYFORMER_CACHE=str(cache))
+    env.pop(compile_cache.ENV_DEFAULT, None)  # the default, as a user has it
+    first, step1, err1 = child(["--model", str(run)], env)
+    assert step1["built"] == [] and "being built in the background" in err1
+    wait_for_builder(cache)
+    assert len(packages(cache)) == 1, (cache / "compile").glob("*/packages/build.log")
+    second, step2, err2 = child(["--model", str(run)], env)
+    eager, _, _ = child(["--model", str(run), "--no-compile"], env)
+    assert step2 == {"built": [], "compiler": False}
+    assert "compil" not in err2 and "background" not in err2
     assert first["token_ids"] == second["token_ids"] == eager["token_ids"]
-    folders = [f.name for f in (tmp_path / "cache" / "compile").iterdir()]
+    folders = [f.name for f in (cache / "compile").iterdir()]
     assert folders == [compile_cache.compile_cache_dir().name]  # torch-<version>-<cpu tag>
     other = make_run(tmp_path / "other")
     wider = DecoderLM(dataclasses.replace(load_model(other).cfg, d_model=48))
-    save_model(other, wider)  # the same tokenizer, another width: new graphs
-    _, graphs4, err4 = child(["--model", str(other)], env)
-    assert graphs4["compiled"] > 0 and "compiling the decode step for this model, once" in err4
+    save_model(other, wider)  # the same tokenizer, another width: a new package
+    third, step3, err3 = child(["--model", str(other), "--compile"], env)
+    assert len(step3["built"]) == 1 and "compiling the decode step for this model" in err3
+    assert len(packages(cache)) == 2
+    assert third["token_ids"] == child(["--model", str(other), "--no-compile"], env)[0]["token_ids"]

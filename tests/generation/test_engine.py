@@ -182,18 +182,20 @@ def test_compiled_decoding_equals_eager_decoding():
 
 
 @pytest.mark.slow
-def test_one_compiled_step_serves_requests_of_different_lengths():
-    from torch._dynamo.utils import counters
+def test_one_compiled_step_serves_requests_of_different_lengths_and_cache_sizes():
+    """The packaged step (a CPU's compiled step) takes the attended span and the cache length as symbolic
+    sizes: requests of 5 to 150 tokens, in caches of 128 and 256 slots, run one package."""
+    from tinyformer.generation.compile_cache import PackagedStep
 
-    model = random_lm(n_layer=1, dtype=torch.float32, seed=1)
+    model = random_lm(n_layer=1, dtype=torch.float32, seed=1, max_seq_len=300)
     compiled, eager = id_generator(model, compile=True), id_generator(model)
-    torch._dynamo.reset()  # a graph compiled by another test for the same shapes would be reused
-    before = counters["stats"]["unique_graphs"]
-    for n in (5, 17, 40):  # spans of 10 to 48 slots, all in one cache block: one graph
+    for n in (5, 17, 40, 150):  # spans of 10 to 158 slots
         params = SamplingParams(temperature=0, max_new_tokens=n)
         want = [r.token_ids for r in eager.generate(PROMPTS, params, logprobs=False)]
         assert [r.token_ids for r in compiled.generate(PROMPTS, params, logprobs=False)] == want
-    assert counters["stats"]["unique_graphs"] - before == 1
+    step = compiled._compiled
+    assert isinstance(step, PackagedStep)
+    assert [fn is not None for fn in step._packages.values()] == [True]
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -52,31 +52,47 @@ def compile_notice(what: str) -> str:
 
 
 def add_compile_flag(p: Any, what: str) -> None:
-    """``--compile`` / ``--no-compile`` of the commands that decode (generate, chat, serve); default: eager,
-    or ``TINYFORMER_COMPILE=1`` (see :mod:`tinyformer.generation.compile_cache`)."""
+    """``--compile`` / ``--no-compile`` of the commands that decode (generate, chat, serve); by default the
+    compiled step where one is built, and a background build of it otherwise (see
+    :mod:`tinyformer.generation.compile_cache`)."""
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"decode with {what} (on a CPU it needs a C++ compiler; the first run of a model compiles "
-                        "for tens of seconds to minutes, later runs load the cached kernels and trace the step "
-                        "again, seconds to tens of seconds): faster tokens, worth it for long outputs; default "
-                        "eager, TINYFORMER_COMPILE=1 makes --compile the default")
+                   help=f"decode with {what}, compiled now where it is missing (on a CPU it needs a C++ compiler; a "
+                        "model's first compile takes minutes, later runs load it in milliseconds); --no-compile "
+                        "decodes eagerly (the code as written). Default: the compiled step where it was built "
+                        "before, otherwise eagerly while a background process builds it for the next run; "
+                        "TINYFORMER_COMPILE=0 makes eager the default, =1 --compile")
 
 
-def decide_compile(flag: bool | None, model: Any, what: str = "the decode step") -> bool:
-    """Resolve ``--compile`` for ``model`` (:func:`~tinyformer.generation.compile_cache.resolve_compile`),
-    point inductor at the persistent cache and print one line on stderr: why the command decodes eagerly
-    (where ``TINYFORMER_COMPILE=1`` asked for the compiled step), or that this model compiles for the first
-    time."""
-    from tinyformer.generation.compile_cache import resolve_compile, use_compile_cache
+def decide_compile(flag: bool | None, model: Any, what: str = "the decode step", *,
+                   run_dir: Any = None, dtype: Any = None) -> Any:  # -> bool | PackageBuild
+    """Resolve ``--compile`` for ``model`` loaded from ``run_dir`` in ``dtype``
+    (:func:`~tinyformer.generation.compile_cache.resolve_compile`) into the ``compile`` argument of
+    ``Generator`` and ``Scheduler``: False (eager), True (the ``torch.compile``-d step of a GPU) or a
+    :class:`~tinyformer.generation.compile_cache.PackageBuild` (a CPU's packaged step, built in the background
+    by default). Prints the one-line notices on stderr: why the command decodes eagerly, or that a step is
+    being compiled."""
+    from tinyformer.generation.compile_cache import PackageBuild, resolve_compile, use_compile_cache
 
-    use, notice = resolve_compile(flag, model)
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    how, notice = resolve_compile(flag, model)
     if notice:
-        print(notice, file=sys.stderr, flush=True)
-    if use:
-        folder, seen = use_compile_cache(model)
-        if not seen:
-            print(f"tinyformer: compiling {what} for this model, once (tens of seconds to minutes; the kernels are "
-                  f"cached in {folder} for later runs; --no-compile skips this) ...", file=sys.stderr, flush=True)
-    return use
+        say(notice)
+    if how == "eager":
+        return False
+    if next(model.parameters()).device.type == "cpu":
+        if how == "background":
+            if run_dir is None:  # a model the builder could not load again: eager, as before
+                return False
+            return PackageBuild(notice=say, background_run=str(run_dir),
+                                dtype=str(dtype or next(model.parameters()).dtype).removeprefix("torch."))
+        return PackageBuild(notice=say)
+    folder, seen = use_compile_cache(model)
+    if not seen:
+        say(f"tinyformer: compiling {what} for this model, once (tens of seconds to minutes; the kernels are "
+            f"cached in {folder} for later runs; --no-compile skips this) ...")
+    return True
 
 
 def add_template_timeout_flag(p: Any) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
 from tinyformer.cli.common import load_model_config
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
@@ -32,10 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def meta_param_count(cfg: ModelConfig) -> int:
     """sum(p.numel()) of the real model built on the meta device (shapes only, no memory)."""
-    from tinyformer.models import build_model
+    from tinyformer.models import meta_model
 
-    with torch.device("meta"):
-        model = build_model(cfg)
+    model = meta_model(cfg)
     return sum(p.numel() for p in model.parameters())
 
 

@@ -165,14 +165,14 @@ def sampling_params(args: argparse.Namespace, max_new_tokens: int, **changes: An
 
 def load_generator(args: argparse.Namespace) -> Generator:
     """Check the flags that need no model first (cheap, clear errors), then load the run folder; decide
-    ``--compile`` for the loaded model (compiled by default where it can be, see ``decide_compile``)."""
+    ``--compile`` for the loaded model (by default the compiled step where it was built, see ``decide_compile``)."""
     speculative = speculative_from_args(args)
     device = resolve_device(args.device, GenerationError)
     dtype = resolve_dtype(args.dtype, device, GenerationError)
     gen = Generator.from_run(args.model, device=device, dtype=dtype, context_policy=args.context_policy,
                              slide_keep=args.slide_keep, verify=not args.no_verify,
                              speculative=speculative, draft_run=args.draft_model)
-    gen.compile = decide_compile(args.compile, gen.model)
+    gen.compile = decide_compile(args.compile, gen.model, run_dir=args.model, dtype=dtype)
     return gen
 
 

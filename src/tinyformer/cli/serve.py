@@ -173,7 +173,10 @@ def run(args: argparse.Namespace) -> int:
             check_draft(model, tokenizer, draft, load_tokenizer(args.draft_model))
             if device.type == "cpu":
                 store_input_major(draft)
-        compile = cfg.arch == "decoder" and decide_compile(args.compile, model, "the decode steps")
+        from tinyformer.generation.compile_cache import PackageBuild
+
+        compile = cfg.arch == "decoder" and decide_compile(args.compile, model, "the decode steps", run_dir=run_dir,
+                                                           dtype=dtype)
         name = args.model_name or run_dir.resolve().name
         app = create_app(model, tokenizer, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
                          request_timeout=args.request_timeout or None, api_key=args.api_key,
@@ -185,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        if compile:
+        if compile is True or (isinstance(compile, PackageBuild) and compile.background_run is None):
             sizes = ", ".join(map(str, app.state.server.scheduler.engine.buckets()))
             print(f"compiling the decode step for {sizes} requests at a time before serving", flush=True)
         print(f"serving {name!r} ({model.num_params() / 1e6:.1f}M parameters, {device}, {dtype_name}) on "

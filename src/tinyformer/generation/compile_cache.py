@@ -1,49 +1,61 @@
-"""The compiled decode step of generate, chat and serve, with its kernels kept on disk between invocations.
+"""The compiled decode step of generate, chat and serve, built once and kept on disk between invocations.
 
-``--compile`` (or ``TINYFORMER_COMPILE=1`` in the environment) decodes with the ``torch.compile``-d step
-(:class:`~tinyformer.generation.engine.CompiledStep`): on a CPU a small model's eager step is mostly Python and
-kernel-launch overhead, which the compiled step removes (docs/benchmarks/decode.md). Compiling costs from tens
-of seconds (a few layers) to minutes (SmolLM2-135M's 30: 240 s on 2 cores) the first time; inductor's on-disk
-caches (the FX graph cache and the AOTAutograd cache) make every later process load the generated code
-instead of building it again, leaving dynamo's trace of the step (18 s of a 28 s run for SmolLM2-135M, where
-the eager command took 10 s). That is why eager decoding stays the default: the compiled step pays for itself
-only over long outputs (docs/benchmarks/quantized.md has the figures).
+On a CPU a small model's eager decode step is mostly Python and kernel-launch overhead, which a compiled
+step removes (docs/benchmarks/decode.md). On a CPU the compiled step is an **AOTInductor package**
+(:class:`PackagedStep`): ``torch.export`` traces one decode step (the attended span and the cache length
+symbolic), inductor compiles it to a shared library, and the package is stored in the compile cache. The
+first process to need a shape builds it (minutes for SmolLM2-135M's 30 layers on 2 cores); every later one
+loads it in milliseconds, without importing torch's compiler, and hands it the model's own weights. On a
+GPU it is the ``torch.compile``-d step (:class:`~tinyformer.generation.engine.CompiledStep`), whose kernels
+inductor caches in the same folder.
+
+What the commands do (:func:`resolve_compile`): by default (no flag) they decode with the package where it
+exists, and otherwise decode eagerly while a separate low-priority process builds it for the next run
+(one line on stderr says so). ``--compile`` builds a missing package now, before decoding; ``--no-compile``
+decodes eagerly (the code as written); ``TINYFORMER_COMPILE=0`` makes eager the default, ``=1``
+``--compile``. Where nothing can compile (no C++ compiler, a kernel the exporter cannot trace) the default
+decodes eagerly, and ``--compile`` is an error that says why.
 
 Where the cache lives::
 
     $TINYFORMER_CACHE (default $XDG_CACHE_HOME/tinyformer, ~/.cache/tinyformer) / compile / torch-<version>-<cpu tag>
+        packages/<digest>.pt2      one decode step each (PackagedStep.name: code, model, rows, cache layout)
+        packages/build.log         what the background builds printed
 
 The torch version and the CPU are part of the folder name, so that a new torch or another CPU (kernels are
-generated for the CPU's instruction set) starts a fresh cache instead of reading stale code; within the
-folder inductor keys every graph by its own content (the model's shapes and dtypes, the compiler's
-settings), so a changed model misses and compiles anew. A ``TORCHINDUCTOR_CACHE_DIR`` set by the user is
-left alone. The command line sets the variable before torch's compiler is imported (importing
-``torch._dynamo`` fixes its cache folders). The folder ``seen/`` beside the caches remembers which model
-shapes have compiled here, so the command says so when this start compiles rather than loads.
-
-:func:`resolve_compile` decides: an explicit ``--compile`` that cannot be honoured is an error; the
-environment's ``TINYFORMER_COMPILE=1`` falls back to eager decoding with a one-line notice (no C++ compiler,
-a kernel that cannot be traced, a device the compiler does not serve).
+generated for the CPU's instruction set) starts afresh instead of reading stale code; a package's name
+digests tinyformer's own source too, so an upgraded tinyformer builds anew.
 """
 
 from __future__ import annotations
 
 import atexit
+import copy
+import functools
 import hashlib
 import json
 import os
 import platform
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from tinyformer.components.kv_cache import KVCache
 from tinyformer.data.named import default_cache_dir
 from tinyformer.errors import GenerationError
-from tinyformer.generation.engine import check_compilable
+from tinyformer.generation.engine import CompiledStep, check_compilable
+from tinyformer.generation.weight_layout import store_input_major
 
-__all__ = ["ENV_DEFAULT", "compile_cache_dir", "compiled_graphs", "cpu_tag", "default_inductor_cache",
-           "model_key", "point_inductor_at_cache", "resolve_compile", "use_compile_cache"]
+__all__ = ["ENV_DEFAULT", "PackageBuild", "PackagedStep", "build_package", "compile_cache_dir",
+           "compiled_graphs", "compiled_step", "cpu_tag", "default_inductor_cache", "model_key", "packaged_build",
+           "point_inductor_at_cache", "resolve_compile", "source_digest", "use_compile_cache"]
 
 ENV_DEFAULT = "TINYFORMER_COMPILE"  # "1": generate, chat and serve compile unless --no-compile
 
@@ -130,20 +142,24 @@ def _mark_seen(marker: Path) -> None:
         pass
 
 
-def resolve_compile(flag: bool | None, model: nn.Module) -> tuple[bool, str | None]:
-    """Whether to decode with the compiled step, and the one-line notice to print (None for none).
+def resolve_compile(flag: bool | None, model: nn.Module) -> tuple[str, str | None]:
+    """How to decode, and the one-line notice to print (None for none). The ways: "eager"; "compile", the
+    compiled step, built at the first step of a shape where no package holds it; "background", the
+    compiled step where a package holds it, else eagerly while a process of its own builds the package for
+    the next run (:class:`PackagedStep`).
 
-    ``flag`` True (``--compile``): compile, or raise :class:`GenerationError` saying why it cannot.
-    ``flag`` False (``--no-compile``): eager. ``flag`` None (neither): eager, unless ``TINYFORMER_COMPILE=1``,
-    which compiles where the device is a CPU or a CUDA GPU, the model's kernels can be traced and a C++
-    compiler exists (CPU), and otherwise decodes eagerly with a notice naming the reason.
+    ``flag`` False (``--no-compile``): eager. ``flag`` True (``--compile``): compile, or raise
+    :class:`GenerationError` saying why it cannot. ``flag`` None (neither): ``TINYFORMER_COMPILE`` decides;
+    "0" is eager; "1" compiles where the device is a CPU or a CUDA GPU, the model's kernels can be traced and
+    a C++ compiler exists (CPU), and otherwise decodes eagerly with a notice naming the reason; unset, a
+    CPU that can compile goes "background", and anything else decodes eagerly without a word.
     """
     if flag is False:
-        return False, None
-    if flag is None and os.environ.get(ENV_DEFAULT, "0").strip().lower() not in ("1", "true", "yes", "on"):
-        return False, None
+        return "eager", None
+    setting = os.environ.get(ENV_DEFAULT, "").strip().lower()
+    if flag is None and setting in ("0", "false", "no", "off"):
+        return "eager", None
     try:
-        point_inductor_at_cache()
         device = next(model.parameters()).device
         if device.type not in ("cpu", "cuda"):
             raise GenerationError(f"the compiled step is not built for {device.type} devices")
@@ -151,5 +167,273 @@ def resolve_compile(flag: bool | None, model: nn.Module) -> tuple[bool, str | No
     except GenerationError as exc:
         if flag:
             raise
-        return False, f"tinyformer: decoding eagerly ({exc}); --no-compile silences this"
-    return True, None
+        if setting in ("1", "true", "yes", "on"):
+            return "eager", f"tinyformer: decoding eagerly ({exc}); --no-compile silences this"
+        return "eager", None
+    if flag is None and setting not in ("1", "true", "yes", "on"):
+        return ("background" if device.type == "cpu" else "eager"), None
+    return "compile", None
+
+
+# ------------------------------------------------------------------------------------------------
+# the decode step as AOTInductor packages
+# ------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of tinyformer's own source files (Python and C++): a package holds the graph the code traced,
+    so code that changed must not load it."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+class _StepGraph(nn.Module):
+    """What a package holds: one decode step over a cache laid out like ``layout``'s, its buffers given as
+    inputs. ``(tokens (R, 1), positions (R,), span (kv,), keys [L x (R, H_kv, S, d)], values [...])`` ->
+    logits (R, V), or the greedy ids (R,) with ``ids_only``; row r's token goes to position positions[r] and
+    attends over cache slots [0, kv), kv < S."""
+
+    def __init__(self, model: nn.Module, layout: KVCache, ids_only: bool) -> None:
+        super().__init__()
+        self.model, self.layout, self.ids_only = model, layout, ids_only
+
+    def forward(self, tokens: Tensor, positions: Tensor, span: Tensor, keys: list[Tensor],
+                values: list[Tensor]) -> Tensor:
+        # the span never reaches the end of the cache (the engine keeps a free slot): said here, the graph
+        # needs no second variant for kv == S
+        torch._check(span.shape[0] < keys[0].shape[2])
+        cache = copy.copy(self.layout)
+        cache.store = [type(s)(k, v, s.window) for s, k, v in zip(self.layout.store, keys, values)]
+        step = CompiledStep(self.model)
+        return (step.greedy if self.ids_only else step.logits)(tokens, positions, cache, span)
+
+
+@dataclass(frozen=True)
+class PackageBuild:
+    """How :class:`PackagedStep` builds a package it does not find. ``background_run`` set: by a process of
+    its own while this one decodes eagerly, loading that run folder in ``dtype`` as this process did;
+    None: here, at the first step of the shape. ``notice`` gets the one line that says so (None: silent)."""
+
+    notice: Callable[[str], None] | None = None
+    background_run: str | None = None
+    dtype: str = "float32"  # torch dtype name
+
+
+class PackagedStep(CompiledStep):
+    """The compiled decode step kept as AOTInductor packages (``torch._inductor.aoti_compile_and_package``)
+    in ``folder``: the first process to meet a step shape exports it (``torch.export``, the cache length and
+    the attended span symbolic) and compiles it to a shared library; every later process loads that library
+    in milliseconds, without importing torch's compiler, where the ``torch.compile``-d step traced the whole
+    model again (18 s for SmolLM2-135M). The package holds no weights: the model's own tensors are handed to
+    it at load, so it costs no second copy.
+
+    A package's name digests what its code depends on: tinyformer's source (:func:`source_digest`), the
+    model (:func:`model_key`, with every tensor's strides), the rows, whether it returns greedy ids, and
+    the cache's layer kinds and dtype; torch's version and the CPU name the folder (:func:`compile_cache_dir`).
+
+    A missing package is built here, or, with ``build.background_run``, by a separate low-priority process
+    (``python -m tinyformer.generation.compile_cache``) while this one decodes that shape eagerly
+    (:class:`PackageBuild`). A shape that does not export (a kernel or layer the exporter cannot trace)
+    decodes with the ``torch.compile``-d step instead (eagerly in the background mode), as does a call whose
+    span is outside the package's range. A process that waits on a background build looks for the package
+    every 10 s and takes it up once it is there (a chat or a server keeps running)."""
+
+    traced = False  # a package is no dynamo graph: nothing to mark, and no import of torch's compiler
+
+    def __init__(self, model: nn.Module, folder: Path, build: PackageBuild = PackageBuild()) -> None:
+        super().__init__(model)
+        self.folder = folder
+        self.build = build
+        self._spawned = False
+        self._packages: dict[tuple, Callable[..., Tensor] | None] = {}
+        # shapes whose package a background builder may still write: (its path, when to look again), so that
+        # a long chat or server session switches to the package once it is there
+        self._awaited: dict[tuple, tuple[Path, float]] = {}
+        self.built: list[Path] = []  # packages this process compiled (the others were loaded)
+
+    def get(self, ids_only: bool) -> Callable[..., Tensor]:
+        return functools.partial(self._call, ids_only)
+
+    def _call(self, ids_only: bool, tokens: Tensor, positions: Tensor, cache: KVCache, span: Tensor) -> Tensor:
+        keys = [s.k for s in cache.store]
+        key = self._key(ids_only, tokens.shape[0], cache)
+        if key not in self._packages or (key in self._awaited and time.monotonic() >= self._awaited[key][1]):
+            self._packages[key] = self._package(ids_only, tokens, cache)
+        fn = self._packages[key]
+        if fn is None or not 2 <= span.shape[0] < keys[0].shape[2]:
+            if self.build.background_run is not None:  # eager, as without --compile
+                return (self.greedy if ids_only else self.logits)(tokens, positions, cache, span)
+            torch._dynamo.maybe_mark_dynamic(span, 0)
+            return super().get(ids_only)(tokens, positions, cache, span)
+        # the graph's inputs, flattened as torch.export flattened (tokens, positions, span, keys, values)
+        return fn([tokens, positions, span, *keys, *(s.v for s in cache.store)])[0]
+
+    @staticmethod
+    def _key(ids_only: bool, rows: int, cache: KVCache) -> tuple:
+        """What tells this process's packages apart (the model is the same for all of them)."""
+        return ids_only, rows, tuple(s.kind for s in cache.store), cache.store[0].k.dtype
+
+    def name(self, ids_only: bool, rows: int, cache: KVCache) -> str:
+        """The file name of the package for this model and shape (see the class docstring)."""
+        tensors = list(self.model.named_parameters()) + list(self.model.named_buffers())
+        parts = [source_digest(), model_key(self.model), f"rows={rows}", f"ids_only={ids_only}",
+                 repr([s.kind for s in cache.store]), str(cache.store[0].k.dtype)]
+        parts += [f"{name}:{tuple(t.stride())}" for name, t in tensors]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24] + ".pt2"
+
+    def _package(self, ids_only: bool, tokens: Tensor, cache: KVCache) -> Callable[..., Tensor] | None:
+        store_input_major(self.model)  # before the name: the package is built for the weights' layout
+        path = self.folder / self.name(ids_only, tokens.shape[0], cache)
+        key = self._key(ids_only, tokens.shape[0], cache)
+        if not path.is_file():
+            if self.build.background_run is not None:
+                if key not in self._awaited:
+                    self._spawn_builder(path, ids_only, tokens.shape[0], cache)
+                self._awaited[key] = (path, time.monotonic() + 10.0)
+                return None
+            if self.build.notice is not None:
+                self.build.notice(f"tinyformer: compiling the decode step for this model ({tokens.shape[0]} row(s)), "
+                            f"once (minutes for a model of tens of layers; later runs load it from {self.folder}; "
+                            "--no-compile skips this) ...")
+            try:
+                build_package(_StepGraph(self.model, cache, ids_only), path, tokens.shape[0], cache)
+            except Exception:  # the exporter's many error types: the torch.compile-d step serves this shape
+                return None
+            self.built.append(path)
+        self._awaited.pop(key, None)
+        return self._load(path, _StepGraph(self.model, cache, ids_only))
+
+    def _load(self, path: Path, graph: _StepGraph) -> Callable[[list[Tensor]], list[Tensor]]:
+        # the C++ loader itself: torch._inductor's Python wrapper would import torch's compiler (3 s)
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        tensors = {**dict(graph.named_parameters(remove_duplicate=False)),
+                   **dict(graph.named_buffers(remove_duplicate=False))}
+        constants = {name: tensors[name].detach() for name in loader.get_constant_fqns()}
+        # (map, use the inactive buffer, check every constant is given, user managed: the model's own memory)
+        loader.load_constants(constants, False, True, True)
+        return loader.boxed_run
+
+    def _spawn_builder(self, path: Path, ids_only: bool, rows: int, cache: KVCache) -> None:
+        """Start the builder of ``path`` unless one is building already (one at a time: one per process, and
+        the folder's lock file, taken here and removed by the builder when it ends)."""
+        run = self.build.background_run
+        assert run is not None
+        if self._spawned or not take_lock(self.folder / ".building"):
+            return
+        spare = next((s.kind[2] - s.window for s in cache.store if s.kind[0] == "ring"), 0)
+        cmd = [sys.executable, "-m", "tinyformer.generation.compile_cache", "--run", run, "--dtype", self.build.dtype,
+               "--rows", str(rows), "--max-len", str(cache.max_len),
+               "--spare-slots", str(spare), "--cache-dtype", str(cache.store[0].k.dtype).removeprefix("torch."),
+               "--out", str(path)] + (["--ids-only"] if ids_only else [])
+        try:  # the builder holds the lock from here on and removes it when it ends
+            with open(self.folder / "build.log", "ab") as log:
+                subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                 env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(self.folder.parent)})
+        except OSError:
+            (self.folder / ".building").unlink(missing_ok=True)
+            return
+        self._spawned = True
+        if self.build.notice is not None:
+            self.build.notice(f"tinyformer: decoding eagerly; the compiled decode step for this model is being "
+                              f"built in the background (minutes, once; --no-compile turns this off), and later "
+                              f"runs will load it from {self.folder}")
+
+
+def take_lock(lock: Path) -> bool:
+    """Create ``lock`` (and its folder) unless it exists; one an hour old is stale (its builder died)."""
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        if lock.exists() and time.time() - lock.stat().st_mtime >= 3600:
+            lock.unlink(missing_ok=True)
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except OSError:  # it exists (another builder), or the folder cannot be written: no build
+        return False
+
+
+def build_package(graph: _StepGraph, path: Path, rows: int, cache: KVCache) -> None:
+    """Export ``graph`` (one decode step of ``rows`` rows over a cache laid out like ``cache``) and compile it
+    to the AOTInductor package ``path``, written whole or not at all."""
+    from torch._inductor import aoti_compile_and_package
+    from torch.export import Dim, export
+
+    device = cache.store[0].k.device
+    kv, slots = Dim("kv", min=2, max=2**20 - 1), Dim("slots", min=3, max=2**20)
+    # dense layers hold every position (S symbolic); a ring's slot count is part of its kind
+    cache_dims = [{2: slots} if s.kind[0] == "dense" else {} for s in cache.store]
+    with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecations, not ours to act on
+        # fresh example buffers: the engine's may be inference tensors, which export cannot write
+        keys = [torch.zeros_like(s.k, memory_format=torch.contiguous_format) for s in cache.store]
+        values = [torch.zeros_like(k) for k in keys]
+        tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        positions = torch.ones(rows, dtype=torch.long, device=device)
+        exported = export(graph, (tokens, positions, torch.empty(2, device=device), keys, values),
+                          dynamic_shapes=({}, {}, {0: kv}, cache_dims, cache_dims), strict=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{os.getpid()}.{path.name}")  # the packager wants the .pt2 suffix
+        try:
+            aoti_compile_and_package(exported, package_path=str(tmp),
+                                     inductor_configs={"aot_inductor.package_constants_in_so": False})
+            os.replace(tmp, path)  # whole or not at all: another process may be loading it
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def packaged_build(compile: bool | PackageBuild) -> PackageBuild:
+    """The :class:`PackageBuild` of a ``compile`` argument (``Generator``, ``Scheduler``): True builds in the
+    foreground, silently."""
+    return compile if isinstance(compile, PackageBuild) else PackageBuild()
+
+
+def compiled_step(model: nn.Module, build: PackageBuild = PackageBuild()) -> CompiledStep:
+    """The compiled decode step for ``model``: kept as packages in the compile cache on a CPU
+    (:class:`PackagedStep`, built as ``build`` says), the ``torch.compile``-d step elsewhere."""
+    if next(model.parameters()).device.type == "cpu":
+        return PackagedStep(model, compile_cache_dir() / "packages", build)
+    return CompiledStep(model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The background builder of :class:`PackagedStep`: load the run as the decoding process did, lay out a
+    cache alike, and build the package, unless its name (the model and shape it digests) differs from the
+    one asked for. Removes the folder's lock file (taken by its starter) when it ends."""
+    import argparse
+
+    from tinyformer.run_folder import load_model
+
+    p = argparse.ArgumentParser(prog="python -m tinyformer.generation.compile_cache")
+    p.add_argument("--run", required=True)
+    p.add_argument("--dtype", required=True)
+    p.add_argument("--rows", type=int, required=True)
+    p.add_argument("--ids-only", action="store_true")
+    p.add_argument("--max-len", type=int, required=True)
+    p.add_argument("--spare-slots", type=int, default=0)
+    p.add_argument("--cache-dtype", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    os.nice(10)  # the user's own work first
+    out = Path(args.out)
+    lock = out.parent / ".building"  # taken by the process that started this one
+    try:
+        model = load_model(args.run, dtype=getattr(torch, args.dtype), verify=False)
+        store_input_major(model)
+        cache = model.new_cache(args.rows, args.max_len, dtype=getattr(torch, args.cache_dtype),
+                                spare_slots=args.spare_slots)
+        step = PackagedStep(model, out.parent)
+        if step.name(args.ids_only, args.rows, cache) != out.name:
+            print(f"{out.name}: this process lays out another model or cache; nothing built", file=sys.stderr)
+            return 1
+        build_package(_StepGraph(model, cache, args.ids_only), out, args.rows, cache)
+        print(f"built {out}", file=sys.stderr)
+        return 0
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

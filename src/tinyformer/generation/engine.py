@@ -50,6 +50,8 @@ LongRoPE models decode row by row, since their rotary tables depend on each row'
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -177,6 +179,8 @@ class CompiledStep:
     variant. Only the span's length is symbolic, so a (rows, cache length) shape compiles once.
     """
 
+    traced = True  # dynamo traces the calls: the engine marks the span's size symbolic
+
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._fns: dict[bool, Callable[..., Tensor]] = {}
@@ -228,14 +232,16 @@ def check_compilable(model: nn.Module) -> None:
     if any(getattr(m, "kernel", None) == "fbgemm" for m in model.modules()):
         raise GenerationError("the quantized kernel 'fbgemm' cannot be compiled (torch.compile does not trace "
                               "it): drop --compile, or quantize with another --kernel")
-    if next(model.parameters()).device.type == "cpu":
-        from torch._inductor import cpp_builder
+    if next(model.parameters()).device.type == "cpu" and cpp_compiler() is None:
+        raise GenerationError(f"--compile on a CPU needs a C++ compiler (g++ or clang++; set CXX to choose one): "
+                              f"{os.environ.get('CXX') or 'g++'} was not found")
 
-        try:
-            cpp_builder.get_cpp_compiler()
-        except Exception as exc:  # InvalidCxxCompiler, or whatever a torch version raises instead
-            raise GenerationError(f"--compile on a CPU needs a C++ compiler (g++ or clang++; set CXX to choose "
-                                  f"one): {' '.join(str(exc).split())}") from None
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor would call (``CXX``, else g++, else clang++), or None. Looked up on PATH
+    rather than asked of inductor, whose import costs a decoding process 3 s when it only loads packages."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++"]
+    return next((path for path in map(shutil.which, names) if path), None)
 
 
 class BatchEngine:
@@ -463,7 +469,8 @@ class BatchEngine:
             raise RuntimeError("warm_up() needs an empty engine: it writes dummy keys at position 0")
         # a span of 2, not 1: dynamo specialises sizes 0 and 1, and the graph must take any span
         span = torch.empty(min(2, self.max_len), device=self.device)
-        torch._dynamo.maybe_mark_dynamic(span, 0)
+        if self.compiled.traced:
+            torch._dynamo.maybe_mark_dynamic(span, 0)
         for n in self.buckets():
             t = torch.zeros(n, 1, dtype=torch.long, device=self.device)
             p = torch.zeros(n, dtype=torch.long, device=self.device)
@@ -505,9 +512,10 @@ class BatchEngine:
             step = compiled.get(ids_only)
             # the span to attend over, as the length of a tensor whose size the compiled step treats as symbolic
             span = torch.empty(kv, device=dev)
-            torch._dynamo.maybe_mark_dynamic(span, 0)
+            if compiled.traced:
+                torch._dynamo.maybe_mark_dynamic(span, 0)
             shape = (n, ids_only)
-            if self._last_shapes == [shape, shape]:
+            if compiled.traced and self._last_shapes == [shape, shape]:
                 # The last two steps had these shapes: the inputs come from the same places with the same
                 # shapes, strides and dtypes, only values change, so the guards would pass; skipping their
                 # check saves 2-3% of a step (one check per parameter). The stance holds for this call only.

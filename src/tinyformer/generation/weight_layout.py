@@ -29,7 +29,9 @@ def store_input_major(model: nn.Module) -> None:
     written contiguous).
     """
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    with torch.no_grad():
+    # not inference tensors, even when called inside inference mode (a decode step's first call): the
+    # weights stay usable for training and for torch.export
+    with torch.inference_mode(False), torch.no_grad():
         for m in model.modules():
             if (isinstance(m, nn.Linear) and id(m.weight) not in embedded and m.weight.dtype == torch.float32
                     and m.weight.is_contiguous()):

@@ -493,7 +493,7 @@ def import_gguf_keep_quant(path: str | Path, out: str | Path, *, max_shard_bytes
     from tinyformer.components.quantized import QuantSpec, quantize_weight
     from tinyformer.families import adapter_for_hf
     from tinyformer.interop.convert_pipeline import staged_output
-    from tinyformer.models import build_model
+    from tinyformer.models import meta_model
     from tinyformer.run_folder import QUANT_KEY, iter_tensors, linear_names, save_tensors, side_files
 
     g = GGUFFile(path)
@@ -533,8 +533,8 @@ def import_gguf_keep_quant(path: str | Path, out: str | Path, *, max_shard_bytes
                 if name in source._permute:
                     parts = {k: unpermute_rows(v, source._permute[name]) for k, v in parts.items()}
                 exact[name] = parts
-        with torch.device("meta"):  # the layers a quantized run stores quantized (a MoE's router too; its
-            linears = set(linear_names(build_model(cfg)))  # stacked experts are no nn.Linear and stay float)
+        # the layers a quantized run stores quantized (a MoE's router too; its stacked experts are no
+        linears = set(linear_names(meta_model(cfg)))  # nn.Linear and stay float)
         rounded: Counter[str] = Counter()
 
         def tensors():

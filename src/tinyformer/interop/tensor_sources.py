@@ -142,10 +142,9 @@ class MetaStateDict(TensorSource):
     """The state dict a config implies, on the meta device (what a checkpoint must contain)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        from tinyformer.models import build_model
+        from tinyformer.models import meta_model
 
-        with torch.device("meta"):
-            model = build_model(cfg)
+        model = meta_model(cfg)
         sd = model.state_dict()
         if cfg.tie_embeddings and "lm_head.weight" in sd and "tok_emb.weight" in sd:
             sd.pop("lm_head.weight")  # stored once, as the run folder does

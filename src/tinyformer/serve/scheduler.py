@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tinyformer.generation.compile_cache import PackageBuild, compiled_step, packaged_build
 from tinyformer.generation.constraint import Matcher
 from tinyformer.generation.engine import (
     BatchEngine,
-    CompiledStep,
     EngineRow,
     RowOutput,
     TokenInfo,
@@ -129,7 +129,7 @@ class Scheduler:
         max_batch: int = 16,
         max_queue: int = 64,
         max_len: int | None = None,
-        compile: bool = False,
+        compile: bool | PackageBuild = False,
         prefill_chunk: int | None = 256,
         prefix_cache_mb: float = 0,
         max_draft_tokens: int = 0,
@@ -145,8 +145,9 @@ class Scheduler:
         self.token_bytes = token_bytes
         self.max_batch = max_batch
         self.max_queue = max_queue
-        self.engine = BatchEngine(model, max_batch=max_batch, max_len=max_len,
-                                  compiled=CompiledStep(model) if compile else None, prefill_chunk=prefill_chunk,
+        compiled = compiled_step(model, packaged_build(compile)) if compile else None
+        self.engine = BatchEngine(model, max_batch=max_batch, max_len=max_len, compiled=compiled,
+                                  prefill_chunk=prefill_chunk,
                                   prefix_cache=new_prefix_cache(model, prefix_cache_mb), buckets=True,
                                   max_draft_tokens=max_draft_tokens, draft_model=draft_model)
         self.cache = self.engine.cache
