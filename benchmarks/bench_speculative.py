@@ -256,6 +256,7 @@ def main() -> None:
     ap.add_argument("--gguf", nargs="+", default=None, metavar="[LABEL=]FILE", help="the GGUF files llama.cpp loads")
     ap.add_argument("--out", type=Path, default=None, help="write every row as JSON lines here")
     ap.add_argument("--llama-only", action="store_true", help="run the llama.cpp side only")
+    ap.add_argument("--skip-fp32", action="store_true", help="leave out the --model (fp32) rows: --int8 and llama.cpp")
     ap.add_argument("--forward-cost", type=int, nargs="+", default=None, metavar="T",
                     help="only time one forward over T positions (e.g. 1 5 9) and exit")
     args = ap.parse_args()
@@ -271,7 +272,7 @@ def main() -> None:
     started = time.time()
     rows = []
     with torch.inference_mode():
-        if not args.llama_only:
+        if not args.llama_only and not args.skip_fp32:
             rows += run_tinyformer(args.model, "fp32", texts, args)
         if args.int8 and not args.llama_only:
             rows += run_tinyformer(args.int8, "int8", texts, args)
