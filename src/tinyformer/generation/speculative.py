@@ -41,7 +41,9 @@ then timing the best (docs/benchmarks/speculative.md, "Choosing the adaptive rul
                  whose drafts are always rejected then pays one two-position forward per 17 steps, at most
 
 The rules change only which drafts are verified, never which token is emitted: greedy output stays token
-for token the plain one.
+for token the plain one, as far as a forward over k + 1 positions computes the same logits as k + 1 one-
+position steps (an int8 SmolLM2-135M's differed by up to 0.25, so a near tie can go the other way:
+docs/benchmarks/speculative.md).
 """
 
 from __future__ import annotations
