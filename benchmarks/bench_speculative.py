@@ -13,8 +13,16 @@ Prompts (built from text on disk, as plain text to continue):
   copy      500 characters of TinyShakespeare, then "The same passage, copied exactly:" and its first words
   code      30 lines of json.decoder.py_scanstring (the standard library's source), then "The same code with
             py_scanstring renamed to scan_string:" and the renamed def
-  quote     a quoted document (textwrap.TextWrapper's docstring), a question, "Answer by quoting the document"
+  quote     through the run's chat template: a user turn with a quoted document (textwrap.TextWrapper's
+            docstring) and "Which sentence of the document says what the width option does? Quote it
+            exactly.", the assistant turn opened with a quotation mark
   free      free writing: "Once upon a time, a dragon who wanted to learn to cook"
+  quote-plain  (only with --prompts) the quote prompt before 2026-12-02: the same document as plain text, "Question:
+            what do the width and expand_tabs options do? Answer by quoting the document.\nAnswer: \"";
+            SmolLM2-135M-Instruct paraphrases there (docs/benchmarks/speculative.md)
+
+Each row gives ``copied``: the share of the output's tokens inside a run of >= 4 tokens that also occurs in
+the prompt, which says whether the text copies from its context (what prompt lookup can draft).
 
 --llama-python runs llama-cpp-python's ``LlamaPromptLookupDecoding`` (and plain llama.cpp) on the same token
 ids in a subprocess, alternating too.
@@ -42,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from tinyformer.data.chat_template import ChatTemplate
 from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.generation.speculative import SpeculativeConfig
@@ -52,8 +61,13 @@ from tinyformer.run_folder import load_model, load_tokenizer
 SHAKESPEARE = Path("/work/shared/data/tinyshakespeare/input.txt")
 
 
-def prompts(shakespeare: Path) -> dict[str, str]:
-    """The four prompts, from TinyShakespeare and the standard library's sources."""
+DEFAULT_PROMPTS = ("copy", "code", "quote", "free")
+QUOTE_QUESTION = "Which sentence of the document says what the width option does? Quote it exactly."
+
+
+def prompts(shakespeare: Path, chat: ChatTemplate) -> dict[str, str]:
+    """The prompts, from TinyShakespeare and the standard library's sources; ``chat`` renders the quote
+    prompt's user turn."""
     text = shakespeare.read_text(encoding="utf-8") if shakespeare.is_file() else inspect.getsource(textwrap)
     start = text.index("\n\n", 2000) + 2  # a speech's first line
     passage = text[start : text.rindex("\n", start, start + 500)]
@@ -64,14 +78,29 @@ def prompts(shakespeare: Path) -> dict[str, str]:
     code = "\n".join(code.splitlines()[:30])
     doc = (inspect.getdoc(textwrap.TextWrapper) or "")[:900]
     first = " ".join(passage.split()[:4])
+    # an instruct model answers a question in its chat format; the opening quotation mark starts the quote,
+    # as the copy and code prompts start their copies
+    quote = chat.render([{"role": "user", "content": f"Document:\n\"\"\"\n{doc}\n\"\"\"\n\n{QUOTE_QUESTION}"}]) + '"'
     return {
         "copy": f"{passage}\n\nThe same passage, copied exactly:\n\n{first}",
         "code": f"```python\n{code}\n```\n\nThe same code with py_scanstring renamed to scan_string:\n\n"
                 f"```python\ndef scan_string(",
-        "quote": f"Document:\n\"\"\"\n{doc}\n\"\"\"\n\nQuestion: what do the width and expand_tabs options do? "
-                 "Answer by quoting the document.\nAnswer: \"",
+        "quote": quote,
         "free": "Once upon a time, a dragon who wanted to learn to cook",
+        "quote-plain": f"Document:\n\"\"\"\n{doc}\n\"\"\"\n\nQuestion: what do the width and expand_tabs options do? "
+                 "Answer by quoting the document.\nAnswer: \"",
     }
+
+
+def copied(output: list[int], prompt: list[int], n: int = 4) -> float:
+    """The share of ``output``'s tokens inside a run of >= n tokens that also occurs in ``prompt``:
+    |{i : output[j : j + n] occurs in prompt for some j in (i - n, i]}| / len(output)."""
+    grams = {tuple(prompt[i : i + n]) for i in range(len(prompt) - n + 1)}
+    covered = [False] * len(output)
+    for i in range(len(output) - n + 1):
+        if tuple(output[i : i + n]) in grams:
+            covered[i : i + n] = [True] * n
+    return sum(covered) / max(1, len(output))
 
 
 def truncated_copy(model: DecoderLM, n_layer: int) -> DecoderLM:
@@ -126,6 +155,7 @@ def run_tinyformer(run: str, label: str, texts: dict[str, str], args) -> list[di
             rows.append({"weights": label, "prompt": name, "prompt_tokens": len(p), "method": m,
                          "tokens_per_s": round(tps, 2), "ratio": round(tps / base, 2),
                          "acceptance": round(a / n, 2) if n else None, "proposed": n,
+                         "copied": round(copied(out["plain"], p), 2),
                          "same_as_plain": out[m] == out["plain"], "load": os.getloadavg()[0]})
             print(json.dumps(rows[-1]), flush=True)
         print(f"  {label} {name}: {tok.decode(out['plain'])[:80]!r}", file=sys.stderr, flush=True)
@@ -219,12 +249,14 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=0, help="a draft model of the first N layers (0: none)")
     ap.add_argument("--draft-run", default=None, help="a draft model's run folder (same tokenizer), fp32 only")
     ap.add_argument("--draft-model-tokens", type=int, default=4, help="K of the draft-model run")
-    ap.add_argument("--prompts", nargs="+", default=None, help="a subset of copy, code, quote, free")
+    ap.add_argument("--prompts", nargs="+", default=None,
+                    help="a subset of copy, code, quote, free, quote-plain (default: the first four)")
     ap.add_argument("--shakespeare", type=Path, default=SHAKESPEARE)
     ap.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python")
     ap.add_argument("--gguf", nargs="+", default=None, metavar="[LABEL=]FILE", help="the GGUF files llama.cpp loads")
     ap.add_argument("--out", type=Path, default=None, help="write every row as JSON lines here")
     ap.add_argument("--llama-only", action="store_true", help="run the llama.cpp side only")
+    ap.add_argument("--skip-fp32", action="store_true", help="leave out the --model (fp32) rows: --int8 and llama.cpp")
     ap.add_argument("--forward-cost", type=int, nargs="+", default=None, metavar="T",
                     help="only time one forward over T positions (e.g. 1 5 9) and exit")
     args = ap.parse_args()
@@ -233,15 +265,14 @@ def main() -> None:
         with torch.inference_mode():
             forward_costs(args.model, args.forward_cost)
         return
-    texts = prompts(args.shakespeare)
-    if args.prompts:
-        texts = {k: v for k, v in texts.items() if k in args.prompts}
+    texts = prompts(args.shakespeare, ChatTemplate(load_tokenizer(args.model)))
+    texts = {k: v for k, v in texts.items() if k in (args.prompts or DEFAULT_PROMPTS)}
     print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, load at start "
           f"{os.getloadavg()}", flush=True)
     started = time.time()
     rows = []
     with torch.inference_mode():
-        if not args.llama_only:
+        if not args.llama_only and not args.skip_fp32:
             rows += run_tinyformer(args.model, "fp32", texts, args)
         if args.int8 and not args.llama_only:
             rows += run_tinyformer(args.int8, "int8", texts, args)

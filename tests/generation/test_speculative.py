@@ -18,7 +18,7 @@ from tinyformer.generation import engine as engine_module
 from tinyformer.generation.engine import BatchEngine, EngineRow
 from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams
-from tinyformer.generation.speculative import NgramIndex, SpeculativeConfig, accept_sampled
+from tinyformer.generation.speculative import NgramIndex, RowDrafts, SpeculativeConfig, accept_sampled
 from tinyformer.generation.streaming import TextState
 from tinyformer.models.decoder import DecoderLM
 from tinyformer.quantization import quantize_run
@@ -65,6 +65,48 @@ def test_prompt_lookup_takes_the_latest_earlier_occurrence_of_the_longest_suffix
     assert idx.propose(2) == [8, 4]  # (2, 3, 7) at index 5
     idx.extend([1, 2, 3, 9, 1, 2, 3, 7, 8, 4, 2, 3, 7, 5])
     assert idx.propose(4) == []  # 5 never occurred before
+
+
+def test_prompt_lookup_with_a_minimum_match_ignores_shorter_suffixes():
+    idx = NgramIndex(3, min_n=2)
+    idx.extend([1, 2, 3, 9, 4, 2])
+    assert idx.propose(3) == []  # only the last token (2) occurred before
+    idx.extend([1, 2, 3, 9, 4, 2, 3])
+    assert idx.propose(3) == [9, 4, 2]  # (2, 3) at index 1
+    assert NgramIndex(3).propose(3) == [] and NgramIndex(3, min_n=1).min_n == 1
+
+
+def test_draft_length_grows_by_two_after_full_acceptance_and_shrinks_by_one_otherwise():
+    state = RowDrafts(SpeculativeConfig("ngram", draft_tokens=6))
+    ks = []
+    for kept in (0, 0, 1, 4, 2, 3):  # of the k proposed
+        k = state.budget(100)
+        ks.append(k)
+        state.record(k, min(kept, k))
+    # k: 6 (none kept) -> 5 (none) -> 4 (1 of 4) -> 3 (all 3) -> 5 (2 of 5) -> 4 (3 of 4) -> 3
+    assert ks == [6, 5, 4, 3, 5, 4] and state.k == 3
+    assert (state.proposed, state.accepted) == (27, 0 + 0 + 1 + 3 + 2 + 3)
+
+
+def test_a_rejected_single_draft_pauses_proposals_for_doubling_steps_until_all_are_kept():
+    state = RowDrafts(SpeculativeConfig("ngram", draft_tokens=1))
+    budgets = []
+    for _ in range(16):
+        k = state.budget(100)
+        budgets.append(k)
+        if k:
+            state.record(1, 0)
+    # rejected at steps 0, 2, 5, 10: pauses of 1, 2, 4 steps, then 8
+    assert budgets == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
+    for _ in range(8):
+        state.budget(100)
+    assert state.budget(100) == 1
+    state.record(1, 1)  # kept: the pauses start again at 1
+    state.record(1, 0)
+    assert [state.budget(100) for _ in range(2)] == [0, 1]
+    fixed = RowDrafts(SpeculativeConfig("ngram", draft_tokens=4, adaptive=False))
+    fixed.record(4, 0)
+    assert fixed.budget(100) == 4
 
 
 # ------------------------------------------------------------------ greedy: token for token
@@ -120,8 +162,10 @@ def test_speculative_rows_and_plain_rows_share_an_engine_and_each_equals_plain_g
     params = SamplingParams(temperature=0, max_new_tokens=25)
     ref = [r.token_ids for r in ids_generator(model).generate(PROMPTS, params)]
     engine = BatchEngine(model, max_batch=3, max_len=64, max_draft_tokens=4)
+    # min_ngram=1: this random model's output repeats no two-token run, so the default would verify nothing
+    spec = SpeculativeConfig("ngram", 4, min_ngram=1)
     rows = [EngineRow(p, params, TextState(lambda i: b"x", frozenset(), ()),
-                      speculative=SpeculativeConfig("ngram", 4) if i != 1 else None) for i, p in enumerate(PROMPTS)]
+                      speculative=spec if i != 1 else None) for i, p in enumerate(PROMPTS)]
     with torch.inference_mode():
         engine.add(rows[0])
         for step in itertools.count():
@@ -273,6 +317,12 @@ def test_a_draft_model_whose_tokenizer_differs_is_one_clear_error():
 def test_draft_tokens_outside_the_range_are_refused(k):
     with pytest.raises(GenerationError, match="draft tokens must be an integer in"):
         SpeculativeConfig("ngram", draft_tokens=k).validate()
+
+
+@pytest.mark.parametrize("n", [0, 4, True])
+def test_a_min_ngram_outside_one_to_max_ngram_is_refused(n):
+    with pytest.raises(GenerationError, match="min ngram must be an integer in"):
+        SpeculativeConfig("ngram", max_ngram=3, min_ngram=n).validate()
 
 
 def test_speculative_beam_search_is_refused():

@@ -9,8 +9,8 @@ each prefix y_0 d_1 .. d_j, j = 0 .. K; the drafts it agrees with are kept, the 
 Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling")::
 
     proposers    ngram   prompt lookup: the K tokens that followed the latest earlier occurrence of the last
-                         n tokens of prompt + output, n = max_ngram .. 1 (the first n that occurs); q is a
-                         point mass on each draft (a deterministic proposal)
+                         n tokens of prompt + output, n = max_ngram .. min_ngram (the first n that occurs);
+                         q is a point mass on each draft (a deterministic proposal)
                  draft   a smaller model with the same tokenizer, with its own KV cache: d_j ~ q_j, q_j its
                          (processed) next-token distribution; argmax for greedy rows
     target       p_j = softmax(processors(logits_j)), the distribution ``sample`` draws from at that
@@ -27,11 +27,23 @@ Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative S
                  W + K slots for it (``new_cache(spare_slots=K)``)
 
 Adaptive (``RowDrafts``): a verification of k drafts costs a forward over k + 1 positions, on a loaded CPU up
-to twice a one-token step (docs/benchmarks/speculative.md), and yields m + 1 tokens; it pays when the target
-keeps at least half of the drafts. After a verification that kept fewer (2m < k), a row halves its next k (at
-least 1) and proposes nothing for 1, 2, 4, .. 16 steps (doubling while it keeps failing); one that kept half
-doubles k again (at most K) and ends the pauses. Text that copies little then decodes at nearly the plain
-speed, and a failed guess costs a narrower forward.
+to 2.5 one-token steps (docs/benchmarks/speculative.md), and yields m + 1 tokens, so rejected drafts must
+cost little. Three rules, chosen by replaying them against the greedy outputs of the benchmark's prompts and
+then timing the best (docs/benchmarks/speculative.md, "Choosing the adaptive rule"):
+
+    match        prompt lookup drafts only after a match of the last n >= min_ngram (2) tokens: a match of
+                 the last token alone is a weak guess, most often rejected on text that does not copy
+    length       each row's next k: k + 2 after a verification that kept every draft, k - 1 after one
+                 that did not, within [1, K] (the heuristic of HF transformers' assisted generation); K =
+                 ``draft_tokens`` is the maximum and the first k
+    pause        a verification of k = 1 draft that kept nothing pauses the row's proposals for 1, 2, 4, ..
+                 16 steps (doubling while it keeps failing, reset by one that keeps every draft): a row
+                 whose drafts are always rejected then pays one two-position forward per 17 steps, at most
+
+The rules change only which drafts are verified, never which token is emitted: greedy output stays token
+for token the plain one, as far as a forward over k + 1 positions computes the same logits as k + 1 one-
+position steps (an int8 SmolLM2-135M's differed by up to 0.25, so a near tie can go the other way:
+docs/benchmarks/speculative.md).
 """
 
 from __future__ import annotations
@@ -55,6 +67,7 @@ from tinyformer.generation.sampling import (
 __all__ = [
     "DEFAULT_DRAFT_TOKENS",
     "DEFAULT_MAX_NGRAM",
+    "DEFAULT_MIN_NGRAM",
     "METHODS",
     "DraftModel",
     "NgramIndex",
@@ -68,6 +81,8 @@ __all__ = [
 METHODS = ("ngram", "draft")
 DEFAULT_DRAFT_TOKENS = 4  # docs/benchmarks/speculative.md: 8 gained little over 4 in fp32 and lost in int8
 DEFAULT_MAX_NGRAM = 3
+# a one-token match drafted mostly rejected tokens on free writing (docs/benchmarks/speculative.md)
+DEFAULT_MIN_NGRAM = 2
 MAX_DRAFT_TOKENS = 64
 MAX_BACKOFF = 16  # steps without proposals after repeated failed verifications, at most
 
@@ -78,12 +93,14 @@ _PLAIN = Sampler()
 @dataclass
 class SpeculativeConfig:
     """How a row speculates: ``method`` "ngram" (prompt lookup) or "draft" (a draft model, given to the
-    engine); ``draft_tokens`` K drafts per step at most; ``max_ngram`` the longest suffix prompt lookup
-    matches (it tries max_ngram .. 1); ``adaptive`` pauses proposals after failed verifications."""
+    engine); ``draft_tokens`` K drafts per step at most; prompt lookup matches the last n tokens, n =
+    ``max_ngram`` .. ``min_ngram``; ``adaptive`` varies each row's number of drafts and pauses its proposals
+    after failed verifications (module docstring); without it every step proposes K."""
 
     method: str = "ngram"
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     max_ngram: int = DEFAULT_MAX_NGRAM
+    min_ngram: int = DEFAULT_MIN_NGRAM
     adaptive: bool = True
 
     def validate(self) -> SpeculativeConfig:
@@ -96,16 +113,20 @@ class SpeculativeConfig:
                                   f"{self.draft_tokens!r}")
         if isinstance(self.max_ngram, bool) or not isinstance(self.max_ngram, int) or not 1 <= self.max_ngram <= 16:
             raise GenerationError(f"max ngram must be an integer in [1, 16], got {self.max_ngram!r}")
+        if isinstance(self.min_ngram, bool) or not isinstance(self.min_ngram, int) \
+                or not 1 <= self.min_ngram <= self.max_ngram:
+            raise GenerationError(f"min ngram must be an integer in [1, max ngram = {self.max_ngram}], got "
+                                  f"{self.min_ngram!r}")
         return self
 
 
 class NgramIndex:
     """Prompt lookup over one growing sequence, O(max_n) per token: ``latest[n][g]`` is the start of the latest
     occurrence of n-gram g that some token follows (the sequence's own suffix has none yet, so a lookup of
-    the suffix finds an earlier occurrence)."""
+    the suffix finds an earlier occurrence); ``propose`` matches suffixes of min_n .. max_n tokens."""
 
-    def __init__(self, max_n: int) -> None:
-        self.max_n = max_n
+    def __init__(self, max_n: int, min_n: int = 1) -> None:
+        self.max_n, self.min_n = max_n, min_n
         self.tokens: list[int] = []
         self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
 
@@ -119,10 +140,10 @@ class NgramIndex:
                 latest[n][tuple(toks[end - n : end])] = end - n
 
     def propose(self, k: int) -> list[int]:
-        """The k tokens (fewer at the end) after the latest earlier occurrence of the longest suffix of n <=
-        max_n tokens that occurred before; [] when not even the last token did."""
+        """The k tokens (fewer at the end) after the latest earlier occurrence of the longest suffix of
+        min_n <= n <= max_n tokens that occurred before; [] when none did."""
         toks = self.tokens
-        for n in range(min(self.max_n, len(toks)), 0, -1):
+        for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
             j = self.latest[n].get(tuple(toks[len(toks) - n :]))
             if j is not None:
                 return toks[j + n : j + n + k]
@@ -135,13 +156,13 @@ class RowDrafts:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.ngram = NgramIndex(config.max_ngram) if config.method == "ngram" else None
+        self.ngram = NgramIndex(config.max_ngram, config.min_ngram) if config.method == "ngram" else None
         self.draft_pos = 0  # draft model: the positions of the sequence its cache row holds
         self.base = 0  # draft model: the sequence's length when it last proposed
         self.q: Tensor | None = None  # draft model, sampling: (k, V) distributions of the last drafts
         self.proposed = 0
         self.accepted = 0
-        self.k = config.draft_tokens  # drafts of the next proposal: K, halved after each failed verification
+        self.k = config.draft_tokens  # drafts of the next proposal, in [1, K]
         self._pause = 0
         self._backoff = 0
 
@@ -153,18 +174,23 @@ class RowDrafts:
         return max(0, min(self.k, room))
 
     def record(self, proposed: int, accepted: int) -> None:
-        """Count a verification; pause proposals after one that kept less than half (``adaptive``)."""
+        """Count a verification of ``proposed`` drafts that kept ``accepted``; with ``adaptive``, the next k
+        = min(K, k + 2) if all were kept else max(1, k - 1), and a pause of 1, 2, 4 .. 16 steps after one
+        draft that was rejected (module docstring)."""
         self.proposed += proposed
         self.accepted += accepted
         if not self.config.adaptive or proposed == 0:
             return
-        if 2 * accepted < proposed:
-            self.k = max(1, self.k // 2)
-            self._backoff = min(max(1, 2 * self._backoff), MAX_BACKOFF)
-            self._pause = self._backoff
-        else:
-            self.k = min(self.config.draft_tokens, 2 * self.k)
+        if accepted == proposed:
+            self.k = min(self.config.draft_tokens, self.k + 2)
             self._backoff = 0
+        else:
+            # the pause waits until k has come down to 1: a partly kept longer draft says the text still
+            # copies, so it is shortened rather than stopped
+            if accepted == 0 and proposed == 1:
+                self._backoff = min(max(1, 2 * self._backoff), MAX_BACKOFF)
+                self._pause = self._backoff
+            self.k = max(1, self.k - 1)
 
 
 def accept_greedy(targets: Sequence[int], drafts: Sequence[int]) -> tuple[int, int]:
