@@ -15,6 +15,8 @@ what to attend: ``keys, values, mask = step.kv(layer, k, v)`` (without a cache: 
                  length .. length + T - 1 (``attention_mask`` marks left padding: 1 = token, 0 = padding)
     row call     ``cache.at(positions).begin(ids)``: row b's T tokens at positions[b] .. positions[b] + T - 1,
                  each row at its own length (continuous batching); the caller keeps the lengths
+    shared       ``SharedPrefix``: no cache; the distinct prefixes run once (``shared.prefix``), then rows
+                 that continue them attend their prefix's keys and values (GRPO's G completions of a prompt)
 
 Rolling buffers (sliding-window layers): a layer whose queries see only the last W keys
 (``ModelConfig.layer_window``) needs only R = W + ``spare_slots`` slots when ``max_len`` > R; position p is kept

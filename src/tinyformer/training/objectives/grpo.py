@@ -23,6 +23,9 @@ end-of-turn token included):
 log pi is the model being trained (at the same temperature T); eps_c = ``--clip-eps``; beta = ``--kl-beta``.
 The reference ref is the ``--init-from`` model: with LoRA, the model itself with its adapters switched off
 (``lora_disabled``: no second copy in memory); without LoRA, a frozen copy loaded once (only when beta > 0).
+Both log pi and log ref run each distinct prompt through the model once and the G completions after it,
+attending its keys and values (``shared_prompt_logps``): the same log-probs and gradients as the full rows,
+at about half the tokens when the prompt is as long as the completions.
 ``--ppo-epochs K`` takes K optimizer steps on each sampled batch (rho departs from 1 after the first);
 ``--grad-accum A`` splits each step's P x G completions into A micro-batches of rows (the same update, with
 the sums divided by the whole batch's counts; about 1/A of the activation memory).
