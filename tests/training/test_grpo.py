@@ -259,7 +259,7 @@ def test_reference_does_not_move_and_only_the_adapters_get_gradients(tmp_path: P
     trainer = lora_objective(tmp_path, files)
     objective, model = trainer.objective, trainer.model
     batch = objective.get_batch("train", torch.Generator().manual_seed(0))
-    before = objective._reference_logps(batch["input_ids"], batch["targets"])
+    before = objective._reference_logps(batch)
     objective.loss(model, batch).backward()
     assert float(batch["advantages"].abs().sum()) > 0
     with_grad = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
@@ -270,7 +270,7 @@ def test_reference_does_not_move_and_only_the_adapters_get_gradients(tmp_path: P
     for _ in range(4):
         trainer.train_step()
     assert objective.loss(model, batch).item() != policy_before  # the policy moved
-    after = objective._reference_logps(batch["input_ids"], batch["targets"])
+    after = objective._reference_logps(batch)
     assert torch.equal(before, after)
 
 

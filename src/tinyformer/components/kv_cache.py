@@ -15,6 +15,8 @@ what to attend: ``keys, values, mask = step.kv(layer, k, v)`` (without a cache: 
                  length .. length + T - 1 (``attention_mask`` marks left padding: 1 = token, 0 = padding)
     row call     ``cache.at(positions).begin(ids)``: row b's T tokens at positions[b] .. positions[b] + T - 1,
                  each row at its own length (continuous batching); the caller keeps the lengths
+    shared       ``SharedPrefix``: no cache; the distinct prefixes run once (``shared.prefix``), then rows
+                 that continue them attend their prefix's keys and values (GRPO's G completions of a prompt)
 
 Rolling buffers (sliding-window layers): a layer whose queries see only the last W keys
 (``ModelConfig.layer_window``) needs only R = W + ``spare_slots`` slots when ``max_len`` > R; position p is kept
@@ -347,6 +349,96 @@ class NoCache:
         positions, seen = token_positions(T, 0, device, attention_mask, position_ids, self.limit)
         return Step(positions, _masks_by_kind(self.store, lambda s: s.block_mask(T, 0, attention_mask, device)),
                     seen)
+
+
+class SharedPrefix:
+    """Rows that continue shared prefixes, each prefix run once: the G completions of one GRPO prompt.
+
+    Two calls of the model, without a cache. First ``prefix``: the U distinct prefixes, right-padded to
+    (U, L), prefix u real on its first n_u = ``lengths[u]`` positions (causal attention never lets a real
+    token see the padding after it). Each layer's keys and values K_l, V_l (U, H_kv, L, d_head) are kept.
+    Then this object: the R rows' own tokens (R, T), row r continuing prefix g = ``group[r]`` at positions
+    n_g .. n_g + T - 1. Layer l attends [K_l[g] ; its own keys] (R, H_kv, L + T, d_head) (values alike) with
+    the (R, 1, T, L + T) mask
+
+        query t of row r sees prefix key j  iff  j < n_g         (and n_g + t - W < j with a window W)
+                         and its own key s  iff  s <= t          (and t - W < s)
+
+    which is what row r written out in full, prefix then own tokens, attends in one causal call from position 0:
+    the same outputs, and (autograd sums over the rows that index a prefix) the same gradients, at U L + R T
+    tokens instead of R (L + T). ``seen`` is the length of the longest full row (max_r n_g + its tokens),
+    which the length-dependent RoPE variants read in both calls, as they would in the full call. The two calls'
+    ``attention_mask`` and ``position_ids`` are not used: the positions follow from ``lengths``."""
+
+    def __init__(self, cfg: ModelConfig, lengths: Tensor, group: Tensor, seen: int,
+                 n_layer: int | None = None) -> None:
+        self.store = [_Uncached(w) for w in layer_windows(cfg, n_layer)]
+        self.lengths, self.group, self.seen = lengths, group, seen
+        if seen > context_limit(cfg):
+            raise GenerationError(f"position {seen - 1} is beyond the model's context (max_seq_len={cfg.max_seq_len})")
+        #: each layer's prefix keys and values (U, H_kv, L, d_head), set by the prefix call
+        self.kv: list[tuple[Tensor, Tensor] | None] = [None] * len(self.store)
+        self.prefix = _PrefixCalls(self)
+
+    def begin(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+              position_ids: Tensor | None = None) -> Step:
+        """The rows' call: row r's T tokens at positions n_g .. n_g + T - 1 after its group's prefix."""
+        R, T = input_ids.shape
+        assert self.kv[0] is not None, "the prefix call comes first"
+        L, device = self.kv[0][0].shape[2], input_ids.device
+        start = self.lengths.index_select(0, self.group)[:, None]  # (R, 1)
+        positions = start + torch.arange(T, device=device)  # (R, T)
+        prefix = torch.arange(L, device=device)
+        key_pos = torch.cat([prefix.expand(R, L), positions], dim=1)[:, None]  # (R, 1, L + T)
+        key_ok = torch.cat([prefix < start, torch.ones(R, T, dtype=torch.bool, device=device)], dim=1)[:, None]
+        q_pos = positions[:, :, None]  # (R, T, 1)
+
+        def mask(layer: _Uncached) -> Tensor:
+            allowed = key_ok & (key_pos <= q_pos)  # (R, T, L + T)
+            if layer.window is not None:
+                allowed = allowed & (key_pos > q_pos - layer.window)
+            return allowed[:, None]
+
+        return _GroupStep(positions, _masks_by_kind(self.store, mask), self.seen, shared=self)
+
+
+class _PrefixCalls:
+    """The prefix call of a ``SharedPrefix``."""
+
+    def __init__(self, shared: SharedPrefix) -> None:
+        self.shared = shared
+
+    def begin(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+              position_ids: Tensor | None = None) -> Step:
+        """The U prefixes at positions 0 .. L - 1, causal (with each layer's window)."""
+        L, device = input_ids.shape[1], input_ids.device
+        masks = _masks_by_kind(self.shared.store, lambda s: s.block_mask(L, 0, None, device))
+        return _PrefixStep(torch.arange(L, device=device)[None], masks, self.shared.seen, shared=self.shared)
+
+
+@dataclass
+class _PrefixStep(Step):
+    """Attends its own keys and values and keeps them for the rows' call."""
+
+    shared: SharedPrefix | None = None
+
+    def kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        self.shared.kv[layer] = (k, v)
+        return k, v, self.masks[layer]
+
+
+@dataclass
+class _GroupStep(Step):
+    """Attends each row's prefix keys and values (copied to the row: (R, H_kv, L, d_head)), then its own."""
+
+    shared: SharedPrefix | None = None
+
+    def kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        pk, pv = self.shared.kv[layer]
+        group = self.shared.group
+        keys = torch.cat([pk.index_select(0, group), k], dim=2)
+        values = torch.cat([pv.index_select(0, group), v], dim=2)
+        return keys, values, self.masks[layer]
 
 
 class KVCache:

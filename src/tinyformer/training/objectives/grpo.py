@@ -23,6 +23,9 @@ end-of-turn token included):
 log pi is the model being trained (at the same temperature T); eps_c = ``--clip-eps``; beta = ``--kl-beta``.
 The reference ref is the ``--init-from`` model: with LoRA, the model itself with its adapters switched off
 (``lora_disabled``: no second copy in memory); without LoRA, a frozen copy loaded once (only when beta > 0).
+Both log pi and log ref run each distinct prompt through the model once and the G completions after it,
+attending its keys and values (``shared_prompt_logps``): the same log-probs and gradients as the full rows,
+at about half the tokens when the prompt is as long as the completions.
 ``--ppo-epochs K`` takes K optimizer steps on each sampled batch (rho departs from 1 after the first);
 ``--grad-accum A`` splits each step's P x G completions into A micro-batches of rows (the same update, with
 the sums divided by the whole batch's counts; about 1/A of the activation memory).
@@ -126,8 +129,31 @@ def token_logps(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor
     """(R, T) log softmax(logits / T)[target] at the positions whose target is not -100 (0 elsewhere); the LM
     head runs on those positions only. input_ids, targets (R, T), right-padded."""
     model = plain_module(model)
+    return _picked_logps(model, model.hidden_states(input_ids), targets, temperature)
+
+
+def shared_prompt_logps(model: nn.Module, batch: Batch, temperature: float) -> torch.Tensor:
+    """``token_logps`` of the rows p_g(r) + c_r, with each distinct prompt run once (``SharedPrefix``,
+    components/kv_cache.py): U L + R T tokens through the model instead of R (L + T).
+
+    batch (``_rows_batch``'s layout): ``prompt_ids`` (U, L), the distinct prompts without their last token,
+    right-padded, ``prompt_lengths`` (U,) their lengths n_u = len(p_u) - 1; ``group`` (R,), each row's prompt;
+    ``input_ids`` (R, T), the prompt's last token then the completion but its last token; ``targets`` (R, T),
+    the completion, -100 after it. Returns (R, T), aligned with ``targets``."""
+    from tinyformer.components.kv_cache import SharedPrefix
+
+    model = plain_module(model)
+    targets, lengths, group = batch["targets"], batch["prompt_lengths"], batch["group"]
+    seen = int((lengths.index_select(0, group) + (targets != IGNORE).sum(1)).max())  # the longest full row
+    shared = SharedPrefix(model.cfg, lengths, group, seen)
+    model.hidden_states(batch["prompt_ids"], cache=shared.prefix)  # keeps each layer's prompt keys and values
+    return _picked_logps(model, model.hidden_states(batch["input_ids"], cache=shared), targets, temperature)
+
+
+def _picked_logps(model: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Hidden states h (R, T, d) -> (R, T) log softmax(W_head h / T)[target] where target != -100, 0 elsewhere
+    (the head runs on those positions only)."""
     mask = targets != IGNORE
-    h = model.hidden_states(input_ids)
     logits = model.logits(h[mask]).float() / temperature
     picked = logits.gather(-1, targets[mask].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     out = torch.zeros(targets.shape, dtype=picked.dtype, device=picked.device)
@@ -278,7 +304,8 @@ class GRPOObjective(ChatObjective):
         return iter(())
 
     # ------------------------------------------------------------------ the reference
-    def _reference_logps(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def _reference_logps(self, batch: Batch) -> torch.Tensor | None:
+        """The reference's ``shared_prompt_logps`` of ``batch`` (None when beta is 0)."""
         if self.cfg.kl_beta == 0.0:
             return None
         model = plain_module(self.model)
@@ -288,10 +315,10 @@ class GRPOObjective(ChatObjective):
             with torch.no_grad():
                 if has_lora(model):
                     with lora_disabled(model):
-                        return token_logps(model, input_ids, targets, self.cfg.temperature)
+                        return shared_prompt_logps(model, batch, self.cfg.temperature)
                 if self.reference is None:
                     self.reference = self._load_reference(model, next(model.parameters()).device).eval()
-                return token_logps(self.reference, input_ids, targets, self.cfg.temperature)
+                return shared_prompt_logps(self.reference, batch, self.cfg.temperature)
         finally:
             model.train(was_training)
 
@@ -314,7 +341,7 @@ class GRPOObjective(ChatObjective):
         adv = group_advantages(r, cfg.std_scale).flatten()
         rows = [(prompts[k // G][0], ids, logps) for k, (ids, logps, _) in enumerate(done)]
         batch = _rows_batch(rows, self.pad_id)
-        ref = self._reference_logps(batch["input_ids"], batch["targets"])
+        ref = self._reference_logps(batch)
         self.window["sample_s"] += t1 - t0
         self.window["reward_s"] += t2 - t1
         self.window["reference_s"] += time.perf_counter() - t2
@@ -348,7 +375,7 @@ class GRPOObjective(ChatObjective):
         return _to_batch(self.rollout, self.pad_id, part, A)
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        logps = token_logps(model, batch["input_ids"], batch["targets"], self.cfg.temperature)
+        logps = shared_prompt_logps(model, batch, self.cfg.temperature)
         loss, figures = grpo_loss(logps, batch["old_logps"], batch.get("ref_logps"), batch["advantages"],
                                   batch["targets"] != IGNORE, self.cfg.clip_eps, self.cfg.kl_beta,
                                   self.cfg.grpo_loss, totals=(float(batch["total_tokens"]), float(batch["total_rows"])))
@@ -444,19 +471,27 @@ def spread(items: Sequence[Any], n: int) -> list[Any]:
 
 
 def _rows_batch(rows: Sequence[tuple[list[int], list[int], list[float]]], pad_id: int) -> Batch:
-    """(prompt ids, completion ids, their sampling log-probs) rows -> right-padded (R, T) ``input_ids``,
-    ``targets`` (the completion tokens at the positions that predict them, -100 elsewhere) and ``old_logps``
-    (aligned with ``targets``, 0 elsewhere)."""
-    T = max(len(p) + len(c) - 1 for p, c, _ in rows)
+    """(prompt ids, completion ids, their sampling log-probs) rows -> the layout of ``shared_prompt_logps``:
+    ``prompt_ids`` (U, L) the U distinct prompts without their last token, right-padded (L >= 1),
+    ``prompt_lengths`` (U,), ``group`` (R,) each row's prompt; ``input_ids`` (R, T) the prompt's last token and
+    the completion but its last, right-padded; ``targets`` (R, T) the completion (-100 after it), each token at
+    the position that predicts it; ``old_logps`` (R, T) aligned with ``targets``, 0 elsewhere."""
+    prompts: dict[tuple[int, ...], int] = {}
+    group = [prompts.setdefault(tuple(p), len(prompts)) for p, _, _ in rows]
+    L = max(1, *(len(p) - 1 for p in prompts))  # a prompt of one token has an empty prefix
+    prompt_ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
+    for u, p in enumerate(prompts):
+        prompt_ids[u, : len(p) - 1] = torch.tensor(p[:-1], dtype=torch.long)
+    T = max(1, *(len(c) for _, c, _ in rows))
     input_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
     targets = torch.full((len(rows), T), IGNORE, dtype=torch.long)
     old = torch.zeros(len(rows), T)
     for i, (p, c, lp) in enumerate(rows):
-        ids = (p + c)[:-1]
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        targets[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(c)
-        old[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp, dtype=torch.float32)
-    return {"input_ids": input_ids, "targets": targets, "old_logps": old,
+        input_ids[i, : len(c)] = torch.tensor([p[-1], *c][: len(c)], dtype=torch.long)
+        targets[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        old[i, : len(c)] = torch.tensor(lp, dtype=torch.float32)
+    return {"prompt_ids": prompt_ids, "prompt_lengths": torch.tensor([len(p) - 1 for p in prompts]),
+            "group": torch.tensor(group), "input_ids": input_ids, "targets": targets, "old_logps": old,
             "tokens": int((targets != IGNORE).sum())}
 
 
