@@ -119,9 +119,12 @@ def run_tinyformer(run: str, label: str, texts: dict[str, str], args) -> list[di
     store_input_major(model)
     tok = load_tokenizer(run)
     ids = {name: tok.encode(t) for name, t in texts.items()}
-    methods: dict[str, Generator] = {"plain": Generator(model, tok)}
+    # --compile: every method decodes its one-token steps with the packaged step, as the commands do by default
+    # (a verification over several positions stays eager)
+    compiled = {"compile": True} if args.compile else {}
+    methods: dict[str, Generator] = {"plain": Generator(model, tok, **compiled)}
     for k in args.draft_tokens:
-        methods[f"ngram K={k}"] = Generator(model, tok, speculative=SpeculativeConfig("ngram", k))
+        methods[f"ngram K={k}"] = Generator(model, tok, speculative=SpeculativeConfig("ngram", k), **compiled)
     drafts = []
     if args.draft_layers:
         drafts.append((f"draft: first {args.draft_layers} layers", truncated_copy(load_model(run).eval(),
@@ -132,12 +135,15 @@ def run_tinyformer(run: str, label: str, texts: dict[str, str], args) -> list[di
         store_input_major(draft)
         methods[f"{name} K={args.draft_model_tokens}"] = Generator(
             model, tok, speculative=SpeculativeConfig("draft", args.draft_model_tokens), draft_model=draft,
-            draft_tokenizer=tok)
+            draft_tokenizer=tok, **compiled)
     for g in methods.values():
         g.eos_token_id = None
     params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
     rows = []
     for name, p in ids.items():
+        if args.compile:  # builds (or loads) the packages outside the timed calls
+            for g in methods.values():
+                g.generate([p], params, logprobs=False)
         speeds: dict[str, list[float]] = {m: [] for m in methods}
         acc: dict[str, tuple[int, int]] = {}
         out: dict[str, list[int]] = {}
@@ -256,6 +262,8 @@ def main() -> None:
     ap.add_argument("--gguf", nargs="+", default=None, metavar="[LABEL=]FILE", help="the GGUF files llama.cpp loads")
     ap.add_argument("--out", type=Path, default=None, help="write every row as JSON lines here")
     ap.add_argument("--llama-only", action="store_true", help="run the llama.cpp side only")
+    ap.add_argument("--compile", action="store_true",
+                    help="one-token steps on the packaged compiled step (the commands' default), built before timing")
     ap.add_argument("--skip-fp32", action="store_true", help="leave out the --model (fp32) rows: --int8 and llama.cpp")
     ap.add_argument("--forward-cost", type=int, nargs="+", default=None, metavar="T",
                     help="only time one forward over T positions (e.g. 1 5 9) and exit")

@@ -81,12 +81,14 @@ def test_the_default_is_the_packaged_step_built_in_the_background_unless_a_flag_
 
 def test_without_a_cpp_compiler_the_default_decodes_eagerly_and_compile_fails(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-c++-compiler")  # the compiler inductor would call, not on PATH
-    monkeypatch.delenv(compile_cache.ENV_DEFAULT, raising=False)
-    assert compile_cache.resolve_compile(None, tiny_model()) == ("eager", None)
-    monkeypatch.setenv(compile_cache.ENV_DEFAULT, "1")
-    how, notice = compile_cache.resolve_compile(None, tiny_model())
-    assert how == "eager" and notice is not None and "\n" not in notice
-    assert notice.startswith("tinyformer: decoding eagerly") and "C++ compiler" in notice
+    for setting in (None, "1"):  # the default, and TINYFORMER_COMPILE=1: eager, with one line saying why
+        if setting is None:
+            monkeypatch.delenv(compile_cache.ENV_DEFAULT, raising=False)
+        else:
+            monkeypatch.setenv(compile_cache.ENV_DEFAULT, setting)
+        how, notice = compile_cache.resolve_compile(None, tiny_model())
+        assert how == "eager" and notice is not None and "\n" not in notice
+        assert notice.startswith("tinyformer: decoding eagerly") and "C++ compiler" in notice
     with pytest.raises(GenerationError, match="C\\+\\+ compiler"):
         compile_cache.resolve_compile(True, tiny_model())
 

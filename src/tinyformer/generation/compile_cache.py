@@ -152,27 +152,27 @@ def resolve_compile(flag: bool | None, model: nn.Module) -> tuple[str, str | Non
     :class:`GenerationError` saying why it cannot. ``flag`` None (neither): ``TINYFORMER_COMPILE`` decides;
     "0" is eager; "1" compiles where the device is a CPU or a CUDA GPU, the model's kernels can be traced and
     a C++ compiler exists (CPU), and otherwise decodes eagerly with a notice naming the reason; unset, a
-    CPU that can compile goes "background", and anything else decodes eagerly without a word.
+    CPU goes "background" where it can compile and eager with that notice where it cannot, and any other
+    device decodes eagerly without a word.
     """
     if flag is False:
         return "eager", None
     setting = os.environ.get(ENV_DEFAULT, "").strip().lower()
     if flag is None and setting in ("0", "false", "no", "off"):
         return "eager", None
+    default = flag is None and setting not in ("1", "true", "yes", "on")
+    device = next(model.parameters()).device
+    if default and device.type != "cpu":
+        return "eager", None
     try:
-        device = next(model.parameters()).device
         if device.type not in ("cpu", "cuda"):
             raise GenerationError(f"the compiled step is not built for {device.type} devices")
         check_compilable(model)
     except GenerationError as exc:
         if flag:
             raise
-        if setting in ("1", "true", "yes", "on"):
-            return "eager", f"tinyformer: decoding eagerly ({exc}); --no-compile silences this"
-        return "eager", None
-    if flag is None and setting not in ("1", "true", "yes", "on"):
-        return ("background" if device.type == "cpu" else "eager"), None
-    return "compile", None
+        return "eager", f"tinyformer: decoding eagerly ({exc}); --no-compile silences this"
+    return ("background" if default else "compile"), None
 
 
 # ------------------------------------------------------------------------------------------------
