@@ -155,3 +155,30 @@ def test_a_package_built_in_the_background_is_loaded_by_later_processes_without_
     assert len(step3["built"]) == 1 and "compiling the decode step for this model" in err3
     assert len(packages(cache)) == 2
     assert third["token_ids"] == child(["--model", str(other), "--no-compile"], env)[0]["token_ids"]
+
+
+def test_a_shape_that_failed_to_build_here_is_not_tried_again(monkeypatch, tmp_path):
+    """The `.failed` marker beside a package's place: a later process decodes that shape without the package
+    and starts no build (an export that fails, e.g. a sliding-window ring, would fail again every run)."""
+    model = tiny_model()
+    step = compile_cache.PackagedStep(model, tmp_path)
+    cache = model.new_cache(1, 32)
+    tokens = torch.zeros(1, 1, dtype=torch.long)
+    from tinyformer.generation.weight_layout import store_input_major
+
+    store_input_major(model)  # as _package does before it names the package
+    path = tmp_path / step.name(False, 1, cache)
+    compile_cache.mark_failed(path, RuntimeError("Constraints violated (kv)!\nmore lines"))
+    assert compile_cache.failed_marker(path).read_text() == "RuntimeError: Constraints violated (kv)!\n"
+
+    class BuildStarted(BaseException):  # not an Exception: the step's fallback must not swallow it
+        pass
+
+    def no_build(*args):
+        raise BuildStarted
+
+    monkeypatch.setattr(compile_cache, "build_package", no_build)
+    assert step._package(False, tokens, cache) is None
+    background = compile_cache.PackagedStep(model, tmp_path, compile_cache.PackageBuild(background_run="run"))
+    monkeypatch.setattr(background, "_spawn_builder", no_build)
+    assert background._package(False, tokens, cache) is None

@@ -239,8 +239,10 @@ class PackagedStep(CompiledStep):
     (``python -m tinyformer.generation.compile_cache``) while this one decodes that shape eagerly
     (:class:`PackageBuild`). A shape that does not export (a kernel or layer the exporter cannot trace)
     decodes with the ``torch.compile``-d step instead (eagerly in the background mode), as does a call whose
-    span is outside the package's range. A process that waits on a background build looks for the package
-    every 10 s and takes it up once it is there (a chat or a server keeps running)."""
+    span is outside the package's range; a ``.failed`` file beside where its package would be keeps later
+    processes from trying again (sliding-window rings, whose attended span is bounded, do not export yet). A
+    process that waits on a background build looks for the package every 10 s and takes it up once it is there
+    (a chat or a server keeps running)."""
 
     traced = False  # a package is no dynamo graph: nothing to mark, and no import of torch's compiler
 
@@ -289,6 +291,8 @@ class PackagedStep(CompiledStep):
         store_input_major(self.model)  # before the name: the package is built for the weights' layout
         path = self.folder / self.name(ids_only, tokens.shape[0], cache)
         key = self._key(ids_only, tokens.shape[0], cache)
+        if failed_marker(path).is_file():  # this shape did not export here before: not again each run
+            return None
         if not path.is_file():
             if self.build.background_run is not None:
                 if key not in self._awaited:
@@ -301,7 +305,8 @@ class PackagedStep(CompiledStep):
                             "--no-compile skips this) ...")
             try:
                 build_package(_StepGraph(self.model, cache, ids_only), path, tokens.shape[0], cache)
-            except Exception:  # the exporter's many error types: the torch.compile-d step serves this shape
+            except Exception as exc:  # the exporter's many error types: the torch.compile-d step serves this shape
+                mark_failed(path, exc)
                 return None
             self.built.append(path)
         self._awaited.pop(key, None)
@@ -341,6 +346,19 @@ class PackagedStep(CompiledStep):
             self.build.notice(f"tinyformer: decoding eagerly; the compiled decode step for this model is being "
                               f"built in the background (minutes, once; --no-compile turns this off), and later "
                               f"runs will load it from {self.folder}")
+
+
+def failed_marker(path: Path) -> Path:
+    """``<package>.failed``: the shape of ``path`` could not be exported or compiled here (its first error line
+    inside); as the package's name digests the code and the model, a changed one tries again."""
+    return path.with_suffix(".failed")
+
+
+def mark_failed(path: Path, exc: BaseException) -> None:
+    try:
+        failed_marker(path).write_text(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n")
+    except OSError:
+        pass
 
 
 def take_lock(lock: Path) -> bool:
@@ -428,7 +446,11 @@ def main(argv: list[str] | None = None) -> int:
         if step.name(args.ids_only, args.rows, cache) != out.name:
             print(f"{out.name}: this process lays out another model or cache; nothing built", file=sys.stderr)
             return 1
-        build_package(_StepGraph(model, cache, args.ids_only), out, args.rows, cache)
+        try:
+            build_package(_StepGraph(model, cache, args.ids_only), out, args.rows, cache)
+        except Exception as exc:
+            mark_failed(out, exc)
+            raise  # the traceback goes to build.log
         print(f"built {out}", file=sys.stderr)
         return 0
     finally:
