@@ -225,6 +225,25 @@ def test_input_major_weights_keep_values_shapes_and_outputs(tie):
             == [r.token_ids for r in id_generator(ref).generate(PROMPTS, params)])
 
 
+def test_input_major_weights_keep_the_mode_they_were_made_in():
+    """Moved inside inference mode (a decode step's first call), a model's weights stay normal tensors (for
+    training and torch.export); a model made in inference mode keeps inference tensors and still decodes."""
+    params = SamplingParams(temperature=0, max_new_tokens=5)
+    want = [r.token_ids for r in id_generator(random_lm(tie_embeddings=True, dtype=torch.float32)).generate(
+        PROMPTS, params)]
+    model = random_lm(tie_embeddings=True, dtype=torch.float32)
+    with torch.inference_mode():
+        store_input_major(model)
+    assert not any(p.is_inference() for p in model.parameters())
+    assert model.lm_head.weight.stride() == (1, model.cfg.vocab_size)
+    with torch.inference_mode():
+        made = random_lm(tie_embeddings=True, dtype=torch.float32)
+        store_input_major(made)
+    assert all(p.is_inference() for p in made.parameters())
+    for m in (model, made):
+        assert [r.token_ids for r in id_generator(m).generate(PROMPTS, params)] == want
+
+
 # ------------------------------------------------------------------ Hugging Face generate()
 
 

@@ -30,9 +30,10 @@ def store_input_major(model: nn.Module) -> None:
     the microseconds (512 tokens: 2.8 ms against 0.4 ms). Meant for a model used for inference; state dicts
     and checkpoints are unaffected (they are written contiguous).
     """
-    # not inference tensors, even when called inside inference mode (a decode step's first call): the
-    # weights stay usable for training and for torch.export
-    with torch.inference_mode(False), torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32 and m.weight.is_contiguous():
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32 and m.weight.is_contiguous():
+            # in the mode the weight was made in, whatever mode the caller is in (a decode step's first call
+            # runs in inference mode): a weight for training and torch.export must not become an inference
+            # tensor, and one loaded in inference mode must stay one
+            with torch.inference_mode(m.weight.is_inference()), torch.no_grad():
                 m.weight.data = m.weight.data.t().contiguous().t()
