@@ -197,7 +197,8 @@ def load_config(run_dir: str | Path) -> ModelConfig:
 
 
 def rebuild_buffers(model: nn.Module, device: torch.device | str) -> None:
-    """Recompute non-persistent buffers (RoPE and sinusoidal tables) after a meta-device build."""
+    """Recompute non-persistent buffers (RoPE and sinusoidal tables) after a meta-device or uninitialised
+    build, the way every loader has (the frequencies on the CPU, then moved), so a device gets the same values."""
     from tinyformer.components.positions import SinusoidalPositions
     from tinyformer.components.rope import RotaryEmbedding
 

@@ -163,7 +163,6 @@ def test_a_shape_that_failed_to_build_here_is_not_tried_again(monkeypatch, tmp_p
     model = tiny_model()
     step = compile_cache.PackagedStep(model, tmp_path)
     cache = model.new_cache(1, 32)
-    tokens = torch.zeros(1, 1, dtype=torch.long)
     from tinyformer.generation.weight_layout import store_input_major
 
     store_input_major(model)  # as _package does before it names the package
@@ -178,7 +177,7 @@ def test_a_shape_that_failed_to_build_here_is_not_tried_again(monkeypatch, tmp_p
         raise BuildStarted
 
     monkeypatch.setattr(compile_cache, "build_package", no_build)
-    assert step._package(False, tokens, cache) is None
+    assert step._package(step._key(False, 1, cache), cache) is None
     background = compile_cache.PackagedStep(model, tmp_path, compile_cache.PackageBuild(background_run="run"))
     monkeypatch.setattr(background, "_spawn_builder", no_build)
-    assert background._package(False, tokens, cache) is None
+    assert background._package(background._key(False, 1, cache), cache) is None

@@ -54,7 +54,7 @@ from tinyformer.generation.engine import CompiledStep, check_compilable
 from tinyformer.generation.weight_layout import store_input_major
 
 __all__ = ["ENV_DEFAULT", "PackageBuild", "PackagedStep", "build_package", "compile_cache_dir",
-           "compiled_graphs", "compiled_step", "cpu_tag", "default_inductor_cache", "model_key", "packaged_build",
+           "compiled_graphs", "compiled_step", "cpu_tag", "default_inductor_cache", "model_key",
            "point_inductor_at_cache", "resolve_compile", "source_digest", "use_compile_cache"]
 
 ENV_DEFAULT = "TINYFORMER_COMPILE"  # "1": generate, chat and serve compile unless --no-compile
@@ -264,7 +264,7 @@ class PackagedStep(CompiledStep):
         keys = [s.k for s in cache.store]
         key = self._key(ids_only, tokens.shape[0], cache)
         if key not in self._packages or (key in self._awaited and time.monotonic() >= self._awaited[key][1]):
-            self._packages[key] = self._package(ids_only, tokens, cache)
+            self._packages[key] = self._package(key, cache)
         fn = self._packages[key]
         if fn is None or not 2 <= span.shape[0] < keys[0].shape[2]:
             if self.build.background_run is not None:  # eager, as without --compile
@@ -287,30 +287,31 @@ class PackagedStep(CompiledStep):
         parts += [f"{name}:{tuple(t.stride())}" for name, t in tensors]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24] + ".pt2"
 
-    def _package(self, ids_only: bool, tokens: Tensor, cache: KVCache) -> Callable[..., Tensor] | None:
+    def _package(self, key: tuple, cache: KVCache) -> Callable[..., Tensor] | None:
+        ids_only, rows = key[:2]
         store_input_major(self.model)  # before the name: the package is built for the weights' layout
-        path = self.folder / self.name(ids_only, tokens.shape[0], cache)
-        key = self._key(ids_only, tokens.shape[0], cache)
+        path = self.folder / self.name(ids_only, rows, cache)
         if failed_marker(path).is_file():  # this shape did not export here before: not again each run
             return None
+        graph = _StepGraph(self.model, cache, ids_only)
         if not path.is_file():
             if self.build.background_run is not None:
                 if key not in self._awaited:
-                    self._spawn_builder(path, ids_only, tokens.shape[0], cache)
+                    self._spawn_builder(path, ids_only, rows, cache)
                 self._awaited[key] = (path, time.monotonic() + 10.0)
                 return None
             if self.build.notice is not None:
-                self.build.notice(f"tinyformer: compiling the decode step for this model ({tokens.shape[0]} row(s)), "
-                            f"once (minutes for a model of tens of layers; later runs load it from {self.folder}; "
-                            "--no-compile skips this) ...")
+                self.build.notice(f"tinyformer: compiling the decode step for this model ({rows} row(s)), once "
+                                  f"(minutes for a model of tens of layers; later runs load it from {self.folder}; "
+                                  "--no-compile skips this) ...")
             try:
-                build_package(_StepGraph(self.model, cache, ids_only), path, tokens.shape[0], cache)
+                build_package(graph, path, rows, cache)
             except Exception as exc:  # the exporter's many error types: the torch.compile-d step serves this shape
                 mark_failed(path, exc)
                 return None
             self.built.append(path)
         self._awaited.pop(key, None)
-        return self._load(path, _StepGraph(self.model, cache, ids_only))
+        return self._load(path, graph)
 
     def _load(self, path: Path, graph: _StepGraph) -> Callable[[list[Tensor]], list[Tensor]]:
         # the C++ loader itself: torch._inductor's Python wrapper would import torch's compiler (3 s)
@@ -402,17 +403,13 @@ def build_package(graph: _StepGraph, path: Path, rows: int, cache: KVCache) -> N
             tmp.unlink(missing_ok=True)
 
 
-def packaged_build(compile: bool | PackageBuild) -> PackageBuild:
-    """The :class:`PackageBuild` of a ``compile`` argument (``Generator``, ``Scheduler``): True builds in the
-    foreground, silently."""
-    return compile if isinstance(compile, PackageBuild) else PackageBuild()
-
-
-def compiled_step(model: nn.Module, build: PackageBuild = PackageBuild()) -> CompiledStep:
-    """The compiled decode step for ``model``: kept as packages in the compile cache on a CPU
-    (:class:`PackagedStep`, built as ``build`` says), the ``torch.compile``-d step elsewhere."""
+def compiled_step(model: nn.Module, build: bool | PackageBuild = True) -> CompiledStep:
+    """The compiled decode step for ``model`` (``build``: the ``compile`` argument of ``Generator`` and
+    ``Scheduler``): kept as packages in the compile cache on a CPU (:class:`PackagedStep`, built as a
+    :class:`PackageBuild` says; True: in the foreground, silently), the ``torch.compile``-d step elsewhere."""
     if next(model.parameters()).device.type == "cpu":
-        return PackagedStep(model, compile_cache_dir() / "packages", build)
+        return PackagedStep(model, compile_cache_dir() / "packages",
+                            build if isinstance(build, PackageBuild) else PackageBuild())
     return CompiledStep(model)
 
 

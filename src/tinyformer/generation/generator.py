@@ -50,7 +50,7 @@ from tinyformer.generation.beam import (
     new_search,
     validate_beam_args,
 )
-from tinyformer.generation.compile_cache import PackageBuild, compiled_step, packaged_build
+from tinyformer.generation.compile_cache import PackageBuild, compiled_step
 from tinyformer.generation.constraint import Matcher, TokenVocabulary
 from tinyformer.generation.engine import (
     CONTEXT_POLICIES,
@@ -446,7 +446,7 @@ class Generator:
         width = P + budget
         static = self.compile and width <= L
         if static and self._compiled is None:
-            self._compiled = compiled_step(self.model, packaged_build(self.compile))
+            self._compiled = compiled_step(self.model, self.compile)
         max_len = -(-(width + 1) // STATIC_CACHE_BLOCK) * STATIC_CACHE_BLOCK if static else min(width, L)
         engine = BatchEngine(self.model, max_batch=len(rows), max_len=max_len,
                              compiled=self._compiled if static else None, context_policy=self.context_policy,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tinyformer.generation.compile_cache import PackageBuild, compiled_step, packaged_build
+from tinyformer.generation.compile_cache import PackageBuild, compiled_step
 from tinyformer.generation.constraint import Matcher
 from tinyformer.generation.engine import (
     BatchEngine,
@@ -145,7 +145,7 @@ class Scheduler:
         self.token_bytes = token_bytes
         self.max_batch = max_batch
         self.max_queue = max_queue
-        compiled = compiled_step(model, packaged_build(compile)) if compile else None
+        compiled = compiled_step(model, compile) if compile else None
         self.engine = BatchEngine(model, max_batch=max_batch, max_len=max_len, compiled=compiled,
                                   prefill_chunk=prefill_chunk,
                                   prefix_cache=new_prefix_cache(model, prefix_cache_mb), buckets=True,

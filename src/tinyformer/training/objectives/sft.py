@@ -140,13 +140,12 @@ class ChatObjective(Objective):
     def _load_reference(self, model: nn.Module, device: torch.device) -> nn.Module:
         """The ``--init-from`` weights in a frozen model shaped like ``model`` (embeddings grown as for training):
         the reference of DPO and GRPO when the run trains every weight."""
-        from tinyformer.models import meta_model
+        from tinyformer.models import empty_model
         from tinyformer.run_folder import model_tensors, rebuild_buffers
         from tinyformer.training.checkpoint import load_weights
 
         assert self.cfg.init_from is not None, "a chat objective always starts from --init-from"
-        reference = meta_model(model.cfg)
-        reference.to_empty(device=device)
+        reference = empty_model(model.cfg, device)  # as run_folder.load_model builds: the weights come next
         rebuild_buffers(reference, device)
         # as Trainer.load_pretrained reads them: a LoRA run's are its base with the adapter merged
         tensors = self.adapt_pretrained(dict(model_tensors(Path(self.cfg.init_from))))
