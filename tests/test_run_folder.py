@@ -53,3 +53,44 @@ def test_corrupt_weights_are_reported_by_file(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_model(tmp_path)
+
+
+def _maps_of(path) -> bool:
+    """Whether this process has ``path`` memory-mapped (Linux: /proc/self/maps)."""
+    import gc
+
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip().endswith(str(path)) for line in f)
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+@pytest.mark.parametrize("mapped", [True, False])
+def test_unmapped_load_gives_the_same_model_and_leaves_no_memory_map_of_the_file(tmp_path, mapped):
+    """A memory map keeps every page it touched resident while one tensor of the file lives: a caller that
+    re-lays the weights out (Generator on a CPU) reads them instead, and holds no map afterwards."""
+    from tinyformer.run_folder import iter_tensors
+
+    cfg = ModelConfig(vocab_size=40, d_model=32, n_layer=2, n_head=4, n_kv_head=2, max_seq_len=16)
+    model = DecoderLM(cfg).eval()
+    save_model(tmp_path / "run", model)
+    weights = (tmp_path / "run" / "model.safetensors").resolve()
+    again = load_model(tmp_path / "run", mapped=mapped)
+    assert _maps_of(weights) == mapped  # the default (mapped) loader does map it: the probe sees maps
+    x = torch.randint(0, 40, (2, 10))
+    assert torch.equal(model(x), again(x))
+    assert {k: v.dtype for k, v in iter_tensors(tmp_path / "run", mapped=mapped)} == \
+        {k: v.dtype for k, v in iter_tensors(tmp_path / "run")}
+
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+@pytest.mark.parametrize("run", ["decoder", "int8", "int4"])
+def test_a_cpu_generator_holds_no_memory_map_of_its_weights(run):
+    from pathlib import Path
+
+    from tinyformer.generation.generator import Generator
+
+    folder = Path(__file__).parent / "fixtures" / "runs" / run
+    gen = Generator.from_run(folder)
+    assert gen.model is not None and not _maps_of((folder / "model.safetensors").resolve())

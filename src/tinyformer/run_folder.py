@@ -163,12 +163,25 @@ def tensor_bytes(run_dir: str | Path, verify: bool = True) -> int:
     return total
 
 
-def iter_tensors(run_dir: str | Path, device: str = "cpu", verify: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs from the run's safetensors file(s), one at a time (memory-mapped); the files are
-    checked against the run's manifest first unless ``verify`` is False."""
+def iter_tensors(run_dir: str | Path, device: str = "cpu", verify: bool = True,
+                 mapped: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from the run's safetensors file(s), one at a time; the files are checked against
+    the run's manifest first unless ``verify`` is False.
+
+    ``mapped``: the tensors are views of a memory map of the file (no copy; pages read when first touched).
+    Every page of the map that was touched stays resident while any one tensor of the file is alive, so a
+    caller that keeps few of the tensors as they are (it packs or transposes the rest) reads them with
+    ``mapped=False`` instead: each into its own memory, freed with the tensor."""
     from safetensors import SafetensorError, safe_open
 
+    from tinyformer.safetensors_io import SafetensorsFile
+
     for path in checked_weight_files(run_dir, verify):
+        if not mapped:
+            file = SafetensorsFile(path)
+            for key in file.keys():
+                yield key, file.read(key).to(device)
+            continue
         try:
             with safe_open(str(path), framework="pt", device=device) as f:
                 for key in f.keys():
@@ -234,15 +247,17 @@ def load_state_into(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]
 
 
 def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               cfg: ModelConfig | None = None, verify: bool = True) -> nn.Module:
+               cfg: ModelConfig | None = None, verify: bool = True, mapped: bool = True) -> nn.Module:
     """Build the model of ``run_dir`` without a random init (:func:`~tinyformer.models.empty_model`) and
     load its weights (checked against the run's manifest first unless ``verify`` is False); for a LoRA run,
-    the base run's model with the adapter merged in (:func:`load_adapter_run`)."""
+    the base run's model with the adapter merged in (:func:`load_adapter_run`). ``mapped``: as in
+    :func:`iter_tensors`; a caller that re-lays the weights out after loading (decoding on a CPU: packed
+    quantized kernels, input-major float weights) passes False."""
     from tinyformer.models import empty_model
     from tinyformer.sizing import check_buildable
 
     if is_adapter_run(run_dir):
-        return load_adapter_run(run_dir, device, dtype, verify=verify)
+        return load_adapter_run(run_dir, device, dtype, verify=verify, mapped=mapped)
     cfg = cfg or load_config(run_dir)
     # the weights' own dtype is only known once read: bound with the smallest float a run folder stores
     check_buildable(cfg, torch.empty(0, dtype=dtype).element_size() if dtype is not None else 2)
@@ -250,12 +265,12 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: t
     model = empty_model(cfg, device)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for k, v in iter_tensors(run_dir, verify=verify):
+        for k, v in iter_tensors(run_dir, verify=verify, mapped=mapped):
             v = v.to(device)
             yield k, (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
 
     if spec is not None:  # quantized layers first (their scales stay float32 until the layer casts them)
-        stored = {k: v.to(device) for k, v in iter_tensors(run_dir, verify=verify)}
+        stored = {k: v.to(device) for k, v in iter_tensors(run_dir, verify=verify, mapped=mapped)}
         load_quantized(model, spec, stored, str(run_dir), dtype or torch.float32)
         load_state_into(model, ((k, v.to(dtype) if dtype is not None and v.is_floating_point() else v)
                                 for k, v in stored.items()), str(run_dir))
@@ -332,8 +347,9 @@ def save_adapter_run(run_dir: str | Path, model: nn.Module, base_run: str | Path
 
 
 def load_adapter_run(run_dir: str | Path, device: str | torch.device = "cpu",
-                     dtype: torch.dtype | None = None, verify: bool = True) -> nn.Module:
-    """The base run's model with the LoRA run's adapter merged in (W + (alpha/r) B A), as a plain model."""
+                     dtype: torch.dtype | None = None, verify: bool = True, mapped: bool = True) -> nn.Module:
+    """The base run's model with the LoRA run's adapter merged in (W + (alpha/r) B A), as a plain model
+    (``mapped``: the base's weights, as in :func:`load_model`)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -347,7 +363,7 @@ def load_adapter_run(run_dir: str | Path, device: str | torch.device = "cpu",
         tensors = load_file(str(path), device=str(device))
     except SafetensorError as exc:
         raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
-    model = load_model(base, device=device, dtype=dtype, verify=verify)
+    model = load_model(base, device=device, dtype=dtype, verify=verify, mapped=mapped)
     with torch.random.fork_rng(devices=[]):  # the adapters' random init is overwritten: leave the RNG alone
         apply_lora(model, lora)
     own = adapter_state_dict(model)
@@ -425,6 +441,7 @@ def load_quantized(model: nn.Module, spec: QuantSpec, tensors: dict[str, torch.T
         bias = tensors.get(f"{name}.bias") if layer.bias is not None else None  # left for the strict load
         if layer.bias is not None and bias is None:
             raise CheckpointError(f"{source}: missing tensor {name}.bias")
-        _set_module(model, name, QuantizedLinear(portable, spec, layer.in_features, bias, dtype))
+        quantized = QuantizedLinear(portable, spec, layer.in_features, bias, dtype)
+        _set_module(model, name, quantized)
         if tied and name == "lm_head":
-            model.tok_emb = QuantizedEmbedding(portable, spec.type, dtype)
+            model.tok_emb = QuantizedEmbedding(portable, spec.type, dtype, head=quantized)

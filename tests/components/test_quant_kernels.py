@@ -241,6 +241,31 @@ def test_tied_int4_head_and_token_table_share_one_copy_of_the_weights(cpp_kernel
         assert getattr(model.lm_head, name).data_ptr() == getattr(model.tok_emb, name).data_ptr()
 
 
+@pytest.mark.parametrize("quant_type", ["int8", "int4"])
+def test_a_token_table_tied_to_a_packed_head_reads_its_rows_from_the_head(cpp_kernels, tmp_path, quant_type):
+    """cpp_act8 packs the head into its own layout: the token lookup reads rows of that layout (no portable
+    copy of the table is kept) and gives dequant(W)[ids], W the stored table."""
+    from tinyformer.components.quant_kernels import dequantize_weight
+    from tinyformer.config import ModelConfig
+    from tinyformer.models.decoder import DecoderLM
+    from tinyformer.quantization import quantize_run
+    from tinyformer.run_folder import iter_tensors, load_model, save_model
+
+    save_model(tmp_path / "run", DecoderLM(ModelConfig(vocab_size=40, d_model=64, n_layer=1, n_head=4,
+                                                       n_kv_head=2, d_ff=64, max_seq_len=32)))
+    group = 32 if quant_type == "int4" else 0
+    quantize_run(tmp_path / "run", tmp_path / "q", QuantSpec(quant_type, group, "cpp_act8"))
+    model = load_model(tmp_path / "q")
+    assert model.lm_head.kernel == "cpp_act8" and model.tok_emb.packed
+    assert not any(hasattr(model.tok_emb, name) for name in ("qweight", "scales", "zeros"))
+    for name in ("wp", "sp", "aux"):
+        assert getattr(model.lm_head, name).data_ptr() == getattr(model.tok_emb, name).data_ptr()
+    stored = {k.removeprefix("lm_head."): v for k, v in iter_tensors(tmp_path / "q") if k.startswith("lm_head.")}
+    table = dequantize_weight(stored, quant_type)  # (40, 64), from the file
+    ids = torch.tensor([[0, 39, 16, 15], [17, 3, 3, 31]])  # both ends, and both sides of a 16-row block
+    torch.testing.assert_close(model.tok_emb(ids), table[ids], rtol=1e-6, atol=1e-6)
+
+
 def test_quantize_refuses_act8_for_widths_off_the_32_grid_before_writing(tmp_path):
     from tinyformer.config import ModelConfig
     from tinyformer.models.decoder import DecoderLM

@@ -162,14 +162,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this address can use "
               "the model (and its compute); see README 'Serving safely'", file=sys.stderr, flush=True)
     try:
-        model = load_model(run_dir, device=device, dtype=dtype, cfg=cfg, verify=not args.no_verify)
+        mapped = device.type != "cpu"  # as Generator.from_run: weights re-laid out on a CPU are read, not mapped
+        model = load_model(run_dir, device=device, dtype=dtype, cfg=cfg, verify=not args.no_verify, mapped=mapped)
         if device.type == "cpu" and cfg.arch == "decoder":  # as generate: faster batch-1 products
             store_input_major(model)
         draft = None
         if args.draft_model is not None:
             from tinyformer.generation.generator import check_draft
 
-            draft = load_model(args.draft_model, device=device, dtype=dtype, verify=not args.no_verify).eval()
+            draft = load_model(args.draft_model, device=device, dtype=dtype, verify=not args.no_verify,
+                               mapped=mapped).eval()
             check_draft(model, tokenizer, draft, load_tokenizer(args.draft_model))
             if device.type == "cpu":
                 store_input_major(draft)

@@ -307,6 +307,19 @@ def unpack_act8(packed: dict[str, torch.Tensor], n: int, quant_type: str) -> dic
     return {"qweight": pack_int4(u), "scales": s, "zeros": rows(packed["aux"]) + 8 * s}
 
 
+def act8_rows(packed: dict[str, torch.Tensor], ids: torch.Tensor, quant_type: str) -> dict[str, torch.Tensor]:
+    """The portable {"qweight", "scales"[, "zeros"]} of rows ``ids`` (n,) of ``pack_act8``'s layout: row r is
+    column r % 16 of channel block r // 16, so a token table tied to a packed head is read from the head's
+    bytes (no second copy of the table). ``unpack_act8`` restricted to the rows asked for."""
+    b, c = ids // 16, ids % 16
+    w = packed["wp"][b, :, c]  # (n, K/4, 4) int8 or (n, K/8, 4) uint8: advanced indices first
+    s = packed["sp"][b, :, c]  # (n, K/G)
+    if quant_type == "int8":
+        return {"qweight": w.reshape(len(ids), -1), "scales": s}
+    u = torch.stack([w & 15, w >> 4], dim=2).reshape(len(ids), -1)  # (n, K/8, 2, 4) -> (n, K): 8p + 4h + j
+    return {"qweight": pack_int4(u), "scales": s, "zeros": packed["aux"][b, :, c] + 8 * s}
+
+
 def act8_gemm_reference(x: torch.Tensor, packed: dict[str, torch.Tensor], n: int, group: int,
                         quant_type: str) -> torch.Tensor:
     """``act8_gemm``'s formula in PyTorch (the fallback without a compiler)."""

@@ -321,12 +321,20 @@ class QuantizedLinear(nn.Module):
 class QuantizedEmbedding(nn.Module):
     """Token lookup from a quantized table: E[ids] = dequant(rows ids of W), (...,) -> (..., d).
 
-    Reads only the rows asked for, in the portable form (a head tied to the table keeps its kernel's own
-    form, which cannot be read by rows; the table's bytes are then held twice, in two forms)."""
+    Reads only the rows asked for: from the portable form, or, for a table tied to a head whose kernel
+    packed it (``cpp_act8``), from the head's packed tensors (``quant_kernels.act8_rows``), so that the
+    table's bytes are held once."""
 
-    def __init__(self, portable: dict[str, torch.Tensor], quant_type: str, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, portable: dict[str, torch.Tensor], quant_type: str, dtype: torch.dtype = torch.float32,
+                 head: QuantizedLinear | None = None) -> None:
         super().__init__()
         self.quant_type = quant_type
+        self.dtype = dtype
+        self.packed = head is not None and head.kernel == "cpp_act8"
+        if self.packed:
+            for name in ("wp", "sp", "aux"):
+                self.register_buffer(name, getattr(head, name), persistent=False)
+            return
         self.register_buffer("qweight", portable["qweight"], persistent=False)
         self.register_buffer("scales", portable["scales"].to(dtype), persistent=False)
         if quant_type == "int4":
@@ -334,7 +342,10 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        rows = {"qweight": self.qweight[flat], "scales": self.scales[flat]}
-        if self.quant_type == "int4":
-            rows["zeros"] = self.zeros[flat]
-        return dequantize_weight(rows, self.quant_type, self.scales.dtype).reshape(*ids.shape, -1)
+        if self.packed:
+            rows = quant_kernels.act8_rows({"wp": self.wp, "sp": self.sp, "aux": self.aux}, flat, self.quant_type)
+        else:
+            rows = {"qweight": self.qweight[flat], "scales": self.scales[flat]}
+            if self.quant_type == "int4":
+                rows["zeros"] = self.zeros[flat]
+        return dequantize_weight(rows, self.quant_type, self.dtype).reshape(*ids.shape, -1)

@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     lock = out.parent / ".building"  # taken by the process that started this one
     try:
-        model = load_model(args.run, dtype=getattr(torch, args.dtype), verify=False)
+        model = load_model(args.run, dtype=getattr(torch, args.dtype), verify=False, mapped=False)
         store_input_major(model)
         cache = model.new_cache(args.rows, args.max_len, dtype=getattr(torch, args.cache_dtype),
                                 spare_slots=args.spare_slots)

@@ -277,11 +277,14 @@ class Generator:
         ``verify`` is False); ``draft_run``, the run folder of a draft model (``speculative`` method "draft")."""
         from tinyformer.run_folder import load_model, load_tokenizer
 
-        model = load_model(run_dir, device=device, dtype=dtype, verify=verify)
+        # on a CPU the weights are re-laid out (input-major, packed): read into the process's own memory, as
+        # a memory map of the file would stay resident beside the copies (load_model's ``mapped``)
+        mapped = torch.device(device).type != "cpu"
+        model = load_model(run_dir, device=device, dtype=dtype, verify=verify, mapped=mapped)
         if next(model.parameters()).device.type == "cpu":  # the model is this generator's alone
             store_input_major(model)
         if draft_run is not None:
-            draft = load_model(draft_run, device=device, dtype=dtype, verify=verify)
+            draft = load_model(draft_run, device=device, dtype=dtype, verify=verify, mapped=mapped)
             draft.eval()
             if next(draft.parameters()).device.type == "cpu":
                 store_input_major(draft)
