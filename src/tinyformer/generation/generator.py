@@ -262,7 +262,6 @@ class Generator:
         self.eos_token_id: int | None = getattr(tokenizer, "eos_id", None)
         # special tokens are generated and returned as ids but shown as no text (streaming.TokenBytes)
         self._text_bytes = TokenBytes(tokenizer)
-        self.hidden_token_ids = self._text_bytes.hidden
         self.compile = compile
         self._compiled: CompiledStep | None = None
         # a PrefixCache kept across requests: a prompt that continues an earlier one (a chat's next turn)

@@ -197,10 +197,6 @@ class Scheduler:
             self._cond.notify_all()
 
     @property
-    def draining(self) -> bool:
-        return self._drain_until is not None
-
-    @property
     def active_count(self) -> int:
         """Requests holding a slot."""
         return len(self._running)
