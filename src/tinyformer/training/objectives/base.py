@@ -65,6 +65,11 @@ class Objective:
         self.tokenizer = tokenizer
         self.dataset = dataset
 
+    def _block(self) -> int:
+        """The tokens of a training sequence (``block_size``, resolved before the objective is used)."""
+        assert self.cfg.block_size is not None, "block_size is resolved before the objective is used"
+        return self.cfg.block_size
+
     @classmethod
     def make_tokenizer(cls, cfg: TrainConfig) -> Tokenizer:
         """The tokenizer of an objective that does not read a corpus (``uses_corpus = False``)."""

@@ -130,10 +130,6 @@ class ChatObjective(Objective):
         # a fine-tuning run is short: the pretraining default's fixed warm-up would fill most of it
         return {"warmup_steps": max(1, round(WARMUP_FRACTION * cfg.max_steps))}
 
-    def _block(self) -> int:
-        assert self.cfg.block_size is not None, "block_size is resolved before the objective is used"
-        return self.cfg.block_size
-
     def _split(self, key: str) -> str:
         return "val" if is_heldout(key, self.cfg.val_fraction) else "train"
 
