@@ -56,7 +56,7 @@ def test_eval_json_matches_a_direct_computation(run: Path, tmp_path: Path, monke
             logits = model(window[None, :-1])[0]
         nll += F.cross_entropy(logits, window[1:], reduction="sum").item()
         count += T
-        nbytes += len(tok.decode_bytes(window[1:].tolist()))
+        nbytes += len(b"".join(map(tok.token_bytes, window[1:].tolist())))
     assert result["tokens"] == count and result["block_size"] == T
     assert result["loss"] == pytest.approx(nll / count, rel=1e-5)
     assert result["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-5)

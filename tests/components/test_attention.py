@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from tinyformer.components.attention import attend, reference_attention, safe_softmax, single_query_attention
+from tinyformer.components.kv_cache import build_attention_mask
 from tinyformer.config import ModelConfig
-from tinyformer.models.decoder import DecoderLM, build_attention_mask
+from tinyformer.models.decoder import DecoderLM
 
 
 def _naive_float64(q, k, v, mask):

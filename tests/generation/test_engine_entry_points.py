@@ -361,7 +361,7 @@ def test_scheduler_prefix_hits_small_budget_eviction_and_cancel_keep_tokens_and_
         sched.submit([req])
         assert started.wait(60)
         sched.cancel([req.id])
-        while sched.active_count:
+        while sched.stats()["active"]:
             threading.Event().wait(0.01)
     finally:
         sched.stop()

@@ -269,7 +269,7 @@ def test_full_queue_answers_429_with_retry_after(narrow):
         c.completions.create(model=NAME, prompt="queued", max_tokens=2, extra_body=NO_EOS)))
     t.start()
     try:
-        assert wait_until(lambda: sched.waiting_count == 1)
+        assert wait_until(lambda: sched.stats()["waiting"] == 1)
         with pytest.raises(openai.RateLimitError) as e:
             c.completions.create(model=NAME, prompt="one too many", max_tokens=2)
         assert e.value.response.headers["retry-after"] == "1"
@@ -281,15 +281,15 @@ def test_full_queue_answers_429_with_retry_after(narrow):
 
 def test_disconnect_mid_stream_frees_the_slot(narrow):
     sched = narrow.state.scheduler
-    assert wait_until(lambda: sched.active_count == 0)
+    assert wait_until(lambda: sched.stats()["active"] == 0)
     finished, cancelled = sched.finished, sched.cancelled
     body = {"model": NAME, "prompt": "long", "max_tokens": 60, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", narrow.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                       timeout=30) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-        assert sched.active_count == 1
-    assert wait_until(lambda: sched.active_count == 0)
+        assert sched.stats()["active"] == 1
+    assert wait_until(lambda: sched.stats()["active"] == 0)
     # freed by the disconnect (counted as cancelled), not by running to its end (60 steps of >= 30 ms)
     assert sched.cancelled == cancelled + 1 and sched.finished == finished
 
@@ -299,7 +299,7 @@ def test_request_timeout_answers_504(narrow):
         # 120 steps of >= 30 ms cannot finish within the 3 s timeout
         client(narrow, key=KEY).completions.create(model=NAME, prompt="slow", max_tokens=120, extra_body=NO_EOS)
     assert e.value.status_code == 504 and "timed out" in str(e.value)
-    assert wait_until(lambda: narrow.state.scheduler.active_count == 0)
+    assert wait_until(lambda: narrow.state.scheduler.stats()["active"] == 0)
 
 
 def test_server_text_equals_the_single_request_engine(server, model, tok):

@@ -101,7 +101,7 @@ def test_continuous_batching_equals_each_sequence_decoded_alone(model):
         assert sink.last.finish_reason == "length"
         assert (sink.last.prompt_tokens, sink.last.completion_tokens) == (len(prompt), budget)
         assert sink.text == "".join(token_bytes(t).decode() for t in sink.tokens)
-    assert sched.active_count == 0 and sched.peak_active == 3
+    assert sched.stats()["active"] == 0 and sched.peak_active == 3
     assert sched.moves > 0  # some requests were moved down into a freed slot mid-generation
 
 
@@ -204,7 +204,7 @@ def test_queue_limit_rejects_what_neither_a_slot_nor_the_queue_can_take(model):
     sched.submit([make([3], 4)[0]])
     with pytest.raises(QueueFull):
         sched.submit([make([3], 4)[0]])
-    assert sched.waiting_count == 2
+    assert sched.stats()["waiting"] == 2
 
 
 def test_cancel_frees_the_slot_for_the_waiting_request(model):
@@ -220,7 +220,7 @@ def test_cancel_frees_the_slot_for_the_waiting_request(model):
         sched.cancel([long_req.id])
         assert short_sink.done.wait(10)
         time.sleep(0.05)
-        assert sched.active_count == 0 and sched.waiting_count == 0
+        assert sched.stats()["active"] == 0 and sched.stats()["waiting"] == 0
     finally:
         sched.stop()
     assert sched.cancelled == 1
@@ -255,7 +255,7 @@ def test_a_failing_receiver_does_not_stop_the_others(model):
     finally:
         sched.stop()
     assert sink.tokens == reference_greedy(model, [3, 4], 10)
-    assert sched.active_count == 0
+    assert sched.stats()["active"] == 0
 
 
 def test_only_rows_with_a_non_finite_logit_end_with_a_model_error(model):

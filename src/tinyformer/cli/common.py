@@ -29,6 +29,14 @@ def load_model_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_dict(data)
 
 
+def format_count(n: float) -> str:
+    """``n`` with a K / M / B / T suffix and two decimals (124.44M), as ``count`` and ``train`` print sizes."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
 def add_no_verify_flag(p: Any) -> None:
     """``--no-verify`` of every command that loads a run's weights (see integrity.py)."""
     p.add_argument("--no-verify", action="store_true",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tinyformer.cli.common import load_model_config
+from tinyformer.cli.common import format_count, load_model_config
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
 from tinyformer.presets import get_preset, preset_names
@@ -48,13 +48,6 @@ def stored_weights(config: str) -> tuple[dict, int] | None:
     if spec is None:
         return None
     return spec.to_dict(), tensor_bytes(config)
-
-
-def _fmt(n: float) -> str:
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f}{unit}"
-    return f"{n:.0f}"
 
 
 def _bytes(n: float) -> str:
@@ -101,9 +94,9 @@ def run(args: argparse.Namespace) -> int:
                        "per_layer", "n_layer", "all_layers", "final_norm", "head"):
             lines.append(f"  {key:<20} {value:>18,}")
     lines += [
-        f"  total                {report['total_params']:>18,}  ({_fmt(report['total_params'])})",
+        f"  total                {report['total_params']:>18,}  ({format_count(report['total_params'])})",
         f"  without embeddings   {report['non_embedding_params']:>18,}",
-        *([f"  active per token     {report['active_params']:>18,}  ({_fmt(report['active_params'])}; "
+        *([f"  active per token     {report['active_params']:>18,}  ({format_count(report['active_params'])}; "
            f"{cfg.experts_per_token} of {cfg.n_experts} experts)"]
           if report["active_params"] != report["total_params"] else []),
         f"  attention : ffn      1 : {1 / report['attention_to_ffn_ratio']:.2f}",

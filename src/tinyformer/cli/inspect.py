@@ -24,8 +24,6 @@ from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import ConfigError, GenerationError
 from tinyformer.generation.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P
 
-OUTPUTS = ("attention.png", "next_token.png", "token_loss.png", "rope.png")
-
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="attention maps, next-token distribution, per-token loss, RoPE pictures",

@@ -13,6 +13,7 @@ import dataclasses
 import sys
 from typing import Any
 
+from tinyformer.cli.common import format_count
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
 from tinyformer.training.train_config import TrainConfig, apply_override, coerce_field, parse_value, read_run_file
@@ -150,13 +151,6 @@ def schedule_text(cfg: TrainConfig, chosen: str | None = None) -> str:
     return f"lr {cfg.lr:g}, {cfg.lr_schedule} to {cfg.lr_floor:g} at step {cfg.total_decay_steps}, {warmup}"
 
 
-def _fmt_count(n: float) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f}{unit}"
-    return f"{n:.0f}"
-
-
 def _fit(prepared: Any):  # -> TrainSummary | None
     """``trainer.fit()``, stopping cleanly on Ctrl-C / SIGTERM (training/interrupt.py): the current step is
     checkpointed and the way to resume printed; a new run stopped before its first step is removed.
@@ -223,7 +217,7 @@ def _train(prepared: Any) -> int:
     n_params = sum(p.numel() for p in trainer.model.parameters())
     global_batch = cfg.batch_size * cfg.grad_accum * trainer.world_size
     print(f"run folder: {prepared.run_dir}")
-    print(f"model: {_fmt_count(n_params)} parameters ({mcfg.arch}, d_model {mcfg.d_model}, {mcfg.n_layer} layers, "
+    print(f"model: {format_count(n_params)} parameters ({mcfg.arch}, d_model {mcfg.d_model}, {mcfg.n_layer} layers, "
           f"{mcfg.n_head} heads, {mcfg.norm}, {mcfg.pos}, {mcfg.ffn}); tokenizer: {tok.kind}, "
           f"{tok.vocab_size} ids")
     if trainer.lora is not None:
@@ -231,8 +225,8 @@ def _train(prepared: Any) -> int:
 
         trainable, total = trainable_share(trainer.model)
         print(f"LoRA rank {trainer.lora.rank} (alpha {trainer.lora.scale * trainer.lora.rank:g}) on "
-              f"{','.join(trainer.lora.targets)}: {_fmt_count(trainable)} trainable parameters of "
-              f"{_fmt_count(total)} ({100 * trainable / total:.2f}%); the base weights are frozen")
+              f"{','.join(trainer.lora.targets)}: {format_count(trainable)} trainable parameters of "
+              f"{format_count(total)} ({100 * trainable / total:.2f}%); the base weights are frozen")
     for note in prepared.notes:
         print(note)
     per_step = trainer.objective.tokens_per_step(global_batch)

@@ -18,7 +18,6 @@ h: (N, d), W: (vocab, d), targets: (N,) -> scalar loss.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 CHUNK_ELEMENTS = 2**23  # logits per chunk: 32 MB in float32, small enough to stay in cache-friendly sizes
 
@@ -95,14 +94,3 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     """Mean cross-entropy of logits ``h @ weight.T`` against ``targets`` without materialising the logits.
     h (..., d) and targets (...) are flattened."""
     return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), ignore_index)
-
-
-class LinearCrossEntropy(nn.Module):
-    """Module form of :func:`linear_cross_entropy` (no parameters: the head weight is passed in)."""
-
-    def __init__(self, ignore_index: int = -100) -> None:
-        super().__init__()
-        self.ignore_index = ignore_index
-
-    def forward(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy(h, weight, targets, self.ignore_index)

@@ -39,7 +39,6 @@ from tinyformer.errors import DataError
 ROLES = ("system", "user", "assistant")
 OPENAI_ROLES = (*ROLES, "tool")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-FORMATS = ("openai", "sharegpt", "alpaca")
 
 Message = dict[str, Any]
 

@@ -354,10 +354,6 @@ class Tokenizer:
             return token.replace("▁", " ").encode("utf-8")
         return self.backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
-    def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        """Concatenated :meth:`token_bytes` of ``ids`` (may end inside a UTF-8 character)."""
-        return b"".join(self.token_bytes(i) for i in ids)
-
     # ---------------------------------------------------------------- saving
 
     def to_json(self) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
 from tinyformer.families import bert, gemma, gpt2, llama, phi3, qwen
-from tinyformer.families.adapter import Adapter
+from tinyformer.families.adapter import Adapter, imported_hf_config
 from tinyformer.families.family import Family, GGUFArch
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen.FAMILY, phi3.FAMILY, gemma.FAMILY, gpt2.FAMILY, bert.FAMILY)
@@ -65,11 +65,9 @@ def adapter_for_hf(hf_config: Mapping[str, Any]) -> Adapter:
 def _pick(cfg: ModelConfig, candidates: list[Adapter], what: str) -> Adapter:
     """The adapter ``cfg`` was imported with when it still writes ``cfg``, else the first candidate that does;
     ConfigError listing each candidate's reason (candidates with one reason named together) otherwise."""
-    original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
-    if isinstance(original, dict) and ADAPTERS.get(original.get("model_type")) in candidates:
-        adapter = ADAPTERS[original["model_type"]]
-        if adapter.export_problem(cfg) is None:
-            return adapter
+    adapter = ADAPTERS.get((imported_hf_config(cfg) or {}).get("model_type"))
+    if adapter in candidates and adapter.export_problem(cfg) is None:
+        return adapter
     reasons: dict[str, list[str]] = {}
     for adapter in candidates:
         problem = adapter.export_problem(cfg)

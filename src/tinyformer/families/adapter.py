@@ -63,6 +63,12 @@ class Adapter:
     align_config: Callable[[Mapping[str, Any], Iterable[str]], dict[str, Any]] = field(default=_as_is)
 
 
+def imported_hf_config(cfg: ModelConfig) -> dict[str, Any] | None:
+    """The Hugging Face config ``cfg`` was imported from (``extra["hf_config"]``), or None."""
+    original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
+    return original if isinstance(original, dict) else None
+
+
 def hf_pad_token_id(hf: Mapping[str, Any]) -> int | None:
     """The config's ``pad_token_id`` when it names a token of the vocabulary; None otherwise (HF configs
     carry null, -1 or an id past the vocabulary for "no padding")."""

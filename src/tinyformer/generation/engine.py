@@ -439,6 +439,16 @@ class BatchEngine:
             self._views[n] = self.cache.row_view(0, n)
         return self._views[n]
 
+    def _positions(self, n: int) -> list[int]:
+        """Each slot's position in a step over slots [0, n): its row's ``pos``. A slot without a decoding row
+        decodes a dummy token at the position its next writer (a prefilling row, or a row admitted later)
+        overwrites before anything reads it: its own row's, else 0."""
+        positions = [0] * n
+        for r in self.rows:
+            if r.slot < n:
+                positions[r.slot] = r.pos
+        return positions
+
     def bucket(self, n: int) -> int:
         """The rows a compiled step over rows [0, n) runs: 1 for one row; else ``max_batch``, or with
         ``buckets`` the next power of two, at most ``max_batch``. Each bucket is one graph (a compilation
@@ -491,12 +501,7 @@ class BatchEngine:
         if compiled is not None:
             n = self.bucket(n)
         tokens = [0] * n
-        # A slot in [0, n) without a decoding row decodes a dummy token at the position its next writer
-        # (a prefilling row, or a row admitted later) overwrites before anything reads it.
-        positions = [0] * n
-        for r in self.rows:
-            if r.slot < n:
-                positions[r.slot] = r.pos
+        positions = self._positions(n)
         for r in rows:
             tokens[r.slot] = r.pending[0]
         kv = max(positions) + 1
@@ -575,10 +580,7 @@ class BatchEngine:
         dev = self.device
         T = 1 + max(len(d) for d in drafts.values())
         tokens = [[0] * T for _ in range(n)]
-        positions = [0] * n
-        for r in self.rows:
-            if r.slot < n:
-                positions[r.slot] = r.pos
+        positions = self._positions(n)
         feeds = [[r.pending[0]] + drafts.get(id(r), []) for r in rows]
         for r, f in zip(rows, feeds):
             tokens[r.slot][: len(f)] = f

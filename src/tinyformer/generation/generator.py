@@ -260,9 +260,9 @@ class Generator:
         self.context_policy = context_policy
         self.slide_keep = keep
         self.eos_token_id: int | None = getattr(tokenizer, "eos_id", None)
-        # special tokens are generated and returned as ids but shown as no text (streaming.TokenBytes)
-        self._text_bytes = TokenBytes(tokenizer)
-        self.hidden_token_ids = self._text_bytes.hidden
+        # token_bytes(id): a token's bytes as shown in text (memoised); special tokens are generated and returned
+        # as ids but stand for no text, as do ids the tokenizer does not know (streaming.TokenBytes)
+        self.token_bytes = TokenBytes(tokenizer)
         self.compile = compile
         self._compiled: CompiledStep | None = None
         # a PrefixCache kept across requests: a prompt that continues an earlier one (a chat's next turn)
@@ -316,11 +316,6 @@ class Generator:
         if bad is not None:
             raise GenerationError(f"token id {bad} is outside the model's vocabulary (0 .. {self.vocab_size - 1})")
         return ids
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """Bytes of a token as shown in text (memoised): special tokens and ids the tokenizer does not know
-        stand for no text (:class:`~tinyformer.generation.streaming.TokenBytes`)."""
-        return self._text_bytes(token_id)
 
     # ---------------------------------------------------------------- public API
 

@@ -130,6 +130,9 @@ class _Processor:
     def key(self) -> Hashable:
         return (type(self).__qualname__, tuple(sorted(vars(self).items())))
 
+    def __repr__(self) -> str:  # e.g. TopK(50): the class and its one setting
+        return f"{type(self).__name__}({', '.join(str(v) for v in vars(self).values())})"
+
 
 # ----------------------------------------------------------------------------------------------
 # value checks shared by the processors and SamplingParams.validate
@@ -326,9 +329,6 @@ class Temperature(_Processor):
             return logits
         return logits / self.temperature
 
-    def __repr__(self) -> str:
-        return f"Temperature({self.temperature})"
-
 
 class TopK(_Processor):
     r"""Top-k filtering (Fan, Lewis & Dauphin 2018).
@@ -350,9 +350,6 @@ class TopK(_Processor):
         values, indices = torch.topk(logits, self.k, dim=-1, sorted=False)
         # Writing the kept values into a -inf canvas needs no comparison pass over the vocabulary.
         return torch.full_like(logits, _NEG_INF).scatter_(-1, indices, values)
-
-    def __repr__(self) -> str:
-        return f"TopK({self.k})"
 
 
 def _nucleus_drop(sorted_logits: Tensor, p: float) -> Tensor:
@@ -393,9 +390,6 @@ class TopP(_Processor):
         drop_sorted = _nucleus_drop(sorted_logits, self.p)
         drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
         return logits.masked_fill(drop, _NEG_INF)
-
-    def __repr__(self) -> str:
-        return f"TopP({self.p})"
 
 
 class _TopKTopP(_Processor):
@@ -440,9 +434,6 @@ class MinP(_Processor):
         threshold = logits.amax(dim=-1, keepdim=True) + math.log(self.p)
         return logits.masked_fill(logits < threshold, _NEG_INF)
 
-    def __repr__(self) -> str:
-        return f"MinP({self.p})"
-
 
 class RepetitionPenalty(_Processor):
     r"""CTRL repetition penalty (Keskar et al. 2019), with HF's sign handling.
@@ -469,9 +460,6 @@ class RepetitionPenalty(_Processor):
         penalised = torch.where(logits > 0, logits / self.penalty, logits * self.penalty)
         return torch.where(seen, penalised, logits)
 
-    def __repr__(self) -> str:
-        return f"RepetitionPenalty({self.penalty})"
-
 
 class FrequencyPenalty(_Processor):
     r"""OpenAI frequency penalty: subtract ``f`` for every previous occurrence of the token.
@@ -490,9 +478,6 @@ class FrequencyPenalty(_Processor):
             return logits
         counts = _token_counts(logits, generated)
         return (logits - counts * self.penalty).to(logits.dtype)
-
-    def __repr__(self) -> str:
-        return f"FrequencyPenalty({self.penalty})"
 
 
 class PresencePenalty(_Processor):
@@ -514,9 +499,6 @@ class PresencePenalty(_Processor):
         ids = _history_ids(generated, v).expand(b, -1)
         seen = torch.zeros(b, v + 1, dtype=torch.bool, device=logits.device).scatter_(1, ids, True)[:, :v]
         return logits - seen.to(logits.dtype) * self.penalty
-
-    def __repr__(self) -> str:
-        return f"PresencePenalty({self.penalty})"
 
 
 class TokenMask:

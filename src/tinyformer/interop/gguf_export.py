@@ -166,8 +166,7 @@ def export_gguf(run: str | Path, out: str | Path, qtype: str = "f32", *, force: 
     assert family.gguf_arch_for is not None, f"family {family.name} lists GGUF architectures but no choice among them"
     spec = GGUF_ARCHS[family.gguf_arch_for(cfg)]
     arch, to_hf = spec.name, family.adapter.tinyformer_to_hf
-    problem = spec.export_problem(cfg)
-    if problem:
+    if problem := spec.export_problem(cfg):
         raise ConfigError(problem)
     if cfg.attn_bias != cfg.attn_out_bias and not spec.split_qkv_bias:
         raise ConfigError("a model with q/k/v biases but no output bias (or the reverse) is not a llama.cpp "

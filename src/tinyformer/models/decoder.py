@@ -30,13 +30,7 @@ from torch import nn
 
 from tinyformer.components.block import Block
 from tinyformer.components.initialization import init_weights
-from tinyformer.components.kv_cache import (  # noqa: F401  (the mask helpers' old home: re-exported)
-    KVCache,
-    NoCache,
-    RowCalls,
-    build_attention_mask,
-    positions_from_mask,
-)
+from tinyformer.components.kv_cache import KVCache, NoCache, RowCalls
 from tinyformer.components.loss import drop_ignored, linear_cross_entropy
 from tinyformer.components.norm import build_norm
 from tinyformer.components.positions import LearnedPositions, NoPositions, SinusoidalPositions

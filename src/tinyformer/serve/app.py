@@ -65,7 +65,7 @@ def _completion_logprobs(server: Server, tokens: list[TokenInfo], offsets: list[
 def _chat_logprobs(server: Server, tokens: list[TokenInfo]) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         return {"token": server.token_text(token_id), "logprob": logprob,
-                "bytes": list(server.token_bytes(token_id))}
+                "bytes": list(server.text_bytes.raw(token_id))}
 
     return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
                         for t in tokens]}

@@ -196,20 +196,6 @@ class Scheduler:
             self._drain_until = time.monotonic() + max(grace, 0.0)
             self._cond.notify_all()
 
-    @property
-    def draining(self) -> bool:
-        return self._drain_until is not None
-
-    @property
-    def active_count(self) -> int:
-        """Requests holding a slot."""
-        return len(self._running)
-
-    @property
-    def waiting_count(self) -> int:
-        """Requests queued for a slot."""
-        return len(self._waiting)
-
     def stats(self) -> dict[str, int]:
         with self._cond:
             return {

@@ -109,11 +109,6 @@ class Server:
         self._token_text: dict[int, str] = {}
         self._box: _Mailbox | None = None
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """A token's own bytes, special tokens included; ids the model has but the tokenizer lacks (padded
-        vocabularies) are empty."""
-        return self.text_bytes.raw(token_id)
-
     # ------------------------------------------------------------------ checks
     def authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -138,7 +133,7 @@ class Server:
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
-            raw = self.token_bytes(token_id)
+            raw = self.text_bytes.raw(token_id)  # special tokens included
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:  # part of a character: shown as its bytes, like OpenAI does

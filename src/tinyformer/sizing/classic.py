@@ -22,7 +22,7 @@ Encoder-decoder (N_e encoder layers, N decoder layers):
 from __future__ import annotations
 
 from tinyformer.config import ModelConfig
-from tinyformer.sizing.params import ParamCount, attention_params, cross_attention_params, ffn_params, norm_params
+from tinyformer.sizing.params import ParamCount, attention_params, ffn_params, norm_params
 
 
 def count_params_classic(cfg: ModelConfig) -> ParamCount:
@@ -59,7 +59,7 @@ def count_params_classic(cfg: ModelConfig) -> ParamCount:
     return ParamCount(
         embedding=V * d * (1 if cfg.share_src_tgt_embeddings else 2),
         positions=2 * cfg.max_seq_len * d if cfg.pos == "learned" else 0,
-        attention_per_layer=attention_params(cfg) + cross_attention_params(cfg),
+        attention_per_layer=2 * attention_params(cfg),  # self- and cross-attention: the same projections
         ffn_per_layer=ffn_params(cfg),
         norms_per_layer=3 * norm,
         n_layer=cfg.n_layer,

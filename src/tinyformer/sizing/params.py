@@ -37,11 +37,6 @@ def attention_params(cfg: ModelConfig) -> int:
     return n
 
 
-def cross_attention_params(cfg: ModelConfig) -> int:
-    """Cross-attention (encoder-decoder) has the same projections as self-attention."""
-    return attention_params(cfg)
-
-
 def ffn_params(cfg: ModelConfig, active: bool = False) -> int:
     """FFN parameters of one layer; ``active``: only those one token uses (MoE: the router, k experts and the
     shared expert)."""

@@ -59,10 +59,6 @@ TIMEOUT_ENV = "TINYFORMER_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
 
 
-class DistributedError(TinyformerError):
-    """A distributed job could not start or a rank failed; the message names the rank."""
-
-
 # ---------------------------------------------------------------------------- process group
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from tinyformer.data.tokenizer import Tokenizer
 from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import HUMAN_TEMPERATURE, HUMAN_TOP_K, SamplingParams
+from tinyformer.training.objectives.base import eval_mode
 
 
 @torch.no_grad()
@@ -31,8 +32,7 @@ def sample_text(
     """``prompt`` plus up to ``max_new_tokens`` sampled tokens (fewer at EOS or the context limit), as text,
     decoded by the same engine and drawn by the same sampler (:func:`~tinyformer.generation.sampling.sample`)
     as ``tinyformer generate`` (``device`` is where the model already is)."""
-    was_training = model.training
-    try:
+    with eval_mode(model):
         ids = tokenizer.encode(prompt) if prompt else []
         if not ids:
             ids = [tokenizer.eos_id if tokenizer.eos_id is not None else 0]
@@ -45,5 +45,3 @@ def sample_text(
         if out and tokenizer.eos_id is not None and out[-1] == tokenizer.eos_id:
             out = out[:-1]
         return tokenizer.decode([i for i in ids if i != tokenizer.eos_id] + out, skip_special_tokens=True)
-    finally:
-        model.train(was_training)

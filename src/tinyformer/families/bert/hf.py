@@ -35,7 +35,7 @@ import torch
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.families.adapter import Adapter, fixed_field_problem, hf_pad_token_id
+from tinyformer.families.adapter import Adapter, fixed_field_problem, hf_pad_token_id, imported_hf_config
 
 PREFIX = "bert."
 # architecture -> (tensor-name prefix, pooler, masked-LM head)
@@ -57,8 +57,8 @@ def _architecture(hf: Mapping[str, Any]) -> str:
 
 
 def _prefix(cfg: ModelConfig) -> str:
-    hf = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
-    if isinstance(hf, dict) and hf.get("architectures"):
+    hf = imported_hf_config(cfg)
+    if hf and hf.get("architectures"):
         return ARCHITECTURES.get(hf["architectures"][0], (PREFIX,))[0]
     return PREFIX if cfg.mlm_head else ""
 
@@ -150,11 +150,9 @@ def _export_architecture(cfg: ModelConfig) -> str:
 
 def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
     """A Hugging Face BERT config dict (the imported original, updated, when there is one)."""
-    problem = export_problem(cfg)
-    if problem:
+    if problem := export_problem(cfg):
         raise ConfigError(problem)
-    original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
-    hf: dict[str, Any] = dict(original) if isinstance(original, dict) else {}
+    hf: dict[str, Any] = dict(imported_hf_config(cfg) or {})
     hf.update({
         "architectures": [_export_architecture(cfg)],
         "model_type": "bert",

@@ -154,8 +154,7 @@ def export_problem(cfg: ModelConfig) -> str | None:
 
 def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
     """The imported config when the model is unchanged, else a fresh Gemma 2 / Gemma 3 text config."""
-    problem = export_problem(cfg)
-    if problem:
+    if problem := export_problem(cfg):
         raise ConfigError(problem)
     kept = llama.original_if_unchanged(cfg, config_from_hf, torch_dtype)
     if kept is not None:

@@ -34,7 +34,7 @@ import torch
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.families.adapter import Adapter, fixed_field_problem, hf_pad_token_id
+from tinyformer.families.adapter import Adapter, fixed_field_problem, hf_pad_token_id, imported_hf_config
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                "gelu": "gelu", "relu": "relu"}
@@ -43,8 +43,7 @@ PREFIX = "transformer."
 
 
 def _prefix(cfg: ModelConfig) -> str:
-    hf = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
-    archs = (hf or {}).get("architectures") or ["GPT2LMHeadModel"]
+    archs = (imported_hf_config(cfg) or {}).get("architectures") or ["GPT2LMHeadModel"]
     return "" if archs[0] == "GPT2Model" else PREFIX
 
 
@@ -114,11 +113,9 @@ def export_problem(cfg: ModelConfig) -> str | None:
 
 def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
     """A Hugging Face GPT-2 config dict (the imported original, updated, when there is one)."""
-    problem = export_problem(cfg)
-    if problem:
+    if problem := export_problem(cfg):
         raise ConfigError(problem)
-    original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
-    hf: dict[str, Any] = dict(original) if isinstance(original, dict) else {}
+    hf: dict[str, Any] = dict(imported_hf_config(cfg) or {})
     hf.update({
         "architectures": ["GPT2LMHeadModel"] if _prefix(cfg) else ["GPT2Model"],
         "model_type": "gpt2",

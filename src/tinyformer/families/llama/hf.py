@@ -55,7 +55,7 @@ import torch
 
 from tinyformer.config import ROPE_SCALING_KEYS, ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.families.adapter import Adapter, fixed_field_problem, hf_pad_token_id
+from tinyformer.families.adapter import Adapter, fixed_field_problem, hf_pad_token_id, imported_hf_config
 
 HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 MoENames = tuple[str, str, str, str, str]  # (router, expert prefix, gate, up, down) under model.layers.i.
@@ -154,8 +154,7 @@ BIASES = {  # LayoutType.biases -> (q/k/v, o, mlp) biases of a config.json
 
 def imported_as(cfg: ModelConfig) -> str | None:
     """The Hugging Face model_type ``cfg`` was imported from, or None."""
-    original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
-    return original.get("model_type") if isinstance(original, dict) else None
+    return (imported_hf_config(cfg) or {}).get("model_type")
 
 
 def layout_problem(cfg: ModelConfig) -> str | None:
@@ -202,8 +201,8 @@ def _same_model(a: ModelConfig, b: ModelConfig) -> bool:
 def original_if_unchanged(cfg: ModelConfig, from_hf: Any, torch_dtype: str) -> dict[str, Any] | None:
     """The imported HF config (``extra["hf_config"]``) with the new dtype when ``from_hf`` of it still gives
     ``cfg``'s fields, so that an import/export round trip writes the original back; None otherwise."""
-    original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
-    if not isinstance(original, dict):
+    original = imported_hf_config(cfg)
+    if original is None:
         return None
     try:
         if not _same_model(from_hf(original), cfg):
@@ -253,8 +252,7 @@ def shape_to_hf(cfg: ModelConfig, model_type: str, architecture: str, rope_param
         "torch_dtype": torch_dtype,
         "dtype": torch_dtype,
     }
-    original = cfg.extra.get("hf_config") if isinstance(cfg.extra, dict) else None
-    if isinstance(original, dict):
+    if (original := imported_hf_config(cfg)) is not None:
         for key in ("bos_token_id", "eos_token_id"):
             if key in original:
                 hf[key] = original[key]
@@ -380,8 +378,7 @@ class Layout:
     def config_to_hf(self, cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
         """A Hugging Face config dict: the imported original when the model is unchanged, else a fresh one for
         the type ``written_type`` picks."""
-        problem = self.export_problem(cfg)
-        if problem:
+        if problem := self.export_problem(cfg):
             raise ConfigError(problem)
         kept = original_if_unchanged(cfg, self.config_from_hf, torch_dtype)
         if kept is not None:

@@ -7,6 +7,7 @@ of a batch and for the model. Every objective (``lm.py``, ``mlm.py``, ``seq2seq.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar
 
@@ -21,6 +22,17 @@ if TYPE_CHECKING:
     from tinyformer.training.train_config import TrainConfig
 
 Batch = dict[str, torch.Tensor]
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode (no dropout) inside the block, and back in the mode it was in after it."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 class Objective:
@@ -52,6 +64,11 @@ class Objective:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.dataset = dataset
+
+    def _block(self) -> int:
+        """The tokens of a training sequence (``block_size``, resolved before the objective is used)."""
+        assert self.cfg.block_size is not None, "block_size is resolved before the objective is used"
+        return self.cfg.block_size
 
     @classmethod
     def make_tokenizer(cls, cfg: TrainConfig) -> Tokenizer:

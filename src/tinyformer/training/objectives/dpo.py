@@ -33,7 +33,7 @@ from torch import nn
 
 from tinyformer.components.lora import has_lora, lora_disabled
 from tinyformer.errors import DataError
-from tinyformer.training.objectives.base import Batch
+from tinyformer.training.objectives.base import Batch, eval_mode
 from tinyformer.training.objectives.sft import IGNORE, ChatObjective, first_user_text, pad_rows, plain_module
 
 if TYPE_CHECKING:
@@ -168,15 +168,11 @@ class DPOObjective(ChatObjective):
     @torch.no_grad()
     def split_metrics(self, model: nn.Module, split: str, device: torch.device) -> dict[str, float]:
         """DPO loss, reward margin, reward accuracy and preference accuracy over ``split``'s evaluation pairs."""
-        was_training = model.training
-        model.eval()
         terms = []
-        try:
+        with eval_mode(model):
             for batch in self.eval_batches(split, self.cfg.eval_iters or None):
                 batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
                 terms.append(torch.stack(self.pair_terms(model, batch)).double().cpu())
-        finally:
-            model.train(was_training)
         losses, r_w, r_l, chosen, rejected = torch.cat(terms, dim=1)
         return {f"{split}_dpo_loss": float(losses.mean()), f"{split}_reward_margin": float((r_w - r_l).mean()),
                 f"{split}_reward_accuracy": float((r_w > r_l).double().mean()),
@@ -282,16 +278,12 @@ def pair_batch(pairs: Sequence[tuple[Row, Row]], pad_id: int) -> dict[str, torch
 def score_pairs(model: nn.Module, pairs: Sequence[tuple[Row, Row]], pad_id: int, batch_size: int,
                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """(log pi(chosen|x), log pi(rejected|x)), each (N,) float32 on the CPU, in eval mode."""
-    was_training = model.training
-    model.eval()
     chosen, rejected = [], []
-    try:
+    with eval_mode(model):
         for start in range(0, len(pairs), batch_size):
             batch = pair_batch(pairs[start : start + batch_size], pad_id)
             logps = sequence_logps(model, batch["input_ids"].to(device), batch["targets"].to(device)).cpu()
             c, r = logps.chunk(2)
             chosen.append(c)
             rejected.append(r)
-    finally:
-        model.train(was_training)
     return torch.cat(chosen), torch.cat(rejected)

@@ -55,7 +55,7 @@ from torch import nn
 
 from tinyformer.components.lora import has_lora, lora_disabled
 from tinyformer.errors import ConfigError, DataError
-from tinyformer.training.objectives.base import Batch
+from tinyformer.training.objectives.base import Batch, eval_mode
 from tinyformer.training.objectives.sft import IGNORE, ChatObjective, first_user_text, plain_module
 from tinyformer.training.rewards import RewardSet
 
@@ -173,16 +173,13 @@ def sample_completions(model: nn.Module, tokenizer: Tokenizer, prompts: Sequence
     from tinyformer.generation.sampling import GREEDY_TEMPERATURE, SamplingParams
 
     model = plain_module(model)
-    was_training = model.training
-    try:
+    with eval_mode(model):
         gen = Generator(model, tokenizer)
         params = SamplingParams(temperature=temperature if temperature > 0 else GREEDY_TEMPERATURE, top_k=0,
                                 top_p=1.0, min_p=0.0, max_new_tokens=max_new_tokens, seed=seed,
                                 stop_token_ids=tuple(stop_token_ids)).validate()
         rows = [list(p) for p in prompts for _ in range(n)]
         results = gen.generate(rows, params, logprobs=temperature > 0, sampled_logprobs=True)
-    finally:
-        model.train(was_training)
     return [(r.token_ids, r.logprobs, r.text) for r in results]
 
 
@@ -309,18 +306,13 @@ class GRPOObjective(ChatObjective):
         if self.cfg.kl_beta == 0.0:
             return None
         model = plain_module(self.model)
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                if has_lora(model):
-                    with lora_disabled(model):
-                        return shared_prompt_logps(model, batch, self.cfg.temperature)
-                if self.reference is None:
-                    self.reference = self._load_reference(model, next(model.parameters()).device).eval()
-                return shared_prompt_logps(self.reference, batch, self.cfg.temperature)
-        finally:
-            model.train(was_training)
+        with eval_mode(model), torch.no_grad():
+            if has_lora(model):
+                with lora_disabled(model):
+                    return shared_prompt_logps(model, batch, self.cfg.temperature)
+            if self.reference is None:
+                self.reference = self._load_reference(model, next(model.parameters()).device).eval()
+            return shared_prompt_logps(self.reference, batch, self.cfg.temperature)
 
     # ------------------------------------------------------------------ batches: sampled by the model
     def _rollout(self, index: list[int], seed: int) -> dict[str, Any]:

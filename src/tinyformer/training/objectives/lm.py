@@ -42,10 +42,6 @@ class CausalLM(Objective):
             raise ConfigError(f"objective 'clm' trains a decoder, but model.arch is {model_cfg.arch!r}")
         return model_cfg
 
-    def _block(self) -> int:
-        assert self.cfg.block_size is not None, "block_size is resolved before the objective is used"
-        return self.cfg.block_size
-
     def get_batch(self, split: str, generator: torch.Generator, rank: int = 0, world_size: int = 1) -> Batch:
         x, y = self.dataset.get_batch(split, self.cfg.batch_size, self._block(), generator, rank, world_size)
         return {"input_ids": x, "targets": y}

@@ -112,10 +112,6 @@ class MaskedLM(Objective):
         extra = {**model_cfg.extra, "mlm": {"mask_token_id": self.mask_id, "cls_token_id": self.cls_id}}
         return model_cfg.replace(vocab_size=max(model_cfg.vocab_size, self.mask_id + 1), mlm_head=True, extra=extra)
 
-    def _block(self) -> int:
-        assert self.cfg.block_size is not None, "block_size is resolved before the objective is used"
-        return self.cfg.block_size
-
     def _prepare(self, windows: torch.Tensor, generator: torch.Generator) -> Batch:
         """Windows (B, T) -> [CLS] + the first T-1 tokens, masked."""
         x = windows[:, : self._block() - (1 if self.cls_id is not None else 0)].long()

@@ -24,7 +24,7 @@ from torch import nn
 from tinyformer.config import ModelConfig
 from tinyformer.data.synthetic_tasks import Example, TaskData, get_task, task_tokenizer
 from tinyformer.errors import ConfigError
-from tinyformer.training.objectives.base import Batch, Objective
+from tinyformer.training.objectives.base import Batch, Objective, eval_mode
 
 if TYPE_CHECKING:
     from tinyformer.data.dataset import TokenDataset
@@ -60,10 +60,8 @@ def decode_examples(model: nn.Module, tokenizer: Tokenizer, examples: Sequence[E
     (the best hypothesis, with beam search's default length penalty and early stopping)."""
     from tinyformer.generation.seq2seq import beam_search, greedy_decode
 
-    was_training = model.training
-    model.eval()
     outputs: list[str] = []
-    try:
+    with eval_mode(model):
         for i in range(0, len(examples), batch_size):
             batch = make_batch(examples[i : i + batch_size], tokenizer)
             src, mask = batch["src_ids"].to(device), batch["src_mask"].to(device)
@@ -75,8 +73,6 @@ def decode_examples(model: nn.Module, tokenizer: Tokenizer, examples: Sequence[E
             else:
                 ids = greedy_decode(model, src, mask, **kwargs)
             outputs += [tokenizer.decode(row) for row in ids]
-    finally:
-        model.train(was_training)
     return outputs
 
 

@@ -38,7 +38,7 @@ from torch import nn
 from tinyformer.config import ModelConfig
 from tinyformer.data.chat_data import is_heldout
 from tinyformer.errors import ConfigError, DataError
-from tinyformer.training.objectives.base import Batch, Objective
+from tinyformer.training.objectives.base import Batch, Objective, eval_mode
 from tinyformer.training.objectives.lm import lm_loss
 
 if TYPE_CHECKING:
@@ -130,10 +130,6 @@ class ChatObjective(Objective):
         # a fine-tuning run is short: the pretraining default's fixed warm-up would fill most of it
         return {"warmup_steps": max(1, round(WARMUP_FRACTION * cfg.max_steps))}
 
-    def _block(self) -> int:
-        assert self.cfg.block_size is not None, "block_size is resolved before the objective is used"
-        return self.cfg.block_size
-
     def _split(self, key: str) -> str:
         return "val" if is_heldout(key, self.cfg.val_fraction) else "train"
 
@@ -170,11 +166,10 @@ def answer_prompts(model: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Seq
     from tinyformer.generation.sampling import GREEDY_TEMPERATURE, SamplingParams
 
     model = getattr(model, "_orig_mod", model)  # a compiled wrapper's module
-    was_training = model.training
-    gen = Generator(model, tokenizer)
-    template = template or ChatTemplate(tokenizer)
     replies = []
-    try:
+    with eval_mode(model):
+        gen = Generator(model, tokenizer)
+        template = template or ChatTemplate(tokenizer)
         for messages in prompts:
             ids = template.encode_prompt(messages)
             room = model.cfg.max_seq_len - len(ids)
@@ -184,8 +179,6 @@ def answer_prompts(model: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Seq
             params = SamplingParams(temperature=GREEDY_TEMPERATURE, max_new_tokens=min(max_new_tokens, room),
                                     stop_token_ids=template.stop_token_ids).validate()
             replies.append(gen.generate([ids], params)[0].text.strip())
-    finally:
-        model.train(was_training)
     return replies
 
 
