@@ -218,6 +218,25 @@ def test_the_packaged_verification_equals_plain_greedy_and_later_generators_load
     assert second._compiled.built == [] and max(calls) == 5
 
 
+def test_warm_up_also_prepares_each_buckets_verification_when_rows_may_speculate():
+    """A server's warm-up compiles every bucket's step up front; with speculation, its verification too."""
+    asked: list[tuple] = []
+
+    class Step(engine_module.CompiledStep):
+        def get(self, ids_only):
+            return lambda tokens, *a: asked.append(("step", tokens.shape[0], ids_only))
+
+        def verifier(self, positions, rows, cache):
+            asked.append(("verify", rows, positions))
+
+    model = random_lm(n_layer=1)
+    BatchEngine(model, max_batch=4, max_len=32, compiled=Step(model), buckets=True, max_draft_tokens=3).warm_up()
+    assert [a for a in asked if a[0] == "verify"] == [("verify", 1, 4), ("verify", 2, 4), ("verify", 4, 4)]
+    asked.clear()
+    BatchEngine(model, max_batch=4, max_len=32, compiled=Step(model), buckets=True).warm_up()
+    assert asked and all(a[0] == "step" for a in asked)
+
+
 # ------------------------------------------------------------------ the cache after rollback
 
 

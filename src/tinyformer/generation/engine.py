@@ -475,10 +475,11 @@ class BatchEngine:
         return sorted({self.bucket(n) for n in range(1, self.max_batch + 1)})
 
     def warm_up(self) -> None:
-        """Compile the decode step of every bucket now, so that no request waits for a compilation later
-        (a no-op without ``compiled``). Runs each graph once on dummy tokens at position 0 of the free rows,
-        which a row's prefill overwrites before anything reads them; call it while no row is in the engine,
-        in the same grad mode as the steps (``torch.inference_mode()``)."""
+        """Compile the decode step of every bucket now (and its verification, where rows may speculate), so
+        that no request waits for a compilation later (a no-op without ``compiled``). Runs each graph once on
+        dummy tokens at position 0 of the free rows, which a row's prefill overwrites before anything reads
+        them; call it while no row is in the engine, in the same grad mode as the steps
+        (``torch.inference_mode()``)."""
         if self.compiled is None:
             return
         if self.rows:
@@ -487,11 +488,16 @@ class BatchEngine:
         span = torch.empty(min(2, self.max_len), device=self.device)
         if self.compiled.traced:
             torch._dynamo.maybe_mark_dynamic(span, 0)
+        most = self.max_draft_tokens + 1
         for n in self.buckets():
             t = torch.zeros(n, 1, dtype=torch.long, device=self.device)
             p = torch.zeros(n, dtype=torch.long, device=self.device)
             for ids_only in ((False, True) if n == 1 else (False,)):
+                if self.max_draft_tokens:
+                    self.compiled.expect(n, ids_only, most)
                 self.compiled.get(ids_only)(t, p, self._view(n), span)
+            if self.max_draft_tokens:  # and the bucket's speculative verification, where the step compiles one
+                self.compiled.verifier(most, n, self._view(n))
 
     def _decode(self, rows: list[EngineRow]) -> list[RowOutput]:
         dev = self.device
