@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from tinyformer.data.chat_template import ChatTemplate
+from tinyformer.generation.compile_cache import compiled_step
 from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.generation.speculative import SpeculativeConfig
@@ -130,6 +131,11 @@ def _run_tinyformer(model: DecoderLM, run: str, label: str, texts: dict[str, str
     methods: dict[str, Generator] = {"plain": Generator(model, tok, **compiled)}
     for k in args.draft_tokens:
         methods[f"ngram K={k}"] = Generator(model, tok, speculative=SpeculativeConfig("ngram", k), **compiled)
+        if args.compile and args.eager_verification:  # the packaged one-token step, the verification eager
+            g = methods[f"ngram K={k} eager verification"] = Generator(
+                model, tok, speculative=SpeculativeConfig("ngram", k), **compiled)
+            g._compiled = compiled_step(model, True)
+            g._compiled.verifier = lambda *a: None
     drafts = []
     if args.draft_layers:
         drafts.append((f"draft: first {args.draft_layers} layers", truncated_copy(load_model(run).eval(),
@@ -269,6 +275,9 @@ def main() -> None:
     ap.add_argument("--llama-only", action="store_true", help="run the llama.cpp side only")
     ap.add_argument("--compile", action="store_true",
                     help="one-token steps on the packaged compiled step (the commands' default), built before timing")
+    ap.add_argument("--eager-verification", action="store_true",
+                    help="with --compile, also each ngram K with its verification eager (the packaged step's "
+                         "one-token steps): what the packaged verification itself gains")
     ap.add_argument("--skip-fp32", action="store_true", help="leave out the --model (fp32) rows: --int8 and llama.cpp")
     ap.add_argument("--forward-cost", type=int, nargs="+", default=None, metavar="T",
                     help="only time one forward over T positions (e.g. 1 5 9) and exit")
