@@ -5,7 +5,9 @@ step removes (docs/benchmarks/decode.md). On a CPU the compiled step is an **AOT
 (:class:`PackagedStep`): ``torch.export`` traces one decode step (the attended span and the cache length
 symbolic), inductor compiles it to a shared library, and the package is stored in the compile cache. The
 first process to need a shape builds it (minutes for SmolLM2-135M's 30 layers on 2 cores); every later one
-loads it in milliseconds, without importing torch's compiler, and hands it the model's own weights. On a
+loads it in milliseconds, without importing torch's compiler, and hands it the model's own weights. A
+speculative verification (the target over up to K + 1 positions per row, ``generation/speculative.py``) is a
+package of its own, its positions symbolic too (:meth:`PackagedStep.verifier`). On a
 GPU it is the ``torch.compile``-d step (:class:`~tinyformer.generation.engine.CompiledStep`), whose kernels
 inductor caches in the same folder.
 
@@ -19,7 +21,8 @@ decodes eagerly, and ``--compile`` is an error that says why.
 Where the cache lives::
 
     $TINYFORMER_CACHE (default $XDG_CACHE_HOME/tinyformer, ~/.cache/tinyformer) / compile / torch-<version>-<cpu tag>
-        packages/<digest>.pt2      one decode step each (PackagedStep.name: code, model, rows, cache layout)
+        packages/<digest>.pt2      one decode step or verification each (PackagedStep.name: code, model,
+                                   rows, positions, cache layout)
         packages/build.log         what the background builds printed
 
 The torch version and the CPU are part of the folder name, so that a new torch or another CPU (kernels are
