@@ -1,12 +1,12 @@
 """Speculative decoding against plain greedy decoding: tokens/s and acceptance, side by side in one process.
 
 SmolLM2-135M-Instruct (a run folder from ``tinyformer convert --from-gguf``, and its int8 copy from
-``tinyformer quantize``), greedy, batch 1, end-of-sequence ignored, eager decoding. Each prompt is decoded
-plain, with prompt lookup (``ngram``, each --draft-tokens K) and, with --draft-layers, with a draft model
-(the first N layers of the same model, its final norm and head: same tokenizer, no training), one after the
-other, --reps rounds, so that the machine's load hits every method alike; the medians are reported with
-the ratio to plain and the acceptance rate (draft tokens kept / proposed). Every speculative output is
-checked token for token against the plain one.
+``tinyformer quantize``), greedy, batch 1, end-of-sequence ignored, eager decoding (--compile: the packaged
+steps). Each prompt is decoded plain, with prompt lookup (``ngram``, each --draft-tokens K) and, with
+--draft-layers, with a draft model (the first N layers of the same model, its final norm and head: same
+tokenizer, no training), one after the other, --reps rounds, so that the machine's load hits every method
+alike; the medians are reported with the ratio to plain and the acceptance rate (draft tokens kept /
+proposed). Every speculative output is checked token for token against the plain one.
 
 Prompts (built from text on disk, as plain text to continue):
 
@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from tinyformer.data.chat_template import ChatTemplate
+from tinyformer.generation.compile_cache import compiled_step
 from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.generation.speculative import SpeculativeConfig
@@ -115,16 +116,26 @@ def truncated_copy(model: DecoderLM, n_layer: int) -> DecoderLM:
 
 
 def run_tinyformer(run: str, label: str, texts: dict[str, str], args) -> list[dict]:
-    model = load_model(run).eval()
+    with torch.inference_mode(False):  # --compile: torch.export cannot trace inference-mode parameters
+        model = load_model(run).eval()
+        return _run_tinyformer(model, run, label, texts, args)
+
+
+def _run_tinyformer(model: DecoderLM, run: str, label: str, texts: dict[str, str], args) -> list[dict]:
     store_input_major(model)
     tok = load_tokenizer(run)
     ids = {name: tok.encode(t) for name, t in texts.items()}
-    # --compile: every method decodes its one-token steps with the packaged step, as the commands do by default
-    # (a verification over several positions stays eager)
+    # --compile: every method decodes with the packaged steps (the one-token step and the verification over
+    # up to K + 1 positions), as the commands do by default
     compiled = {"compile": True} if args.compile else {}
     methods: dict[str, Generator] = {"plain": Generator(model, tok, **compiled)}
     for k in args.draft_tokens:
         methods[f"ngram K={k}"] = Generator(model, tok, speculative=SpeculativeConfig("ngram", k), **compiled)
+        if args.compile and args.eager_verification:  # the packaged one-token step, the verification eager
+            g = methods[f"ngram K={k} eager verification"] = Generator(
+                model, tok, speculative=SpeculativeConfig("ngram", k), **compiled)
+            g._compiled = compiled_step(model, True)
+            g._compiled.verifier = lambda *a: None
     drafts = []
     if args.draft_layers:
         drafts.append((f"draft: first {args.draft_layers} layers", truncated_copy(load_model(run).eval(),
@@ -264,6 +275,9 @@ def main() -> None:
     ap.add_argument("--llama-only", action="store_true", help="run the llama.cpp side only")
     ap.add_argument("--compile", action="store_true",
                     help="one-token steps on the packaged compiled step (the commands' default), built before timing")
+    ap.add_argument("--eager-verification", action="store_true",
+                    help="with --compile, also each ngram K with its verification eager (the packaged step's "
+                         "one-token steps): what the packaged verification itself gains")
     ap.add_argument("--skip-fp32", action="store_true", help="leave out the --model (fp32) rows: --int8 and llama.cpp")
     ap.add_argument("--forward-cost", type=int, nargs="+", default=None, metavar="T",
                     help="only time one forward over T positions (e.g. 1 5 9) and exit")

@@ -181,3 +181,30 @@ def test_a_shape_that_failed_to_build_here_is_not_tried_again(monkeypatch, tmp_p
     background = compile_cache.PackagedStep(model, tmp_path, compile_cache.PackageBuild(background_run="run"))
     monkeypatch.setattr(background, "_spawn_builder", no_build)
     assert background._package(background._key(False, 1, cache), cache) is None
+
+
+def test_a_background_builder_builds_the_decode_step_and_the_verification_together(monkeypatch, tmp_path):
+    """An engine that speculates needs two packages: the one-position step and the verification over up to
+    K + 1 positions. The first one asked for starts one builder for both (one builder at a time), and the
+    verification's name digests its positions."""
+    model = tiny_model()
+    cache = model.new_cache(1, 32)
+    step = compile_cache.PackagedStep(model, tmp_path, compile_cache.PackageBuild(background_run="RUN"))
+    assert step.name(False, 1, cache, 5) not in (step.name(False, 1, cache), step.name(False, 1, cache, 3))
+    started: list[list[str]] = []
+
+    class Builder:
+        def __init__(self, cmd, **kwargs):
+            started.append(cmd)
+
+        def poll(self):
+            return None  # still building
+
+    monkeypatch.setattr(compile_cache.subprocess, "Popen", Builder)
+    step.expect(1, True, 5)
+    assert step._package(step._key(True, 1, cache), cache) is None  # decodes eagerly meanwhile
+    assert step.verifier(5, 1, cache) is None  # verifies eagerly meanwhile; no second builder
+    assert len(started) == 1
+    jobs = [started[0][i + 1 : i + 4] for i, a in enumerate(started[0]) if a == "--package"]
+    assert jobs == [["ids", "1", str(tmp_path / step.name(True, 1, cache))],
+                    ["logits", "5", str(tmp_path / step.name(False, 1, cache, 5))]]

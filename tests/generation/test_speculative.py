@@ -4,6 +4,7 @@ rejected tokens."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 
@@ -181,6 +182,59 @@ def test_speculative_rows_and_plain_rows_share_an_engine_and_each_equals_plain_g
                 break
     assert [r.token_ids for r in rows] == ref
     assert rows[0].drafts.proposed > 0 and rows[1].drafts is None
+
+
+@pytest.mark.slow
+def test_the_packaged_verification_equals_plain_greedy_and_later_generators_load_it(monkeypatch, tmp_path):
+    """With the packaged decode step (a CPU's compiled step) the verification over 2 .. K + 1 positions is a
+    package too: greedy output stays token for token plain greedy's (rejections, rollbacks and every draft
+    length included), and a second generator loads both packages without building. fp32: an int8
+    ``cpp_act8`` model's verification logits may differ from a one-position step's (activation rounding)."""
+    from tinyformer.generation.compile_cache import PackagedStep
+
+    monkeypatch.setenv("TINYFORMER_CACHE", str(tmp_path))
+    model = random_lm(dtype=torch.float32, n_layer=1)
+    draft = copy.deepcopy(model)  # a close draft: about half of its drafts are kept
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    calls: list[int] = []  # the tokens per row of each packaged verification
+    run = PackagedStep._run
+    monkeypatch.setattr(PackagedStep, "_run", staticmethod(
+        lambda fn, tokens, *a: (calls.append(tokens.shape[1]), run(fn, tokens, *a))[1]))
+    params = SamplingParams(temperature=0, max_new_tokens=40)
+    prompt = PROMPTS[1:2]
+    want = [r.token_ids for r in ids_generator(model).generate(prompt, params, logprobs=False)]
+    spec = {"speculative": SpeculativeConfig("draft", draft_tokens=4), "draft_model": draft}
+    first = ids_generator(model, compile=True, **spec)
+    assert [r.token_ids for r in first.generate(prompt, params, logprobs=False)] == want
+    assert first.timings.draft_proposed > first.timings.draft_accepted > 0
+    assert len(first._compiled.built) == 2  # the one-position step and the verification
+    assert {n for n in calls if n > 1} == {2, 3, 4, 5}  # one package for every draft length
+    second = ids_generator(model, compile=True, **spec)
+    calls.clear()
+    assert [r.token_ids for r in second.generate(prompt, params, logprobs=False)] == want
+    assert second._compiled.built == [] and max(calls) == 5
+
+
+def test_warm_up_also_prepares_each_buckets_verification_when_rows_may_speculate():
+    """A server's warm-up compiles every bucket's step up front; with speculation, its verification too."""
+    asked: list[tuple] = []
+
+    class Step(engine_module.CompiledStep):
+        def get(self, ids_only):
+            return lambda tokens, *a: asked.append(("step", tokens.shape[0], ids_only))
+
+        def verifier(self, positions, rows, cache):
+            asked.append(("verify", rows, positions))
+
+    model = random_lm(n_layer=1)
+    BatchEngine(model, max_batch=4, max_len=32, compiled=Step(model), buckets=True, max_draft_tokens=3).warm_up()
+    assert [a for a in asked if a[0] == "verify"] == [("verify", 1, 4), ("verify", 2, 4), ("verify", 4, 4)]
+    asked.clear()
+    BatchEngine(model, max_batch=4, max_len=32, compiled=Step(model), buckets=True).warm_up()
+    assert asked and all(a[0] == "step" for a in asked)
 
 
 # ------------------------------------------------------------------ the cache after rollback

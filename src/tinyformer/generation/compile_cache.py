@@ -5,7 +5,9 @@ step removes (docs/benchmarks/decode.md). On a CPU the compiled step is an **AOT
 (:class:`PackagedStep`): ``torch.export`` traces one decode step (the attended span and the cache length
 symbolic), inductor compiles it to a shared library, and the package is stored in the compile cache. The
 first process to need a shape builds it (minutes for SmolLM2-135M's 30 layers on 2 cores); every later one
-loads it in milliseconds, without importing torch's compiler, and hands it the model's own weights. On a
+loads it in milliseconds, without importing torch's compiler, and hands it the model's own weights. A
+speculative verification (the target over up to K + 1 positions per row, ``generation/speculative.py``) is a
+package of its own, its positions symbolic too (:meth:`PackagedStep.verifier`). On a
 GPU it is the ``torch.compile``-d step (:class:`~tinyformer.generation.engine.CompiledStep`), whose kernels
 inductor caches in the same folder.
 
@@ -19,7 +21,8 @@ decodes eagerly, and ``--compile`` is an error that says why.
 Where the cache lives::
 
     $TINYFORMER_CACHE (default $XDG_CACHE_HOME/tinyformer, ~/.cache/tinyformer) / compile / torch-<version>-<cpu tag>
-        packages/<digest>.pt2      one decode step each (PackagedStep.name: code, model, rows, cache layout)
+        packages/<digest>.pt2      one decode step or verification each (PackagedStep.name: code, model,
+                                   rows, positions, cache layout)
         packages/build.log         what the background builds printed
 
 The torch version and the CPU are part of the folder name, so that a new torch or another CPU (kernels are
@@ -39,6 +42,7 @@ import platform
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -195,11 +199,12 @@ class _StepGraph(nn.Module):
     """What a package holds: one decode step over a cache laid out like ``layout``'s, its buffers given as
     inputs. ``(tokens (R, 1), positions (R,), span (kv,), keys [L x (R, H_kv, S, d)], values [...])`` ->
     logits (R, V), or the greedy ids (R,) with ``ids_only``; row r's token goes to position positions[r] and
-    attends over cache slots [0, kv), kv < S."""
+    attends over cache slots [0, kv), kv < S. With ``positions`` T > 1, a speculative verification:
+    tokens (R, T) at positions[r] .. positions[r] + T - 1 -> logits (R, T, V)."""
 
-    def __init__(self, model: nn.Module, layout: KVCache, ids_only: bool) -> None:
+    def __init__(self, model: nn.Module, layout: KVCache, ids_only: bool, positions: int = 1) -> None:
         super().__init__()
-        self.model, self.layout, self.ids_only = model, layout, ids_only
+        self.model, self.layout, self.ids_only, self.positions = model, layout, ids_only, positions
 
     def forward(self, tokens: Tensor, positions: Tensor, span: Tensor, keys: list[Tensor],
                 values: list[Tensor]) -> Tensor:
@@ -209,6 +214,8 @@ class _StepGraph(nn.Module):
         cache = copy.copy(self.layout)
         cache.store = [type(s)(k, v, s.window) for s, k, v in zip(self.layout.store, keys, values)]
         step = CompiledStep(self.model)
+        if self.positions > 1:
+            return step.verify(tokens, positions, cache, span)
         return (step.greedy if self.ids_only else step.logits)(tokens, positions, cache, span)
 
 
@@ -231,18 +238,24 @@ class PackagedStep(CompiledStep):
     model again (18 s for SmolLM2-135M). The package holds no weights: the model's own tensors are handed to
     it at load, so it costs no second copy.
 
+    A speculative verification (:meth:`verifier`: T = 2 .. K + 1 tokens per row, K the engine's draft budget)
+    is a package too, its T symbolic like the span, so one package serves every number of drafts.
+
     A package's name digests what its code depends on: tinyformer's source (:func:`source_digest`), the
-    model (:func:`model_key`, with every tensor's strides), the rows, whether it returns greedy ids, and
-    the cache's layer kinds and dtype; torch's version and the CPU name the folder (:func:`compile_cache_dir`).
+    model (:func:`model_key`, with every tensor's strides), the rows, whether it returns greedy ids, the
+    positions per row (1, or the verification's K + 1 at most), and the cache's layer kinds and dtype;
+    torch's version and the CPU name the folder (:func:`compile_cache_dir`).
 
     A missing package is built here, or, with ``build.background_run``, by a separate low-priority process
     (``python -m tinyformer.generation.compile_cache``) while this one decodes that shape eagerly
-    (:class:`PackageBuild`). A shape that does not export (a kernel or layer the exporter cannot trace)
-    decodes with the ``torch.compile``-d step instead (eagerly in the background mode), as does a call whose
-    span is outside the package's range; a ``.failed`` file beside where its package would be keeps later
-    processes from trying again (sliding-window rings, whose attended span is bounded, do not export yet). A
-    process that waits on a background build looks for the package every 10 s and takes it up once it is there
-    (a chat or a server keeps running)."""
+    (:class:`PackageBuild`); one builder runs at a time, and it builds the decode step and the verification
+    of an engine that speculates one after the other (:meth:`expect`). A shape that does not export (a
+    kernel or layer the exporter cannot trace) decodes with the ``torch.compile``-d step instead (eagerly in
+    the background mode, and a verification always eagerly), as does a call whose span is outside the
+    package's range; a ``.failed`` file beside where its package would be keeps later processes from trying
+    again (sliding-window rings, whose attended span is bounded, do not export yet). A process that waits on
+    a background build looks for the package every 10 s and takes it up once it is there (a chat or a server
+    keeps running)."""
 
     traced = False  # a package is no dynamo graph: nothing to mark, and no import of torch's compiler
 
@@ -250,58 +263,85 @@ class PackagedStep(CompiledStep):
         super().__init__(model)
         self.folder = folder
         self.build = build
-        self._spawned = False
+        self._builder: subprocess.Popen | None = None  # the background builder this process started last
+        self._tried: set[tuple] = set()  # shapes a builder was started for (or could not be: another's lock)
         self._packages: dict[tuple, Callable[..., Tensor] | None] = {}
         # shapes whose package a background builder may still write: (its path, when to look again), so that
         # a long chat or server session switches to the package once it is there
         self._awaited: dict[tuple, tuple[Path, float]] = {}
         self.built: list[Path] = []  # packages this process compiled (the others were loaded)
+        # what an engine that speculates decodes with, by rows: (ids_only of its one-position step, positions
+        # of its verification); a background builder builds both, one after the other (expect)
+        self._companions: dict[int, tuple[bool, int]] = {}
 
     def get(self, ids_only: bool) -> Callable[..., Tensor]:
         return functools.partial(self._call, ids_only)
 
+    def expect(self, rows: int, ids_only: bool, positions: int) -> None:
+        self._companions[rows] = (ids_only, positions)
+
+    def verifier(self, positions: int, rows: int, cache: KVCache) -> Callable[..., Tensor] | None:
+        if positions < 2:
+            return None
+        fn = self._lookup(self._key(False, rows, cache, positions), cache)
+        return None if fn is None else functools.partial(self._verify_call, fn, positions)
+
+    def _verify_call(self, fn: Callable[..., Tensor], most: int, tokens: Tensor, positions: Tensor, cache: KVCache,
+                     span: Tensor) -> Tensor:
+        if not 2 <= tokens.shape[1] <= most or span.shape[0] >= cache.store[0].k.shape[2]:
+            return self.verify(tokens, positions, cache, span)  # outside the package's range: eagerly
+        return self._run(fn, tokens, positions, cache, span)
+
     def _call(self, ids_only: bool, tokens: Tensor, positions: Tensor, cache: KVCache, span: Tensor) -> Tensor:
-        keys = [s.k for s in cache.store]
-        key = self._key(ids_only, tokens.shape[0], cache)
-        if key not in self._packages or (key in self._awaited and time.monotonic() >= self._awaited[key][1]):
-            self._packages[key] = self._package(key, cache)
-        fn = self._packages[key]
-        if fn is None or not 2 <= span.shape[0] < keys[0].shape[2]:
+        fn = self._lookup(self._key(ids_only, tokens.shape[0], cache), cache)
+        if fn is None or not 2 <= span.shape[0] < cache.store[0].k.shape[2]:
             if self.build.background_run is not None:  # eager, as without --compile
                 return (self.greedy if ids_only else self.logits)(tokens, positions, cache, span)
             torch._dynamo.maybe_mark_dynamic(span, 0)
             return super().get(ids_only)(tokens, positions, cache, span)
-        # the graph's inputs, flattened as torch.export flattened (tokens, positions, span, keys, values)
-        return fn([tokens, positions, span, *keys, *(s.v for s in cache.store)])[0]
+        return self._run(fn, tokens, positions, cache, span)
 
     @staticmethod
-    def _key(ids_only: bool, rows: int, cache: KVCache) -> tuple:
-        """What tells this process's packages apart (the model is the same for all of them)."""
-        return ids_only, rows, tuple(s.kind for s in cache.store), cache.store[0].k.dtype
+    def _run(fn: Callable[..., list[Tensor]], tokens: Tensor, positions: Tensor, cache: KVCache,
+             span: Tensor) -> Tensor:
+        # the graph's inputs, flattened as torch.export flattened (tokens, positions, span, keys, values)
+        return fn([tokens, positions, span, *(s.k for s in cache.store), *(s.v for s in cache.store)])[0]
 
-    def name(self, ids_only: bool, rows: int, cache: KVCache) -> str:
+    def _lookup(self, key: tuple, cache: KVCache) -> Callable[..., list[Tensor]] | None:
+        """The loaded package of ``key``, or None (not built: built now, or by a background builder)."""
+        if key not in self._packages or (key in self._awaited and time.monotonic() >= self._awaited[key][1]):
+            self._packages[key] = self._package(key, cache)
+        return self._packages[key]
+
+    @staticmethod
+    def _key(ids_only: bool, rows: int, cache: KVCache, positions: int = 1) -> tuple:
+        """What tells this process's packages apart (the model is the same for all of them)."""
+        return ids_only, rows, positions, tuple(s.kind for s in cache.store), cache.store[0].k.dtype
+
+    def name(self, ids_only: bool, rows: int, cache: KVCache, positions: int = 1) -> str:
         """The file name of the package for this model and shape (see the class docstring)."""
         tensors = list(self.model.named_parameters()) + list(self.model.named_buffers())
         parts = [source_digest(), model_key(self.model), f"rows={rows}", f"ids_only={ids_only}",
-                 repr([s.kind for s in cache.store]), str(cache.store[0].k.dtype)]
+                 f"positions={positions}", repr([s.kind for s in cache.store]), str(cache.store[0].k.dtype)]
         parts += [f"{name}:{tuple(t.stride())}" for name, t in tensors]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24] + ".pt2"
 
-    def _package(self, key: tuple, cache: KVCache) -> Callable[..., Tensor] | None:
-        ids_only, rows = key[:2]
+    def _package(self, key: tuple, cache: KVCache) -> Callable[..., list[Tensor]] | None:
+        ids_only, rows, positions = key[:3]
         store_input_major(self.model)  # before the name: the package is built for the weights' layout
-        path = self.folder / self.name(ids_only, rows, cache)
+        path = self.folder / self.name(ids_only, rows, cache, positions)
         if failed_marker(path).is_file():  # this shape did not export here before: not again each run
             return None
-        graph = _StepGraph(self.model, cache, ids_only)
+        graph = _StepGraph(self.model, cache, ids_only, positions)
         if not path.is_file():
             if self.build.background_run is not None:
-                if key not in self._awaited:
-                    self._spawn_builder(path, ids_only, rows, cache)
+                if key not in self._tried and (self._builder is None or self._builder.poll() is not None):
+                    self._spawn_builder(key, cache)
                 self._awaited[key] = (path, time.monotonic() + 10.0)
                 return None
             if self.build.notice is not None:
-                self.build.notice(f"tinyformer: compiling the decode step for this model ({rows} row(s)), once "
+                what = "decode step" if positions == 1 else f"speculative verification ({positions} positions)"
+                self.build.notice(f"tinyformer: compiling the {what} for this model ({rows} row(s)), once "
                                   f"(minutes for a model of tens of layers; later runs load it from {self.folder}; "
                                   "--no-compile skips this) ...")
             try:
@@ -323,27 +363,40 @@ class PackagedStep(CompiledStep):
         loader.load_constants(constants, False, True, True)
         return loader.boxed_run
 
-    def _spawn_builder(self, path: Path, ids_only: bool, rows: int, cache: KVCache) -> None:
-        """Start the builder of ``path`` unless one is building already (one at a time: one per process, and
-        the folder's lock file, taken here and removed by the builder when it ends)."""
+    def _spawn_builder(self, key: tuple, cache: KVCache) -> None:
+        """Start the builder of ``key``'s package, and of its companion's (:meth:`expect`) where that is
+        missing too, unless another process is building (the folder's lock file, taken here and removed by
+        the builder when it ends)."""
         run = self.build.background_run
         assert run is not None
-        if self._spawned or not take_lock(self.folder / ".building"):
+        ids_only, rows, positions = key[:3]
+        jobs = [key]
+        other = None
+        if rows in self._companions:
+            companion_ids, most = self._companions[rows]
+            other = self._key(False, rows, cache, most) if positions == 1 else self._key(companion_ids, rows, cache)
+        if other is not None and other != key and other not in self._tried:
+            path = self.folder / self.name(other[0], rows, cache, other[2])
+            if not path.is_file() and not failed_marker(path).is_file():
+                jobs.append(other)
+        self._tried.update(jobs)  # tried once per process: a lock held by another process is not waited for
+        if not take_lock(self.folder / ".building"):
             return
         spare = next((s.kind[2] - s.window for s in cache.store if s.kind[0] == "ring"), 0)
         cmd = [sys.executable, "-m", "tinyformer.generation.compile_cache", "--run", run, "--dtype", self.build.dtype,
                "--rows", str(rows), "--max-len", str(cache.max_len),
-               "--spare-slots", str(spare), "--cache-dtype", str(cache.store[0].k.dtype).removeprefix("torch."),
-               "--out", str(path)] + (["--ids-only"] if ids_only else [])
+               "--spare-slots", str(spare), "--cache-dtype", str(cache.store[0].k.dtype).removeprefix("torch.")]
+        for ids, _, n, *_ in jobs:
+            cmd += ["--package", "ids" if ids else "logits", str(n), str(self.folder / self.name(ids, rows, cache, n))]
         try:  # the builder holds the lock from here on and removes it when it ends
             with open(self.folder / "build.log", "ab") as log:
-                subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                                 env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(self.folder.parent)})
+                self._builder = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                    env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(self.folder.parent)})
         except OSError:
             (self.folder / ".building").unlink(missing_ok=True)
             return
-        self._spawned = True
-        if self.build.notice is not None:
+        if self.build.notice is not None and len(self._tried) == len(jobs):  # the process's first builder
             self.build.notice(f"tinyformer: decoding eagerly; the compiled decode step for this model is being "
                               f"built in the background (minutes, once; --no-compile turns this off), and later "
                               f"runs will load it from {self.folder}")
@@ -389,10 +442,13 @@ def build_package(graph: _StepGraph, path: Path, rows: int, cache: KVCache) -> N
         # fresh example buffers: the engine's may be inference tensors, which export cannot write
         keys = [torch.zeros_like(s.k, memory_format=torch.contiguous_format) for s in cache.store]
         values = [torch.zeros_like(k) for k in keys]
-        tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        T = graph.positions
+        tokens = torch.zeros(rows, T, dtype=torch.long, device=device)
         positions = torch.ones(rows, dtype=torch.long, device=device)
-        exported = export(graph, (tokens, positions, torch.empty(2, device=device), keys, values),
-                          dynamic_shapes=({}, {}, {0: kv}, cache_dims, cache_dims), strict=False)
+        # a verification's tokens per row are symbolic too: one package serves every number of drafts
+        token_dims = {1: Dim("T", min=2, max=T)} if T > 1 else {}
+        exported = export(graph, (tokens, positions, torch.empty(T + 1, device=device), keys, values),
+                          dynamic_shapes=(token_dims, {}, {0: kv}, cache_dims, cache_dims), strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{os.getpid()}.{path.name}")  # the packager wants the .pt2 suffix
         try:
@@ -415,8 +471,9 @@ def compiled_step(model: nn.Module, build: bool | PackageBuild = True) -> Compil
 
 def main(argv: list[str] | None = None) -> int:
     """The background builder of :class:`PackagedStep`: load the run as the decoding process did, lay out a
-    cache alike, and build the package, unless its name (the model and shape it digests) differs from the
-    one asked for. Removes the folder's lock file (taken by its starter) when it ends."""
+    cache alike, and build each ``--package`` in turn (those that exist by then are skipped), unless its
+    name (the model and shape it digests) differs from the one asked for. Removes the folder's lock file
+    (taken by its starter) when it ends."""
     import argparse
 
     from tinyformer.run_folder import load_model
@@ -425,31 +482,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", required=True)
     p.add_argument("--dtype", required=True)
     p.add_argument("--rows", type=int, required=True)
-    p.add_argument("--ids-only", action="store_true")
     p.add_argument("--max-len", type=int, required=True)
     p.add_argument("--spare-slots", type=int, default=0)
     p.add_argument("--cache-dtype", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--package", nargs=3, action="append", required=True, metavar=("ids|logits", "POSITIONS", "OUT"),
+                   help="a package to build: greedy ids or logits, positions per row (1: the decode step; more: "
+                        "the verification of up to that many), its path")
     args = p.parse_args(argv)
     os.nice(10)  # the user's own work first
-    out = Path(args.out)
-    lock = out.parent / ".building"  # taken by the process that started this one
+    outs = [Path(out) for _, _, out in args.package]
+    lock = outs[0].parent / ".building"  # taken by the process that started this one
     try:
         model = load_model(args.run, dtype=getattr(torch, args.dtype), verify=False, mapped=False)
         store_input_major(model)
         cache = model.new_cache(args.rows, args.max_len, dtype=getattr(torch, args.cache_dtype),
                                 spare_slots=args.spare_slots)
-        step = PackagedStep(model, out.parent)
-        if step.name(args.ids_only, args.rows, cache) != out.name:
-            print(f"{out.name}: this process lays out another model or cache; nothing built", file=sys.stderr)
-            return 1
-        try:
-            build_package(_StepGraph(model, cache, args.ids_only), out, args.rows, cache)
-        except Exception as exc:
-            mark_failed(out, exc)
-            raise  # the traceback goes to build.log
-        print(f"built {out}", file=sys.stderr)
-        return 0
+        step = PackagedStep(model, outs[0].parent)
+        code = 0
+        for (kind, positions, _), out in zip(args.package, outs):
+            ids_only, positions = kind == "ids", int(positions)
+            if step.name(ids_only, args.rows, cache, positions) != out.name:
+                print(f"{out.name}: this process lays out another model or cache; nothing built", file=sys.stderr)
+                code = 1
+                continue
+            if out.is_file():
+                continue
+            try:
+                build_package(_StepGraph(model, cache, ids_only, positions), out, args.rows, cache)
+            except Exception:
+                mark_failed(out, sys.exc_info()[1])
+                traceback.print_exc()  # to build.log
+                code = 1
+                continue
+            print(f"built {out}", file=sys.stderr)
+        return code
     finally:
         lock.unlink(missing_ok=True)
 

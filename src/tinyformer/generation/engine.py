@@ -188,6 +188,22 @@ class CompiledStep:
     def logits(self, tokens: Tensor, positions: Tensor, cache: Any, span: Tensor) -> Tensor:
         return self.model(tokens, cache=cache.at(positions, span.shape[0]))[:, -1]
 
+    def verify(self, tokens: Tensor, positions: Tensor, cache: Any, span: Tensor) -> Tensor:
+        """A speculative verification: row r's tokens (R, T) at positions[r] .. positions[r] + T - 1, attending
+        over cache slots [0, len(span)): logits (R, T, V)."""
+        return self.model(tokens, cache=cache.at(positions, span.shape[0]))
+
+    def verifier(self, positions: int, rows: int, cache: Any) -> Callable[..., Tensor] | None:
+        """The compiled verification of ``rows`` rows over 2 .. ``positions`` tokens each on ``cache``'s layout
+        (:meth:`verify`), or None while there is none: the engine verifies eagerly (the ``torch.compile``-d
+        step compiles none; a CPU's :class:`~tinyformer.generation.compile_cache.PackagedStep` does)."""
+        return None
+
+    def expect(self, rows: int, ids_only: bool, positions: int) -> None:
+        """An engine that speculates says what it decodes ``rows`` rows with: the ``ids_only`` one-position
+        step and the verification of ``positions`` tokens per row at most (a background builder of
+        packages builds both together)."""
+
     def greedy(self, tokens: Tensor, positions: Tensor, cache: Any, span: Tensor) -> Tensor:
         # the sampler's greedy case inside the graph: a batch-1 greedy step then returns 8 bytes instead of
         # the (1, V) logits, and the argmax fuses with the LM head (docs/benchmarks/decode.md)
@@ -469,10 +485,11 @@ class BatchEngine:
         return sorted({self.bucket(n) for n in range(1, self.max_batch + 1)})
 
     def warm_up(self) -> None:
-        """Compile the decode step of every bucket now, so that no request waits for a compilation later
-        (a no-op without ``compiled``). Runs each graph once on dummy tokens at position 0 of the free rows,
-        which a row's prefill overwrites before anything reads them; call it while no row is in the engine,
-        in the same grad mode as the steps (``torch.inference_mode()``)."""
+        """Compile the decode step of every bucket now (and its verification, where rows may speculate), so
+        that no request waits for a compilation later (a no-op without ``compiled``). Runs each graph once on
+        dummy tokens at position 0 of the free rows, which a row's prefill overwrites before anything reads
+        them; call it while no row is in the engine, in the same grad mode as the steps
+        (``torch.inference_mode()``)."""
         if self.compiled is None:
             return
         if self.rows:
@@ -481,11 +498,16 @@ class BatchEngine:
         span = torch.empty(min(2, self.max_len), device=self.device)
         if self.compiled.traced:
             torch._dynamo.maybe_mark_dynamic(span, 0)
+        most = self.max_draft_tokens + 1
         for n in self.buckets():
             t = torch.zeros(n, 1, dtype=torch.long, device=self.device)
             p = torch.zeros(n, dtype=torch.long, device=self.device)
             for ids_only in ((False, True) if n == 1 else (False,)):
+                if self.max_draft_tokens:
+                    self.compiled.expect(n, ids_only, most)
                 self.compiled.get(ids_only)(t, p, self._view(n), span)
+            if self.max_draft_tokens:  # and the bucket's speculative verification, where the step compiles one
+                self.compiled.verifier(most, n, self._view(n))
 
     def _decode(self, rows: list[EngineRow]) -> list[RowOutput]:
         dev = self.device
@@ -514,6 +536,8 @@ class BatchEngine:
         else:
             # greedy ids from the graph for one row (a bucket of several returns logits: one graph per bucket)
             ids_only = n == 1 and all(r.ids_only for r in rows)
+            if self.max_draft_tokens:  # a background builder builds the verification alongside
+                compiled.expect(n, ids_only, self.max_draft_tokens + 1)
             step = compiled.get(ids_only)
             # the span to attend over, as the length of a tensor whose size the compiled step treats as symbolic
             span = torch.empty(kv, device=dev)
@@ -576,16 +600,32 @@ class BatchEngine:
         """One forward over T = 1 + the most drafts for the rows in slots [0, n): each decoding row feeds its
         pending token and its drafts at pos .. (right padded to T; the other slots a dummy block their next
         writer overwrites); each row then keeps the drafts the model agrees with and one token more
-        (``generation/speculative.py``), and its cache row forgets the rest (``KVCache.truncate``)."""
+        (``generation/speculative.py``), and its cache row forgets the rest (``KVCache.truncate``). With a
+        compiled step the forward is its compiled verification (over the rows of the step's bucket, T
+        symbolic) once that exists, and eager until then."""
         dev = self.device
         T = 1 + max(len(d) for d in drafts.values())
+        verify = None
+        if self.compiled is not None:
+            b, most = self.bucket(n), self.max_draft_tokens + 1
+            self.compiled.expect(b, b == 1 and all(r.ids_only for r in rows), most)
+            # every row of the bucket writes T positions: all of them must fit, with the free slot the
+            # compiled graph keeps after the span
+            if max(r.pos for r in self.rows if r.slot < b) + T < self.max_len:
+                verify = self.compiled.verifier(most, b, self._view(b))
+                if verify is not None:
+                    n = b
         tokens = [[0] * T for _ in range(n)]
         positions = self._positions(n)
         feeds = [[r.pending[0]] + drafts.get(id(r), []) for r in rows]
         for r, f in zip(rows, feeds):
             tokens[r.slot][: len(f)] = f
         p = torch.tensor(positions, device=dev)
-        logits = self.model(torch.tensor(tokens, device=dev), cache=self._view(n).at(p, max(positions) + T))
+        t = torch.tensor(tokens, device=dev)
+        if verify is None:
+            logits = self.model(t, cache=self._view(n).at(p, max(positions) + T))
+        else:
+            logits = verify(t, p, self._view(n), torch.empty(max(positions) + T, device=dev))
         # entry e: row r's logits after its j-th fed token, j = 0 .. len(drafts)
         owner = [(r, j) for r, f in zip(rows, feeds) for j in range(len(f))]
         flat = logits.flatten(0, 1)[torch.tensor([r.slot * T + j for r, j in owner], device=dev)]
