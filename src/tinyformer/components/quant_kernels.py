@@ -296,21 +296,13 @@ def act8_gemm(x: torch.Tensor, packed: dict[str, torch.Tensor], n: int, group: i
 
 def unpack_act8(packed: dict[str, torch.Tensor], n: int, quant_type: str) -> dict[str, torch.Tensor]:
     """``pack_act8``'s inverse: the portable {"qweight", "scales"[, "zeros"]} of the first ``n`` channels."""
-    def rows(v: torch.Tensor) -> torch.Tensor:  # (Np/16, X, 16) -> (N, X)
-        return v.transpose(1, 2).reshape(-1, v.shape[1])[:n]
-
-    wp, s = packed["wp"], rows(packed["sp"])
-    if quant_type == "int8":
-        return {"qweight": wp.transpose(1, 2).reshape(-1, wp.shape[1] * 4)[:n], "scales": s}
-    b = wp.transpose(1, 2)  # (Np/16, 16, K/8, 4)
-    u = torch.stack([b & 15, b >> 4], dim=3).reshape(b.shape[0] * 16, -1)[:n]  # (N, K): quads 2p, 2p + 1
-    return {"qweight": pack_int4(u), "scales": s, "zeros": rows(packed["aux"]) + 8 * s}
+    return act8_rows(packed, torch.arange(n, device=packed["wp"].device), quant_type)
 
 
 def act8_rows(packed: dict[str, torch.Tensor], ids: torch.Tensor, quant_type: str) -> dict[str, torch.Tensor]:
     """The portable {"qweight", "scales"[, "zeros"]} of rows ``ids`` (n,) of ``pack_act8``'s layout: row r is
     column r % 16 of channel block r // 16, so a token table tied to a packed head is read from the head's
-    bytes (no second copy of the table). ``unpack_act8`` restricted to the rows asked for."""
+    bytes (no second copy of the table); ``unpack_act8`` reads every row."""
     b, c = ids // 16, ids % 16
     w = packed["wp"][b, :, c]  # (n, K/4, 4) int8 or (n, K/8, 4) uint8: advanced indices first
     s = packed["sp"][b, :, c]  # (n, K/G)
