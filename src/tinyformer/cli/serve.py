@@ -120,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
     _require_serve_extra()
 
     from tinyformer.devices import resolve_device, resolve_dtype
-    from tinyformer.generation.weight_layout import store_input_major
-    from tinyformer.run_folder import load_config, load_model, load_tokenizer
+    from tinyformer.generation.weight_layout import load_for_decoding
+    from tinyformer.run_folder import load_config, load_tokenizer
     from tinyformer.serve.app import create_app
     from tinyformer.serve.guard import is_loopback_host
     from tinyformer.serve.http_server import make_server
@@ -162,19 +162,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this address can use "
               "the model (and its compute); see README 'Serving safely'", file=sys.stderr, flush=True)
     try:
-        mapped = device.type != "cpu"  # as Generator.from_run: weights re-laid out on a CPU are read, not mapped
-        model = load_model(run_dir, device=device, dtype=dtype, cfg=cfg, verify=not args.no_verify, mapped=mapped)
-        if device.type == "cpu" and cfg.arch == "decoder":  # as generate: faster batch-1 products
-            store_input_major(model)
+        # as generate: on a CPU, weights read (not mapped) and stored input-major for faster batch-1 products
+        model = load_for_decoding(run_dir, device, dtype, not args.no_verify, cfg, input_major=cfg.arch == "decoder")
         draft = None
         if args.draft_model is not None:
             from tinyformer.generation.generator import check_draft
 
-            draft = load_model(args.draft_model, device=device, dtype=dtype, verify=not args.no_verify,
-                               mapped=mapped).eval()
+            draft = load_for_decoding(args.draft_model, device, dtype, not args.no_verify)
             check_draft(model, tokenizer, draft, load_tokenizer(args.draft_model))
-            if device.type == "cpu":
-                store_input_major(draft)
         from tinyformer.generation.compile_cache import PackageBuild
 
         compile = cfg.arch == "decoder" and decide_compile(args.compile, model, "the decode steps", run_dir=run_dir,

@@ -64,7 +64,7 @@ from tinyformer.generation.prefix_cache import PrefixCache
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.generation.speculative import SpeculativeConfig, check_same_tokenizer
 from tinyformer.generation.streaming import TextState, TokenBytes
-from tinyformer.generation.weight_layout import store_input_major
+from tinyformer.generation.weight_layout import load_for_decoding
 
 __all__ = [
     "CONTEXT_POLICIES",
@@ -275,19 +275,11 @@ class Generator:
                  verify: bool = True, draft_run: Any = None, **kwargs: Any) -> Generator:
         """Load the model and tokenizer of a run folder (weights checked against its manifest unless
         ``verify`` is False); ``draft_run``, the run folder of a draft model (``speculative`` method "draft")."""
-        from tinyformer.run_folder import load_model, load_tokenizer
+        from tinyformer.run_folder import load_tokenizer
 
-        # on a CPU the weights are re-laid out (input-major, packed): read into the process's own memory, as
-        # a memory map of the file would stay resident beside the copies (load_model's ``mapped``)
-        mapped = torch.device(device).type != "cpu"
-        model = load_model(run_dir, device=device, dtype=dtype, verify=verify, mapped=mapped)
-        if next(model.parameters()).device.type == "cpu":  # the model is this generator's alone
-            store_input_major(model)
+        model = load_for_decoding(run_dir, device, dtype, verify)  # the model is this generator's alone
         if draft_run is not None:
-            draft = load_model(draft_run, device=device, dtype=dtype, verify=verify, mapped=mapped)
-            draft.eval()
-            if next(draft.parameters()).device.type == "cpu":
-                store_input_major(draft)
+            draft = load_for_decoding(draft_run, device, dtype, verify)
             kwargs.update(draft_model=draft, draft_tokenizer=load_tokenizer(draft_run))
         return cls(model, load_tokenizer(run_dir), device, **kwargs)
 

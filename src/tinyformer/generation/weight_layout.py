@@ -11,10 +11,16 @@ time to first token stays equal to Hugging Face's (``benchmarks/bench_decode.py`
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-__all__ = ["store_input_major"]
+if TYPE_CHECKING:
+    from tinyformer.config import ModelConfig
+
+__all__ = ["load_for_decoding", "store_input_major"]
 
 
 def store_input_major(model: nn.Module) -> None:
@@ -37,3 +43,18 @@ def store_input_major(model: nn.Module) -> None:
             # tensor, and one loaded in inference mode must stay one
             with torch.inference_mode(m.weight.is_inference()), torch.no_grad():
                 m.weight.data = m.weight.data.t().contiguous().t()
+
+
+def load_for_decoding(run_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                      verify: bool = True, cfg: ModelConfig | None = None, input_major: bool = True) -> nn.Module:
+    """``run_folder.load_model`` for decoding. On a CPU the weights are read into the process's own memory
+    rather than mapped (they are re-laid out: input-major here, packed by the int8/int4 kernels, and a map's
+    touched pages would stay resident beside the copies), and with ``input_major`` the linear weights are
+    stored input-major (:func:`store_input_major`)."""
+    from tinyformer.run_folder import load_model
+
+    cpu = torch.device(device).type == "cpu"
+    model = load_model(run_dir, device=device, dtype=dtype, cfg=cfg, verify=verify, mapped=not cpu)
+    if cpu and input_major:
+        store_input_major(model)
+    return model
