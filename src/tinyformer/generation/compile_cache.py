@@ -55,7 +55,7 @@ from tinyformer.components.kv_cache import KVCache
 from tinyformer.data.named import default_cache_dir
 from tinyformer.errors import GenerationError
 from tinyformer.generation.engine import CompiledStep, check_compilable
-from tinyformer.generation.weight_layout import store_input_major
+from tinyformer.generation.weight_layout import load_for_decoding, store_input_major
 
 __all__ = ["ENV_DEFAULT", "PackageBuild", "PackagedStep", "build_package", "compile_cache_dir",
            "compiled_graphs", "compiled_step", "cpu_tag", "default_inductor_cache", "model_key",
@@ -476,8 +476,6 @@ def main(argv: list[str] | None = None) -> int:
     (taken by its starter) when it ends."""
     import argparse
 
-    from tinyformer.run_folder import load_model
-
     p = argparse.ArgumentParser(prog="python -m tinyformer.generation.compile_cache")
     p.add_argument("--run", required=True)
     p.add_argument("--dtype", required=True)
@@ -493,8 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     outs = [Path(out) for _, _, out in args.package]
     lock = outs[0].parent / ".building"  # taken by the process that started this one
     try:
-        model = load_model(args.run, dtype=getattr(torch, args.dtype), verify=False, mapped=False)
-        store_input_major(model)
+        model = load_for_decoding(args.run, dtype=getattr(torch, args.dtype), verify=False)
         cache = model.new_cache(args.rows, args.max_len, dtype=getattr(torch, args.cache_dtype),
                                 spare_slots=args.spare_slots)
         step = PackagedStep(model, outs[0].parent)
