@@ -116,13 +116,13 @@ def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> tuple[dict[
 def bench_shape(shape: str, args: argparse.Namespace, read_bw: float) -> None:
     from tinyformer.generation.generator import Generator
     from tinyformer.generation.sampling import SamplingParams
-    from tinyformer.generation.weight_layout import store_input_major
+    from tinyformer.generation.weight_layout import prepare_for_decoding
 
     cfg, ours, hf = build_pair(shape)
     ours.eval(), hf.eval()
     # as Generator.from_run (the CLI) does on CPU; the compiled generator would do it anyway, and the
     # eager one shares its model
-    store_input_major(ours)
+    prepare_for_decoding(ours)
     gens = {"ours": Generator(ours)}
     if args.compile:
         gens["ours+compile"] = Generator(ours, compile=True)

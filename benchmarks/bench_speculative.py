@@ -55,7 +55,7 @@ from tinyformer.generation.compile_cache import compiled_step
 from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.generation.speculative import SpeculativeConfig
-from tinyformer.generation.weight_layout import store_input_major
+from tinyformer.generation.weight_layout import prepare_for_decoding
 from tinyformer.models.decoder import DecoderLM
 from tinyformer.run_folder import load_model, load_tokenizer
 
@@ -122,7 +122,7 @@ def run_tinyformer(run: str, label: str, texts: dict[str, str], args) -> list[di
 
 
 def _run_tinyformer(model: DecoderLM, run: str, label: str, texts: dict[str, str], args) -> list[dict]:
-    store_input_major(model)
+    prepare_for_decoding(model)
     tok = load_tokenizer(run)
     ids = {name: tok.encode(t) for name, t in texts.items()}
     # --compile: every method decodes with the packaged steps (the one-token step and the verification over
@@ -143,7 +143,7 @@ def _run_tinyformer(model: DecoderLM, run: str, label: str, texts: dict[str, str
     if args.draft_run and label == "fp32":
         drafts.append((f"draft: {Path(args.draft_run).name}", load_model(args.draft_run).eval()))
     for name, draft in drafts:
-        store_input_major(draft)
+        prepare_for_decoding(draft)
         methods[f"{name} K={args.draft_model_tokens}"] = Generator(
             model, tok, speculative=SpeculativeConfig("draft", args.draft_model_tokens), draft_model=draft,
             draft_tokenizer=tok, **compiled)
@@ -183,7 +183,7 @@ def forward_costs(run: str, sizes: list[int], rounds: int = 5) -> None:
     """The cost of one row call over T positions after a 300-token prefix, relative to T = 1: what a
     verification of T - 1 drafts costs in one-token steps (medians of ``rounds``, sizes alternating)."""
     model = load_model(run).eval()
-    store_input_major(model)
+    prepare_for_decoding(model)
     cache = model.new_cache(1, 1024, spare_slots=max(sizes))
     model(torch.randint(0, 1000, (1, 300)), cache=cache)
     times: dict[int, list[float]] = {t: [] for t in sizes}

@@ -1,30 +1,32 @@
-"""Row-major vs input-major linear weights for batch-1 decoding on CPU, paired in one process.
+"""Three layouts of the float32 linear layers for batch-1 decoding on CPU, side by side in one process.
 
     python benchmarks/bench_weight_layout.py                   # stories15m and llama-110m, 2 threads
-    python benchmarks/bench_weight_layout.py --shapes llama-110m --rounds 8
-    python benchmarks/bench_weight_layout.py --dtype bfloat16     # the products only
+    python benchmarks/bench_weight_layout.py --shapes llama-110m --rounds 8 --threads 1
+    python benchmarks/bench_weight_layout.py --dtype bfloat16     # the products only, row / input-major
 
-``nn.Linear`` stores W (out, in) row-major; ``tinyformer.generation.weight_layout.store_input_major``
-keeps the values and shape but lays W out as W^T (in, out) contiguous, so that ``F.linear`` hands the
-BLAS a contiguous W^T. Two model copies with the same weights, one per layout; each round times, for
-both in turn (so that the machine's drifting bandwidth hits both alike):
+``nn.Linear`` stores W (out, in) row-major and computes x W^T with MKL (``row``).
+``tinyformer.generation.weight_layout`` offers two other ways (``prepare_for_decoding`` picks one):
+``rows kernel``, the layer's product for up to 8 rows by ``quant_kernels.f32_linear`` (the same row-major W,
+output rows split over the threads), and ``input-major``, the same values laid out W^T (in, out) contiguous
+(``store_input_major``) so that ``F.linear`` hands MKL a contiguous W^T. Model copies with the same weights,
+one per layout; each round times, for each in turn (so that the machine's drifting bandwidth hits all alike):
 
-  * ``products``: the chain of ``F.linear`` calls one decode step makes (every weight matrix of the
-    model times one vector: q/k/v, output, gate/up and down of every layer, then the head);
+  * ``products``: the chain of products one decode step makes (every weight matrix of the model times one
+    vector: q/k/v, output, gate/up and down of every layer, then the head);
   * ``generate``: ``Generator(model)`` greedy-decoding 200 tokens after an 8-token prompt (eager);
   * ``generate --compile``: the same with ``compile=True``; for the row-major copy the generator's
-    layout step is switched off (it would store the weights input-major).
+    layout step is switched off.
 
-Printed per shape: the median over rounds of each, and the median of the per-round ratios
-(input-major time / row-major time below 1 means input-major is faster). Both copies must decode the
-same tokens. With ``--dtype bfloat16`` only the products are timed (``store_input_major`` moves float32
-weights only), the input-major copy laid out directly.
+Printed per shape: the median over rounds of each, and the median of the per-round ratios to ``row`` (below 1:
+faster than row-major MKL). All copies must decode the same tokens. With ``--dtype bfloat16`` only the
+products of ``row`` and ``input-major`` are timed (the kernel is float32 only).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -35,55 +37,64 @@ from bench_model import build_pair  # the same weights as the other benchmarks (
 SHAPES = ("stories15m", "llama-110m")
 
 
-def product_chain(model: torch.nn.Module, dtype: torch.dtype, input_major: bool) -> Callable[[], None]:
-    """Every ``nn.Linear`` weight of ``model`` (in ``dtype``, laid out input-major or row-major) applied to
-    one (1, in) vector, in module order."""
+def product_chain(model: torch.nn.Module, dtype: torch.dtype, layout: str) -> Callable[[], None]:
+    """Every ``nn.Linear`` weight of ``model`` (in ``dtype``, in ``layout``) applied to one (1, in) vector, in
+    module order."""
+    from tinyformer.components import quant_kernels
+
     weights = [m.weight.detach().to(dtype) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    weights = [w.t().contiguous().t() if input_major else w.contiguous() for w in weights]
+    weights = [w.t().contiguous().t() if layout == "input-major" else w.contiguous() for w in weights]
     inputs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=dtype) for w in weights}
+    product = quant_kernels.f32_linear if layout == "rows kernel" else torch.nn.functional.linear
 
     def fn() -> None:
         for w in weights:
-            torch.nn.functional.linear(inputs[w.shape[1]], w)
+            product(inputs[w.shape[1]], w)
     return fn
 
 
 def bench_shape(shape: str, args: argparse.Namespace) -> None:
-    import tinyformer.generation.generator as engine
+    import tinyformer.generation.engine as engine
+    from tinyformer.components import quant_kernels
+    from tinyformer.generation.generator import Generator
     from tinyformer.generation.sampling import SamplingParams
-    from tinyformer.generation.weight_layout import store_input_major
+    from tinyformer.generation.weight_layout import FewRowsLinear, prepare_for_decoding, store_input_major
 
+    assert quant_kernels.available(), "the rows kernel needs tinyformer's CPU kernels (a C++ compiler)"
     _, row, hf = build_pair(shape)
     del hf
     row.eval()
     params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
     prompt = [list(range(5, 5 + args.prompt_len))]
 
-    def decode(gen: engine.Generator, layout: str) -> Callable[[], list[int]]:
+    def decode(gen: Generator, layout: str) -> Callable[[], list[int]]:
         def fn() -> list[int]:
-            keep = engine.store_input_major
-            if layout == "row":  # the compiled generator would re-lay the weights out on first use
-                engine.store_input_major = lambda model: None
+            keep = engine.prepare_for_decoding
+            if layout == "row":  # the compiled generator would lay the layers out on first use
+                engine.prepare_for_decoding = lambda model: None
             try:
                 return gen.generate(prompt, params, logprobs=False)[0].token_ids
             finally:
-                engine.store_input_major = keep
+                engine.prepare_for_decoding = keep
         return fn
 
     dtype = getattr(torch, args.dtype)
-    tasks = {"products": {"row": product_chain(row, dtype, False), "input-major": product_chain(row, dtype, True)}}
-    if dtype == torch.float32:  # the generators: a second model copy, stored input-major
-        col = copy.deepcopy(row)
+    layouts = ["row", "input-major"] + (["rows kernel"] if dtype == torch.float32 else [])
+    tasks = {"products": {k: product_chain(row, dtype, k) for k in layouts}}
+    if dtype == torch.float32:  # the generators: a model copy per layout
+        col, kern = copy.deepcopy(row), copy.deepcopy(row)
         store_input_major(col)
+        prepare_for_decoding(kern)
+        models = {"row": row, "input-major": col, "rows kernel": kern}
         for task, compiled in (("generate", False), ("generate --compile", True)):
-            gens = {"row": engine.Generator(row, compile=compiled),
-                    "input-major": engine.Generator(col, compile=compiled)}
+            gens = {k: Generator(m, compile=compiled) for k, m in models.items()}
             for g in gens.values():
                 g.eos_token_id = None
             tasks[task] = {k: decode(g, k) for k, g in gens.items()}
     tokens = {(task, k): fn() for task, fns in tasks.items() for k, fn in fns.items()}  # warm-up, compiles
-    # the row-major copy stayed so through the warm-up, the other did not
-    assert row.lm_head.weight.is_contiguous() and (dtype != torch.float32 or not col.lm_head.weight.is_contiguous())
+    # each copy kept its layout through the warm-up
+    assert row.lm_head.weight.is_contiguous() and type(row.lm_head) is torch.nn.Linear
+    assert dtype != torch.float32 or (not col.lm_head.weight.is_contiguous() and type(kern.lm_head) is FewRowsLinear)
     times: dict[tuple[str, str], list[float]] = {key: [] for key in tokens}
     for _ in range(args.rounds):
         for task, fns in tasks.items():
@@ -94,15 +105,18 @@ def bench_shape(shape: str, args: argparse.Namespace) -> None:
                     fn()
                 times[task, k].append((time.perf_counter() - t) / reps)
     print(f"\n== {shape}: {sum(p.numel() for p in row.parameters()) / 1e6:.1f}M params, {args.dtype}, "
-          f"{args.rounds} rounds")
+          f"{args.threads} thread(s), {args.rounds} rounds, load {os.getloadavg()[0]:.2f}")
     for task in tasks:
-        a, b = times[task, "row"], times[task, "input-major"]
         unit = "ms per step" if task == "products" else f"ms for {args.new_tokens} tokens"
+        base = times[task, "row"]
+        cells = [f"row {statistics.median(base) * 1e3:8.2f}"]
+        for k in layouts[1:]:
+            b = times[task, k]
+            cells.append(f"{k} {statistics.median(b) * 1e3:8.2f} "
+                         f"({statistics.median(y / x for x, y in zip(base, b)):.3f}x)")
         same = "" if task == "products" else (
-            "; same tokens" if tokens[task, "row"] == tokens[task, "input-major"] else "; TOKENS DIFFER")
-        print(f"  {task:>18}: row-major {statistics.median(a) * 1e3:8.2f}, input-major "
-              f"{statistics.median(b) * 1e3:8.2f} {unit}; input-major / row-major "
-              f"{statistics.median(y / x for x, y in zip(a, b)):.3f} (median of rounds){same}")
+            "; same tokens" if len({tuple(tokens[task, k]) for k in layouts}) == 1 else "; TOKENS DIFFER")
+        print(f"  {task:>18}: " + ", ".join(cells) + f" {unit}{same}")
 
 
 def main() -> None:

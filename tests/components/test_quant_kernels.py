@@ -108,6 +108,27 @@ def test_every_cpu_path_of_the_cpp_kernel_equals_x_times_dequantized_weight(cpp_
     assert_matches(run_kernel(paths, spec, parts, x), expected)
 
 
+@pytest.mark.parametrize("path", ["avx512", "avx2", "plain"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16])
+@pytest.mark.parametrize(("n", "k"), [(37, 100), (64, 64), (20, 7), (300, 577)])
+def test_every_cpu_path_of_the_float32_kernel_equals_x_times_w_plus_b(cpp_kernels, n, k, rows, path):
+    """f32_linear against float64 x W^T + b: activation rows 4, 2 and 1 at a time (3, 5, 7 take all three),
+    past the kernel's 8 rows (F.linear), K off the 8- and 16-float vectors (100, 7, 577), at 1 and 2 threads
+    (300 output rows are split between them), with and without bias, leading dimensions kept."""
+    need_path(path)
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
+    x[:, 1] *= 50
+    expected = x.double() @ w.double().t()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        assert_matches(quant_kernels.f32_linear(x, w, path=path), expected)
+        assert_matches(quant_kernels.f32_linear(x, w, b, path=path), expected + b.double())
+    y3 = quant_kernels.f32_linear(x.view(1, rows, k), w, b, path=path)
+    assert y3.shape == (1, rows, n)
+    assert_matches(y3[0], expected + b.double())
+
+
 def test_forcing_a_path_the_cpu_lacks_is_refused(cpp_kernels):
     x, q, s = torch.randn(1, 32), torch.ones(4, 32, dtype=torch.int8), torch.ones(4, 1)
     cases = [("avx512", quant_kernels.has_avx512(), "AVX-512"), ("avx2", quant_kernels.has_avx2(), "AVX2")]
@@ -115,8 +136,12 @@ def test_forcing_a_path_the_cpu_lacks_is_refused(cpp_kernels):
         if not has:
             with pytest.raises(RuntimeError, match=f"no {name}"):
                 quant_kernels.int8_linear(x, q, s, path=path)
+            with pytest.raises(RuntimeError, match=f"no {name}"):
+                quant_kernels.f32_linear(x, q.float(), path=path)
     with pytest.raises(RuntimeError, match="path must be"):
         torch.ops.tinyformer.int8_linear(x, q, s, 7)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        quant_kernels.f32_linear(x.double(), q.float())
 
 
 @pytest.mark.parametrize("rows", [1, 5])

@@ -17,6 +17,7 @@ from test_generate_cli import make_run
 from tinyformer.config import ModelConfig
 from tinyformer.errors import GenerationError
 from tinyformer.generation import compile_cache
+from tinyformer.generation.weight_layout import prepare_for_decoding
 from tinyformer.models.decoder import DecoderLM
 from tinyformer.run_folder import load_model, save_model
 
@@ -163,9 +164,7 @@ def test_a_shape_that_failed_to_build_here_is_not_tried_again(monkeypatch, tmp_p
     model = tiny_model()
     step = compile_cache.PackagedStep(model, tmp_path)
     cache = model.new_cache(1, 32)
-    from tinyformer.generation.weight_layout import store_input_major
-
-    store_input_major(model)  # as _package does before it names the package
+    prepare_for_decoding(model)  # as _package does before it names the package
     path = tmp_path / step.name(False, 1, cache)
     compile_cache.mark_failed(path, RuntimeError("Constraints violated (kv)!\nmore lines"))
     assert compile_cache.failed_marker(path).read_text() == "RuntimeError: Constraints violated (kv)!\n"
@@ -190,6 +189,7 @@ def test_a_background_builder_builds_the_decode_step_and_the_verification_togeth
     model = tiny_model()
     cache = model.new_cache(1, 32)
     step = compile_cache.PackagedStep(model, tmp_path, compile_cache.PackageBuild(background_run="RUN"))
+    prepare_for_decoding(model)  # as _package does (building the CPU kernels, before Popen is faked)
     assert step.name(False, 1, cache, 5) not in (step.name(False, 1, cache), step.name(False, 1, cache, 3))
     started: list[list[str]] = []
 

@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 
+from tinyformer.components import quant_kernels
 from tinyformer.components.kv_cache import KVCache
 from tinyformer.config import ModelConfig
 from tinyformer.data.tokenizer import build_tokenizer
@@ -16,7 +17,7 @@ from tinyformer.generation.engine import BatchEngine, EngineRow
 from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams
 from tinyformer.generation.streaming import TextState
-from tinyformer.generation.weight_layout import store_input_major
+from tinyformer.generation.weight_layout import FewRowsLinear, prepare_for_decoding, store_input_major
 from tinyformer.models.decoder import DecoderLM
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5], [20, 21, 22, 23, 24]]
@@ -196,6 +197,43 @@ def test_one_compiled_step_serves_requests_of_different_lengths_and_cache_sizes(
     step = compiled._compiled
     assert isinstance(step, PackagedStep)
     assert [fn is not None for fn in step._packages.values()] == [True]
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_layers_prepared_for_decoding_keep_weights_ties_outputs_tokens_and_gradients(tie):
+    """With the CPU kernels, every float32 nn.Linear becomes a FewRowsLinear holding the same parameter
+    objects (a tied head still is the token table); outputs, greedy tokens (batched prompts of different
+    lengths) and, with autograd on, gradients are those of the untouched model; preparing twice changes
+    nothing."""
+    if not quant_kernels.available():
+        pytest.skip("the CPU kernels are not built here (no C++ compiler)")
+    model, ref = random_lm(tie_embeddings=tie, dtype=torch.float32), random_lm(tie_embeddings=tie, dtype=torch.float32)
+    params_before = dict(model.named_parameters())
+    prepare_for_decoding(model)
+    prepare_for_decoding(model)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is FewRowsLinear for m in linears)
+    assert dict(model.named_parameters()) == params_before  # the same objects, all contiguous still
+    assert (model.lm_head.weight is model.tok_emb.weight) is tie
+    x = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x))
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    assert ([r.token_ids for r in id_generator(model).generate(PROMPTS, params)]
+            == [r.token_ids for r in id_generator(ref).generate(PROMPTS, params)])
+    for m in (model, ref):
+        m.zero_grad()
+        m(x[:, :3]).float().square().mean().backward()  # 3 rows: the kernel's size, but autograd needs F.linear
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_without_the_cpu_kernels_layers_for_decoding_are_stored_input_major(monkeypatch):
+    monkeypatch.setattr(quant_kernels, "available", lambda: False)
+    model = random_lm(tie_embeddings=True, dtype=torch.float32)
+    prepare_for_decoding(model)
+    assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert model.lm_head.weight.stride() == (1, model.cfg.vocab_size)
 
 
 @pytest.mark.parametrize("tie", [False, True])

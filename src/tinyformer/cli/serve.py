@@ -162,8 +162,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this address can use "
               "the model (and its compute); see README 'Serving safely'", file=sys.stderr, flush=True)
     try:
-        # as generate: on a CPU, weights read (not mapped) and stored input-major for faster batch-1 products
-        model = load_for_decoding(run_dir, device, dtype, not args.no_verify, cfg, input_major=cfg.arch == "decoder")
+        # as generate: on a CPU, weights read (not mapped) and linear layers laid out for batch-1 products
+        model = load_for_decoding(run_dir, device, dtype, not args.no_verify, cfg, prepare=cfg.arch == "decoder")
         draft = None
         if args.draft_model is not None:
             from tinyformer.generation.generator import check_draft

@@ -1,10 +1,11 @@
-// Weight-only int8 / int4 matrix products for a few activation rows on the CPU:
+// Matrix products for a few activation rows (decoding) on the CPU: float32 weights, and weight-only int8 / int4:
 //
+//   tinyformer::f32_linear(x, w, b)      y_mo = sum_i x_mi w_oi (+ b_o)
 //   tinyformer::int8_linear(x, q, s)     y_mo = sum_g s_og sum_{i in g} x_mi q_oi
 //   tinyformer::int4_linear(x, q, s, z)  y_mo = sum_g sum_{i in g} x_mi (s_og u_oi + z_og - 8 s_og)
 //
 // x (M, K) float, q int8 (N, K) or uint8 (N, K/2) (column 2j in the low nibble, 2j+1 in the high one),
-// s and z float32 (N, K/G): the portable layout of tinyformer.components.quantized, read in place.
+// w float32 (N, K), nn.Linear's own layout; s and z float32 (N, K/G): the portable layout of tinyformer.components.quantized, read in place.
 // y (M, N) has x's dtype. Each weight is read once per call and widened to float32 in registers (never
 // written back as a float matrix): decoding is bound by the bytes of weights read.
 //
@@ -50,6 +51,17 @@ void int8_rows_plain(const float* x, int64_t M, int64_t K, const int8_t* q, cons
       y[m * N + o] = acc;
     }
   }
+}
+
+// float32 weights: MB activation rows against each weight row in turn
+void f32_rows_plain(const float* x, int64_t MB, int64_t K, const float* w, float* y, int64_t N, int64_t o0,
+                    int64_t o1) {
+  for (int64_t o = o0; o < o1; ++o)
+    for (int64_t m = 0; m < MB; ++m) {
+      float acc = 0.f;
+      for (int64_t i = 0; i < K; ++i) acc += x[m * K + i] * w[o * K + i];
+      y[m * N + o] = acc;
+    }
 }
 
 void int4_rows_plain(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* s, const float* z,
@@ -293,6 +305,67 @@ __attribute__((target("avx2,fma"))) void int4_block_avx2(const float* xp, const 
 }
 
 // R output rows (kRowBlock or 1) from o: one activation row 4 output rows a call, two rows 2 a call.
+// float32 weights, MB activation rows (1, 2 or 4) against weight rows o0..o1 one at a time: each thread then
+// streams one contiguous run of W from memory, which the hardware prefetcher follows (8 rows interleaved and
+// software prefetching both read slower here). 4 / MB accumulators per activation row hide the FMA latency.
+template <int MB>
+__attribute__((target("avx2,fma"))) void f32_rows_avx2(const float* x, int64_t K, const float* w, float* y,
+                                                      int64_t N, int64_t o0, int64_t o1) {
+  constexpr int A = MB >= 4 ? 1 : 4 / MB;
+  for (int64_t o = o0; o < o1; ++o) {
+    const float* wr = w + o * K;
+    __m256 acc[MB][A];
+    for (int m = 0; m < MB; ++m)
+      for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 * A <= K; c += 8 * A)
+      for (int a = 0; a < A; ++a) {
+        const __m256 wv = _mm256_loadu_ps(wr + c + 8 * a);
+        for (int m = 0; m < MB; ++m) acc[m][a] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c + 8 * a), wv, acc[m][a]);
+      }
+    for (; c + 8 <= K; c += 8) {
+      const __m256 wv = _mm256_loadu_ps(wr + c);
+      for (int m = 0; m < MB; ++m) acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c), wv, acc[m][0]);
+    }
+    for (int m = 0; m < MB; ++m) {
+      __m256 sum = acc[m][0];
+      for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[m][a]);
+      float t = hsum256(sum);
+      for (int64_t i = c; i < K; ++i) t += x[m * K + i] * wr[i];
+      y[m * N + o] = t;
+    }
+  }
+}
+
+// As f32_rows_avx2, 16 columns a step, the tail of K under a mask.
+template <int MB>
+__attribute__((target("avx512f,fma"))) void f32_rows_avx512(const float* x, int64_t K, const float* w, float* y,
+                                                           int64_t N, int64_t o0, int64_t o1) {
+  constexpr int A = MB >= 4 ? 1 : 4 / MB;
+  for (int64_t o = o0; o < o1; ++o) {
+    const float* wr = w + o * K;
+    __m512 acc[MB][A];
+    for (int m = 0; m < MB; ++m)
+      for (int a = 0; a < A; ++a) acc[m][a] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 * A <= K; c += 16 * A)
+      for (int a = 0; a < A; ++a) {
+        const __m512 wv = _mm512_loadu_ps(wr + c + 16 * a);
+        for (int m = 0; m < MB; ++m) acc[m][a] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + c + 16 * a), wv, acc[m][a]);
+      }
+    for (; c < K; c += 16) {
+      const __mmask16 mk = tail_mask(K - c);
+      const __m512 wv = _mm512_maskz_loadu_ps(mk, wr + c);
+      for (int m = 0; m < MB; ++m) acc[m][0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, x + m * K + c), wv, acc[m][0]);
+    }
+    for (int m = 0; m < MB; ++m) {
+      __m512 sum = acc[m][0];
+      for (int a = 1; a < A; ++a) sum = _mm512_add_ps(sum, acc[m][a]);
+      y[m * N + o] = _mm512_reduce_add_ps(sum);
+    }
+  }
+}
+
 template <int R>
 void int8_avx2(const float* x, int mb, int64_t K, const int8_t* q, const float* s, int64_t G, float* y, int64_t N,
                int64_t o) {
@@ -441,6 +514,51 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
             },
             use != kPlain);
   return y.to(x.scalar_type());
+}
+
+// Activation rows up to which f32_linear runs its own kernels; past it at::linear's GEMM (MKL), which is
+// compute-bound there. At 1 and 2 rows MKL keeps the product on one thread and reads W slower than a plain
+// stream (docs/benchmarks/decode.md, "float32 products for a few rows"); at 8 rows its GEMM was still slower.
+constexpr int64_t kF32MaxRows = 8;
+
+// y (M, N) = x (M, K) W^T (+ b) for float32 W (N, K) row-major (nn.Linear's layout). Threads split the output
+// rows; each runs the activation rows 4 (then 2, then 1) at a time over its rows of W.
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b, int64_t path) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "w must be float32 (N, K)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == w.size(1), "x must be float32 (M, ",
+              w.size(1), "), got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "CPU tensors only");
+  const Path use = resolve_path(path, has_avx512(), "AVX-512");
+  if (x.size(0) > kF32MaxRows) return at::linear(x, w, b);
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  const int64_t M = xc.size(0), N = wc.size(0), K = wc.size(1);
+  at::Tensor y = at::empty({M, N}, xc.options());
+  const float* xd = xc.data_ptr<float>();
+  const float* wd = wc.data_ptr<float>();
+  float* yd = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(16, 65536 / std::max<int64_t>(K, 1));  // >= 256 KiB of W a task
+  at::parallel_for(0, N, grain, [&](int64_t o0, int64_t o1) {
+    for (int64_t m = 0; m < M;) {
+      const int64_t mb = M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+      const float* xm = xd + m * K;
+      float* ym = yd + m * N;
+#ifdef TF_X86
+      if (use == kWide) {
+        if (mb == 4) f32_rows_avx512<4>(xm, K, wd, ym, N, o0, o1);
+        else if (mb == 2) f32_rows_avx512<2>(xm, K, wd, ym, N, o0, o1);
+        else f32_rows_avx512<1>(xm, K, wd, ym, N, o0, o1);
+      } else if (use == kAvx2) {
+        if (mb == 4) f32_rows_avx2<4>(xm, K, wd, ym, N, o0, o1);
+        else if (mb == 2) f32_rows_avx2<2>(xm, K, wd, ym, N, o0, o1);
+        else f32_rows_avx2<1>(xm, K, wd, ym, N, o0, o1);
+      } else
+#endif
+        f32_rows_plain(xm, mb, K, wd, ym, N, o0, o1);
+      m += mb;
+    }
+  });
+  if (b.has_value() && b->defined()) y.add_(*b);
+  return y;
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& z,
@@ -977,6 +1095,7 @@ bool cpu_has_avx2() { return has_avx2(); }
 }  // namespace
 
 TORCH_LIBRARY(tinyformer, m) {
+  m.def("f32_linear(Tensor x, Tensor w, Tensor? b, int path=0) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor q, Tensor s, int path=0) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor q, Tensor s, Tensor z, int path=0) -> Tensor");
   m.def("act8_gemm(Tensor x, Tensor wp, Tensor sp, Tensor aux, int N, int G, bool int4, int path) -> Tensor");
@@ -987,6 +1106,7 @@ TORCH_LIBRARY(tinyformer, m) {
 }
 
 TORCH_LIBRARY_IMPL(tinyformer, CPU, m) {
+  m.impl("f32_linear", &f32_linear);
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
   m.impl("act8_gemm", &act8_gemm);

@@ -71,6 +71,7 @@ def _build() -> None:
     load(name=name, sources=[str(_SOURCE)], is_python_module=False,
          extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
+    torch.library.register_fake("tinyformer::f32_linear")(_fake_f32)
     torch.library.register_fake("tinyformer::int8_linear")(_fake_int8)
     torch.library.register_fake("tinyformer::int4_linear")(_fake_int4)
     torch.library.register_fake("tinyformer::act8_gemm")(_fake_gemm)
@@ -89,9 +90,13 @@ def announce_build(name: str) -> bool:
         folder = Path(cpp_extension.get_default_build_root()) / name
     if (folder / f"{name}.so").is_file():
         return False
-    print(f"tinyformer: compiling the int8/int4 CPU kernels (once, about a minute; cached in {folder}) ...",
-          file=sys.stderr, flush=True)
+    print(f"tinyformer: compiling the CPU kernels (float32 / int8 / int4 products; once, about a minute; cached in "
+          f"{folder}) ...", file=sys.stderr, flush=True)
     return True
+
+
+def _fake_f32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, path: int = 0) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
 
 
 def _fake_int8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, path: int = 0) -> torch.Tensor:
@@ -133,7 +138,7 @@ def available() -> bool:
                 reason = f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:300]
         _state["ok"] = reason is None
         if reason is not None:
-            print(f"tinyformer: the int8/int4 CPU kernels could not be built ({reason}); "
+            print(f"tinyformer: the CPU kernels could not be built ({reason}); "
                   "using the slower PyTorch formula", file=sys.stderr, flush=True)
     return bool(_state["ok"])
 
@@ -191,6 +196,15 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
 # The weight-only ops' ``path`` argument: "auto" takes the widest this CPU has (AVX-512 > AVX2 + FMA > plain C++);
 # naming one forces it (tests, benchmarks), and the op refuses one the CPU lacks.
 WEIGHT_ONLY_PATHS = {"auto": 0, "avx512": 1, "plain": 2, "avx2": 3}
+
+
+def f32_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, path: str = "auto") -> torch.Tensor:
+    """y = x W^T + b for float32 W (N, K) in nn.Linear's layout and x (..., K): the compiled op (call
+    ``available()`` first). Up to 8 rows of x it runs its own kernels (``path``: ``WEIGHT_ONLY_PATHS``), which
+    split the output rows over torch's threads, where MKL's sgemv keeps a row's product on one thread; past
+    that, ``F.linear``."""
+    y = torch.ops.tinyformer.f32_linear(x.reshape(-1, x.shape[-1]), w, b, WEIGHT_ONLY_PATHS[path])
+    return y.view(*x.shape[:-1], w.shape[0])  # (..., N)
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, path: str = "auto") -> torch.Tensor:

@@ -55,7 +55,7 @@ from tinyformer.components.kv_cache import KVCache
 from tinyformer.data.named import default_cache_dir
 from tinyformer.errors import GenerationError
 from tinyformer.generation.engine import CompiledStep, check_compilable
-from tinyformer.generation.weight_layout import load_for_decoding, store_input_major
+from tinyformer.generation.weight_layout import load_for_decoding, prepare_for_decoding
 
 __all__ = ["ENV_DEFAULT", "PackageBuild", "PackagedStep", "build_package", "compile_cache_dir",
            "compiled_graphs", "compiled_step", "cpu_tag", "default_inductor_cache", "model_key",
@@ -328,7 +328,7 @@ class PackagedStep(CompiledStep):
 
     def _package(self, key: tuple, cache: KVCache) -> Callable[..., list[Tensor]] | None:
         ids_only, rows, positions = key[:3]
-        store_input_major(self.model)  # before the name: the package is built for the weights' layout
+        prepare_for_decoding(self.model)  # before the name: the package is built for the layers' layout
         path = self.folder / self.name(ids_only, rows, cache, positions)
         if failed_marker(path).is_file():  # this shape did not export here before: not again each run
             return None

@@ -32,8 +32,8 @@ runs the graph of the next *bucket* of rows instead, 1, 2, 4, 8, ... up to ``max
 ``[0, kv_len)`` is a symbolic size, so one graph serves every step of a shape. A greedy step of one row without
 log-probabilities returns the sampler's greedy case (``sample(logits, GREEDY)``) from its graph; every
 other step returns logits, and all its rows are sampled in one :func:`~tinyformer.generation.sampling.sample`
-call, each with its own parameters. On CPU the model's linear weights
-are then stored input-major (:func:`~tinyformer.generation.weight_layout.store_input_major`).
+call, each with its own parameters. On CPU the model's linear layers
+are then laid out for decoding (:func:`~tinyformer.generation.weight_layout.prepare_for_decoding`).
 
 Rows that carry a :class:`RowSearch` (beam search, greedy search: ``generation/beam.py``, for decoder-only
 and encoder-decoder models alike) take their tokens from it instead of the sampler: given the logits of all
@@ -81,7 +81,7 @@ from tinyformer.generation.speculative import (
     accept_sampled,
 )
 from tinyformer.generation.streaming import TextState
-from tinyformer.generation.weight_layout import store_input_major
+from tinyformer.generation.weight_layout import prepare_for_decoding
 
 __all__ = ["BatchEngine", "CompiledStep", "EngineRow", "RowOutput", "RowSearch", "TokenInfo", "new_prefix_cache"]
 
@@ -216,7 +216,7 @@ class CompiledStep:
                 # The C++ wrapper removes the Python call overhead of the generated kernels, which is
                 # most of what a small model's decode step costs.
                 options["cpp_wrapper"] = True
-                store_input_major(self.model)
+                prepare_for_decoding(self.model)
             fn = self.greedy if ids_only else self.logits
             # dynamo keeps at most recompile_limit (8) graphs per code object, and every CompiledStep shares
             # these two methods' code: buckets x cache lengths x models of one process need more

@@ -195,9 +195,9 @@ class Generator:
     symbolic size. The first request of each (batch, cache length) shape pays the compilation (tens of
     seconds on CPU); every later token is cheaper, since the many small
     kernels of a layer are fused and called without Python in between. Requests that would slide their
-    context, and dynamic-NTK and LongRoPE models, are decoded eagerly. On CPU it also stores the model's linear weights
-    input-major (:func:`~tinyformer.generation.weight_layout.store_input_major`), as ``from_run`` does
-    for the model it loads: same values and shapes, faster batch-1 products for weights read from DRAM.
+    context, and dynamic-NTK and LongRoPE models, are decoded eagerly. On CPU it also lays the model's linear layers out
+    for decoding (:func:`~tinyformer.generation.weight_layout.prepare_for_decoding`), as ``from_run`` does
+    for the model it loads: same weights and formula, faster products for a few rows.
 
     ``prefix_cache`` (a :class:`~tinyformer.generation.prefix_cache.PrefixCache`) is kept across requests:
     each prompt starts from the longest cached prefix of whole blocks, and each finished sequence stores

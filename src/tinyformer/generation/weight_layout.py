@@ -1,12 +1,19 @@
-"""Weight layout for decoding on CPU: linear weights stored input-major.
+"""Linear layers laid out for decoding on CPU: float32 products for a few rows.
 
-``nn.Linear`` keeps W (out, in) row-major and computes y = x W^T. A decode step multiplies one vector
-per sequence, so each weight matrix is read once per token and the step is as fast as the BLAS streams
-W from memory. MKL streams the same bytes at different rates depending on the layout: on the reference
-machine (2 threads, float32), with W^T (in, out) contiguous llama-110m decodes 7-9% faster (its weights
-come from DRAM) and stories15m, whose weights fit in the cache, within noise of row-major
-(``python benchmarks/bench_weight_layout.py``; docs/benchmarks/decode.md). Prefill is no slower: the
-time to first token stays equal to Hugging Face's (``benchmarks/bench_decode.py``).
+A decode step multiplies one vector per sequence by every weight matrix, so each matrix is read once per
+token and the step is as fast as the product streams W from memory. ``nn.Linear`` computes y = x W^T with
+MKL's sgemm/sgemv, which for one or two rows keeps the whole product on one thread and reads W at well
+under the memory's rate. :func:`prepare_for_decoding` does one of two things to every float32 ``nn.Linear``:
+
+  * **rows kernel** (where tinyformer's CPU kernels are built, ``components/quant_kernels``): the layer
+    becomes a :class:`FewRowsLinear`, same weight (row-major, shared, so a head tied to the token table stays
+    tied) and same formula, whose product for up to 8 rows is ``quant_kernels.f32_linear``: every thread
+    streams its own contiguous run of rows of W. SmolLM2-135M's 30 layers of products (one row): 2 threads
+    27 ms against MKL's 53 ms, 1 thread 49 against 55 ms; the 49152 x 576 head 5.7 against 8.3 ms
+    (docs/benchmarks/decode.md, "float32 products for a few rows"). Past 8 rows (prefill) it is ``F.linear``.
+  * **input-major** (no kernels: no C++ compiler): the weight keeps its values, shape and identity but is laid
+    out W^T (in, out) contiguous, so that ``F.linear`` hands MKL a contiguous W^T, which it streams faster
+    for one row than row-major W (``python benchmarks/bench_weight_layout.py``).
 """
 
 from __future__ import annotations
@@ -15,12 +22,42 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from tinyformer.components import quant_kernels
 
 if TYPE_CHECKING:
     from tinyformer.config import ModelConfig
 
-__all__ = ["load_for_decoding", "store_input_major"]
+__all__ = ["FewRowsLinear", "load_for_decoding", "prepare_for_decoding", "store_input_major"]
+
+
+class FewRowsLinear(nn.Linear):
+    """``nn.Linear`` (y = x W^T + b, W (out, in) row-major) whose product for up to 8 rows of x is
+    ``quant_kernels.f32_linear`` (module docstring); ``F.linear`` where autograd needs it (the op has no
+    backward) and past 8 rows (inside the op). Made by :func:`prepare_for_decoding` from a float32
+    ``nn.Linear``, in place: parameters, hooks and state-dict keys are the layer's own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (torch.is_grad_enabled() and self.weight.requires_grad) or x.dtype != torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        return quant_kernels.f32_linear(x, self.weight, self.bias)
+
+
+def prepare_for_decoding(model: nn.Module) -> None:
+    """Lay ``model``'s float32 ``nn.Linear`` layers on a CPU out for decoding, in place (module docstring):
+    :class:`FewRowsLinear` where the CPU kernels are built, else input-major (:func:`store_input_major`).
+    Idempotent; other layers (quantized, LoRA, bfloat16) are left as they are."""
+    linears = [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype == torch.float32
+               and m.weight.device.type == "cpu" and m.weight.is_contiguous()]
+    if not linears:
+        return
+    if not quant_kernels.available():
+        store_input_major(model)
+        return
+    for m in linears:
+        m.__class__ = FewRowsLinear  # same object: a tied head keeps sharing the token table's weight
 
 
 def store_input_major(model: nn.Module) -> None:
@@ -46,15 +83,15 @@ def store_input_major(model: nn.Module) -> None:
 
 
 def load_for_decoding(run_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                      verify: bool = True, cfg: ModelConfig | None = None, input_major: bool = True) -> nn.Module:
+                      verify: bool = True, cfg: ModelConfig | None = None, prepare: bool = True) -> nn.Module:
     """``run_folder.load_model`` for decoding. On a CPU the weights are read into the process's own memory
-    rather than mapped (they are re-laid out: input-major here, packed by the int8/int4 kernels, and a map's
-    touched pages would stay resident beside the copies), and with ``input_major`` the linear weights are
-    stored input-major (:func:`store_input_major`)."""
+    rather than mapped (they may be re-laid out: input-major, or packed by the int8/int4 kernels, and a map's
+    touched pages would stay resident beside the copies), and with ``prepare`` the linear layers are laid
+    out for decoding (:func:`prepare_for_decoding`)."""
     from tinyformer.run_folder import load_model
 
     cpu = torch.device(device).type == "cpu"
     model = load_model(run_dir, device=device, dtype=dtype, cfg=cfg, verify=verify, mapped=not cpu)
-    if cpu and input_major:
-        store_input_major(model)
+    if cpu and prepare:
+        prepare_for_decoding(model)
     return model
