@@ -56,6 +56,7 @@ def product_chain(model: torch.nn.Module, dtype: torch.dtype, layout: str) -> Ca
 def bench_shape(shape: str, args: argparse.Namespace) -> None:
     import tinyformer.generation.engine as engine
     from tinyformer.components import quant_kernels
+    from tinyformer.generation import compile_cache
     from tinyformer.generation.generator import Generator
     from tinyformer.generation.sampling import SamplingParams
     from tinyformer.generation.weight_layout import FewRowsLinear, prepare_for_decoding, store_input_major
@@ -69,13 +70,13 @@ def bench_shape(shape: str, args: argparse.Namespace) -> None:
 
     def decode(gen: Generator, layout: str) -> Callable[[], list[int]]:
         def fn() -> list[int]:
-            keep = engine.prepare_for_decoding
+            keep = engine.prepare_for_decoding, compile_cache.prepare_for_decoding
             if layout == "row":  # the compiled generator would lay the layers out on first use
-                engine.prepare_for_decoding = lambda model: None
+                engine.prepare_for_decoding = compile_cache.prepare_for_decoding = lambda model: None
             try:
                 return gen.generate(prompt, params, logprobs=False)[0].token_ids
             finally:
-                engine.prepare_for_decoding = keep
+                engine.prepare_for_decoding, compile_cache.prepare_for_decoding = keep
         return fn
 
     dtype = getattr(torch, args.dtype)
