@@ -314,12 +314,6 @@ class RingKV(DenseKV):
                                   f"{self.slots - self.window + 1} tokens at most, not {old - length} "
                                   "(more spare_slots in new_cache)")
 
-    def rows(self, start: int, stop: int) -> RingKV:
-        return RingKV(self.k[start:stop], self.v[start:stop], self.window)
-
-    def index_rows(self, index: Tensor) -> RingKV:
-        return RingKV(self.k.index_select(0, index), self.v.index_select(0, index), self.window)
-
 
 class _Uncached:
     """A layer without storage: its mask only (``NoCache``)."""
@@ -517,12 +511,6 @@ class KVCache:
             for s in self.store:
                 s.forget(row, n, o)
         self.length = new[0] if len(set(new)) == 1 else None
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def remaining(self) -> int:
-        return self.max_len - (self.length or 0)
 
     def nbytes(self) -> int:
         return sum(s.k.numel() * s.k.element_size() * 2 for s in self.store)
