@@ -53,9 +53,8 @@ def positions_from_mask(attention_mask: Tensor) -> Tensor:
     return pos.clamp_min(0)
 
 
-def build_attention_mask(attention_mask: Tensor, T: int, start: int, causal: bool = True,
-                         window: int | None = None) -> Tensor:
-    """Boolean (B, 1, T, S) mask, True = may attend, for T queries at positions start .. start+T-1
+def build_attention_mask(attention_mask: Tensor, T: int, start: int, window: int | None = None) -> Tensor:
+    """Causal boolean (B, 1, T, S) mask, True = may attend, for T queries at positions start .. start+T-1
     over S = start + T keys. ``attention_mask`` (B, S) marks real tokens with 1 and padding with 0.
     With a ``window`` W query i also needs i - W < j (sliding-window attention).
 
@@ -66,7 +65,7 @@ def build_attention_mask(attention_mask: Tensor, T: int, start: int, causal: boo
     key_ok = attention_mask[:, None, None, :S].bool()  # (B, 1, 1, S)
     q_pos = torch.arange(start, S, device=attention_mask.device)[:, None]  # (T, 1)
     k_pos = torch.arange(S, device=attention_mask.device)[None, :]  # (1, S)
-    allowed = key_ok & (k_pos <= q_pos) if causal else key_ok.expand(-1, -1, T, -1)
+    allowed = key_ok & (k_pos <= q_pos)
     if window is not None:
         allowed = allowed & (k_pos > q_pos - window)
     return allowed | (k_pos == q_pos)
