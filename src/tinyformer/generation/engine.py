@@ -23,17 +23,13 @@ stall for more than one chunk. A row whose prompt is fully fed samples its first
 prefill's last logits and decodes from the next step on. A row may start prefilling at ``pos > 0``
 with the cache row already holding positions ``[0, pos)`` (a prefix cache hit).
 
-With ``compile=True`` the decode step is a ``torch.compile``-d function of fixed shapes: one row, or all
-``max_batch`` rows (free rows decode a dummy token at a position their next writer overwrites), two graphs
-for a batch that shrinks as its rows finish (``Generator``); with ``buckets=True`` a step over rows [0, n)
-runs the graph of the next *bucket* of rows instead, 1, 2, 4, 8, ... up to ``max_batch``, so a server with
-``max_batch`` 16 needs five graphs, which :meth:`BatchEngine.warm_up` compiles up front (``serve
---compile`` does, before the first request). The cache has a fixed length and the attended span
-``[0, kv_len)`` is a symbolic size, so one graph serves every step of a shape. A greedy step of one row without
-log-probabilities returns the sampler's greedy case (``sample(logits, GREEDY)``) from its graph; every
-other step returns logits, and all its rows are sampled in one :func:`~tinyformer.generation.sampling.sample`
-call, each with its own parameters. On CPU the model's linear weights
-are then stored input-major (:func:`~tinyformer.generation.weight_layout.store_input_major`).
+With a ``compiled`` step (:class:`CompiledStep`) the decode step runs compiled graphs of fixed shapes over
+rows [0, :meth:`BatchEngine.bucket`) (free rows decode a dummy token at a position their next writer
+overwrites), which :meth:`BatchEngine.warm_up` compiles up front; the attended span ``[0, kv_len)`` is a
+symbolic size, so one graph serves every step of a shape. A greedy step of one row without log-probabilities
+returns the sampler's greedy case (``sample(logits, GREEDY)``) from its graph; every other step returns
+logits, and all its rows are sampled in one :func:`~tinyformer.generation.sampling.sample` call, each with its
+own parameters.
 
 Rows that carry a :class:`RowSearch` (beam search, greedy search: ``generation/beam.py``, for decoder-only
 and encoder-decoder models alike) take their tokens from it instead of the sampler: given the logits of all
