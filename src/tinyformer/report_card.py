@@ -46,8 +46,8 @@ from tinyformer.utils.io import atomic_write_text
 if TYPE_CHECKING:
     from tinyformer.training.objectives import Objective
 
-__all__ = ["BEGIN", "END", "REPORT", "derived_card", "heldout_line", "merge_eval_table",
-           "task_rows", "train_loss_line", "training_card", "write_derived_card", "write_training_card"]
+__all__ = ["BEGIN", "END", "REPORT", "heldout_line", "merge_eval_table", "task_rows", "train_loss_line",
+           "write_derived_card", "write_training_card"]
 
 REPORT = "report.md"
 BEGIN, END = "<!-- tinyformer eval -->", "<!-- /tinyformer eval -->"
@@ -91,9 +91,11 @@ def heldout_line(record: dict[str, Any], objective: Objective) -> str | None:
 # ------------------------------------------------------------------ the training card
 
 
-def training_card(run_dir: Path, records: Sequence[dict[str, Any]], objective: Objective, extra: list[str]) -> str:
-    """The markdown of a training run's card: ``records`` are metrics.jsonl's, ``extra`` the objective's
-    own lines (:meth:`~tinyformer.training.objectives.Objective.report`)."""
+def write_training_card(run_dir: str | Path, records: Sequence[dict[str, Any]], objective: Objective,
+                        extra: list[str]) -> Path:
+    """Write a training run's card: ``records`` are metrics.jsonl's, ``extra`` the objective's own lines
+    (:meth:`~tinyformer.training.objectives.Objective.report`)."""
+    run_dir = Path(run_dir)
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     cfg = objective.cfg
@@ -111,22 +113,17 @@ def training_card(run_dir: Path, records: Sequence[dict[str, Any]], objective: O
             lines.append(f"- {objective.loss_label}: none (no held-out split)")
     if extra:
         lines += ["", *extra]
-    return "\n".join(lines) + "\n"
-
-
-def write_training_card(run_dir: str | Path, records: Sequence[dict[str, Any]], objective: Objective,
-                        extra: list[str]) -> Path:
-    path = Path(run_dir) / REPORT
-    atomic_write_text(path, training_card(Path(run_dir), records, objective, extra))
+    path = run_dir / REPORT
+    atomic_write_text(path, "\n".join(lines) + "\n")
     return path
 
 
 # ------------------------------------------------------------------ the card of a derived run
 
 
-def derived_card(out: str | Path, what: str, parent: str | Path, settings: Iterable[tuple[str, str]],
-                 extra: Sequence[str] = ()) -> str:
-    """The card of a run made from another one: ``what`` it is ('int8 weight-only quantization'), from
+def write_derived_card(out: str | Path, what: str, parent: str | Path, settings: Iterable[tuple[str, str]],
+                       extra: Sequence[str] = ()) -> Path:
+    """Write the card of a run made from another one: ``what`` it is ('int8 weight-only quantization'), from
     ``parent`` (a run folder, an HF folder or a GGUF file), ``settings`` as (name, value) pairs, and
     ``extra`` markdown lines (e.g. a table of errors)."""
     parent = Path(parent)
@@ -139,13 +136,8 @@ def derived_card(out: str | Path, what: str, parent: str | Path, settings: Itera
         lines.append("- the parent has no report card")
     if extra:
         lines += ["", *extra]
-    return "\n".join(lines) + "\n"
-
-
-def write_derived_card(out: str | Path, what: str, parent: str | Path, settings: Iterable[tuple[str, str]],
-                       extra: Sequence[str] = ()) -> Path:
     path = Path(out) / REPORT
-    atomic_write_text(path, derived_card(out, what, parent, settings, extra))
+    atomic_write_text(path, "\n".join(lines) + "\n")
     return path
 
 

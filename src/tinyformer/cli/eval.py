@@ -19,7 +19,6 @@ from pathlib import Path
 from tinyformer.cli.common import add_no_verify_flag
 from tinyformer.errors import ConfigError
 from tinyformer.training.train_config import DTYPES
-from tinyformer.utils.io import report_or_warning
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -73,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.per_token and not args.json:
         raise ConfigError("--per-token goes with --json")
-    from tinyformer.evaluation.command import check_text_mode
+    from tinyformer.evaluation.command import check_text_mode, report_and_print
 
     check_text_mode(args)
     from tinyformer.evaluation.text_loss import TextEvalOptions, evaluate_text
@@ -83,17 +82,16 @@ def run(args: argparse.Namespace) -> int:
                               cache_dir=args.cache_dir, progress=not args.no_progress, per_token=args.per_token,
                               verify=not args.no_verify)
     result = evaluate_text(Path(args.model), args.data, options)
-    if not args.json:  # the figures first: a report card that cannot be written must not lose them
+    if not args.json:
         bpb = f", {result['bits_per_byte']:.4f} bits/byte" if result["bits_per_byte"] is not None else ""
         print(f"{result['model']} on {result['data']}: loss {result['loss']:.4f}, perplexity "
               f"{result['perplexity']:.2f}{bpb} ({result['tokens']:,} tokens, block size {result['block_size']})",
               flush=True)
-    report = report_or_warning(lambda: _report_text(args, result))
-    if args.json:
-        print(json.dumps({**result, "report": report}))
-    elif report is not None:
-        print(f"updated {report}")
-    return 0
+    name, n = f"text {args.data}", result["tokens"]
+    rows = [(name, "loss", result["loss"], n), (name, "perplexity", result["perplexity"], n)]
+    if result["bits_per_byte"] is not None:
+        rows.append((name, "bits_per_byte", result["bits_per_byte"], n))
+    return report_and_print(args, result, rows)
 
 
 def _chat_line(kind: str, result: dict) -> str:
@@ -104,17 +102,3 @@ def _chat_line(kind: str, result: dict) -> str:
     return (f"{result['model']} on {result['data']}: assistant-token loss {result['assistant_loss']:.4f}, perplexity "
             f"{result['perplexity']:.2f} ({result['assistant_tokens']:,} tokens in {result['conversations']} "
             f"conversations, {result['skipped']} skipped)")
-
-
-def _report_text(args: argparse.Namespace, result: dict) -> str | None:
-    """Add loss, perplexity and bits per byte on ``--data`` to the run's report card, if it has one."""
-    from tinyformer.report_card import merge_eval_table
-
-    if args.no_report:
-        return None
-    name, n = f"text {args.data}", result["tokens"]
-    rows = [(name, "loss", result["loss"], n), (name, "perplexity", result["perplexity"], n)]
-    if result["bits_per_byte"] is not None:
-        rows.append((name, "bits_per_byte", result["bits_per_byte"], n))
-    path = merge_eval_table(args.model, rows)
-    return None if path is None else str(path)

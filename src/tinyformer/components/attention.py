@@ -143,21 +143,19 @@ def attend(
     is_causal: bool,
     impl: str = "sdpa",
     dropout_p: float = 0.0,
-    scale: float | None = None,
-    softcap: float | None = None,
 ) -> torch.Tensor:
-    """softmax(s q k^T + M) v (s = ``scale`` or 1/sqrt(d)) by the chosen implementation; see
-    ``reference_attention``. Soft-capped scores always take the explicit formula. With ``is_causal`` and
-    fewer queries than keys the causal mask is aligned bottom-right (the queries continue a prefix)."""
-    if impl == "reference" or softcap is not None:
-        return reference_attention(q, k, v, mask, is_causal, dropout_p, scale, softcap)
+    """softmax(q k^T / sqrt(d) + M) v by the chosen implementation; see ``reference_attention``. With
+    ``is_causal`` and fewer queries than keys the causal mask is aligned bottom-right (the queries continue a
+    prefix)."""
+    if impl == "reference":
+        return reference_attention(q, k, v, mask, is_causal, dropout_p)
     if is_causal and mask is None and q.shape[-2] != k.shape[-2]:
         # SDPA's is_causal aligns the mask to the top-left corner; a query block that continues a
         # cached prefix needs it aligned bottom-right, so build it explicitly.
         T, S = q.shape[-2], k.shape[-2]
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
         is_causal = False
-    return sdpa_attention(q, k, v, mask, is_causal and mask is None, dropout_p, scale)
+    return sdpa_attention(q, k, v, mask, is_causal and mask is None, dropout_p)
 
 
 class SelfAttention(nn.Module):

@@ -53,9 +53,8 @@ def positions_from_mask(attention_mask: Tensor) -> Tensor:
     return pos.clamp_min(0)
 
 
-def build_attention_mask(attention_mask: Tensor, T: int, start: int, causal: bool = True,
-                         window: int | None = None) -> Tensor:
-    """Boolean (B, 1, T, S) mask, True = may attend, for T queries at positions start .. start+T-1
+def build_attention_mask(attention_mask: Tensor, T: int, start: int, window: int | None = None) -> Tensor:
+    """Causal boolean (B, 1, T, S) mask, True = may attend, for T queries at positions start .. start+T-1
     over S = start + T keys. ``attention_mask`` (B, S) marks real tokens with 1 and padding with 0.
     With a ``window`` W query i also needs i - W < j (sliding-window attention).
 
@@ -66,7 +65,7 @@ def build_attention_mask(attention_mask: Tensor, T: int, start: int, causal: boo
     key_ok = attention_mask[:, None, None, :S].bool()  # (B, 1, 1, S)
     q_pos = torch.arange(start, S, device=attention_mask.device)[:, None]  # (T, 1)
     k_pos = torch.arange(S, device=attention_mask.device)[None, :]  # (1, S)
-    allowed = key_ok & (k_pos <= q_pos) if causal else key_ok.expand(-1, -1, T, -1)
+    allowed = key_ok & (k_pos <= q_pos)
     if window is not None:
         allowed = allowed & (k_pos > q_pos - window)
     return allowed | (k_pos == q_pos)
@@ -314,12 +313,6 @@ class RingKV(DenseKV):
                                   f"{self.slots - self.window + 1} tokens at most, not {old - length} "
                                   "(more spare_slots in new_cache)")
 
-    def rows(self, start: int, stop: int) -> RingKV:
-        return RingKV(self.k[start:stop], self.v[start:stop], self.window)
-
-    def index_rows(self, index: Tensor) -> RingKV:
-        return RingKV(self.k.index_select(0, index), self.v.index_select(0, index), self.window)
-
 
 class _Uncached:
     """A layer without storage: its mask only (``NoCache``)."""
@@ -517,12 +510,6 @@ class KVCache:
             for s in self.store:
                 s.forget(row, n, o)
         self.length = new[0] if len(set(new)) == 1 else None
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def remaining(self) -> int:
-        return self.max_len - (self.length or 0)
 
     def nbytes(self) -> int:
         return sum(s.k.numel() * s.k.element_size() * 2 for s in self.store)

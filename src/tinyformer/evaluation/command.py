@@ -16,7 +16,7 @@ from typing import Any
 
 from tinyformer.errors import ConfigError
 
-__all__ = ["add_arguments", "check_text_mode", "run_modes", "run_reward_mode"]
+__all__ = ["add_arguments", "check_text_mode", "report_and_print", "run_modes", "run_reward_mode"]
 
 # flags of the question modes, with their defaults: given with --data they would silently do nothing
 _QUESTION_FLAGS = {"include_path": None, "num_fewshot": None, "limit": None, "builtin_questions": 100,
@@ -110,34 +110,38 @@ def _harness(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[str, 
     return {"model": str(args.model), "harness": tasks, "results": results}, rows
 
 
-def run_modes(args: argparse.Namespace) -> int:
-    """`tinyformer eval --task/--harness`: evaluate, print, update the report card."""
+def report_and_print(args: argparse.Namespace, result: dict[str, Any],
+                     rows: list[tuple[str, str, float, int | None]]) -> int:
+    """The end of every eval mode, once it has printed its figures (a report card that cannot be written must
+    not lose them): ``rows`` into the run's report card (unless ``--no-report``), then ``result`` as one JSON
+    object with ``--json``, else the card's path."""
     from tinyformer.report_card import merge_eval_table
-
-    _check(args)
     from tinyformer.utils.io import report_or_warning
 
-    result, rows = _task(args) if args.task else _harness(args)
-    if not args.json:  # the figures before the report card, which may fail to be written
-        for name, metric, value, n in rows:
-            count = f" ({n} questions)" if n is not None else ""
-            print(f"{name}: {metric} {value:.4f}{count}", flush=True)
     report = None if args.no_report else report_or_warning(lambda: merge_eval_table(args.model, rows))
     if args.json:
         # default=str: lm-eval's results may hold numpy integers, which json cannot write
         print(json.dumps({**result, "report": report}, default=str))
-        return 0
-    if report is not None:
+    elif report is not None:
         print(f"updated {report}")
     return 0
+
+
+def run_modes(args: argparse.Namespace) -> int:
+    """`tinyformer eval --task/--harness`: evaluate, print, update the report card."""
+    _check(args)
+    result, rows = _task(args) if args.task else _harness(args)
+    if not args.json:
+        for name, metric, value, n in rows:
+            count = f" ({n} questions)" if n is not None else ""
+            print(f"{name}: {metric} {value:.4f}{count}", flush=True)
+    return report_and_print(args, result, rows)
 
 
 def run_reward_mode(args: argparse.Namespace) -> int:
     """`tinyformer eval --reward SPEC [--data PROMPTS.jsonl] [--num-samples K]`: mean reward, printed (one JSON
     object with --json) and added to the report card (evaluation/reward_scoring.py)."""
     from tinyformer.evaluation.reward_scoring import evaluate_rewards
-    from tinyformer.report_card import merge_eval_table
-    from tinyformer.utils.io import report_or_warning
 
     if args.task or args.harness:
         raise ConfigError("give --reward or --task / --harness, not both")
@@ -155,9 +159,4 @@ def run_reward_mode(args: argparse.Namespace) -> int:
             print(f"{result['model']} on {result['data']}: {metric} {value:.4f}", flush=True)
         if result["reward_failures"]:
             print(result["reward_failures"])
-    report = None if args.no_report else report_or_warning(lambda: merge_eval_table(args.model, rows))
-    if args.json:
-        print(json.dumps({**result, "report": report}))
-    elif report is not None:
-        print(f"updated {report}")
-    return 0
+    return report_and_print(args, result, rows)

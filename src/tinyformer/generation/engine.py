@@ -23,17 +23,14 @@ stall for more than one chunk. A row whose prompt is fully fed samples its first
 prefill's last logits and decodes from the next step on. A row may start prefilling at ``pos > 0``
 with the cache row already holding positions ``[0, pos)`` (a prefix cache hit).
 
-With ``compile=True`` the decode step is a ``torch.compile``-d function of fixed shapes: one row, or all
-``max_batch`` rows (free rows decode a dummy token at a position their next writer overwrites), two graphs
-for a batch that shrinks as its rows finish (``Generator``); with ``buckets=True`` a step over rows [0, n)
-runs the graph of the next *bucket* of rows instead, 1, 2, 4, 8, ... up to ``max_batch``, so a server with
-``max_batch`` 16 needs five graphs, which :meth:`BatchEngine.warm_up` compiles up front (``serve
---compile`` does, before the first request). The cache has a fixed length and the attended span
-``[0, kv_len)`` is a symbolic size, so one graph serves every step of a shape. A greedy step of one row without
-log-probabilities returns the sampler's greedy case (``sample(logits, GREEDY)``) from its graph; every
-other step returns logits, and all its rows are sampled in one :func:`~tinyformer.generation.sampling.sample`
-call, each with its own parameters. On CPU the model's linear layers
-are then laid out for decoding (:func:`~tinyformer.generation.weight_layout.prepare_for_decoding`).
+With a ``compiled`` step (:class:`CompiledStep`) the decode step runs compiled graphs of fixed shapes over
+rows [0, :meth:`BatchEngine.bucket`) (free rows decode a dummy token at a position their next writer
+overwrites), which :meth:`BatchEngine.warm_up` compiles up front; the attended span ``[0, kv_len)`` is a
+symbolic size, so one graph serves every step of a shape. A greedy step of one row without log-probabilities
+returns the sampler's greedy case (``sample(logits, GREEDY)``) from its graph; every other step returns
+logits, and all its rows are sampled in one :func:`~tinyformer.generation.sampling.sample` call, each with its
+own parameters. On CPU the model's linear layers are laid out for decoding first
+(:func:`~tinyformer.generation.weight_layout.prepare_for_decoding`).
 
 Rows that carry a :class:`RowSearch` (beam search, greedy search: ``generation/beam.py``, for decoder-only
 and encoder-decoder models alike) take their tokens from it instead of the sampler: given the logits of all
@@ -225,6 +222,11 @@ class CompiledStep:
         return self._fns[ids_only]
 
 
+def check_context_policy(policy: str) -> None:
+    if policy not in CONTEXT_POLICIES:
+        raise GenerationError(f"context policy must be one of {', '.join(CONTEXT_POLICIES)}, got {policy!r}")
+
+
 def default_slide_keep(max_len: int) -> int:
     """Tokens a full row keeps when it slides (``context_policy="slide"``): three quarters of ``max_len``
     (at least 1), so a slide re-prefills most of the context and happens once per max_len / 4 tokens."""
@@ -283,9 +285,7 @@ class BatchEngine:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        if context_policy not in CONTEXT_POLICIES:
-            raise GenerationError(
-                f"context policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}")
+        check_context_policy(context_policy)
         if max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
         self.model = model
@@ -630,7 +630,7 @@ class BatchEngine:
         owner = [(r, j) for r, f in zip(rows, feeds) for j in range(len(f))]
         flat = logits.flatten(0, 1)[torch.tensor([r.slot * T + j for r, j in owner], device=dev)]
         V = flat.shape[-1]
-        finite = (torch.isfinite(flat.amax(dim=-1)) & torch.isfinite(flat.amin(dim=-1))).tolist()
+        finite = _finite_rows(flat)
         history = None
         if any(r.sampler.penalised for r in rows):
             seen = [r.token_ids + f[1 : j + 1] for r, f in zip(rows, feeds) for j in range(len(f))]
@@ -656,14 +656,11 @@ class BatchEngine:
                 if len(empty):
                     j = int(empty[0])
                     if j == 0:
-                        r.finish_reason = "model_error"
-                        out.append(RowOutput(r, None, r.text.close(), "model_error", self._stuck(r)))
+                        out.append(_failed(r, _stuck(r)))
                         continue
                     d = d[: j - 1]
             if not all(finite[first:e]):
-                r.finish_reason = "model_error"
-                message = non_finite_message(f"for generated token {len(r.token_ids) + 1}")
-                out.append(RowOutput(r, None, r.text.close(), "model_error", message))
+                out.append(_failed(r, _non_finite(r)))
                 continue
             if r.sampler.greedy:
                 m, y = accept_greedy(targets[first : first + len(d) + 1], d)
@@ -704,11 +701,7 @@ class BatchEngine:
 
     def _forward_row(self, row: EngineRow, ids: list[int]) -> Tensor:
         """Feed ``ids`` to one row at positions pos ..: the last position's logits (1, V)."""
-        view = self.cache.row_view(row.slot)
-        view.length = row.pos
-        logits = self.model(torch.tensor([ids], device=self.device), cache=view, last_only=True)[:, -1]
-        row.pos += len(ids)
-        return logits
+        return self._forward_rows([row], [ids])
 
     def _prefill(self, rows: list[EngineRow]) -> list[RowOutput]:
         """Feed at most ``prefill_chunk`` prompt tokens in all (None: every pending one), to the rows in the
@@ -740,10 +733,7 @@ class BatchEngine:
             feeds = [r.pending[: take[id(r)]] for r in group]
             for r, f in zip(group, feeds):
                 r.pending = r.pending[len(f):]
-            if len(group) == 1:
-                out = self._forward_row(group[0], feeds[0])
-            else:
-                out = self._forward_rows(group, feeds)
+            out = self._forward_rows(group, feeds)
             for i, r in enumerate(group):
                 if not r.pending:
                     r.prefilling = False
@@ -795,8 +785,7 @@ class BatchEngine:
         # the prompt's logits are checked, as a search's log-softmax would turn NaN into any token; a later
         # step's check would cost as much as the log-softmax itself
         if not rows[0].token_ids and not bool(torch.isfinite(logits).all()):
-            message = non_finite_message(f"for generated token {len(rows[0].token_ids) + 1}")
-            return self._sample_but(logits, rows, [True] * len(rows), lambda r: message)
+            return self._sample_but(logits, rows, [True] * len(rows), _non_finite)
         picked = rows[0].search.advance(logits)
         if picked is None:
             for r in rows:
@@ -828,12 +817,9 @@ class BatchEngine:
         (rows with equal sampler keys share their processors; a seeded row draws from its own generator, so
         it draws the same numbers whether or not it shares the batch)."""
         n = len(rows)
-        # a row is finite iff its largest and smallest logits are: max/min propagate NaN, and both are
-        # vectorised single passes (isfinite(logits).all() writes a mask of the whole (A, V) first, ~25x slower)
-        finite = (torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))).tolist()
+        finite = _finite_rows(logits)
         if not all(finite):  # those rows end with an error; the others are sampled as usual
-            return self._sample_but(logits, rows, [not f for f in finite], lambda r: non_finite_message(
-                f"for generated token {len(r.token_ids) + 1}"))
+            return self._sample_but(logits, rows, [not f for f in finite], _non_finite)
         history = None
         if any(r.sampler.penalised for r in rows):
             history = penalty_history([r.params for r in rows], [r.prompt_ids for r in rows],
@@ -847,7 +833,7 @@ class BatchEngine:
             stuck = [e or (r.constraint is not None and r.constraint.stopped)
                      for e, r in zip((~allowed.any(dim=-1)).tolist(), rows)]
             if any(stuck):  # the vocabulary cannot write what the grammar needs next: those rows end with an error
-                return self._sample_but(logits, rows, stuck, self._stuck)
+                return self._sample_but(logits, rows, stuck, _stuck)
         drawn = [r.sampled_logprobs for r in rows]
         tok, lp = sample(logits, [r.sampler for r in rows], history, generators,
                          want_logprobs=any(r.want_logprobs for r in rows), allowed=allowed,
@@ -867,26 +853,13 @@ class BatchEngine:
                 tops[i] = list(zip(ids[j, :kk].tolist(), values[j, :kk].tolist()))
         return [self._accept(r, TokenInfo(tokens[i], logps[i], tops.get(i, []))) for i, r in enumerate(rows)]
 
-    @staticmethod
-    def _stuck(r: EngineRow) -> str:
-        assert r.constraint is not None
-        return (f"no token of the vocabulary continues {r.constraint.grammar.describe()} after "
-                f"{len(r.token_ids)} tokens: the tokenizer cannot write what it needs")
-
     def _sample_but(self, logits: Tensor, rows: list[EngineRow], bad: list[bool],
                     why: Callable[[EngineRow], str]) -> list[RowOutput]:
         """Sample the rows not marked ``bad``; the bad ones end with "model_error" and ``why(row)``."""
         good = [i for i in range(len(rows)) if not bad[i]]
         outs = dict(zip(good, self._sample(logits[torch.tensor(good, dtype=torch.long, device=logits.device)],
                                            [rows[i] for i in good]) if good else []))
-        result = []
-        for i, r in enumerate(rows):
-            if i in outs:
-                result.append(outs[i])
-            else:
-                r.finish_reason = "model_error"
-                result.append(RowOutput(r, None, r.text.close(), "model_error", why(r)))
-        return result
+        return [outs[i] if i in outs else _failed(r, why(r)) for i, r in enumerate(rows)]
 
     def _accept(self, row: EngineRow, info: TokenInfo) -> RowOutput:
         """Record one token of ``row``: its text, whether the row ends, and what it feeds next."""
@@ -923,3 +896,26 @@ class BatchEngine:
             finish = "stop" if row.text.stopped else finish
             row.finish_reason = finish
         return RowOutput(row, info, text, finish)
+
+
+def _finite_rows(logits: Tensor) -> list[bool]:
+    """Whether each row of ``logits`` (A, V) is finite: iff its largest and smallest logits are (max/min
+    propagate NaN, and both are vectorised single passes; isfinite(logits).all() writes a mask of the whole
+    (A, V) first, ~25x slower)."""
+    return (torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))).tolist()
+
+
+def _non_finite(r: EngineRow) -> str:
+    return non_finite_message(f"for generated token {len(r.token_ids) + 1}")
+
+
+def _stuck(r: EngineRow) -> str:
+    assert r.constraint is not None
+    return (f"no token of the vocabulary continues {r.constraint.grammar.describe()} after "
+            f"{len(r.token_ids)} tokens: the tokenizer cannot write what it needs")
+
+
+def _failed(r: EngineRow, why: str) -> RowOutput:
+    """``r`` ends here with "model_error" and ``why``."""
+    r.finish_reason = "model_error"
+    return RowOutput(r, None, r.text.close(), "model_error", why)

@@ -1,32 +1,21 @@
 """Text generation for a decoder LM: prompts in, tokens and text out.
 
 :class:`Generator` turns prompts (text or ids) into rows of a
-:class:`~tinyformer.generation.engine.BatchEngine`, the one decoding loop every entry point shares
-(``tinyformer generate``, ``chat``, ``eval``'s generation, the trainer's samples; the server drives the
-same engine through its scheduler)::
-
-    prefill:  logits_P = model(prompt_{0..P-1}, cache row)          all prompts in one forward call
-    decode:   y_t ~ q(. | logits_t)                                  per-row sampling parameters
-              logits_{t+1} = model(y_t, cache row, position)         one token per row per step
-
-Each row sits at its own cache positions (no padding), so greedy decoding of a batch gives the same
-tokens as decoding each prompt alone; for sampling, row ``b`` draws from its own generator seeded with
-``seed + b``, so row ``b`` of a batch equals the prompt decoded alone with seed ``seed + b``.
+:class:`~tinyformer.generation.engine.BatchEngine`, the one decoding loop every entry point shares (its
+module docstring says how rows are prefilled, decoded, sampled and slid). Each row sits at its own cache
+positions (no padding), so greedy decoding of a batch gives the same tokens as decoding each prompt alone;
+for sampling, row ``b`` draws from its own generator seeded with ``seed + b``, so row ``b`` of a batch
+equals the prompt decoded alone with seed ``seed + b``.
 
 Stopping, per row: the end-of-sequence token, any of ``params.stop_token_ids``, a stop string (even
 one spread over several tokens; it is never shown), or ``max_new_tokens``. Text is produced
 incrementally from each token's raw bytes (``Tokenizer.token_bytes``), so a stream never shows half
 a UTF-8 character.
 
-Context overflow never passes silently. ``context_policy="error"`` refuses a request whose prompt
-plus ``max_new_tokens`` does not fit ``max_seq_len``; ``"slide"`` keeps going: whenever a row's cache
-is full it keeps the row's last ``slide_keep`` tokens and prefills them again (positions restart at 0,
-so they stay inside the trained range).
-
-Every token is chosen by :func:`tinyformer.generation.sampling.sample` (greedy is its temperature-0
-case). Beam search (``Generator.beam_search``) runs on the same engine: its rows' tokens are picked by
-the search of :mod:`tinyformer.generation.beam` (the one shared with encoder-decoder models) instead of
-sampled; ``num_beams=1`` is greedy search.
+Context overflow never passes silently: ``context_policy="error"`` refuses a request whose prompt plus
+``max_new_tokens`` does not fit ``max_seq_len``; ``"slide"`` keeps going (the engine slides a full row).
+Beam search (``Generator.beam_search``) runs on the same engine, its rows' tokens picked by the search of
+:mod:`tinyformer.generation.beam` instead of sampled; ``num_beams=1`` is greedy search.
 """
 
 from __future__ import annotations
@@ -58,6 +47,7 @@ from tinyformer.generation.engine import (
     CompiledStep,
     EngineRow,
     check_compilable,
+    check_context_policy,
     default_slide_keep,
 )
 from tinyformer.generation.prefix_cache import PrefixCache
@@ -189,15 +179,11 @@ class Generator:
     no stop strings). ``eos_token_id`` (default: the tokenizer's) ends a sequence; set it to None to
     generate exactly ``max_new_tokens``.
 
-    ``compile=True`` decodes with a ``torch.compile``-d step: each row at its own cache positions (no
-    padding), attending over the cache slots filled so far with a per-row mask; the cache length is
-    rounded up to a multiple of ``STATIC_CACHE_BLOCK``, and only the attended span's length is a
-    symbolic size. The first request of each (batch, cache length) shape pays the compilation (tens of
-    seconds on CPU); every later token is cheaper, since the many small
-    kernels of a layer are fused and called without Python in between. Requests that would slide their
-    context, and dynamic-NTK and LongRoPE models, are decoded eagerly. On CPU it also lays the model's linear layers out
-    for decoding (:func:`~tinyformer.generation.weight_layout.prepare_for_decoding`), as ``from_run`` does
-    for the model it loads: same weights and formula, faster products for a few rows.
+    ``compile`` (True, or a :class:`~tinyformer.generation.compile_cache.PackageBuild`) decodes with the
+    compiled step of :func:`~tinyformer.generation.compile_cache.compiled_step` (see :meth:`_decode` for the
+    cache length); requests that would slide their context, and dynamic-NTK and LongRoPE models, are
+    decoded eagerly. On CPU the model's linear
+    layers are laid out for decoding first (:func:`~tinyformer.generation.weight_layout.prepare_for_decoding`).
 
     ``prefix_cache`` (a :class:`~tinyformer.generation.prefix_cache.PrefixCache`) is kept across requests:
     each prompt starts from the longest cached prefix of whole blocks, and each finished sequence stores
@@ -227,10 +213,7 @@ class Generator:
         if cfg is None or cfg.arch != "decoder" or not hasattr(model, "new_cache"):
             arch = getattr(cfg, "arch", type(model).__name__)
             raise GenerationError(f"text generation needs a decoder language model; this one is {arch!r}")
-        if context_policy not in CONTEXT_POLICIES:
-            raise GenerationError(
-                f"context policy must be one of {', '.join(CONTEXT_POLICIES)}, got {context_policy!r}"
-            )
+        check_context_policy(context_policy)
         if compile:
             check_compilable(model)
         if speculative is not None:
@@ -265,8 +248,6 @@ class Generator:
         self.token_bytes = TokenBytes(tokenizer)
         self.compile = compile
         self._compiled: CompiledStep | None = None
-        # a PrefixCache kept across requests: a prompt that continues an earlier one (a chat's next turn)
-        # loads the earlier one's keys and values instead of prefilling them again
         self.prefix_cache = prefix_cache
         self.timings = GenerationTimings()  # of the last generate() / stream(), once it has finished
 
@@ -355,9 +336,7 @@ class Generator:
         SamplingParams(max_new_tokens=max_new_tokens).validate()
         validate_beam_args(num_beams, length_penalty, early_stopping, num_return_sequences)
         self._check_fits(len(ids), max_new_tokens)
-        ends = set(int(t) for t in stop_token_ids)
-        if self.eos_token_id is not None:
-            ends.add(self.eos_token_id)
+        ends = self._ends(stop_token_ids)
         if max_new_tokens == 0:
             return []
         # K rows of the prompt, prefilled once (BatchEngine.add_group), whose tokens the search picks
@@ -383,9 +362,7 @@ class Generator:
             return []
         if params.stop_strings and self.tokenizer is None:
             raise GenerationError("stop strings need a tokenizer")
-        ends = frozenset(int(t) for t in params.stop_token_ids) | (
-            frozenset() if self.eos_token_id is None else frozenset([self.eos_token_id])
-        )
+        ends = self._ends(params.stop_token_ids)
         if self.context_policy == "error":
             self._check_fits(max(len(p) for p in prompts), params.max_new_tokens)
         vocab = None
@@ -403,6 +380,11 @@ class Generator:
                                   want_logprobs=want_logprobs, speculative=self.speculative, constraint=matcher,
                                   sampled_logprobs=sampled_logprobs))
         return rows
+
+    def _ends(self, stop_token_ids: Sequence[int]) -> frozenset[int]:
+        """The token ids that end a sequence: ``stop_token_ids`` and the end-of-sequence token."""
+        ends = frozenset(int(t) for t in stop_token_ids)
+        return ends if self.eos_token_id is None else ends | {self.eos_token_id}
 
     def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         L = self.max_seq_len

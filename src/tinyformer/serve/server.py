@@ -220,7 +220,8 @@ class Server:
                     stop_token_ids=stop_ids, stop_strings=stops)
                 try:
                     params.validate()
-                    matcher = None if grammar is None else Matcher(grammar, self.vocabulary(stop_ids))
+                    matcher = None if grammar is None else \
+                        Matcher(grammar, TokenVocabulary.of(self.tokenizer, self.vocab_size, stop_ids))
                 except TinyformerError as exc:
                     raise APIError(400, str(exc)) from None
                 params.constraint = grammar
@@ -228,10 +229,6 @@ class Server:
                                              deadline=deadline, logprobs=logprobs, speculative=speculative,
                                              constraint=matcher))
         return out, inbox
-
-    def vocabulary(self, end_ids: list[int]) -> TokenVocabulary:
-        """The grammar engine's view of the vocabulary, ending at ``end_ids`` (built once per set of ends)."""
-        return TokenVocabulary.of(self.tokenizer, self.vocab_size, end_ids)
 
     def _mailbox(self) -> _Mailbox:
         loop = asyncio.get_running_loop()

@@ -98,11 +98,12 @@ def remove_stale_temporaries(target: Path, suffix: str) -> None:
     """Remove the hidden temporaries ``.NAME.PID-<random>SUFFIX`` that an earlier write of ``target`` left
     when it was killed (SIGKILL runs no cleanup): those whose process is gone, and those that name no process
     and are untouched for ``STALE_AFTER_S`` (a staging folder: it and the files in it)."""
+    import glob
     import shutil
     import time
 
     try:
-        leftovers = list(target.parent.glob(f".{glob_escape(target.name)}.*{suffix}"))
+        leftovers = list(target.parent.glob(f".{glob.escape(target.name)}.*{suffix}"))
     except OSError:
         return
     for path in leftovers:
@@ -122,12 +123,6 @@ def remove_stale_temporaries(target: Path, suffix: str) -> None:
 
 #: a temporary that names no writer and is untouched this long is left over (writers touch theirs as they write)
 STALE_AFTER_S = 60.0
-
-
-def glob_escape(name: str) -> str:
-    import glob
-
-    return glob.escape(name)
 
 
 def fsync_dir(folder: Path) -> None:

@@ -139,18 +139,13 @@ class DPOObjective(ChatObjective):
         index = torch.randint(0, n, (self.cfg.batch_size * world_size,), generator=generator)
         return self._batch(split, index[rank::world_size].tolist())
 
-    def _eval_indices(self, split: str, max_batches: int | None, rank: int = 0, world_size: int = 1
-                      ) -> Iterator[list[int]]:
+    def eval_batches(self, split: str, max_batches: int | None, rank: int = 0, world_size: int = 1
+                     ) -> Iterator[Batch]:
         B, n = self.cfg.batch_size, len(self.pairs[split])
         for k, start in enumerate(range(rank * B, n, B * world_size)):
             if max_batches is not None and k >= max_batches:
                 return
-            yield list(range(start, min(start + B, n)))
-
-    def eval_batches(self, split: str, max_batches: int | None, rank: int = 0, world_size: int = 1
-                     ) -> Iterator[Batch]:
-        for index in self._eval_indices(split, max_batches, rank, world_size):
-            yield self._batch(split, index)
+            yield self._batch(split, list(range(start, min(start + B, n))))
 
     def pair_terms(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                    torch.Tensor, torch.Tensor]:

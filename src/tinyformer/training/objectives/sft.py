@@ -43,7 +43,6 @@ from tinyformer.training.objectives.lm import lm_loss
 
 if TYPE_CHECKING:
     from tinyformer.data.chat_data import Conversation
-    from tinyformer.data.chat_template import ChatTemplate
     from tinyformer.data.dataset import TokenDataset
     from tinyformer.data.tokenizer import Tokenizer
     from tinyformer.training.train_config import TrainConfig
@@ -150,36 +149,28 @@ class ChatObjective(Objective):
         load_weights(reference, tensors, f"the {self.name} reference {self.cfg.init_from}")
         return reference.requires_grad_(False)
 
+    @torch.no_grad()
     def answer(self, model: nn.Module, prompts: Sequence[Sequence[dict[str, str]]], device: torch.device | str,
                max_new_tokens: int = SAMPLE_TOKENS) -> list[str]:
-        """Greedy replies of ``model`` to each prompt (messages ending with a user turn)."""
-        return answer_prompts(model, self.tokenizer, prompts, device, max_new_tokens, self.template)
+        """Greedy replies of ``model`` to each prompt (messages ending with a user turn), rendered with the
+        chat template, each stopping at an end-of-turn token or EOS."""
+        from tinyformer.generation.generator import Generator
+        from tinyformer.generation.sampling import GREEDY_TEMPERATURE, SamplingParams
 
-
-@torch.no_grad()
-def answer_prompts(model: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[dict[str, str]]],
-                   device: torch.device | str, max_new_tokens: int = SAMPLE_TOKENS,
-                   template: ChatTemplate | None = None) -> list[str]:
-    """Greedy replies (stopping at an end-of-turn token or EOS) to each prompt, rendered with the template."""
-    from tinyformer.data.chat_template import ChatTemplate
-    from tinyformer.generation.generator import Generator
-    from tinyformer.generation.sampling import GREEDY_TEMPERATURE, SamplingParams
-
-    model = getattr(model, "_orig_mod", model)  # a compiled wrapper's module
-    replies = []
-    with eval_mode(model):
-        gen = Generator(model, tokenizer)
-        template = template or ChatTemplate(tokenizer)
-        for messages in prompts:
-            ids = template.encode_prompt(messages)
-            room = model.cfg.max_seq_len - len(ids)
-            if room <= 0:
-                replies.append("(the prompt is longer than the context)")
-                continue
-            params = SamplingParams(temperature=GREEDY_TEMPERATURE, max_new_tokens=min(max_new_tokens, room),
-                                    stop_token_ids=template.stop_token_ids).validate()
-            replies.append(gen.generate([ids], params)[0].text.strip())
-    return replies
+        model = getattr(model, "_orig_mod", model)  # a compiled wrapper's module
+        replies = []
+        with eval_mode(model):
+            gen = Generator(model, self.tokenizer)
+            for messages in prompts:
+                ids = self.template.encode_prompt(messages)
+                room = model.cfg.max_seq_len - len(ids)
+                if room <= 0:
+                    replies.append("(the prompt is longer than the context)")
+                    continue
+                params = SamplingParams(temperature=GREEDY_TEMPERATURE, max_new_tokens=min(max_new_tokens, room),
+                                        stop_token_ids=self.template.stop_token_ids).validate()
+                replies.append(gen.generate([ids], params)[0].text.strip())
+        return replies
 
 
 class SFTObjective(ChatObjective):
