@@ -204,6 +204,27 @@ def build_tinyformer(data: Path, out: Path, iters: int, overrides: list[str]):
     return prepare_run(spec, log=lambda _: None).trainer
 
 
+def profile_split(side: object, iters: int) -> dict[str, float]:
+    """ms per iteration of ``iters`` more steps of ``side`` under torch.profiler (self CPU time): matrix
+    products (mm, addmm, bmm), attention (every scaled_dot_product op, forward and backward), the rest."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        for _ in range(iters):
+            side.advance()  # type: ignore[attr-defined]
+    split = {"products": 0.0, "attention": 0.0, "rest": 0.0}
+    for event in prof.key_averages():
+        ms = event.self_cpu_time_total / 1000 / iters
+        if event.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::addmm_"):
+            split["products"] += ms
+        elif "scaled_dot_product" in event.key:
+            split["attention"] += ms
+        else:
+            split["rest"] += ms
+    split["total"] = sum(split.values())
+    return split
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="TinyShakespeare input.txt")
@@ -216,6 +237,9 @@ def main() -> None:
                    help="torch threads of both sides, tinyformer's train.threads too (default: torch's)")
     p.add_argument("--sides", nargs="+", default=["nanogpt", "tinyformer"], choices=["nanogpt", "tinyformer"])
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the timed blocks, profile N more iterations of each side: ms per iteration in "
+                        "matrix products, in attention (SDPA forward and backward) and in everything else")
     args = p.parse_args()
     if not args.data.is_file():
         raise SystemExit(f"{args.data} not found; pass --data PATH/TO/input.txt")
@@ -292,6 +316,12 @@ def main() -> None:
         results["sides"][name] = r
         print(f"{name:<11}{r['ms_per_iter']:>9.2f}{r['cpu_ms_per_iter']:>10.2f}{r['tokens_per_s']:>10,.0f}"
               f"{r['final_val']:>10.4f}")
+    if args.profile:
+        print(f"\nprofile of {args.profile} more iterations (torch.profiler self CPU time, ms per iteration):")
+        for name, side in sides.items():
+            split = profile_split(side, args.profile)
+            results["sides"][name]["profile_ms"] = split
+            print(f"  {name:<11}" + ", ".join(f"{k} {v:.1f}" for k, v in split.items()))
     if len(sides) == 2:
         t, n = results["sides"]["tinyformer"], results["sides"]["nanogpt"]
         results["ratio_wall"] = t["ms_per_iter"] / n["ms_per_iter"]
