@@ -204,18 +204,25 @@ def build_tinyformer(data: Path, out: Path, iters: int, overrides: list[str]):
     return prepare_run(spec, log=lambda _: None).trainer
 
 
+PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::addmm_")
+
+
 def profile_split(side: object, iters: int) -> dict[str, float]:
     """ms per iteration of ``iters`` more steps of ``side`` under torch.profiler (self CPU time): matrix
     products (mm, addmm, bmm), attention (every scaled_dot_product op, forward and backward), the rest."""
     from torch.profiler import profile
 
-    with profile() as prof:
+    with profile(record_shapes=True) as prof:
         for _ in range(iters):
             side.advance()  # type: ignore[attr-defined]
+    products = [(e.self_cpu_time_total / 1000 / iters, e.count // iters, e.input_shapes)
+                for e in prof.key_averages(group_by_input_shape=True) if e.key in PRODUCT_OPS]
+    for ms, calls, shapes in sorted(products, key=lambda r: -r[0])[:4]:  # the costliest products and their shapes
+        print(f"    {ms:6.2f} ms in {calls} product(s) a step of {shapes}")
     split = {"products": 0.0, "attention": 0.0, "rest": 0.0}
     for event in prof.key_averages():
         ms = event.self_cpu_time_total / 1000 / iters
-        if event.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::addmm_"):
+        if event.key in PRODUCT_OPS:
             split["products"] += ms
         elif "scaled_dot_product" in event.key:
             split["attention"] += ms
@@ -319,9 +326,10 @@ def main() -> None:
     if args.profile:
         print(f"\nprofile of {args.profile} more iterations (torch.profiler self CPU time, ms per iteration):")
         for name, side in sides.items():
+            print(f"  {name}:")
             split = profile_split(side, args.profile)
             results["sides"][name]["profile_ms"] = split
-            print(f"  {name:<11}" + ", ".join(f"{k} {v:.1f}" for k, v in split.items()))
+            print("    " + ", ".join(f"{k} {v:.1f}" for k, v in split.items()))
     if len(sides) == 2:
         t, n = results["sides"]["tinyformer"], results["sides"]["nanogpt"]
         results["ratio_wall"] = t["ms_per_iter"] / n["ms_per_iter"]
