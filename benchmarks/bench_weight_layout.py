@@ -85,7 +85,7 @@ def bench_shape(shape: str, args: argparse.Namespace) -> None:
     if dtype == torch.float32:  # the generators: a model copy per layout
         col, kern = copy.deepcopy(row), copy.deepcopy(row)
         store_input_major(col)
-        prepare_for_decoding(kern)
+        prepare_for_decoding(kern, min_bytes=0)
         models = {"row": row, "input-major": col, "rows kernel": kern}
         for task, compiled in (("generate", False), ("generate --compile", True)):
             gens = {k: Generator(m, compile=compiled) for k, m in models.items()}

@@ -211,6 +211,37 @@ def test_compiled_decode_step_with_the_cpp_kernel_gives_the_eager_greedy_tokens(
     assert tokens[True] == tokens[False]
 
 
+@pytest.mark.slow
+def test_compiled_decode_step_with_the_float32_kernel_gives_the_eager_greedy_tokens(cpp_kernels):
+    """A float32 model prepared for decoding (FewRowsLinear, ``f32_linear`` inside the packaged step's graph)
+    decodes, eager and compiled, the greedy tokens of the same model with plain nn.Linear layers."""
+    import copy
+
+    from tinyformer.config import ModelConfig
+    from tinyformer.generation.generator import Generator
+    from tinyformer.generation.sampling import SamplingParams
+    from tinyformer.generation.weight_layout import FewRowsLinear, prepare_for_decoding
+    from tinyformer.models.decoder import DecoderLM
+
+    torch.manual_seed(0)
+    plain = DecoderLM(ModelConfig(vocab_size=50, d_model=32, n_layer=1, n_head=4, n_kv_head=2, d_ff=64,
+                                  max_seq_len=64))
+    with torch.no_grad():  # peaked, varied next-token distributions (the default init is near-uniform)
+        for name, p in plain.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model = copy.deepcopy(plain)
+    prepare_for_decoding(model, min_bytes=0)
+    assert {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)} == {FewRowsLinear}
+    prompts, greedy = [[1, 2, 3, 4], [5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=12)
+    tokens = {}
+    for name, m, compiled in (("plain", plain, False), ("eager", model, False), ("compiled", model, True)):
+        gen = Generator(m, compile=compiled)
+        gen.eos_token_id = None
+        tokens[name] = [r.token_ids for r in gen.generate(prompts, greedy, logprobs=False)]
+    assert tokens["compiled"] == tokens["eager"] == tokens["plain"]
+    assert type(plain.lm_head) is torch.nn.Linear  # the plain model was decoded eagerly: never prepared
+
+
 # ------------------------------------------------------------------ activations rounded to 8 bits (the act8 kernel)
 
 ACT8_LAYOUTS = [(QuantSpec("int8", 0), 37, 128), (QuantSpec("int8", 32), 40, 256), (QuantSpec("int8", 64), 33, 192),

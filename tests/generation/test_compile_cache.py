@@ -189,7 +189,7 @@ def test_a_background_builder_builds_the_decode_step_and_the_verification_togeth
     model = tiny_model()
     cache = model.new_cache(1, 32)
     step = compile_cache.PackagedStep(model, tmp_path, compile_cache.PackageBuild(background_run="RUN"))
-    prepare_for_decoding(model)  # as _package does (building the CPU kernels, before Popen is faked)
+    prepare_for_decoding(model)  # as _package does (a model this size asks for no kernels), before Popen is faked
     assert step.name(False, 1, cache, 5) not in (step.name(False, 1, cache), step.name(False, 1, cache, 3))
     started: list[list[str]] = []
 

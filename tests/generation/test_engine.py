@@ -209,8 +209,8 @@ def test_layers_prepared_for_decoding_keep_weights_ties_outputs_tokens_and_gradi
         pytest.skip("the CPU kernels are not built here (no C++ compiler)")
     model, ref = random_lm(tie_embeddings=tie, dtype=torch.float32), random_lm(tie_embeddings=tie, dtype=torch.float32)
     params_before = dict(model.named_parameters())
-    prepare_for_decoding(model)
-    prepare_for_decoding(model)
+    prepare_for_decoding(model, min_bytes=0)
+    prepare_for_decoding(model, min_bytes=0)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is FewRowsLinear for m in linears)
     assert dict(model.named_parameters()) == params_before  # the same objects, all contiguous still
@@ -231,7 +231,21 @@ def test_layers_prepared_for_decoding_keep_weights_ties_outputs_tokens_and_gradi
 def test_without_the_cpu_kernels_layers_for_decoding_are_stored_input_major(monkeypatch):
     monkeypatch.setattr(quant_kernels, "available", lambda: False)
     model = random_lm(tie_embeddings=True, dtype=torch.float32)
-    prepare_for_decoding(model)
+    prepare_for_decoding(model, min_bytes=0)
+    assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert model.lm_head.weight.stride() == (1, model.cfg.vocab_size)
+
+
+def test_a_model_below_the_kernel_size_is_stored_input_major_without_building_the_kernels(monkeypatch):
+    """Weights that stay in the caches gain little from the kernels, and a small model (the default run's)
+    must not wait on their first build: it is laid out input-major, and the kernels are not asked for."""
+    def must_not_build() -> bool:
+        raise AssertionError("the CPU kernels were asked for")
+
+    monkeypatch.setattr(quant_kernels, "available", must_not_build)
+    model = random_lm(tie_embeddings=True, dtype=torch.float32)
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    prepare_for_decoding(model, min_bytes=sum(w.nbytes for w in weights.values()) + 1)
     assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert model.lm_head.weight.stride() == (1, model.cfg.vocab_size)
 

@@ -5,15 +5,16 @@ token and the step is as fast as the product streams W from memory. ``nn.Linear`
 MKL's sgemm/sgemv, which for one or two rows keeps the whole product on one thread and reads W at well
 under the memory's rate. :func:`prepare_for_decoding` does one of two things to every float32 ``nn.Linear``:
 
-  * **rows kernel** (where tinyformer's CPU kernels are built, ``components/quant_kernels``): the layer
-    becomes a :class:`FewRowsLinear`, same weight (row-major, shared, so a head tied to the token table stays
-    tied) and same formula, whose product for up to 8 rows is ``quant_kernels.f32_linear``: every thread
-    streams its own contiguous run of rows of W. SmolLM2-135M's 30 layers of products (one row): 2 threads
-    27 ms against MKL's 53 ms, 1 thread 49 against 55 ms; the 49152 x 576 head 5.7 against 8.3 ms
-    (docs/benchmarks/decode.md, "float32 products for a few rows"). Past 8 rows (prefill) it is ``F.linear``.
-  * **input-major** (no kernels: no C++ compiler): the weight keeps its values, shape and identity but is laid
-    out W^T (in, out) contiguous, so that ``F.linear`` hands MKL a contiguous W^T, which it streams faster
-    for one row than row-major W (``python benchmarks/bench_weight_layout.py``).
+  * **rows kernel** (float32 linear weights of ``KERNEL_MIN_BYTES`` or more, where tinyformer's CPU kernels
+    are built, ``components/quant_kernels``): the layer becomes a :class:`FewRowsLinear`, same weight
+    (row-major, shared, so a head tied to the token table stays tied) and same formula, whose product for up
+    to 8 rows is ``quant_kernels.f32_linear``: every thread streams its own contiguous run of rows of W.
+    SmolLM2-135M's 30 layers of products, one row, idle AMD EPYC: 23.9 ms against MKL's 43.4 at 2 threads,
+    34.8 against 45.0 at one (docs/benchmarks/quantized.md, "fp32 decoding: our own product for a few rows").
+    Past 8 rows (prefill) it is ``F.linear``.
+  * **input-major** (smaller models, or no kernels: no C++ compiler): the weight keeps its values, shape and
+    identity but is laid out W^T (in, out) contiguous, so that ``F.linear`` hands MKL a contiguous W^T, which
+    it streams faster for one row than row-major W (``python benchmarks/bench_weight_layout.py``).
 """
 
 from __future__ import annotations
@@ -45,15 +46,23 @@ class FewRowsLinear(nn.Linear):
         return quant_kernels.f32_linear(x, self.weight, self.bias)
 
 
-def prepare_for_decoding(model: nn.Module) -> None:
+# float32 linear weights from which a model decodes through the kernels: below it, weights that stay in the
+# CPU's caches gain little (docs/benchmarks/decode.md: stories15m within noise of either layout), and a small
+# model (the default `tinyformer train` run's) should not wait on the kernels' first build (about a minute)
+KERNEL_MIN_BYTES = 32 * 2**20
+
+
+def prepare_for_decoding(model: nn.Module, min_bytes: int = KERNEL_MIN_BYTES) -> None:
     """Lay ``model``'s float32 ``nn.Linear`` layers on a CPU out for decoding, in place (module docstring):
-    :class:`FewRowsLinear` where the CPU kernels are built, else input-major (:func:`store_input_major`).
-    Idempotent; other layers (quantized, LoRA, bfloat16) are left as they are."""
+    :class:`FewRowsLinear` where their weights total ``min_bytes`` or more and the CPU kernels are built, else
+    input-major (:func:`store_input_major`). Idempotent; other layers (quantized, LoRA, bfloat16) are left as
+    they are."""
     linears = [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype == torch.float32
                and m.weight.device.type == "cpu" and m.weight.is_contiguous()]
     if not linears:
         return
-    if not quant_kernels.available():
+    weight_bytes = sum(m.weight.nbytes for m in {id(m.weight): m for m in linears}.values())
+    if weight_bytes < min_bytes or not quant_kernels.available():
         store_input_major(model)
         return
     for m in linears:
