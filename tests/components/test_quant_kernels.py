@@ -181,23 +181,30 @@ def test_cpp_layer_takes_the_kernel_for_few_rows_and_the_float_product_for_many(
     assert auto == ("cpp_act8" if k % 32 == 0 and integer_dots() else "cpp")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kernel", ["cpp", "cpp_act8"])
-def test_compiled_decode_step_with_the_cpp_kernel_gives_the_eager_greedy_tokens(cpp_kernels, tmp_path, kernel):
+def peaked_tiny_model():
+    """A one-layer decoder with peaked, varied next-token distributions (the default init is near-uniform, so
+    greedy tokens would hang on rounding)."""
     from tinyformer.config import ModelConfig
-    from tinyformer.generation.generator import Generator
-    from tinyformer.generation.sampling import SamplingParams
     from tinyformer.models.decoder import DecoderLM
-    from tinyformer.quantization import quantize_run
-    from tinyformer.run_folder import load_model, save_model
 
     torch.manual_seed(0)
     model = DecoderLM(ModelConfig(vocab_size=50, d_model=32, n_layer=1, n_head=4, n_kv_head=2, d_ff=64,
                                   max_seq_len=64))
-    with torch.no_grad():  # peaked, varied next-token distributions (the default init is near-uniform)
+    with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
-    save_model(tmp_path / "run", model)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["cpp", "cpp_act8"])
+def test_compiled_decode_step_with_the_cpp_kernel_gives_the_eager_greedy_tokens(cpp_kernels, tmp_path, kernel):
+    from tinyformer.generation.generator import Generator
+    from tinyformer.generation.sampling import SamplingParams
+    from tinyformer.quantization import quantize_run
+    from tinyformer.run_folder import load_model, save_model
+
+    save_model(tmp_path / "run", peaked_tiny_model())
     quantize_run(tmp_path / "run", tmp_path / "q", QuantSpec("int4", 32, kernel))
     prompts = [[1, 2, 3, 4], [5, 6, 7]]
     tokens = {}
@@ -217,18 +224,11 @@ def test_compiled_decode_step_with_the_float32_kernel_gives_the_eager_greedy_tok
     decodes, eager and compiled, the greedy tokens of the same model with plain nn.Linear layers."""
     import copy
 
-    from tinyformer.config import ModelConfig
     from tinyformer.generation.generator import Generator
     from tinyformer.generation.sampling import SamplingParams
     from tinyformer.generation.weight_layout import FewRowsLinear, prepare_for_decoding
-    from tinyformer.models.decoder import DecoderLM
 
-    torch.manual_seed(0)
-    plain = DecoderLM(ModelConfig(vocab_size=50, d_model=32, n_layer=1, n_head=4, n_kv_head=2, d_ff=64,
-                                  max_seq_len=64))
-    with torch.no_grad():  # peaked, varied next-token distributions (the default init is near-uniform)
-        for name, p in plain.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    plain = peaked_tiny_model()
     model = copy.deepcopy(plain)
     prepare_for_decoding(model, min_bytes=0)
     assert {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)} == {FewRowsLinear}
