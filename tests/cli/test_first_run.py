@@ -80,6 +80,28 @@ def test_attention_memory_refuses_to_overwrite_without_being_asked(tmp_path):
     assert figure.read_bytes() == b"tracked figure"
 
 
+def test_a_build_lock_left_by_a_stopped_build_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch, capsys):
+    """torch's builder waits for its lock file to go: one left by a killed build would hang every later run."""
+    import os
+    import time
+
+    from torch.utils import cpp_extension
+
+    from tinyformer.components import quant_kernels
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / name))
+    assert quant_kernels.clear_stale_lock("kernels_abc") is False  # no lock at all
+    lock = tmp_path / "kernels_abc" / "lock"
+    lock.parent.mkdir()
+    lock.write_bytes(b"")
+    assert quant_kernels.clear_stale_lock("kernels_abc") is False and lock.exists()  # a build running now
+    old = time.time() - quant_kernels.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert quant_kernels.clear_stale_lock("kernels_abc") is True and not lock.exists()
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "stale build lock" in err
+
+
 def test_the_kernel_build_says_it_is_compiling_and_where_it_is_cached_only_when_it_is(tmp_path, monkeypatch, capsys):
     from torch.utils import cpp_extension
 

@@ -35,6 +35,7 @@ import hashlib
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -67,6 +68,7 @@ def _build() -> None:
     digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
     name = f"tinyformer_quant_kernels_{digest}"
     announce_build(name)
+    clear_stale_lock(name)
     # ``load`` of the file (not ``load_inline``, which adds the Python headers) keeps the build short
     load(name=name, sources=[str(_SOURCE)], is_python_module=False,
          extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
@@ -78,16 +80,42 @@ def _build() -> None:
     torch.library.register_fake("tinyformer::dequantize_rows")(_fake_dequantize_rows)
 
 
+def build_folder(name: str) -> Path:
+    """Where torch builds and caches the extension ``name``."""
+    from torch.utils import cpp_extension
+
+    try:  # torch's own rule (the root, then a python / CUDA version folder); private, hence the fallback
+        return Path(cpp_extension._get_build_directory(name, verbose=False))
+    except (AttributeError, TypeError, OSError):
+        return Path(cpp_extension.get_default_build_root()) / name
+
+
+# A build takes about a minute; a lock file older than this was left by a process killed while building
+STALE_LOCK_S = 600.0
+
+
+def clear_stale_lock(name: str, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove the build lock of extension ``name`` if it is older than ``max_age_s``: torch's builder waits for
+    that file to go, so one left by a killed build (Ctrl-C, a killed CI job) would make every later process wait
+    forever. Says so in one line on stderr; returns whether it removed one."""
+    lock = build_folder(name) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:  # no lock: nobody is building
+        return False
+    if age < max_age_s:
+        return False  # another process is building now: wait for it
+    lock.unlink(missing_ok=True)
+    print(f"tinyformer: removed a stale build lock ({lock}, {age / 60:.0f} min old, left by a build that was "
+          "stopped)", file=sys.stderr, flush=True)
+    return True
+
+
 def announce_build(name: str) -> bool:
     """One line on stderr before the extension ``name`` is compiled (its library is not in torch's extensions
     folder yet): the first quantized run waits seconds for the compiler, later ones load the cached build.
     Returns whether it printed."""
-    from torch.utils import cpp_extension
-
-    try:  # torch's own rule (the root, then a python / CUDA version folder); private, hence the fallback
-        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
-    except (AttributeError, TypeError, OSError):
-        folder = Path(cpp_extension.get_default_build_root()) / name
+    folder = build_folder(name)
     if (folder / f"{name}.so").is_file():
         return False
     print(f"tinyformer: compiling the CPU kernels (float32 / int8 / int4 products; once, about a minute; cached in "
