@@ -131,7 +131,7 @@ class NanoLoop:
         warmup, top, floor = 100, 1e-3, 1e-4
         if it < warmup:
             return top * (it + 1) / (warmup + 1)
-        ratio = min(1.0, (it - warmup) / (self.iters - warmup))
+        ratio = min(1.0, (it - warmup) / max(1, self.iters - warmup))
         return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (top - floor)
 
     def get_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,12 +204,13 @@ def build_tinyformer(data: Path, out: Path, iters: int, overrides: list[str]):
     return prepare_run(spec, log=lambda _: None).trainer
 
 
-PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::addmm_")
+PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::addmm_")
 
 
 def profile_split(side: object, iters: int) -> dict[str, float]:
     """ms per iteration of ``iters`` more steps of ``side`` under torch.profiler (self CPU time): matrix
-    products (mm, addmm, bmm), attention (every scaled_dot_product op, forward and backward), the rest."""
+    products (mm, addmm), attention (every scaled_dot_product op, forward and backward, and bmm: the math backend's
+    two products), the rest."""
     from torch.profiler import profile
 
     with profile(record_shapes=True) as prof:
@@ -224,10 +225,13 @@ def profile_split(side: object, iters: int) -> dict[str, float]:
         ms = event.self_cpu_time_total / 1000 / iters
         if event.key in PRODUCT_OPS:
             split["products"] += ms
-        elif "scaled_dot_product" in event.key:
+        elif "scaled_dot_product" in event.key or event.key == "aten::bmm":  # bmm: SDPA's math backend
             split["attention"] += ms
         else:
             split["rest"] += ms
+    rest = [(e.self_cpu_time_total / 1000 / iters, e.key) for e in prof.key_averages()
+            if e.key not in PRODUCT_OPS and "scaled_dot_product" not in e.key and e.key != "aten::bmm"]
+    print("    the rest's largest: " + ", ".join(f"{key[:48]} {ms:.2f}" for ms, key in sorted(rest, reverse=True)[:6]))
     split["total"] = sum(split.values())
     return split
 

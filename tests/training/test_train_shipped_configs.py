@@ -43,6 +43,7 @@ def test_shakespeare_config_matches_the_gpt2_baseline_parameter_count() -> None:
     ours = count_params(model.replace(vocab_size=vocab)).total
     assert abs(ours - count_params(gpt2).total) / count_params(gpt2).total < 0.005
     assert (train.batch_size, train.block_size, train.max_steps, train.tokenizer) == (12, 64, 2000, "char")
+    assert train.compile  # the recipe trains with the compiled loss by default (docs/benchmarks/training.md)
 
 
 def test_bpe_15m_has_about_15m_parameters() -> None:

@@ -255,7 +255,8 @@ def _train(prepared: Any) -> int:
     if cfg.compile and trainer.is_main:
         from tinyformer.cli.common import compile_notice
 
-        print(compile_notice("each layer's forward and backward"), file=sys.stderr)
+        print(f"tinyformer: {trainer.compile_skipped}" if trainer.compile_skipped
+              else compile_notice("the training loss, forward and backward"), file=sys.stderr)
     sys.stdout.flush()
     summary = _fit(prepared)
     if summary is None or summary.interrupted:

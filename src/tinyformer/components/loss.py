@@ -92,5 +92,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          ignore_index: int = -100) -> torch.Tensor:
     """Mean cross-entropy of logits ``h @ weight.T`` against ``targets`` without materialising the logits.
-    h (..., d) and targets (...) are flattened."""
+    h (..., d) and targets (...) are flattened.
+
+    Under ``torch.compile`` (the compiled training loss, training/trainer.py) the plain formula instead:
+    the compiler fuses the log-softmax with its gradient itself, and the eager function above would end the
+    graph (it reads from the device which rows to keep, and runs a Python loop over chunks)."""
+    if torch.compiler.is_compiling():
+        logits = torch.nn.functional.linear(h.reshape(-1, h.shape[-1]), weight.to(h.dtype))  # (N, vocab)
+        if logits.dtype not in (torch.float32, torch.float64):  # half precision: softmax in float32
+            logits = logits.float()
+        targets = targets.reshape(-1)
+        total = torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+        return total / (targets != ignore_index).sum().clamp(min=1)  # no target at all: 0, as the eager form
     return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), ignore_index)

@@ -236,6 +236,10 @@ class DistributedTrainer(Trainer):
         # compiling the DDP module lets the compiler split graphs at gradient-bucket boundaries
         return torch.compile(self._ddp) if self.cfg.compile else self._ddp
 
+    def training_loss(self):  # -> LossFn
+        # under torchrun the wrapped module is what is compiled (wrap_model): the loss calls it as it is
+        return self.objective.loss if self.distributed else super().training_loss()
+
     def _fully_shard(self, model: nn.Module) -> nn.Module:
         """FSDP2: each transformer ``Block`` of the model's layer stacks is one unit of all-gather /
         reduce-scatter; the root holds the rest (embeddings, final norm, head, and layers that are reached
@@ -350,7 +354,7 @@ class DistributedTrainer(Trainer):
 
     # ------------------------------------------------------------------ the loop
     def fit(self):  # -> TrainSummary
-        if self.cfg.compile and self.step < self.cfg.max_steps:
+        if self.cfg.compile and not self.compile_skipped and self.step < self.cfg.max_steps:
             self.compile_seconds = self.warm_up()
             self._log(None, f"compiled in {self.compile_seconds:.1f} s (warm-up, not counted in the timings)")
         return super().fit()
@@ -365,7 +369,7 @@ class DistributedTrainer(Trainer):
             batch = self._to_device(self.objective.get_batch("train", torch.Generator().manual_seed(0),
                                                              self.rank, self.world_size))
             with self.autocast():
-                loss = self.objective.loss(self.train_model, batch)
+                loss = self.loss_fn(self.train_model, batch)
             loss.backward()
             self.optimizer.zero_grad(set_to_none=True)
         return timer.seconds

@@ -60,6 +60,34 @@ class TrainingError(TinyformerError):
     """Training cannot go on (e.g. the loss became NaN); the message says what was kept."""
 
 
+#: the longest training window for which the compiled loss on a CPU uses SDPA's math backend: measured faster
+#: than the flash kernel at 64 tokens, no faster at 256 (docs/benchmarks/training.md)
+MATH_ATTENTION_MAX_LEN = 128
+
+#: an objective's loss: (model, batch) -> scalar
+LossFn = Callable[[nn.Module, dict[str, Any]], torch.Tensor]
+
+
+def compiled_loss(loss: LossFn, *, math_attention: bool) -> LossFn:
+    """``loss`` compiled whole by ``torch.compile`` (graphs are built at the first call and kept in
+    inductor's cache on disk, which later processes reuse).
+
+    ``math_attention``: scaled_dot_product_attention through its math backend, softmax(Q K^T / sqrt(d) + M) V
+    written as two batched products and a softmax, which the compiler fuses with the mask and the scaling.
+    On a CPU at training lengths that beat the fused flash kernel (docs/benchmarks/training.md), whose
+    backward is a separate kernel the compiler cannot fuse into anything; it stores the (T, T) attention
+    weights per head for backward, as the flash kernel does not."""
+    if not math_attention:
+        return torch.compile(loss)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def loss_with_math_attention(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.MATH):
+            return loss(model, batch)
+
+    return torch.compile(loss_with_math_attention)
+
+
 def guess_peak_flops(device: torch.device, amp: torch.dtype | None) -> float | None:
     """Peak FLOP/s of one device for MFU: a known GPU's dense bf16/fp16 figure (table and sources in
     training/device.py), None on CPU or in float32."""
@@ -103,6 +131,9 @@ class Trainer:
 
             apply_lora(self.model, self.lora)  # before the optimizer: it takes the trainable tensors only
         self.train_model = self.wrap_model(self.model)
+        #: why ``compile`` was not honoured (no C++ compiler for a CPU run), else None
+        self.compile_skipped: str | None = None
+        self.loss_fn = self.training_loss()
         self.optimizer = build_optimizer(self.model, cfg, self.device.type)
         use_scaler = self.amp_dtype == torch.float16 and self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=use_scaler)
@@ -134,17 +165,28 @@ class Trainer:
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """The module the training loop calls; override to wrap for DDP/FSDP.
 
-        ``compile`` compiles each layer of the model's layer stacks in place (as the FSDP path does), not the
-        whole model: the loop then still calls the plain module, whose loss keeps the fused head +
-        cross-entropy that never stores the (B, T, vocab) logits and skips ignored targets; a compiled
-        whole model would be called through ``forward`` and return full logits. State-dict names are unchanged.
-        """
-        if self.cfg.compile:
-            for stack in model.children():
-                if isinstance(stack, nn.ModuleList):
-                    for layer in stack:
-                        layer.compile()
+        On one process the model is called as it is; ``compile`` compiles the training loss instead
+        (:meth:`training_loss`)."""
         return model
+
+    def training_loss(self) -> LossFn:
+        """What a micro-step calls: ``objective.loss(train_model, batch)``.
+
+        With ``compile`` that whole function is compiled: embedding, every block, head and cross-entropy in
+        one forward graph and one backward graph, so that the compiler fuses the elementwise passes between
+        the matrix products (norms, RoPE, the SwiGLU gate, residual adds, the log-softmax) across layers.
+        On a CPU with windows of at most ``MATH_ATTENTION_MAX_LEN`` tokens, attention inside it is SDPA's math
+        backend (:func:`compiled_loss`). Evaluation stays eager."""
+        if not self.cfg.compile:
+            return self.objective.loss
+        from tinyformer.generation.engine import cpp_compiler
+
+        if self.device.type == "cpu" and cpp_compiler() is None:  # inductor writes C++ for the CPU
+            self.compile_skipped = ("train.compile: no C++ compiler found (g++ or clang++; set CXX to choose one): "
+                                    "training eagerly")
+            return self.objective.loss
+        short = self.cfg.block_size <= MATH_ATTENTION_MAX_LEN
+        return compiled_loss(self.objective.loss, math_attention=self.device.type == "cpu" and short)
 
     def sync_context(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
         """Context of one micro-step's backward; DDP returns ``no_sync()`` unless it is the last one."""
@@ -252,7 +294,7 @@ class Trainer:
             tokens += self.objective.num_tokens(batch)
             with self.sync_context(micro == cfg.grad_accum - 1):
                 with self.autocast():
-                    loss = self.objective.loss(self.train_model, batch) / cfg.grad_accum
+                    loss = self.loss_fn(self.train_model, batch) / cfg.grad_accum
                 self.scaler.scale(loss).backward()
             total += loss.detach()
         loss_value = float(self.reduce_sum(total)) / self.world_size
