@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import dataclasses
 import inspect
 import json
@@ -180,24 +181,36 @@ def _run_tinyformer(model: DecoderLM, run: str, label: str, texts: dict[str, str
 
 
 def forward_costs(run: str, sizes: list[int], rounds: int = 5) -> None:
-    """The cost of one row call over T positions after a 300-token prefix, relative to T = 1: what a
-    verification of T - 1 drafts costs in one-token steps (medians of ``rounds``, sizes alternating)."""
+    """The cost of one row call over T positions after a 300-token prefix, relative to the first size (1): what
+    a verification of T - 1 drafts costs in one-token steps (medians of ``rounds``, calls alternating). Each
+    T > 1 twice: its queries attending together, and one call per query (``per_query``, the engine's eager
+    verification); each with ``max_logit_diff``, the largest difference between its logits and those of T
+    one-token steps over the same tokens from the same cache (0.0: bit for bit)."""
     model = load_model(run).eval()
     prepare_for_decoding(model)
     cache = model.new_cache(1, 1024, spare_slots=max(sizes))
-    model(torch.randint(0, 1000, (1, 300)), cache=cache)
-    times: dict[int, list[float]] = {t: [] for t in sizes}
+    model(torch.randint(0, 1000, (1, 300), generator=torch.Generator().manual_seed(0)), cache=cache)
+    calls = [(t, per_query) for t in sizes for per_query in ((False, True) if t > 1 else (False,))]
+    times: dict[tuple[int, bool], list[float]] = {c: [] for c in calls}
     for _ in range(rounds):
-        for t in sizes:
+        for t, per_query in calls:
             x = torch.randint(0, 1000, (1, t))
             t0 = time.perf_counter()
-            model(x, cache=cache.at(torch.tensor([300]), 300 + t))
-            times[t].append(time.perf_counter() - t0)
-    base = statistics.median(times[sizes[0]])
-    for t in sizes:
-        ms = statistics.median(times[t]) * 1e3
-        print(json.dumps({"forward_positions": t, "ms": round(ms, 1), "vs_first": round(ms / 1e3 / base, 2),
-                          "load": os.getloadavg()[0]}), flush=True)
+            model(x, cache=cache.at(torch.tensor([300]), 300 + t, per_query=per_query))
+            times[t, per_query].append(time.perf_counter() - t0)
+    base = statistics.median(times[calls[0]])
+    for t, per_query in calls:
+        ms = statistics.median(times[t, per_query]) * 1e3
+        row = {"forward_positions": t, "per_query": per_query, "ms": round(ms, 1),
+               "vs_first": round(ms / 1e3 / base, 2), "load": os.getloadavg()[0]}
+        if t > 1:
+            x = torch.randint(0, 1000, (1, t), generator=torch.Generator().manual_seed(t))
+            stepped, verified = copy.deepcopy(cache), copy.deepcopy(cache)
+            steps = torch.cat([model(x[:, i : i + 1], cache=stepped.at(torch.tensor([300 + i])))[:, -1]
+                               for i in range(t)])
+            together = model(x, cache=verified.at(torch.tensor([300]), per_query=per_query))[0]
+            row["max_logit_diff"] = float((together - steps).abs().max())
+        print(json.dumps(row), flush=True)
 
 
 LLAMA_SIDE = r'''

@@ -3,6 +3,7 @@
     python benchmarks/bench_weight_layout.py                   # stories15m and llama-110m, 2 threads
     python benchmarks/bench_weight_layout.py --shapes llama-110m --rounds 8 --threads 1
     python benchmarks/bench_weight_layout.py --dtype bfloat16     # the products only, row / input-major
+    python benchmarks/bench_weight_layout.py --rows 5             # the products of 5 rows only (a verification)
 
 ``nn.Linear`` stores W (out, in) row-major and computes x W^T with MKL (``row``).
 ``tinyformer.generation.weight_layout`` offers two other ways (``prepare_for_decoding`` picks one):
@@ -19,7 +20,8 @@ one per layout; each round times, for each in turn (so that the machine's drifti
 
 Printed per shape: the median over rounds of each, and the median of the per-round ratios to ``row`` (below 1:
 faster than row-major MKL). All copies must decode the same tokens. With ``--dtype bfloat16`` only the
-products of ``row`` and ``input-major`` are timed (the kernel is float32 only).
+products of ``row`` and ``input-major`` are timed (the kernel is float32 only); with ``--rows R`` > 1 only the
+products, of R rows each (a speculative verification of R - 1 drafts).
 """
 
 from __future__ import annotations
@@ -37,14 +39,14 @@ from bench_model import build_pair  # the same weights as the other benchmarks (
 SHAPES = ("stories15m", "llama-110m")
 
 
-def product_chain(model: torch.nn.Module, dtype: torch.dtype, layout: str) -> Callable[[], None]:
-    """Every ``nn.Linear`` weight of ``model`` (in ``dtype``, in ``layout``) applied to one (1, in) vector, in
+def product_chain(model: torch.nn.Module, dtype: torch.dtype, layout: str, rows: int = 1) -> Callable[[], None]:
+    """Every ``nn.Linear`` weight of ``model`` (in ``dtype``, in ``layout``) applied to one (rows, in) input, in
     module order."""
     from tinyformer.components import quant_kernels
 
     weights = [m.weight.detach().to(dtype) for m in model.modules() if isinstance(m, torch.nn.Linear)]
     weights = [w.t().contiguous().t() if layout == "input-major" else w.contiguous() for w in weights]
-    inputs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=dtype) for w in weights}
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype) for w in weights}
     product = quant_kernels.f32_linear if layout == "rows kernel" else torch.nn.functional.linear
 
     def fn() -> None:
@@ -81,8 +83,9 @@ def bench_shape(shape: str, args: argparse.Namespace) -> None:
 
     dtype = getattr(torch, args.dtype)
     layouts = ["row", "input-major"] + (["rows kernel"] if dtype == torch.float32 else [])
-    tasks = {"products": {k: product_chain(row, dtype, k) for k in layouts}}
-    if dtype == torch.float32:  # the generators: a model copy per layout
+    tasks = {"products": {k: product_chain(row, dtype, k, args.rows) for k in layouts}}
+    col = kern = None
+    if dtype == torch.float32 and args.rows == 1:  # the generators: a model copy per layout
         col, kern = copy.deepcopy(row), copy.deepcopy(row)
         store_input_major(col)
         prepare_for_decoding(kern, min_bytes=0)
@@ -95,7 +98,7 @@ def bench_shape(shape: str, args: argparse.Namespace) -> None:
     tokens = {(task, k): fn() for task, fns in tasks.items() for k, fn in fns.items()}  # warm-up, compiles
     # each copy kept its layout through the warm-up
     assert row.lm_head.weight.is_contiguous() and type(row.lm_head) is torch.nn.Linear
-    assert dtype != torch.float32 or (not col.lm_head.weight.is_contiguous() and type(kern.lm_head) is FewRowsLinear)
+    assert col is None or (not col.lm_head.weight.is_contiguous() and type(kern.lm_head) is FewRowsLinear)
     times: dict[tuple[str, str], list[float]] = {key: [] for key in tokens}
     for _ in range(args.rounds):
         for task, fns in tasks.items():
@@ -106,7 +109,7 @@ def bench_shape(shape: str, args: argparse.Namespace) -> None:
                     fn()
                 times[task, k].append((time.perf_counter() - t) / reps)
     print(f"\n== {shape}: {sum(p.numel() for p in row.parameters()) / 1e6:.1f}M params, {args.dtype}, "
-          f"{args.threads} thread(s), {args.rounds} rounds, load {os.getloadavg()[0]:.2f}")
+          f"{args.threads} thread(s), {args.rounds} rounds, {args.rows} row(s), load {os.getloadavg()[0]:.2f}")
     for task in tasks:
         unit = "ms per step" if task == "products" else f"ms for {args.new_tokens} tokens"
         base = times[task, "row"]
@@ -129,6 +132,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--product-reps", type=int, default=20, help="product chains timed per round")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--rows", type=int, default=1, help="activation rows of each product (> 1: products only)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads")

@@ -39,6 +39,8 @@ LAYOUTS = [
     (QuantSpec("int4", 10), 37, 100),
 ]
 ROWS = [1, 3, CPP_MAX_ROWS]
+ACT8_LAYOUTS_FOR_ROWS = [(QuantSpec("int8", 0), 37, 128), (QuantSpec("int4", 32), 37, 128),
+                         (QuantSpec("int4", 128), 20, 384)]
 
 
 def spec_id(value: object) -> str | None:
@@ -112,9 +114,9 @@ def test_every_cpu_path_of_the_cpp_kernel_equals_x_times_dequantized_weight(cpp_
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16])
 @pytest.mark.parametrize(("n", "k"), [(37, 100), (64, 64), (20, 7), (300, 577)])
 def test_every_cpu_path_of_the_float32_kernel_equals_x_times_w_plus_b(cpp_kernels, n, k, rows, path):
-    """f32_linear against float64 x W^T + b: activation rows 4, 2 and 1 at a time (3, 5, 7 take all three),
-    past the kernel's 8 rows (F.linear), K off the 8- and 16-float vectors (100, 7, 577), at 1 and 2 threads
-    (300 output rows are split between them), with and without bias, leading dimensions kept."""
+    """f32_linear against float64 x W^T + b: 1 to 8 activation rows, past the kernel's 8 rows (F.linear), K off
+    the 8- and 16-float vectors (100, 7, 577), at 1 and 2 threads (300 output rows are split between them), with
+    and without bias, leading dimensions kept."""
     need_path(path)
     g = torch.Generator().manual_seed(rows * 1000 + n)
     w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
@@ -127,6 +129,33 @@ def test_every_cpu_path_of_the_float32_kernel_equals_x_times_w_plus_b(cpp_kernel
     y3 = quant_kernels.f32_linear(x.view(1, rows, k), w, b, path=path)
     assert y3.shape == (1, rows, n)
     assert_matches(y3[0], expected + b.double())
+
+
+@pytest.mark.parametrize("path", ["avx512", "avx2", "plain"])
+def test_each_row_of_the_float32_kernels_product_is_bit_for_bit_that_row_multiplied_alone(cpp_kernels, path):
+    """Row m of f32_linear(x) for 1 to 8 rows equals f32_linear(x[m]) exactly (the same sum in the same order),
+    so a speculative verification over K + 1 rows computes what K + 1 one-row decoding steps compute."""
+    need_path(path)
+    g = torch.Generator().manual_seed(1)
+    for k in (7, 100, 577):
+        w, b, x = torch.randn(300, k, generator=g), torch.randn(300, generator=g), torch.randn(8, k, generator=g)
+        alone = torch.cat([quant_kernels.f32_linear(x[m : m + 1], w, b, path=path) for m in range(8)])
+        for rows in range(2, 9):
+            assert torch.equal(quant_kernels.f32_linear(x[:rows], w, b, path=path), alone[:rows]), (k, rows)
+
+
+@pytest.mark.parametrize(("spec", "n", "k"), ACT8_LAYOUTS_FOR_ROWS, ids=spec_id)
+def test_each_row_of_the_act8_product_is_bit_for_bit_that_row_multiplied_alone(cpp_kernels, spec, n, k):
+    """The act8 GEMM rounds each activation row on its own and sums integer products exactly, so its row m for
+    1 to 9 rows (across its 4-row register tiles) equals the row multiplied alone."""
+    if not integer_dots():
+        pytest.skip("this CPU has no integer dot products (AVX2 or VNNI) for the act8 kernel")
+    parts, x, _ = layer_case(spec, n, k, 9, seed=3)
+    layer = QuantizedLinear(parts, QuantSpec(spec.type, spec.group_size, "cpp_act8"), k)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[m : m + 1]) for m in range(9)])
+        for rows in range(2, 10):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
 
 
 def test_forcing_a_path_the_cpu_lacks_is_refused(cpp_kernels):
@@ -320,6 +349,31 @@ def test_a_token_table_tied_to_a_packed_head_reads_its_rows_from_the_head(cpp_ke
     table = dequantize_weight(stored, quant_type)  # (40, 64), from the file
     ids = torch.tensor([[0, 39, 16, 15], [17, 3, 3, 31]])  # both ends, and both sides of a 16-row block
     torch.testing.assert_close(model.tok_emb(ids), table[ids], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("quant_type", ["int8", "int4"])
+def test_a_token_table_read_from_a_packed_head_exports_with_a_symbolic_number_of_tokens(cpp_kernels, tmp_path,
+                                                                                       quant_type):
+    """The packaged speculative verification exports the model with T tokens per row symbolic: the lookup from
+    a packed head must not fix T (it did through len(ids), and every act8 model's verification failed to
+    export and ran eagerly). The exported lookup then gives the eager one's rows for another T."""
+    from torch.export import Dim, export
+
+    from tinyformer.config import ModelConfig
+    from tinyformer.models.decoder import DecoderLM
+    from tinyformer.quantization import quantize_run
+    from tinyformer.run_folder import load_model, save_model
+
+    save_model(tmp_path / "run", DecoderLM(ModelConfig(vocab_size=40, d_model=64, n_layer=1, n_head=4,
+                                                       n_kv_head=2, d_ff=64, max_seq_len=32)))
+    quantize_run(tmp_path / "run", tmp_path / "q", QuantSpec(quant_type, 32 if quant_type == "int4" else 0,
+                                                              "cpp_act8"))
+    table = load_model(tmp_path / "q").tok_emb
+    assert table.packed
+    exported = export(table, (torch.zeros(1, 5, dtype=torch.long),),
+                      dynamic_shapes=({1: Dim("T", min=2, max=8)},), strict=False)
+    ids = torch.tensor([[0, 39, 16]])
+    assert torch.equal(exported.module()(ids), table(ids))
 
 
 def test_quantize_refuses_act8_for_widths_off_the_32_grid_before_writing(tmp_path):

@@ -157,6 +157,49 @@ def test_speculative_greedy_equals_plain_greedy_on_an_int8_model(tmp_path):
     assert spec == plain and timings.draft_proposed > 0
 
 
+def kernel_products(model_kind: str, tmp_path) -> DecoderLM:
+    """A float32 random decoder whose products are the CPU kernels' (f32_linear, or int8 act8), which compute
+    each row of a product as that row alone; skips where the kernels cannot be built."""
+    from tinyformer.components import quant_kernels
+    from tinyformer.generation.weight_layout import prepare_for_decoding
+
+    if quant_kernels._compiler() is None or not quant_kernels.available():
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
+    shape = dict(d_model=64, n_head=4, n_kv_head=2, d_ff=128, max_seq_len=96)
+    if model_kind == "sliding-window":
+        shape["sliding_window"] = 6
+    model = random_lm(dtype=torch.float32, **shape)
+    if model_kind == "int8 act8":
+        if not (quant_kernels.has_vnni() or quant_kernels.has_avx2()):
+            pytest.skip("this CPU has no integer dot products (AVX2 or VNNI) for the act8 kernel")
+        save_model(tmp_path / "float", model)
+        quantize_run(tmp_path / "float", tmp_path / "int8", QuantSpec("int8", 0, "cpp_act8"))
+        return load_model(tmp_path / "int8").eval()
+    prepare_for_decoding(model, min_bytes=0)  # every linear layer on f32_linear
+    return model
+
+
+@pytest.mark.parametrize("model_kind", ["float32", "sliding-window", "int8 act8"])
+def test_a_verification_gives_every_position_the_logits_of_a_one_token_step_bit_for_bit(model_kind, tmp_path):
+    """A verification over T = 5 tokens (``cache.at(..., per_query=True)``, as the engine's eager one) and five
+    one-token steps from the same cache give equal logits and equal caches, bit for bit: each query attends as
+    its own step would, and the kernels' products are row-independent. (SDPA over five queries at once, or
+    over more keys than the step's, rounds differently; an int8 act8 model turned such 1e-7 differences into
+    logits 0.6 apart on SmolLM2-135M, enough to change greedy output at a near tie.)"""
+    model = kernel_products(model_kind, tmp_path)
+    g = torch.Generator().manual_seed(5)
+    prefix, new = torch.randint(0, 40, (1, 30), generator=g), torch.randint(0, 40, (1, 5), generator=g)
+    with torch.inference_mode():
+        cache = model.new_cache(1, 64, spare_slots=4)
+        model(prefix, cache=cache)
+        stepped, verified = copy.deepcopy(cache), copy.deepcopy(cache)
+        steps = torch.cat([model(new[:, i : i + 1], cache=stepped.at(torch.tensor([30 + i])))[:, -1] for i in range(5)])
+        together = model(new, cache=verified.at(torch.tensor([30]), per_query=True))[0]
+    assert torch.equal(together, steps)
+    for (k1, v1), (k2, v2) in zip(stepped.layers, verified.layers):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
 def test_speculative_rows_and_plain_rows_share_an_engine_and_each_equals_plain_greedy():
     """Continuous batching: rows join at different steps, some speculate and some do not."""
     model = random_lm(sliding_window=6)

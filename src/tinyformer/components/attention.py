@@ -202,8 +202,8 @@ class SelfAttention(nn.Module):
         q, k = qk.split((H, H_kv), dim=1)  # (B, H, T, d_head), (B, H_kv, T, d_head)
         k, v, mask = step.kv(self.layer, k, v)
         # no mask: causal from position 0 (a block without a prefix), or one new token that sees every key
-        y = self.kernel(q, k, v, mask, self.causal and mask is None and T > 1, self.dropout_p * self.training,
-                        self.scale, self.softcap)
+        y = step.attend(self.layer, self.kernel, q, k, v, mask, self.causal and mask is None and T > 1,
+                        self.dropout_p * self.training, self.scale, self.softcap)
         return self.out(y.transpose(1, 2).reshape(B, T, self.q_size))  # merge heads: (B, T, H d_head)
 
     def _norm_qk(self, qk: torch.Tensor) -> torch.Tensor:

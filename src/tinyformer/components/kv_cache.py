@@ -36,7 +36,7 @@ output is bitwise the same, but those slots' bytes differ.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +44,9 @@ from torch import Tensor
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import GenerationError
+
+# softmax(q k^T + M) v: (q, k, v, mask, is_causal, dropout_p, scale, softcap) -> (B, H, T, d_head)
+AttentionKernel = Callable[..., Tensor]
 
 
 def positions_from_mask(attention_mask: Tensor) -> Tensor:
@@ -163,6 +166,11 @@ class Step:
     def kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         return k, v, self.masks[layer]
 
+    def attend(self, layer: int, kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor,
+               mask: Tensor | None, *args: object) -> Tensor:
+        """``kernel(q, k, v, mask, *args)`` over the T queries together: (B, H, T, d_head)."""
+        return kernel(q, k, v, mask, *args)
+
     @classmethod
     def whole(cls, mask: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
               positions: Tensor | None = None) -> Step:
@@ -200,10 +208,27 @@ class RowStep(_CachedStep):
     slots), masked per row."""
 
     rows: Tensor | None = None
+    per_query: bool = False
 
     def kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         keys, values = self.cache.store[layer].write_rows(k, v, self.rows, self.positions, self.kv_len)
         return keys, values, self.masks[layer]
+
+    def attend(self, layer: int, kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor,
+               mask: Tensor | None, *args: object) -> Tensor:
+        """With ``per_query`` (``KVCache.at``), query t attends in a call of its own over the slots a one-token
+        call at its position attends: [0, kv_len - T + 1 + t) (a ring: its R slots), so that its output is bit
+        for bit that call's (a kernel's sums depend on how many keys it is given, even masked ones)."""
+        T = q.shape[2]
+        if not self.per_query or T == 1:
+            return kernel(q, k, v, mask, *args)
+        assert mask is not None  # a row call always masks
+        ring = isinstance(self.cache.store[layer], RingKV)
+        outs = []
+        for t in range(T):
+            s = k.shape[2] if ring else k.shape[2] - T + 1 + t
+            outs.append(kernel(q[:, :, t : t + 1], k[:, :, :s], v[:, :, :s], mask[:, :, t : t + 1, :s], *args))
+        return torch.cat(outs, dim=2)  # (B, H, T, d_head)
 
 
 class DenseKV:
@@ -483,11 +508,13 @@ class KVCache:
         self.length = start + T
         return BlockStep(positions, masks, seen, cache=self, start=start)
 
-    def at(self, positions: Tensor, kv_len: int | None = None) -> RowCalls:
+    def at(self, positions: Tensor, kv_len: int | None = None, *, per_query: bool = False) -> RowCalls:
         """The next call feeds row b at ``positions[b]`` .. (B,), attending over slots [0, ``kv_len``): by default
-        the furthest position + 1 (a read-back to the host); a given ``kv_len`` (``max_len``, or a size that is
-        symbolic under ``torch.compile``) needs none, and the caller guarantees that the positions fit."""
-        return RowCalls(self, positions, kv_len)
+        the furthest position + 1 + T - 1 (a read-back to the host); a given ``kv_len`` (``max_len``, or a size
+        that is symbolic under ``torch.compile``) needs none, and the caller guarantees that the positions fit.
+        ``per_query`` (eager calls of T > 1 tokens with the default ``kv_len``: speculative verification) attends
+        each query as a one-token call at its position would (``RowStep.attend``)."""
+        return RowCalls(self, positions, kv_len, per_query)
 
     def _no_room(self, T: int) -> str:
         if self.length is None:
@@ -537,8 +564,8 @@ class KVCache:
 class RowCalls:
     """A cache whose next call feeds each row at its own position (``KVCache.at``)."""
 
-    def __init__(self, cache: KVCache, positions: Tensor, kv_len: int | None) -> None:
-        self.cache, self.positions, self.kv_len = cache, positions, kv_len
+    def __init__(self, cache: KVCache, positions: Tensor, kv_len: int | None, per_query: bool = False) -> None:
+        self.cache, self.positions, self.kv_len, self.per_query = cache, positions, kv_len, per_query
 
     def begin(self, input_ids: Tensor, attention_mask: Tensor | None = None,
               position_ids: Tensor | None = None) -> Step:
@@ -556,4 +583,5 @@ class RowCalls:
         positions = start[:, None] + torch.arange(T, device=start.device)  # (B, T)
         masks = _masks_by_kind(self.cache.store, lambda s: s.rows_mask(positions, kv_len))
         rows = torch.arange(start.shape[0], device=start.device)[:, None]  # (B, 1)
-        return RowStep(positions, masks, cache=self.cache, start=start, kv_len=kv_len, rows=rows)
+        return RowStep(positions, masks, cache=self.cache, start=start, kv_len=kv_len, rows=rows,
+                       per_query=self.per_query)

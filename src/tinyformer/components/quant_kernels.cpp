@@ -53,11 +53,11 @@ void int8_rows_plain(const float* x, int64_t M, int64_t K, const int8_t* q, cons
   }
 }
 
-// float32 weights: MB activation rows against each weight row in turn
-void f32_rows_plain(const float* x, int64_t MB, int64_t K, const float* w, float* y, int64_t N, int64_t o0,
+// float32 weights: M activation rows against each weight row in turn (sequential sums: row-independent too)
+void f32_rows_plain(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t o0,
                     int64_t o1) {
   for (int64_t o = o0; o < o1; ++o)
-    for (int64_t m = 0; m < MB; ++m) {
+    for (int64_t m = 0; m < M; ++m) {
       float acc = 0.f;
       for (int64_t i = 0; i < K; ++i) acc += x[m * K + i] * w[o * K + i];
       y[m * N + o] = acc;
@@ -305,63 +305,54 @@ __attribute__((target("avx2,fma"))) void int4_block_avx2(const float* xp, const 
 }
 
 // R output rows (kRowBlock or 1) from o: one activation row 4 output rows a call, two rows 2 a call.
-// float32 weights, MB activation rows (1, 2 or 4) against weight rows o0..o1 one at a time: each thread then
-// streams one contiguous run of W from memory, which the hardware prefetcher follows (8 rows interleaved and
-// software prefetching both read slower here). 4 / MB accumulators per activation row hide the FMA latency.
-template <int MB>
-__attribute__((target("avx2,fma"))) void f32_rows_avx2(const float* x, int64_t K, const float* w, float* y,
-                                                      int64_t N, int64_t o0, int64_t o1) {
-  constexpr int A = MB >= 4 ? 1 : 4 / MB;
+// float32 weights, M activation rows against weight rows o0..o1 one at a time: each thread then streams one
+// contiguous run of W from memory, which the hardware prefetcher follows (8 rows interleaved and software
+// prefetching both read slower here); the activation rows meet the weight row in turn while it sits in L1.
+// Each row's dot product is summed the same way whatever M is (4 accumulators over K, then their sum, then
+// the tail), so row m of y is bit for bit the product of row m alone: a speculative verification over K + 1
+// rows then computes what K + 1 one-row decoding steps compute.
+__attribute__((target("avx2,fma"))) void f32_rows_avx2(const float* x, int64_t M, int64_t K, const float* w,
+                                                      float* y, int64_t N, int64_t o0, int64_t o1) {
   for (int64_t o = o0; o < o1; ++o) {
     const float* wr = w + o * K;
-    __m256 acc[MB][A];
-    for (int m = 0; m < MB; ++m)
-      for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
-    int64_t c = 0;
-    for (; c + 8 * A <= K; c += 8 * A)
-      for (int a = 0; a < A; ++a) {
-        const __m256 wv = _mm256_loadu_ps(wr + c + 8 * a);
-        for (int m = 0; m < MB; ++m) acc[m][a] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c + 8 * a), wv, acc[m][a]);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xr = x + m * K;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      int64_t c = 0;
+      for (; c + 32 <= K; c += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + c), _mm256_loadu_ps(wr + c), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + c + 8), _mm256_loadu_ps(wr + c + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + c + 16), _mm256_loadu_ps(wr + c + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + c + 24), _mm256_loadu_ps(wr + c + 24), a3);
       }
-    for (; c + 8 <= K; c += 8) {
-      const __m256 wv = _mm256_loadu_ps(wr + c);
-      for (int m = 0; m < MB; ++m) acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c), wv, acc[m][0]);
-    }
-    for (int m = 0; m < MB; ++m) {
-      __m256 sum = acc[m][0];
-      for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[m][a]);
-      float t = hsum256(sum);
-      for (int64_t i = c; i < K; ++i) t += x[m * K + i] * wr[i];
+      for (; c + 8 <= K; c += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + c), _mm256_loadu_ps(wr + c), a0);
+      float t = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+      for (; c < K; ++c) t += xr[c] * wr[c];
       y[m * N + o] = t;
     }
   }
 }
 
 // As f32_rows_avx2, 16 columns a step, the tail of K under a mask.
-template <int MB>
-__attribute__((target("avx512f,fma"))) void f32_rows_avx512(const float* x, int64_t K, const float* w, float* y,
-                                                           int64_t N, int64_t o0, int64_t o1) {
-  constexpr int A = MB >= 4 ? 1 : 4 / MB;
+__attribute__((target("avx512f,fma"))) void f32_rows_avx512(const float* x, int64_t M, int64_t K, const float* w,
+                                                           float* y, int64_t N, int64_t o0, int64_t o1) {
   for (int64_t o = o0; o < o1; ++o) {
     const float* wr = w + o * K;
-    __m512 acc[MB][A];
-    for (int m = 0; m < MB; ++m)
-      for (int a = 0; a < A; ++a) acc[m][a] = _mm512_setzero_ps();
-    int64_t c = 0;
-    for (; c + 16 * A <= K; c += 16 * A)
-      for (int a = 0; a < A; ++a) {
-        const __m512 wv = _mm512_loadu_ps(wr + c + 16 * a);
-        for (int m = 0; m < MB; ++m) acc[m][a] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + c + 16 * a), wv, acc[m][a]);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xr = x + m * K;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      int64_t c = 0;
+      for (; c + 64 <= K; c += 64) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + c), _mm512_loadu_ps(wr + c), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + c + 16), _mm512_loadu_ps(wr + c + 16), a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + c + 32), _mm512_loadu_ps(wr + c + 32), a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(xr + c + 48), _mm512_loadu_ps(wr + c + 48), a3);
       }
-    for (; c < K; c += 16) {
-      const __mmask16 mk = tail_mask(K - c);
-      const __m512 wv = _mm512_maskz_loadu_ps(mk, wr + c);
-      for (int m = 0; m < MB; ++m) acc[m][0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, x + m * K + c), wv, acc[m][0]);
-    }
-    for (int m = 0; m < MB; ++m) {
-      __m512 sum = acc[m][0];
-      for (int a = 1; a < A; ++a) sum = _mm512_add_ps(sum, acc[m][a]);
-      y[m * N + o] = _mm512_reduce_add_ps(sum);
+      for (; c < K; c += 16) {
+        const __mmask16 mk = tail_mask(K - c);
+        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, xr + c), _mm512_maskz_loadu_ps(mk, wr + c), a0);
+      }
+      y[m * N + o] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
     }
   }
 }
@@ -522,7 +513,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 constexpr int64_t kF32MaxRows = 8;
 
 // y (M, N) = x (M, K) W^T (+ b) for float32 W (N, K) row-major (nn.Linear's layout). Threads split the output
-// rows; each runs the activation rows 4 (then 2, then 1) at a time over its rows of W.
+// rows; each meets every activation row with its rows of W, one weight row at a time.
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b, int64_t path) {
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "w must be float32 (N, K)");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == w.size(1), "x must be float32 (M, ",
@@ -538,24 +529,11 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w, const c10::optio
   float* yd = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(16, 65536 / std::max<int64_t>(K, 1));  // >= 256 KiB of W a task
   at::parallel_for(0, N, grain, [&](int64_t o0, int64_t o1) {
-    for (int64_t m = 0; m < M;) {
-      const int64_t mb = M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
-      const float* xm = xd + m * K;
-      float* ym = yd + m * N;
 #ifdef TF_X86
-      if (use == kWide) {
-        if (mb == 4) f32_rows_avx512<4>(xm, K, wd, ym, N, o0, o1);
-        else if (mb == 2) f32_rows_avx512<2>(xm, K, wd, ym, N, o0, o1);
-        else f32_rows_avx512<1>(xm, K, wd, ym, N, o0, o1);
-      } else if (use == kAvx2) {
-        if (mb == 4) f32_rows_avx2<4>(xm, K, wd, ym, N, o0, o1);
-        else if (mb == 2) f32_rows_avx2<2>(xm, K, wd, ym, N, o0, o1);
-        else f32_rows_avx2<1>(xm, K, wd, ym, N, o0, o1);
-      } else
+    if (use == kWide) return f32_rows_avx512(xd, M, K, wd, yd, N, o0, o1);
+    if (use == kAvx2) return f32_rows_avx2(xd, M, K, wd, yd, N, o0, o1);
 #endif
-        f32_rows_plain(xm, mb, K, wd, ym, N, o0, o1);
-      m += mb;
-    }
+    f32_rows_plain(xd, M, K, wd, yd, N, o0, o1);
   });
   if (b.has_value() && b->defined()) y.add_(*b);
   return y;

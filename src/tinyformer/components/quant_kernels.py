@@ -348,9 +348,11 @@ def act8_rows(packed: dict[str, torch.Tensor], ids: torch.Tensor, quant_type: st
     b, c = ids // 16, ids % 16
     w = packed["wp"][b, :, c]  # (n, K/4, 4) int8 or (n, K/8, 4) uint8: advanced indices first
     s = packed["sp"][b, :, c]  # (n, K/G)
+    # flatten, not reshape(len(ids), -1): len() is a Python int, which would fix n in an exported graph (a
+    # speculative verification's T tokens per row are symbolic)
     if quant_type == "int8":
-        return {"qweight": w.reshape(len(ids), -1), "scales": s}
-    u = torch.stack([w & 15, w >> 4], dim=2).reshape(len(ids), -1)  # (n, K/8, 2, 4) -> (n, K): 8p + 4h + j
+        return {"qweight": w.flatten(1), "scales": s}
+    u = torch.stack([w & 15, w >> 4], dim=2).flatten(1)  # (n, K/8, 2, 4) -> (n, K): 8p + 4h + j
     return {"qweight": pack_int4(u), "scales": s, "zeros": packed["aux"][b, :, c] + 8 * s}
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from tinyformer.config import ModelConfig
+from tinyformer.errors import ConfigError
 
 TensorMap = Mapping[str, torch.Tensor]
 TensorStream = Iterator[tuple[str, torch.Tensor]]
@@ -74,6 +75,13 @@ def hf_pad_token_id(hf: Mapping[str, Any]) -> int | None:
     carry null, -1 or an id past the vocabulary for "no padding")."""
     pad = hf.get("pad_token_id")
     return pad if isinstance(pad, int) and 0 <= pad < hf["vocab_size"] else None
+
+
+def checkpoint_tensor(hf_sd: TensorMap, name: str, why: str = "") -> torch.Tensor:
+    """``hf_sd[name]``, or a ConfigError naming the missing tensor (``why``: what makes it needed)."""
+    if name not in hf_sd:
+        raise ConfigError(f"tensor {name!r} is missing from the checkpoint{f' ({why})' if why else ''}")
+    return hf_sd[name]
 
 
 def fixed_field_problem(cfg: ModelConfig, wanted: Mapping[str, Any], target: str) -> str | None:

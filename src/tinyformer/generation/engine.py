@@ -623,7 +623,8 @@ class BatchEngine:
         p = torch.tensor(positions, device=dev)
         t = torch.tensor(tokens, device=dev)
         if verify is None:
-            logits = self.model(t, cache=self._view(n).at(p, max(positions) + T))
+            # each query attends as the one-token step at its position does: greedy output stays plain's
+            logits = self.model(t, cache=self._view(n).at(p, max(positions) + T, per_query=True))
         else:
             logits = verify(t, p, self._view(n), torch.empty(max(positions) + T, device=dev))
         # entry e: row r's logits after its j-th fed token, j = 0 .. len(drafts)

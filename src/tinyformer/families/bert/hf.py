@@ -35,7 +35,13 @@ import torch
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.families.adapter import Adapter, fixed_field_problem, hf_pad_token_id, imported_hf_config
+from tinyformer.families.adapter import (
+    Adapter,
+    checkpoint_tensor,
+    fixed_field_problem,
+    hf_pad_token_id,
+    imported_hf_config,
+)
 
 PREFIX = "bert."
 # architecture -> (tensor-name prefix, pooler, masked-LM head)
@@ -215,9 +221,7 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Ite
     pre = _prefix(cfg)
 
     def get(name: str) -> torch.Tensor:
-        if name not in hf_sd:
-            raise ConfigError(f"tensor {name!r} is missing from the checkpoint")
-        return hf_sd[name]
+        return checkpoint_tensor(hf_sd, name)
 
     for hf_name, ours in _pairs(cfg, pre):
         yield ours, get(hf_name)

@@ -30,7 +30,7 @@ import torch
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.families.adapter import Adapter, fixed_field_problem, hf_pad_token_id
+from tinyformer.families.adapter import Adapter, checkpoint_tensor, fixed_field_problem, hf_pad_token_id
 from tinyformer.families.llama import hf as llama
 
 
@@ -210,10 +210,7 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Ite
     for i in range(cfg.n_layer):
         for ours, theirs in (("attn_post_norm", "post_attention_layernorm"),
                              ("ffn_post_norm", "post_feedforward_layernorm")):
-            name = f"model.layers.{i}.{theirs}.weight"
-            if name not in hf_sd:
-                raise ConfigError(f"tensor {name!r} is missing from the checkpoint")
-            yield f"blocks.{i}.{ours}.weight", hf_sd[name]
+            yield f"blocks.{i}.{ours}.weight", checkpoint_tensor(hf_sd, f"model.layers.{i}.{theirs}.weight")
 
 
 def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

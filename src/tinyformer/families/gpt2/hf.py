@@ -34,7 +34,13 @@ import torch
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.families.adapter import Adapter, fixed_field_problem, hf_pad_token_id, imported_hf_config
+from tinyformer.families.adapter import (
+    Adapter,
+    checkpoint_tensor,
+    fixed_field_problem,
+    hf_pad_token_id,
+    imported_hf_config,
+)
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                "gelu": "gelu", "relu": "relu"}
@@ -148,9 +154,7 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Ite
     pre = _prefix(cfg)
 
     def get(name: str) -> torch.Tensor:
-        if pre + name not in hf_sd:
-            raise ConfigError(f"tensor {pre + name!r} is missing from the checkpoint")
-        return hf_sd[pre + name]
+        return checkpoint_tensor(hf_sd, pre + name)
 
     yield "tok_emb.weight", get("wte.weight")
     yield "pos_emb.weight", get("wpe.weight")
@@ -166,9 +170,7 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Ite
     yield "norm.weight", get("ln_f.weight")
     yield "norm.bias", get("ln_f.bias")
     if not cfg.tie_embeddings:
-        if "lm_head.weight" not in hf_sd:
-            raise ConfigError("tensor 'lm_head.weight' is missing from the checkpoint (tie_word_embeddings=false)")
-        yield "lm_head.weight", hf_sd["lm_head.weight"]
+        yield "lm_head.weight", checkpoint_tensor(hf_sd, "lm_head.weight", "tie_word_embeddings=false")
 
 
 def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -55,7 +55,13 @@ import torch
 
 from tinyformer.config import ROPE_SCALING_KEYS, ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.families.adapter import Adapter, fixed_field_problem, hf_pad_token_id, imported_hf_config
+from tinyformer.families.adapter import (
+    Adapter,
+    checkpoint_tensor,
+    fixed_field_problem,
+    hf_pad_token_id,
+    imported_hf_config,
+)
 
 HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 MoENames = tuple[str, str, str, str, str]  # (router, expert prefix, gate, up, down) under model.layers.i.
@@ -426,9 +432,7 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor], *, fus
     At most one layer's q/k/v (or gate/up) tensors exist twice at any time (the concatenation)."""
 
     def get(name: str) -> torch.Tensor:
-        if name not in hf_sd:
-            raise ConfigError(f"tensor {name!r} is missing from the checkpoint")
-        return hf_sd[name]
+        return checkpoint_tensor(hf_sd, name)
 
     yield "tok_emb.weight", get("model.embed_tokens.weight")
     for i in range(cfg.n_layer):
