@@ -158,6 +158,54 @@ def test_each_row_of_the_act8_product_is_bit_for_bit_that_row_multiplied_alone(c
             assert torch.equal(layer(x[:rows]), alone[:rows]), rows
 
 
+def attention_case(d: int, seed: int = 0):
+    """q (2, 6, 5, d) against a cache slice of 2 K/V heads (the cache holds 50 slots, 37 are attended); row 0's
+    queries at positions 20..24 see a sliding window of 8, row 1's at 30..34 every earlier slot, and row 1's
+    last query no slot at all."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 6, 5, d, generator=g)
+    k, v = (torch.randn(2, 2, 50, d, generator=g)[:, :, :37] for _ in range(2))
+    pos = torch.tensor([[20], [30]]) + torch.arange(5)  # (B, T)
+    keys = torch.arange(37)
+    mask = (keys <= pos[:, :, None]) & ((keys > pos[:, :, None] - 8) | (torch.arange(2) == 1)[:, None, None])
+    mask[1, 4] = False
+    return q, k, v, mask[:, None]  # mask (B, 1, T, S)
+
+
+@pytest.mark.parametrize("d", [64, 12])
+@pytest.mark.parametrize("path", ["avx2", "plain"])
+def test_row_attention_is_the_attention_formula(cpp_kernels, path, d):
+    """softmax(q k^T / sqrt(d) + M) v against float64 ``reference_attention``, grouped K/V heads and a strided
+    cache slice included; a query that may attend no slot gets zeros."""
+    from tinyformer.components.attention import reference_attention
+
+    need_path(path)
+    if path == "avx2" and d % 8:
+        pytest.skip("the AVX2 path takes d in multiples of 8")
+    q, k, v, mask = attention_case(d)
+    y = quant_kernels.row_attention(q, k, v, mask, path=path)
+    expected = reference_attention(q.double(), k.double(), v.double(), mask)
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(y[1, :, 4], torch.zeros(6, d))
+
+
+@pytest.mark.parametrize("path", ["avx2", "plain"])
+def test_each_query_of_row_attention_is_bit_for_bit_that_query_attending_alone_over_its_own_slots(cpp_kernels, path):
+    """Query t of a T-query call equals a one-query call over only the slots it may see (no more slots, no mask):
+    the sums do not depend on T, on how many slots are given, or on the other queries. So a speculative
+    verification gets each position's one-token step bit for bit (SDPA over T queries does not)."""
+    need_path(path)
+    q, k, v, mask = attention_case(64, seed=1)
+    y = quant_kernels.row_attention(q, k, v, mask, path=path)
+    for b in range(2):
+        for t in range(4):
+            seen = mask[b, 0, t].nonzero()[:, 0]
+            query, keys, values = q[b : b + 1, :, t : t + 1], k[b : b + 1, :, seen], v[b : b + 1, :, seen]
+            alone = quant_kernels.row_attention(query, keys, values, torch.ones(1, 1, 1, len(seen), dtype=torch.bool),
+                                                path=path)
+            assert torch.equal(alone[0, :, 0], y[b, :, t]), (b, t)
+
+
 def test_forcing_a_path_the_cpu_lacks_is_refused(cpp_kernels):
     x, q, s = torch.randn(1, 32), torch.ones(4, 32, dtype=torch.int8), torch.ones(4, 1)
     cases = [("avx512", quant_kernels.has_avx512(), "AVX-512"), ("avx2", quant_kernels.has_avx2(), "AVX2")]

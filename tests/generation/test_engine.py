@@ -16,6 +16,7 @@ from tinyformer.errors import GenerationError
 from tinyformer.generation.engine import BatchEngine, EngineRow
 from tinyformer.generation.generator import Generator
 from tinyformer.generation.sampling import SamplingParams
+from tinyformer.generation.speculative import SpeculativeConfig
 from tinyformer.generation.streaming import TextState
 from tinyformer.generation.weight_layout import FewRowsLinear, prepare_for_decoding, store_input_major
 from tinyformer.models.decoder import DecoderLM
@@ -238,7 +239,8 @@ def test_without_the_cpu_kernels_layers_for_decoding_are_stored_input_major(monk
 
 def test_a_model_below_the_kernel_size_is_stored_input_major_without_building_the_kernels(monkeypatch):
     """Weights that stay in the caches gain little from the kernels, and a small model (the default run's)
-    must not wait on their first build: it is laid out input-major, and the kernels are not asked for."""
+    must not wait on their first build: it is laid out input-major, and the kernels are not asked for, by its
+    products or by its attention, in plain or speculative decoding."""
     def must_not_build() -> bool:
         raise AssertionError("the CPU kernels were asked for")
 
@@ -248,6 +250,10 @@ def test_a_model_below_the_kernel_size_is_stored_input_major_without_building_th
     prepare_for_decoding(model, min_bytes=sum(w.nbytes for w in weights.values()) + 1)
     assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert model.lm_head.weight.stride() == (1, model.cfg.vocab_size)
+    params = SamplingParams(temperature=0, max_new_tokens=8)
+    plain = [r.token_ids for r in id_generator(model).generate(PROMPTS, params)]
+    spec = id_generator(model, speculative=SpeculativeConfig("ngram", 3))
+    assert [r.token_ids for r in spec.generate(PROMPTS, params)] == plain
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -193,11 +193,27 @@ def test_a_verification_gives_every_position_the_logits_of_a_one_token_step_bit_
         cache = model.new_cache(1, 64, spare_slots=4)
         model(prefix, cache=cache)
         stepped, verified = copy.deepcopy(cache), copy.deepcopy(cache)
-        steps = torch.cat([model(new[:, i : i + 1], cache=stepped.at(torch.tensor([30 + i])))[:, -1] for i in range(5)])
+        steps = torch.cat([model(new[:, i : i + 1], cache=stepped.at(torch.tensor([30 + i]), per_query=True))[:, -1]
+                           for i in range(5)])
         together = model(new, cache=verified.at(torch.tensor([30]), per_query=True))[0]
     assert torch.equal(together, steps)
     for (k1, v1), (k2, v2) in zip(stepped.layers, verified.layers):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_speculative_greedy_reports_the_plain_log_probabilities_bit_for_bit(tmp_path):
+    """On the CPU kernels a verified token's log-probability is the one plain decoding reports for it: the same
+    logits (each query attends alone) through the same formula (``sampling.log_probs``; torch.log_softmax
+    differs from logits - logsumexp by up to 1e-5 over a large vocabulary). One prompt at a time: the float32
+    kernel takes up to 8 rows (more go to MKL's GEMM, whose row sums depend on the row count)."""
+    model = kernel_products("float32", tmp_path)
+    params = SamplingParams(temperature=0, max_new_tokens=30)
+    for prompt in PROMPTS:
+        plain = ids_generator(model).generate([prompt], params)[0]
+        gen = ids_generator(model, speculative=SpeculativeConfig("ngram", draft_tokens=4, min_ngram=1))
+        spec = gen.generate([prompt], params)[0]
+        assert gen.timings.draft_accepted > 0
+        assert spec.token_ids == plain.token_ids and spec.logprobs == plain.logprobs
 
 
 def test_speculative_rows_and_plain_rows_share_an_engine_and_each_equals_plain_greedy():
@@ -259,6 +275,33 @@ def test_the_packaged_verification_equals_plain_greedy_and_later_generators_load
     calls.clear()
     assert [r.token_ids for r in second.generate(prompt, params, logprobs=False)] == want
     assert second._compiled.built == [] and max(calls) == 5
+
+
+@pytest.mark.slow
+def test_the_packaged_verification_of_an_int8_act8_model_gives_each_position_the_packaged_steps_logits(tmp_path):
+    """The packages of an int8 ``cpp_act8`` model: a verification over T = 5 tokens and five one-token steps
+    from the same cache give equal logits, bit for bit. Both run ``row_attention`` (each query summed alone)
+    and read the token table through the C++ ``act8_embedding`` (inductor fused the packed table's gather into
+    the first norm and summed it over the tokens' lanes in the T-token graph only: 1e-6 apart, which act8's
+    8-bit rounding turned into a different greedy continuation of SmolLM2-135M from the command line)."""
+    from tinyformer.generation.compile_cache import PackageBuild, PackagedStep
+
+    model = kernel_products("int8 act8", tmp_path)
+    step = PackagedStep(model, tmp_path / "packages", PackageBuild())
+    g = torch.Generator().manual_seed(5)
+    prefix, new = torch.randint(0, 40, (1, 30), generator=g), torch.randint(0, 40, (1, 5), generator=g)
+    with torch.no_grad():  # export cannot trace inference tensors
+        cache = model.new_cache(1, 64, spare_slots=4)
+        model(prefix, cache=cache)
+        stepped, verified = copy.deepcopy(cache), copy.deepcopy(cache)
+        one = step.get(False)
+        steps = torch.cat([one(new[:, i : i + 1], torch.tensor([30 + i]), stepped, torch.empty(31 + i))
+                           for i in range(5)])
+        verify = step.verifier(5, 1, verified)
+        assert verify is not None  # the verification exported and compiled
+        together = verify(new, torch.tensor([30]), verified, torch.empty(35))[0]
+    assert len(step.built) == 2
+    assert torch.equal(together, steps)
 
 
 def test_warm_up_also_prepares_each_buckets_verification_when_rows_may_speculate():

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tinyformer.components import quant_kernels
 from tinyformer.config import ModelConfig
 from tinyformer.errors import GenerationError
 
@@ -216,13 +217,23 @@ class RowStep(_CachedStep):
 
     def attend(self, layer: int, kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor,
                mask: Tensor | None, *args: object) -> Tensor:
-        """With ``per_query`` (``KVCache.at``), query t attends in a call of its own over the slots a one-token
-        call at its position attends: [0, kv_len - T + 1 + t) (a ring: its R slots), so that its output is bit
-        for bit that call's (a kernel's sums depend on how many keys it is given, even masked ones)."""
+        """With ``per_query`` (``KVCache.at``) each query attends alone, so that its output is bit for bit a
+        one-token call's at its position (a fused kernel's sums depend on how many queries and keys it is
+        given, even masked ones). On a CPU, for a cache made with ``row_kernel``: the C++ kernel
+        ``row_attention``, which sums each query over its allowed slots in slot order, for the one-token step
+        and the T-token verification alike (also inside a compiled graph, T symbolic). Elsewhere (or with
+        soft-capped scores, or dropout): query t in a ``kernel`` call of its own over the slots a one-token
+        call attends, [0, kv_len - T + 1 + t) (a ring: its R slots); a compiled graph calls ``kernel`` once."""
         T = q.shape[2]
-        if not self.per_query or T == 1:
+        if not self.per_query:
             return kernel(q, k, v, mask, *args)
         assert mask is not None  # a row call always masks
+        _, dropout_p, scale, softcap = args
+        if (self.cache.row_kernel and q.device.type == "cpu" and q.dtype == k.dtype == torch.float32
+                and not dropout_p and softcap is None and quant_kernels.available()):
+            return quant_kernels.row_attention(q, k, v, mask, scale)
+        if T == 1 or torch.compiler.is_compiling():
+            return kernel(q, k, v, mask, *args)
         ring = isinstance(self.cache.store[layer], RingKV)
         outs = []
         for t in range(T):
@@ -474,8 +485,13 @@ class KVCache:
         n_layer: int | None = None,
         rolling: bool = True,
         spare_slots: int = 0,
+        row_kernel: bool = False,
     ) -> None:
         self.max_len = max_len or cfg.max_seq_len
+        # per-query attention through quant_kernels.row_attention (RowStep.attend): for a model whose products
+        # are tinyformer's CPU kernels (quant_kernels.uses_kernels), which are built already; a model without
+        # them does not wait on their first build for its attention
+        self.row_kernel = row_kernel
         self.batch_size = batch_size
         self.limit = context_limit(cfg)
         self.store: list[DenseKV] = []
@@ -552,6 +568,7 @@ class KVCache:
         stop = start + 1 if stop is None else stop
         view = KVCache.__new__(KVCache)
         view.max_len, view.batch_size, view.length, view.limit = self.max_len, stop - start, 0, self.limit
+        view.row_kernel = self.row_kernel
         view.store = [s.rows(start, stop) for s in self.store]
         return view
 

@@ -1066,6 +1066,186 @@ at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& s, const c10::
   return w;
 }
 
+// ------------------------------------------------------------------ token rows from a packed table
+//
+//   tinyformer::act8_embedding(wp, sp, aux, ids, G, int4)  E[i] = dequant(row ids[i] of pack_act8's layout)
+//     int8: E[i, k] = q[r, k] s[r, k/G];  int4: E[i, k] = (u[r, k] - 8) s[r, k/G] + z[r, k/G], z = aux + 8 s
+//
+// The token table tied to a cpp_act8 head, read from the head's bytes (quant_kernels.pack_act8): wp (Np/16,
+// K/4, 16, 4) int8 or (Np/16, K/8, 16, 4) uint8, sp and aux (Np/16, K/G, 16), ids (n,) int64 -> (n, K)
+// float32. One C++ pass: in a compiled graph a gather through this layout, fused with the first norm, made
+// inductor sum that norm over the tokens' lanes, which rounds differently for 1 and for T tokens.
+at::Tensor act8_embedding(const at::Tensor& wp, const at::Tensor& sp, const at::Tensor& aux, const at::Tensor& ids,
+                          int64_t G, bool int4) {
+  TORCH_CHECK(wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 4, "wp must be pack_act8's (Np/16, K/4|K/8, 16, 4)");
+  TORCH_CHECK(wp.scalar_type() == (int4 ? at::kByte : at::kChar), "wp must be ", int4 ? "uint8" : "int8");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "ids must be int64 (n,)");
+  const int64_t K = wp.size(1) * (int4 ? 8 : 4), rows = wp.size(0) * 16;
+  TORCH_CHECK(G > 0 && K % G == 0 && sp.size(1) == K / G, "G must divide K (", K, ") into sp's ", sp.size(1),
+              " groups");
+  const at::Tensor wc = wp.contiguous(), sc = sp.to(at::kFloat).contiguous(), ic = ids.contiguous();
+  const at::Tensor ac = int4 ? aux.to(at::kFloat).contiguous() : at::Tensor();
+  const int64_t n = ic.size(0), ng = K / G;
+  at::Tensor out = at::empty({n, K}, sc.options());
+  const int64_t* id = ic.data_ptr<int64_t>();
+  const float* sd = sc.data_ptr<float>();
+  const float* ad = int4 ? ac.data_ptr<float>() : nullptr;
+  float* od = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < rows, "token id ", id[i], " is out of range");
+  at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = id[i] / 16, c = id[i] % 16;
+      float* row = od + i * K;
+      for (int64_t k = 0; k < K; ++k) {
+        const float sv = sd[(b * ng + k / G) * 16 + c];
+        if (int4) {
+          const uint8_t byte = wc.data_ptr<uint8_t>()[((b * (K / 8) + k / 8) * 16 + c) * 4 + k % 4];
+          const float u = static_cast<float>(k % 8 < 4 ? byte & 15 : byte >> 4);
+          const float z = ad[(b * ng + k / G) * 16 + c] + 8.0f * sv;
+          row[k] = (u - 8.0f) * sv + z;
+        } else {
+          row[k] = static_cast<float>(wc.data_ptr<int8_t>()[((b * (K / 4) + k / 4) * 16 + c) * 4 + k % 4]) * sv;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------ attention of a few queries per row
+//
+//   tinyformer::row_attention(q, k, v, mask, scale)
+//     y[b,h,t] = sum_{j: mask[b,0,t,j]} p_j v[b,h/g,j],  p_j = exp(s_j - m) / sum_{j'} exp(s_j' - m),
+//     s_j = scale q[b,h,t] . k[b,h/g,j],  m = max_j s_j  (g = H / H_kv query heads share a K/V head)
+//
+// q (B, H, T, d), k and v (B, H_kv, S, d) float32 (rows of d contiguous), mask bool broadcastable to
+// (B, 1, T, S) -> y (B, H, T, d). Every query is summed alone, key by key in slot order, over exactly the keys
+// its mask allows: its output does not depend on T, on S, or on the other queries. So a speculative
+// verification (T tokens a row) gives each position the bits a one-token step at that position gives, which a
+// fused kernel over the T queries (SDPA, or inductor's) does not. A query that may attend no key gets zeros.
+
+// One query's two passes over its keys, each key in slot order: the scores s_j of the allowed keys (into
+// `scores`; returns their maximum m, -inf for none), then y += e_j v_j with e_j = exp(s_j - m) (returns the
+// sum of the e_j). AVX2: d a multiple of 8, one vector of partial sums per dot product; plain: 8 scalars.
+struct PlainAttention {
+  static float scores(const float* q, const float* k, int64_t ks, const bool* allowed, int64_t S, int64_t d,
+                      float scale, float* scores) {
+    float m = -INFINITY;
+    for (int64_t j = 0; j < S; ++j) {
+      if (!allowed[j]) continue;
+      const float* kj = k + j * ks;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t i = 0; i < d; ++i) acc[i % 8] += q[i] * kj[i];
+      scores[j] = (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))) * scale;
+      m = std::max(m, scores[j]);
+    }
+    return m;
+  }
+  static float weigh(const float* v, int64_t vs, const bool* allowed, int64_t S, int64_t d, float m,
+                     const float* scores, float* y) {
+    float denom = 0.0f;
+    for (int64_t j = 0; j < S; ++j) {
+      if (!allowed[j]) continue;
+      const float e = std::exp(scores[j] - m);
+      denom += e;
+      for (int64_t i = 0; i < d; ++i) y[i] += e * v[j * vs + i];
+    }
+    return denom;
+  }
+};
+
+#ifdef TF_X86
+struct Avx2Attention {
+  __attribute__((target("avx2,fma"))) static float scores(const float* q, const float* k, int64_t ks,
+                                                          const bool* allowed, int64_t S, int64_t d, float scale,
+                                                          float* scores) {
+    float m = -INFINITY;
+    for (int64_t j = 0; j < S; ++j) {
+      if (!allowed[j]) continue;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + j * ks + i), acc);
+      scores[j] = hsum256(acc) * scale;
+      m = std::max(m, scores[j]);
+    }
+    return m;
+  }
+  __attribute__((target("avx2,fma"))) static float weigh(const float* v, int64_t vs, const bool* allowed, int64_t S,
+                                                         int64_t d, float m, const float* scores, float* y) {
+    float denom = 0.0f;
+    for (int64_t j = 0; j < S; ++j) {
+      if (!allowed[j]) continue;
+      const float e = std::exp(scores[j] - m);
+      denom += e;
+      const __m256 ev = _mm256_set1_ps(e);
+      for (int64_t i = 0; i < d; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(ev, _mm256_loadu_ps(v + j * vs + i), _mm256_loadu_ps(y + i)));
+    }
+    return denom;
+  }
+};
+#endif
+
+// y = softmax(scores) V for one query: zeros when it may attend no key.
+template <typename Ops>
+void attend_query(const float* q, const float* k, const float* v, int64_t ks, int64_t vs, const bool* allowed,
+                  int64_t S, int64_t d, float scale, float* scores, float* y) {
+  const float m = Ops::scores(q, k, ks, allowed, S, d, scale, scores);
+  std::fill(y, y + d, 0.0f);
+  if (m == -INFINITY) return;
+  const float denom = Ops::weigh(v, vs, allowed, S, d, m, scores, y);
+  for (int64_t i = 0; i < d; ++i) y[i] /= denom;
+}
+
+at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                         double scale, int64_t path) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be (B, H, T, d), (B, H_kv, S, d)");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "q, k, v must be float32");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && mask.device().is_cpu(),
+              "CPU tensors only");
+  TORCH_CHECK(mask.scalar_type() == at::kBool, "mask must be bool (True = may attend)");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), d = q.size(3);
+  const int64_t H_kv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == d, "k and v must be (", B, ", H_kv, S, ", d,
+              "), got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(H_kv > 0 && H % H_kv == 0, "the query heads (", H, ") must be a multiple of the K/V heads (", H_kv, ")");
+  const Path use = resolve_path(path, false, "AVX-512");
+  TORCH_CHECK(use != kAvx2 || d % 8 == 0, "the AVX2 path needs d a multiple of 8, got ", d);
+  const at::Tensor qc = q.contiguous();
+  // keys and values as given (a slice of the cache): rows of d contiguous, one stride per batch / head / slot
+  const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
+  const at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
+  const at::Tensor mc = mask.expand({B, 1, T, S}).contiguous();
+  at::Tensor y = at::empty({B, H, T, d}, qc.options());
+  const float* qd = qc.data_ptr<float>();
+  const float* kd = kc.data_ptr<float>();
+  const float* vd = vc.data_ptr<float>();
+  const bool* md = mc.data_ptr<bool>();
+  float* yd = y.data_ptr<float>();
+  const bool fast = use == kAvx2 || (use == kAuto && has_avx2() && d % 8 == 0);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * H * T, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(S);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / (H * T), h = (i / T) % H, t = i % T;
+      const float* kp = kd + b * kc.stride(0) + (h / (H / H_kv)) * kc.stride(1);
+      const float* vp = vd + b * vc.stride(0) + (h / (H / H_kv)) * vc.stride(1);
+      const bool* allowed = md + (b * T + t) * S;
+#ifdef TF_X86
+      if (fast) {
+        attend_query<Avx2Attention>(qd + i * d, kp, vp, kc.stride(2), vc.stride(2), allowed, S, d, sc, scores.data(),
+                                    yd + i * d);
+        continue;
+      }
+#endif
+      attend_query<PlainAttention>(qd + i * d, kp, vp, kc.stride(2), vc.stride(2), allowed, S, d, sc, scores.data(),
+                                   yd + i * d);
+    }
+  });
+  return y;
+}
+
 bool cpu_has_vnni() { return has_vnni(); }
 bool cpu_has_avx512() { return has_avx512(); }
 bool cpu_has_avx2() { return has_avx2(); }
@@ -1081,6 +1261,8 @@ TORCH_LIBRARY(tinyformer, m) {
   m.def("cpu_has_avx512() -> bool", &cpu_has_avx512);
   m.def("cpu_has_avx2() -> bool", &cpu_has_avx2);
   m.def("dequantize_rows(Tensor q, Tensor s, Tensor? z, int o0, int o1) -> Tensor");
+  m.def("act8_embedding(Tensor wp, Tensor sp, Tensor aux, Tensor ids, int G, bool int4) -> Tensor");
+  m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, int path=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tinyformer, CPU, m) {
@@ -1089,4 +1271,6 @@ TORCH_LIBRARY_IMPL(tinyformer, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("act8_gemm", &act8_gemm);
   m.impl("dequantize_rows", &dequantize_rows);
+  m.impl("row_attention", &row_attention);
+  m.impl("act8_embedding", &act8_embedding);
 }

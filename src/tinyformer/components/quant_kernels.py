@@ -32,6 +32,7 @@ points multiply the exact sums of x.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import sys
@@ -78,6 +79,8 @@ def _build() -> None:
     torch.library.register_fake("tinyformer::int4_linear")(_fake_int4)
     torch.library.register_fake("tinyformer::act8_gemm")(_fake_gemm)
     torch.library.register_fake("tinyformer::dequantize_rows")(_fake_dequantize_rows)
+    torch.library.register_fake("tinyformer::row_attention")(_fake_row_attention)
+    torch.library.register_fake("tinyformer::act8_embedding")(_fake_act8_embedding)
 
 
 def build_folder(name: str) -> Path:
@@ -142,6 +145,33 @@ def _fake_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, aux: torch.T
 
 def _fake_dequantize_rows(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, o0: int, o1: int) -> torch.Tensor:
     return s.new_empty((o1 - o0, q.shape[1] * (2 if z is not None else 1)), dtype=torch.float32)
+
+
+def _fake_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                        path: int = 0) -> torch.Tensor:
+    return q.new_empty(q.shape)  # contiguous, as the kernel returns it
+
+
+def _fake_act8_embedding(wp: torch.Tensor, sp: torch.Tensor, aux: torch.Tensor, ids: torch.Tensor, g: int,
+                         int4: bool) -> torch.Tensor:
+    return sp.new_empty((ids.shape[0], wp.shape[1] * (8 if int4 else 4)), dtype=torch.float32)
+
+
+def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None,
+                  path: str = "auto") -> torch.Tensor:
+    """softmax(scale q k^T + M) v with each query summed alone, key by key in slot order, over the keys its mask
+    allows: q (B, H, T, d), k and v (B, H_kv, S, d) float32, mask bool broadcastable to (B, 1, T, S), True = may
+    attend -> (B, H, T, d). A query's output does not depend on T, on S or on the other queries, so the T
+    positions of a speculative verification get a one-token step's bits. Call ``available()`` first."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return torch.ops.tinyformer.row_attention(q, k, v, mask, scale, WEIGHT_ONLY_PATHS[path])
+
+
+def uses_kernels(model: torch.nn.Module) -> bool:
+    """Whether a layer of ``model`` computes with these kernels (its ``uses_cpu_kernels`` is True:
+    ``FewRowsLinear``, a ``cpp`` / ``cpp_act8`` quantized layer): then they are built already, and its caches
+    attend with :func:`row_attention` per query (``KVCache(row_kernel=True)``)."""
+    return any(getattr(m, "uses_cpu_kernels", False) for m in model.modules())
 
 
 def dequantize_rows(t: dict[str, torch.Tensor], quant_type: str, o0: int, o1: int) -> torch.Tensor:
@@ -354,6 +384,16 @@ def act8_rows(packed: dict[str, torch.Tensor], ids: torch.Tensor, quant_type: st
         return {"qweight": w.flatten(1), "scales": s}
     u = torch.stack([w & 15, w >> 4], dim=2).flatten(1)  # (n, K/8, 2, 4) -> (n, K): 8p + 4h + j
     return {"qweight": pack_int4(u), "scales": s, "zeros": packed["aux"][b, :, c] + 8 * s}
+
+
+def act8_embedding(packed: dict[str, torch.Tensor], ids: torch.Tensor, group: int, quant_type: str) -> torch.Tensor:
+    """Rows ``ids`` (n,) of the float32 table a ``pack_act8`` layout holds: (n, K), as
+    ``dequantize_weight(act8_rows(packed, ids, quant_type))`` computes them, in one C++ pass (a token table tied
+    to a packed head); without the compiled kernels, that formula in PyTorch."""
+    if not available():
+        return dequantize_weight(act8_rows(packed, ids, quant_type), quant_type)
+    return torch.ops.tinyformer.act8_embedding(packed["wp"], packed["sp"], packed["aux"], ids, group,
+                                               quant_type == "int4")
 
 
 def act8_gemm_reference(x: torch.Tensor, packed: dict[str, torch.Tensor], n: int, group: int,

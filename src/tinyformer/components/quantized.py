@@ -207,6 +207,10 @@ class QuantizedLinear(nn.Module):
     (``quantize_weight``'s dict) is what run folders store. ``bias`` stays a float parameter.
     """
 
+    @property
+    def uses_cpu_kernels(self) -> bool:  # quant_kernels.uses_kernels
+        return self.kernel in ("cpp", "cpp_act8")
+
     def __init__(self, portable: dict[str, torch.Tensor], spec: QuantSpec, in_features: int,
                  bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -322,7 +326,7 @@ class QuantizedEmbedding(nn.Module):
     """Token lookup from a quantized table: E[ids] = dequant(rows ids of W), (...,) -> (..., d).
 
     Reads only the rows asked for: from the portable form, or, for a table tied to a head whose kernel
-    packed it (``cpp_act8``), from the head's packed tensors (``quant_kernels.act8_rows``), so that the
+    packed it (``cpp_act8``), from the head's packed tensors (``quant_kernels.act8_embedding``), so that the
     table's bytes are held once."""
 
     def __init__(self, portable: dict[str, torch.Tensor], quant_type: str, dtype: torch.dtype = torch.float32,
@@ -342,10 +346,12 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        if self.packed:
-            rows = quant_kernels.act8_rows({"wp": self.wp, "sp": self.sp, "aux": self.aux}, flat, self.quant_type)
-        else:
-            rows = {"qweight": self.qweight[flat], "scales": self.scales[flat]}
-            if self.quant_type == "int4":
-                rows["zeros"] = self.zeros[flat]
+        if self.packed:  # the C++ op: a compiled graph's first norm then sums each token's row as eager does
+            columns = self.wp.shape[1] * (8 if self.quant_type == "int4" else 4)
+            packed = {"wp": self.wp, "sp": self.sp, "aux": self.aux}
+            table = quant_kernels.act8_embedding(packed, flat, columns // self.sp.shape[1], self.quant_type)
+            return table.to(self.dtype).reshape(*ids.shape, -1)
+        rows = {"qweight": self.qweight[flat], "scales": self.scales[flat]}
+        if self.quant_type == "int4":
+            rows["zeros"] = self.zeros[flat]
         return dequantize_weight(rows, self.quant_type, self.dtype).reshape(*ids.shape, -1)

@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from tinyformer.components import quant_kernels
 from tinyformer.components.kv_cache import KVCache
 from tinyformer.data.named import default_cache_dir
 from tinyformer.errors import GenerationError
@@ -351,6 +352,8 @@ class PackagedStep(CompiledStep):
                 return None
             self.built.append(path)
         self._awaited.pop(key, None)
+        if quant_kernels.uses_kernels(self.model):  # its graph calls torch.ops.tinyformer.*: registered first
+            quant_kernels.available()
         return self._load(path, graph)
 
     def _load(self, path: Path, graph: _StepGraph) -> Callable[[list[Tensor]], list[Tensor]]:

@@ -65,6 +65,7 @@ from tinyformer.generation.sampling import (
     Sampler,
     SamplingParams,
     TokenMask,
+    log_probs,
     make_generator,
     penalty_history,
     processed_logits,
@@ -183,12 +184,12 @@ class CompiledStep:
         self._fns: dict[bool, Callable[..., Tensor]] = {}
 
     def logits(self, tokens: Tensor, positions: Tensor, cache: Any, span: Tensor) -> Tensor:
-        return self.model(tokens, cache=cache.at(positions, span.shape[0]))[:, -1]
+        return self.model(tokens, cache=cache.at(positions, span.shape[0], per_query=True))[:, -1]
 
     def verify(self, tokens: Tensor, positions: Tensor, cache: Any, span: Tensor) -> Tensor:
         """A speculative verification: row r's tokens (R, T) at positions[r] .. positions[r] + T - 1, attending
         over cache slots [0, len(span)): logits (R, T, V)."""
-        return self.model(tokens, cache=cache.at(positions, span.shape[0]))
+        return self.model(tokens, cache=cache.at(positions, span.shape[0], per_query=True))
 
     def verifier(self, positions: int, rows: int, cache: Any) -> Callable[..., Tensor] | None:
         """The compiled verification of ``rows`` rows over 2 .. ``positions`` tokens each on ``cache``'s layout
@@ -532,7 +533,7 @@ class BatchEngine:
         cache = self._view(n)
         picked: Tensor | None = None
         if compiled is None:
-            logits = self.model(t, cache=cache.at(p, kv))[:, -1]
+            logits = self.model(t, cache=cache.at(p, kv, per_query=True))[:, -1]
         else:
             # greedy ids from the graph for one row (a bucket of several returns logits: one graph per bucket)
             ids_only = n == 1 and all(r.ids_only for r in rows)
@@ -692,7 +693,7 @@ class BatchEngine:
         lps: list[float | None] = [None] * len(tokens)
         tops: dict[int, list[tuple[int, float]]] = {}
         if row.want_logprobs or row.top_logprobs:
-            lsm = torch.log_softmax(logits.float(), dim=-1)
+            lsm = log_probs(logits.float())
             if row.want_logprobs:
                 lps = lsm.gather(1, torch.tensor(tokens, device=lsm.device)[:, None]).squeeze(1).tolist()
             if row.top_logprobs:
@@ -847,7 +848,7 @@ class BatchEngine:
         want = [i for i, r in enumerate(rows) if r.top_logprobs > 0]
         if want:
             k = max(rows[i].top_logprobs for i in want)
-            lsm = torch.log_softmax(logits[torch.tensor(want, device=logits.device)].float(), dim=-1)
+            lsm = log_probs(logits[torch.tensor(want, device=logits.device)].float())
             values, ids = lsm.topk(min(k, lsm.size(-1)), dim=-1)
             for j, i in enumerate(want):
                 kk = rows[i].top_logprobs

@@ -766,8 +766,15 @@ def sample(
 
 
 def _token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
-    """log softmax(logits)[b, tokens[b]] for each row b, as float32."""
+    """log softmax(logits)[b, tokens[b]] for each row b, as float32: ``log_probs(logits)[b, tokens[b]]``."""
     return (logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)).float()
+
+
+def log_probs(logits: Tensor) -> Tensor:
+    """log softmax(logits) = logits - logsumexp(logits) over the last dim, as float32: the one formula of every
+    reported log-probability (``torch.log_softmax`` rounds differently, by up to 1e-5 over 49k tokens), so a
+    token's log-probability is the same number whichever path chose it."""
+    return (logits - torch.logsumexp(logits, dim=-1, keepdim=True)).float()
 
 
 def _sampler(how: SamplingParams | Sampler) -> Sampler:

@@ -40,6 +40,8 @@ class FewRowsLinear(nn.Linear):
     backward) and past 8 rows (inside the op). Made by :func:`prepare_for_decoding` from a float32
     ``nn.Linear``, in place: parameters, hooks and state-dict keys are the layer's own."""
 
+    uses_cpu_kernels = True  # quant_kernels.uses_kernels
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (torch.is_grad_enabled() and self.weight.requires_grad) or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyformer.components import quant_kernels
 from tinyformer.components.block import Block
 from tinyformer.components.initialization import init_weights
 from tinyformer.components.kv_cache import KVCache, NoCache, RowCalls
@@ -186,7 +187,7 @@ class DecoderLM(nn.Module):
         every position and the window is a mask only)."""
         p = next(self.parameters())  # not tok_emb.weight: a quantized model's token table has none
         return KVCache(self.cfg, batch_size, max_len or self.cfg.max_seq_len, p.device, dtype or p.dtype,
-                       rolling=rolling, spare_slots=spare_slots)
+                       rolling=rolling, spare_slots=spare_slots, row_kernel=quant_kernels.uses_kernels(self))
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (shared tensors once); ``non_embedding`` leaves out token and position tables
