@@ -185,7 +185,8 @@ def forward_costs(run: str, sizes: list[int], rounds: int = 5) -> None:
     a verification of T - 1 drafts costs in one-token steps (medians of ``rounds``, calls alternating). Each
     T > 1 twice: its queries attending together, and one call per query (``per_query``, the engine's eager
     verification); each with ``max_logit_diff``, the largest difference between its logits and those of T
-    one-token steps over the same tokens from the same cache (0.0: bit for bit)."""
+    one-token steps over the same tokens from the same cache, each step attending per query as the engine's
+    steps do (0.0: bit for bit)."""
     model = load_model(run).eval()
     prepare_for_decoding(model)
     cache = model.new_cache(1, 1024, spare_slots=max(sizes))
@@ -206,11 +207,39 @@ def forward_costs(run: str, sizes: list[int], rounds: int = 5) -> None:
         if t > 1:
             x = torch.randint(0, 1000, (1, t), generator=torch.Generator().manual_seed(t))
             stepped, verified = copy.deepcopy(cache), copy.deepcopy(cache)
-            steps = torch.cat([model(x[:, i : i + 1], cache=stepped.at(torch.tensor([300 + i])))[:, -1]
+            steps = torch.cat([model(x[:, i : i + 1], cache=stepped.at(torch.tensor([300 + i]), per_query=True))[:, -1]
                                for i in range(t)])
             together = model(x, cache=verified.at(torch.tensor([300]), per_query=per_query))[0]
             row["max_logit_diff"] = float((together - steps).abs().max())
         print(json.dumps(row), flush=True)
+
+
+def packaged_forward_costs(run: str, sizes: list[int], rounds: int = 15) -> None:
+    """``forward_costs`` for the packaged steps the commands run by default (``--compile``): the greedy one-token
+    step (T = 1) and the verification package over T = 2 .. max(sizes) positions, built first if missing, each
+    after a 300-token prefix (medians of ``rounds``, calls alternating)."""
+    with torch.inference_mode(False), torch.no_grad():  # export cannot trace inference-mode tensors
+        model = load_model(run).eval()
+        prepare_for_decoding(model)
+        step = compiled_step(model)
+        cache = model.new_cache(1, 1024, spare_slots=max(sizes))
+        model(torch.randint(0, 1000, (1, 300), generator=torch.Generator().manual_seed(0)), cache=cache)
+        one, verify = step.get(True), step.verifier(max(sizes), 1, cache)
+        if verify is None and max(sizes) > 1:
+            raise SystemExit(f"{run}: the verification did not export (see the .failed file in the compile cache)")
+        position = torch.tensor([300])
+        times: dict[int, list[float]] = {t: [] for t in sizes}
+        for _ in range(rounds):
+            for t in sizes:
+                x, span = torch.randint(0, 1000, (1, t)), torch.empty(300 + t)
+                t0 = time.perf_counter()
+                (one if t == 1 else verify)(x, position, cache, span)
+                times[t].append(time.perf_counter() - t0)
+    base = statistics.median(times[sizes[0]])
+    for t in sizes:
+        ms = statistics.median(times[t]) * 1e3
+        print(json.dumps({"forward_positions": t, "packaged": True, "ms": round(ms, 1),
+                          "vs_first": round(ms / 1e3 / base, 2), "load": os.getloadavg()[0]}), flush=True)
 
 
 LLAMA_SIDE = r'''
@@ -293,12 +322,18 @@ def main() -> None:
                          "one-token steps): what the packaged verification itself gains")
     ap.add_argument("--skip-fp32", action="store_true", help="leave out the --model (fp32) rows: --int8 and llama.cpp")
     ap.add_argument("--forward-cost", type=int, nargs="+", default=None, metavar="T",
-                    help="only time one forward over T positions (e.g. 1 5 9) and exit")
+                    help="only time one forward over T positions (e.g. 1 5 9) and exit; with --compile also the "
+                         "packaged step (T = 1) and verification (T > 1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.forward_cost:
         with torch.inference_mode():
-            forward_costs(args.model, args.forward_cost)
+            for run in (args.model, args.int8):
+                if run:
+                    print(f"# {run}", flush=True)
+                    forward_costs(run, args.forward_cost)
+                    if args.compile:
+                        packaged_forward_costs(run, args.forward_cost)
         return
     texts = prompts(args.shakespeare, ChatTemplate(load_tokenizer(args.model)))
     texts = {k: v for k, v in texts.items() if k in (args.prompts or DEFAULT_PROMPTS)}

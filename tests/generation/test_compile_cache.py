@@ -130,6 +130,32 @@ def test_the_package_name_follows_the_source_the_rows_and_the_weights_layout(mon
     assert step.name(False, 2, cache) != name
 
 
+def test_a_verification_package_keeps_inductors_own_loops_on_one_thread_and_a_step_package_does_not(
+        monkeypatch, tmp_path):
+    """inductor threads its loops by the example T of a verification (5 tokens x d_model values): ~150 OpenMP
+    regions a forward, each a wake-up of sleeping threads under OMP_WAIT_POLICY=PASSIVE, which cost more than
+    the loops (docs/benchmarks/speculative.md). A verification is built with ``cpp.threads`` 1; a one-token
+    step, which inductor keeps serial by itself, with inductor's defaults."""
+    import torch._inductor
+
+    asked: dict[int, dict] = {}
+
+    def no_compile(exported, package_path, inductor_configs):
+        asked[graph.positions] = dict(inductor_configs)
+        raise RuntimeError("not compiled here")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compile)
+    model = tiny_model()
+    for positions in (1, 5):
+        cache = model.new_cache(1, 32)
+        graph = compile_cache._StepGraph(model, cache, ids_only=False, positions=positions)
+        with pytest.raises(RuntimeError, match="not compiled here"):
+            compile_cache.build_package(graph, tmp_path / f"p{positions}.pt2", 1, cache)
+    assert asked[5].get("cpp.threads") == 1
+    assert "cpp.threads" not in asked[1]
+    assert not list(tmp_path.glob("*.pt2")) and not list(tmp_path.glob(".*"))  # nothing half-written is left
+
+
 def test_a_package_built_in_the_background_is_loaded_by_later_processes_without_the_compiler(tmp_path, cli_env):
     """The first `generate` (no flag) decodes eagerly and starts a background build (saying so once); the next
     loads the package, imports none of torch's compiler, builds nothing and decodes the same tokens as

@@ -22,6 +22,7 @@ from tinyformer.generation.sampling import (
     TopK,
     TopP,
     build_processors,
+    log_probs,
     make_generator,
     penalty_history,
     sample,
@@ -379,6 +380,26 @@ def test_logprobs_are_raw_model_logprobs():
     rows = logits.double().tolist()
     for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
         assert lp == pytest.approx(math.log(softmax64(row)[tok]), abs=1e-5)
+
+
+def test_a_rows_logprobs_are_the_same_bits_in_a_block_of_rows_as_alone():
+    """A speculative verification reports the log-probabilities of T positions from one (T, V) block, a plain
+    step from (1, V), a batch from (R, V): each row's numbers must not depend on the rows beside it. torch's
+    logsumexp splits a single 49k-token row's sum over two threads and a block's rows one per thread, which
+    differed in the last bit in about 4% of such rows (an AVX-512 CPU); ``log_probs`` and ``sample`` reduce each
+    row alone."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for seed in range(20):
+            g = torch.Generator().manual_seed(seed)
+            logits = torch.randn(6, 49152, generator=g) * 3 + torch.randn(6, 1, generator=g) * 10
+            alone = torch.cat([log_probs(row) for row in logits.split(1)])
+            assert torch.equal(log_probs(logits), alone), seed
+            tokens, lp = sample(logits, SamplingParams(temperature=0))
+            assert torch.equal(lp, alone.gather(1, tokens[:, None]).squeeze(1)), seed
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_sample_rejects_bad_shape_and_a_sampler_count_that_is_not_the_row_count():

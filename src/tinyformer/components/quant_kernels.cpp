@@ -1142,7 +1142,7 @@ struct PlainAttention {
     return m;
   }
   static float weigh(const float* v, int64_t vs, const bool* allowed, int64_t S, int64_t d, float m,
-                     const float* scores, float* y) {
+                     float* scores, float* y) {
     float denom = 0.0f;
     for (int64_t j = 0; j < S; ++j) {
       if (!allowed[j]) continue;
@@ -1155,12 +1155,35 @@ struct PlainAttention {
 };
 
 #ifdef TF_X86
+// The same arithmetic as PlainAttention's order per key and per output value, only faster: four keys' dot
+// products in flight at once (each still one chain of FMAs over d, then hsum256), and y held in registers 64
+// values at a time while the keys pass. Each score, e_j and y[i] is the same sequence of operations as a
+// key-by-key loop, so the bits do not depend on how many keys are grouped.
 struct Avx2Attention {
   __attribute__((target("avx2,fma"))) static float scores(const float* q, const float* k, int64_t ks,
                                                           const bool* allowed, int64_t S, int64_t d, float scale,
                                                           float* scores) {
     float m = -INFINITY;
-    for (int64_t j = 0; j < S; ++j) {
+    int64_t j = 0;
+    for (; j + 4 <= S; j += 4) {  // the four keys' slots lie inside k: a masked one is computed, never used
+      if (!(allowed[j] || allowed[j + 1] || allowed[j + 2] || allowed[j + 3])) continue;
+      const float* k0 = k + j * ks;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + ks + i), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * ks + i), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * ks + i), a3);
+      }
+      const __m256 acc[4] = {a0, a1, a2, a3};
+      for (int u = 0; u < 4; ++u) {
+        if (!allowed[j + u]) continue;
+        scores[j + u] = hsum256(acc[u]) * scale;
+        m = std::max(m, scores[j + u]);
+      }
+    }
+    for (; j < S; ++j) {
       if (!allowed[j]) continue;
       __m256 acc = _mm256_setzero_ps();
       for (int64_t i = 0; i < d; i += 8)
@@ -1170,15 +1193,46 @@ struct Avx2Attention {
     }
     return m;
   }
+  // scores[j] becomes e_j = exp(s_j - m); y (zeros on entry) += e_j v_j key by key, each value's sum in slot order
   __attribute__((target("avx2,fma"))) static float weigh(const float* v, int64_t vs, const bool* allowed, int64_t S,
-                                                         int64_t d, float m, const float* scores, float* y) {
+                                                         int64_t d, float m, float* scores, float* y) {
     float denom = 0.0f;
     for (int64_t j = 0; j < S; ++j) {
       if (!allowed[j]) continue;
-      const float e = std::exp(scores[j] - m);
-      denom += e;
-      const __m256 ev = _mm256_set1_ps(e);
-      for (int64_t i = 0; i < d; i += 8)
+      scores[j] = std::exp(scores[j] - m);
+      denom += scores[j];
+    }
+    int64_t c = 0;
+    for (; c + 64 <= d; c += 64) {  // 8 vectors of y in registers
+      __m256 y0 = _mm256_loadu_ps(y + c), y1 = _mm256_loadu_ps(y + c + 8), y2 = _mm256_loadu_ps(y + c + 16),
+             y3 = _mm256_loadu_ps(y + c + 24), y4 = _mm256_loadu_ps(y + c + 32), y5 = _mm256_loadu_ps(y + c + 40),
+             y6 = _mm256_loadu_ps(y + c + 48), y7 = _mm256_loadu_ps(y + c + 56);
+      for (int64_t j = 0; j < S; ++j) {
+        if (!allowed[j]) continue;
+        const __m256 ev = _mm256_set1_ps(scores[j]);
+        const float* vj = v + j * vs + c;
+        y0 = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vj), y0);
+        y1 = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vj + 8), y1);
+        y2 = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vj + 16), y2);
+        y3 = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vj + 24), y3);
+        y4 = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vj + 32), y4);
+        y5 = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vj + 40), y5);
+        y6 = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vj + 48), y6);
+        y7 = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vj + 56), y7);
+      }
+      _mm256_storeu_ps(y + c, y0);
+      _mm256_storeu_ps(y + c + 8, y1);
+      _mm256_storeu_ps(y + c + 16, y2);
+      _mm256_storeu_ps(y + c + 24, y3);
+      _mm256_storeu_ps(y + c + 32, y4);
+      _mm256_storeu_ps(y + c + 40, y5);
+      _mm256_storeu_ps(y + c + 48, y6);
+      _mm256_storeu_ps(y + c + 56, y7);
+    }
+    for (int64_t j = 0; j < S; ++j) {  // the last d % 64 values, through memory
+      if (!allowed[j]) continue;
+      const __m256 ev = _mm256_set1_ps(scores[j]);
+      for (int64_t i = c; i < d; i += 8)
         _mm256_storeu_ps(y + i, _mm256_fmadd_ps(ev, _mm256_loadu_ps(v + j * vs + i), _mm256_loadu_ps(y + i)));
     }
     return denom;

@@ -454,9 +454,15 @@ def build_package(graph: _StepGraph, path: Path, rows: int, cache: KVCache) -> N
                           dynamic_shapes=(token_dims, {}, {0: kv}, cache_dims, cache_dims), strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{os.getpid()}.{path.name}")  # the packager wants the .pt2 suffix
+        configs: dict[str, bool | int] = {"aot_inductor.package_constants_in_so": False}
+        if T > 1:
+            # inductor sizes its own loops (norms, RoPE, cache writes) by T's example value and splits them over
+            # OpenMP threads, ~150 parallel regions a forward; with sleeping threads (OMP_WAIT_POLICY=PASSIVE,
+            # the CLI's choice on a busy machine) each wake-up cost more than the loop: one thread for them
+            # (the products and the attention are our ops, threaded as before; docs/benchmarks/speculative.md)
+            configs["cpp.threads"] = 1
         try:
-            aoti_compile_and_package(exported, package_path=str(tmp),
-                                     inductor_configs={"aot_inductor.package_constants_in_so": False})
+            aoti_compile_and_package(exported, package_path=str(tmp), inductor_configs=configs)
             os.replace(tmp, path)  # whole or not at all: another process may be loading it
         finally:
             tmp.unlink(missing_ok=True)

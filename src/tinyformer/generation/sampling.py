@@ -767,14 +767,25 @@ def sample(
 
 def _token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
     """log softmax(logits)[b, tokens[b]] for each row b, as float32: ``log_probs(logits)[b, tokens[b]]``."""
-    return (logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)).float()
+    return (logits.gather(-1, tokens[:, None]).squeeze(-1) - row_logsumexp(logits)).float()
+
+
+def row_logsumexp(logits: Tensor) -> Tensor:
+    """logsumexp over the last dim, each row reduced alone: torch splits one row's sum over its threads but
+    sums a block of rows row by row, so a row's value in a block could differ from its value alone in the
+    last bit (4% of 49k-token rows on 2 threads); a token's log-probability must not depend on the rows
+    beside it (a speculative verification's block, a batch). (..., V) -> (...)."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    if rows.shape[0] <= 1:
+        return torch.logsumexp(logits, dim=-1)
+    return torch.cat([torch.logsumexp(r, dim=-1) for r in rows.split(1)]).reshape(logits.shape[:-1])
 
 
 def log_probs(logits: Tensor) -> Tensor:
     """log softmax(logits) = logits - logsumexp(logits) over the last dim, as float32: the one formula of every
     reported log-probability (``torch.log_softmax`` rounds differently, by up to 1e-5 over 49k tokens), so a
     token's log-probability is the same number whichever path chose it."""
-    return (logits - torch.logsumexp(logits, dim=-1, keepdim=True)).float()
+    return (logits - row_logsumexp(logits).unsqueeze(-1)).float()
 
 
 def _sampler(how: SamplingParams | Sampler) -> Sampler:
