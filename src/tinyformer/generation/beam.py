@@ -259,10 +259,8 @@ class BeamSearch:
 
         # can a row still improve its finished set? (HF's _check_early_stop_heuristic)
         full = (self.fin_scores > _NEG_INF).all(dim=-1)
-        if early_stopping == "never" and length_penalty > 0:
-            best_possible = scores[:, 0] / (T**length_penalty)
-        else:
-            best_possible = scores[:, 0] / (n**length_penalty)
+        horizon = T if early_stopping == "never" and length_penalty > 0 else n  # the length its best is scored at
+        best_possible = scores[:, 0] / (horizon**length_penalty)
         worst = self.fin_scores[:, -1]
         self.improvable &= ~full | (best_possible > worst)
         self.improvable &= scores[:, 0] > _NEG_INF  # no open hypothesis left

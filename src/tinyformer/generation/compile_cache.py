@@ -33,6 +33,7 @@ digests tinyformer's own source too, so an upgraded tinyformer builds anew.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import functools
 import hashlib
@@ -58,9 +59,8 @@ from tinyformer.errors import GenerationError
 from tinyformer.generation.engine import CompiledStep, check_compilable
 from tinyformer.generation.weight_layout import load_for_decoding, prepare_for_decoding
 
-__all__ = ["ENV_DEFAULT", "PackageBuild", "PackagedStep", "build_package", "compile_cache_dir",
-           "compiled_graphs", "compiled_step", "cpu_tag", "default_inductor_cache", "model_key",
-           "point_inductor_at_cache", "resolve_compile", "source_digest", "use_compile_cache"]
+__all__ = ["ENV_DEFAULT", "PackageBuild", "PackagedStep", "build_package", "compile_cache_dir", "compiled_step",
+           "cpu_tag", "default_inductor_cache", "model_key", "resolve_compile", "source_digest", "use_compile_cache"]
 
 ENV_DEFAULT = "TINYFORMER_COMPILE"  # "1": generate, chat and serve compile unless --no-compile
 
@@ -105,22 +105,17 @@ def default_inductor_cache() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
 
 
-def point_inductor_at_cache() -> Path:
-    """The folder in force (``TORCHINDUCTOR_CACHE_DIR``, see :func:`default_inductor_cache`; unset: this
-    module's), created, and kept in the variable."""
+def use_compile_cache(model: nn.Module) -> tuple[Path, bool]:
+    """(The cache folder in force, whether this model's step has compiled there before.) The folder is
+    ``TORCHINDUCTOR_CACHE_DIR`` (see :func:`default_inductor_cache`; unset: this module's), created, and kept
+    in the variable. When the process exits having compiled or loaded an inductor graph, the model is recorded
+    as seen there."""
     folder = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or compile_cache_dir())
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise GenerationError(f"cannot create the compile cache {folder}: {exc.strerror or exc}") from None
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
-    return folder
-
-
-def use_compile_cache(model: nn.Module) -> tuple[Path, bool]:
-    """(The cache folder in force, whether this model's step has compiled there before.) When the process
-    exits having compiled or loaded a graph, the model is recorded as seen there (:func:`compiled_graphs`)."""
-    folder = point_inductor_at_cache()
     marker = folder / "seen" / model_key(model)
     seen = marker.exists()
     if not seen:
@@ -128,23 +123,16 @@ def use_compile_cache(model: nn.Module) -> tuple[Path, bool]:
     return folder, seen
 
 
-def compiled_graphs() -> dict[str, int]:
-    """This process's inductor graphs so far: ``{"compiled": built anew, "cached": loaded from the cache}``."""
-    from torch._dynamo.utils import counters
-
-    c = counters["inductor"]
-    return {"compiled": int(c["fxgraph_cache_miss"]), "cached": int(c["fxgraph_cache_hit"])}
-
-
 def _mark_seen(marker: Path) -> None:
     # a best effort: failing to write costs the next start only its first-time wording
-    if sum(compiled_graphs().values()) == 0:
+    from torch._dynamo.utils import counters
+
+    # this process's inductor graphs: built anew (cache misses) or loaded from the cache (hits)
+    if int(counters["inductor"]["fxgraph_cache_miss"]) + int(counters["inductor"]["fxgraph_cache_hit"]) == 0:
         return
-    try:
+    with contextlib.suppress(OSError):
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
-    except OSError:
-        pass
 
 
 def resolve_compile(flag: bool | None, model: nn.Module) -> tuple[str, str | None]:
@@ -412,10 +400,8 @@ def failed_marker(path: Path) -> Path:
 
 
 def mark_failed(path: Path, exc: BaseException) -> None:
-    try:
+    with contextlib.suppress(OSError):
         failed_marker(path).write_text(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n")
-    except OSError:
-        pass
 
 
 def take_lock(lock: Path) -> bool:

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from tinyformer.errors import GenerationError
+from tinyformer.generation.streaming import TokenBytes
 
 __all__ = [
     "EXTRA",
@@ -259,17 +260,9 @@ class TokenVocabulary:
         backend = getattr(tokenizer, "backend", None)
         added = backend.get_added_tokens_decoder().items() if backend is not None else ()
         special = {i for i, t in added if t.special} | set(ends)
-        known = getattr(tokenizer, "vocab_size", 0)
-        tokens: list[bytes] = []
-        for i in range(vocab_size):
-            b = b""
-            if i < known and i not in special:
-                try:
-                    b = tokenizer.token_bytes(i)
-                except Exception:  # a gap in a foreign vocabulary
-                    b = b""
-            tokens.append(b if b else b"\xff[" + str(i).encode() + b"]")
-        self.tokens = tokens
+        raw = TokenBytes(tokenizer).raw  # b"" for an id the tokenizer lacks
+        self.tokens = tokens = [(b"" if i in special else raw(i)) or b"\xff[" + str(i).encode() + b"]"
+                                for i in range(vocab_size)]
         self.vocab_size = vocab_size
         self.end_ids = tuple(ends)
         encode = tokenizer.encode
@@ -300,11 +293,6 @@ class TokenVocabulary:
                 per[key] = cls(tokenizer, vocab_size, end_ids)
             return per[key]
 
-    @property
-    def words(self) -> int:
-        """int32 words of one bitmask: ceil(V / 32)."""
-        return (self.vocab_size + 31) // 32
-
 
 class Matcher:
     """One row's place in the language of a :class:`Grammar`: the tokens allowed next, and the state
@@ -333,7 +321,7 @@ class Matcher:
         return self._m.is_stopped()
 
     def fill(self, words: Tensor) -> None:
-        """Write the allowed-token bitmask into ``words``, a contiguous CPU int32 tensor of ``vocab.words``:
+        """Write the allowed-token bitmask into ``words``, a contiguous CPU int32 tensor of ceil(V / 32) words:
         bit ``v % 32`` of word ``v // 32`` is 1 iff token v is allowed."""
         self._m.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -71,13 +72,7 @@ from tinyformer.generation.sampling import (
     processed_logits,
     sample,
 )
-from tinyformer.generation.speculative import (
-    DraftModel,
-    RowDrafts,
-    SpeculativeConfig,
-    accept_greedy,
-    accept_sampled,
-)
+from tinyformer.generation.speculative import DraftModel, RowDrafts, SpeculativeConfig, accept_greedy, accept_sampled
 from tinyformer.generation.streaming import TextState
 from tinyformer.generation.weight_layout import prepare_for_decoding
 
@@ -121,10 +116,9 @@ class EngineRow:
     ``pos`` is the number of cache positions of its row filled so far; ``pending`` the tokens still to
     feed from ``pos`` on (the prompt while prefilling, else the last sampled token). ``want_logprobs``
     False skips the per-step log-normaliser (a lone greedy row then gets its argmax from the compiled graph);
-    ``top_logprobs`` > 0
-    asks for that many alternatives per token. ``sampled_logprobs`` True records each token's log-probability
-    under the distribution it was drawn from (the processed logits, see ``sampling.sample``) instead of the
-    raw one. ``tag`` is the caller's (e.g. the server's request).
+    ``top_logprobs`` > 0 asks for that many alternatives per token. ``sampled_logprobs`` True records each
+    token's log-probability under the distribution it was drawn from (the processed logits, see
+    ``sampling.sample``) instead of the raw one. ``tag`` is the caller's (e.g. the server's request).
     ``speculative`` makes the row speculate (``generation/speculative.py``); ``drafts`` then holds its
     proposer state and counts once the row is added.
     ``constraint``: the row's own :class:`~tinyformer.generation.constraint.Matcher` (its place in the
@@ -383,7 +377,7 @@ class BatchEngine:
         self.add(first)
         first.pending = first.pending[n:]
         with torch.inference_mode():
-            self._forward_row(first, ids[:n])
+            self._forward_rows([first], [ids[:n]])
         for r in rows[1:]:
             self.add(r, prefilled=n)
             for k, v in self.cache.layers:
@@ -476,10 +470,7 @@ class BatchEngine:
             return 1
         if not self.pow2_buckets:
             return self.max_batch
-        b = 1
-        while b < n:
-            b *= 2
-        return min(b, self.max_batch)
+        return min(1 << (n - 1).bit_length(), self.max_batch)
 
     def buckets(self) -> list[int]:
         """Every bucket size, smallest first (one compiled graph each)."""
@@ -513,7 +504,7 @@ class BatchEngine:
     def _decode(self, rows: list[EngineRow]) -> list[RowOutput]:
         dev = self.device
         if self.per_row:
-            logits = torch.cat([self._forward_row(r, r.pending) for r in rows])
+            logits = torch.cat([self._forward_rows([r], [r.pending]) for r in rows])
             return self._pick(logits, rows)
         n = max(r.slot for r in rows) + 1
         if self.max_draft_tokens:
@@ -545,19 +536,14 @@ class BatchEngine:
             if compiled.traced:
                 torch._dynamo.maybe_mark_dynamic(span, 0)
             shape = (n, ids_only)
-            if compiled.traced and self._last_shapes == [shape, shape]:
-                # The last two steps had these shapes: the inputs come from the same places with the same
-                # shapes, strides and dtypes, only values change, so the guards would pass; skipping their
-                # check saves 2-3% of a step (one check per parameter). The stance holds for this call only.
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    res = step(t, p, cache, span)
-            else:
+            # When the last two steps had these shapes, the inputs come from the same places with the same
+            # shapes, strides and dtypes, only values change, so the guards would pass; skipping their
+            # check saves 2-3% of a step (one check per parameter). The stance holds for this call only.
+            same = compiled.traced and self._last_shapes == [shape, shape]
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if same else nullcontext():
                 res = step(t, p, cache, span)
             self._last_shapes = (self._last_shapes + [shape])[-2:]
-            if ids_only:
-                picked, logits = res, None
-            else:
-                logits = res
+            picked, logits = (res, None) if ids_only else (None, res)
         for r in rows:
             r.pos += 1
         index = torch.tensor([r.slot for r in rows], device=dev)
@@ -700,10 +686,6 @@ class BatchEngine:
                 values, ids = lsm.topk(min(row.top_logprobs, lsm.size(-1)), dim=-1)
                 tops = {i: list(zip(ids[i].tolist(), values[i].tolist())) for i in range(len(tokens))}
         return [TokenInfo(t, lps[i], tops.get(i, [])) for i, t in enumerate(tokens)]
-
-    def _forward_row(self, row: EngineRow, ids: list[int]) -> Tensor:
-        """Feed ``ids`` to one row at positions pos ..: the last position's logits (1, V)."""
-        return self._forward_rows([row], [ids])
 
     def _prefill(self, rows: list[EngineRow]) -> list[RowOutput]:
         """Feed at most ``prefill_chunk`` prompt tokens in all (None: every pending one), to the rows in the

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ from tinyformer.generation.engine import (
 )
 from tinyformer.generation.prefix_cache import PrefixCache
 from tinyformer.generation.sampling import SamplingParams
-from tinyformer.generation.speculative import SpeculativeConfig, check_same_tokenizer
+from tinyformer.generation.speculative import SpeculativeConfig
 from tinyformer.generation.streaming import TextState, TokenBytes
 from tinyformer.generation.weight_layout import load_for_decoding
 
@@ -152,7 +153,14 @@ def _result(row: EngineRow) -> GenerationResult:
 
 def check_draft(model: nn.Module, tokenizer: Any, draft: nn.Module, draft_tokenizer: Any) -> None:
     """GenerationError unless ``draft`` can propose tokens for ``model``: a decoder of the same vocabulary size
-    with the same tokenizer (no tokenizer given for either: the vocabulary sizes alone are compared)."""
+    with the same tokenizer (no tokenizer given for either: the vocabulary sizes alone are compared): drafts are
+    token ids, so both tokenizers must mean the same text by every id."""
+    def fingerprint(tok: Any) -> object:
+        # the id of every token (the merges follow from the vocabulary for the BPE kinds) and the end token
+        backend = getattr(tok, "backend", None)
+        vocab = backend.get_vocab(with_added_tokens=True) if backend is not None else None
+        return vocab, getattr(tok, "eos_id", None)
+
     dcfg = getattr(draft, "cfg", None)
     if dcfg is None or dcfg.arch != "decoder" or not hasattr(draft, "new_cache"):
         raise GenerationError("the draft model must be a decoder language model")
@@ -161,8 +169,11 @@ def check_draft(model: nn.Module, tokenizer: Any, draft: nn.Module, draft_tokeni
                               f"{model.cfg.vocab_size}: a draft model must share the model's tokenizer")
     if dcfg.rope_type in ("dynamic", "longrope"):
         raise GenerationError("a draft model with dynamic-NTK or LongRoPE positions is not supported")
-    if tokenizer is not None or draft_tokenizer is not None:
-        check_same_tokenizer(tokenizer, draft_tokenizer)
+    if (tokenizer is None) != (draft_tokenizer is None):
+        raise GenerationError("a draft model needs tokenizers for both models, to check that they agree")
+    if tokenizer is not None and fingerprint(tokenizer) != fingerprint(draft_tokenizer):
+        raise GenerationError("the draft model's tokenizer differs from the model's: a draft model must share "
+                              "the model's tokenizer")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -195,20 +206,10 @@ class Generator:
     follows the same distribution; beam search does not speculate.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        tokenizer: Any = None,
-        device: torch.device | str | None = None,
-        *,
-        context_policy: str = "error",
-        slide_keep: int | None = None,
-        compile: bool | PackageBuild = False,
-        prefix_cache: PrefixCache | None = None,
-        speculative: SpeculativeConfig | None = None,
-        draft_model: nn.Module | None = None,
-        draft_tokenizer: Any = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, tokenizer: Any = None, device: torch.device | str | None = None, *,
+                 context_policy: str = "error", slide_keep: int | None = None, compile: bool | PackageBuild = False,
+                 prefix_cache: PrefixCache | None = None, speculative: SpeculativeConfig | None = None,
+                 draft_model: nn.Module | None = None, draft_tokenizer: Any = None) -> None:
         cfg = getattr(model, "cfg", None)
         if cfg is None or cfg.arch != "decoder" or not hasattr(model, "new_cache"):
             arch = getattr(cfg, "arch", type(model).__name__)
@@ -372,10 +373,9 @@ class Generator:
             vocab = TokenVocabulary.of(self.tokenizer, self.vocab_size, ends)
         rows = []
         for b, p in enumerate(prompts):
-            row_params = params
-            if params.seed is not None and b:
-                row_params = dataclasses.replace(params, seed=(params.seed + b) % 2**64)
-            matcher = Matcher(params.constraint, vocab) if vocab is not None and params.constraint else None
+            row_params = dataclasses.replace(params, seed=(params.seed + b) % 2**64) if params.seed is not None and b \
+                else params
+            matcher = Matcher(params.constraint, vocab) if vocab is not None else None
             rows.append(EngineRow(p, row_params, TextState(self.token_bytes, ends, params.stop_strings),
                                   want_logprobs=want_logprobs, speculative=self.speculative, constraint=matcher,
                                   sampled_logprobs=sampled_logprobs))
@@ -389,16 +389,12 @@ class Generator:
     def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         L = self.max_seq_len
         if prompt_len >= L:
-            raise GenerationError(
-                f"the prompt has {prompt_len} tokens but the model's context is {L} tokens "
-                "(leaving no room to generate); shorten the prompt or use context policy 'slide'"
-            )
+            raise GenerationError(f"the prompt has {prompt_len} tokens but the model's context is {L} tokens "
+                                  "(leaving no room to generate); shorten the prompt or use context policy 'slide'")
         if prompt_len + max_new_tokens > L:
-            raise GenerationError(
-                f"the prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
-                f"context of {L} tokens; ask for at most {L - prompt_len} new tokens or use context "
-                "policy 'slide'"
-            )
+            raise GenerationError(f"the prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
+                                  f"the model's context of {L} tokens; ask for at most {L - prompt_len} new tokens "
+                                  "or use context policy 'slide'")
 
     def _decode(self, rows: list[EngineRow]) -> Iterator[list[str]]:
         """Run the rows to the end on one :class:`BatchEngine`, yielding after every step the new text of
@@ -426,13 +422,8 @@ class Generator:
                              max_draft_tokens=0 if self.speculative is None else self.speculative.draft_tokens,
                              draft_model=self.draft_model)
         # runs of rows with the same prompt (n samples of one prompt) prefill it once (BatchEngine.add_group)
-        b = 0
-        while b < len(rows):
-            e = b + 1
-            while e < len(rows) and rows[e].prompt_ids == rows[b].prompt_ids:
-                e += 1
-            engine.add_group(rows[b:e])
-            b = e
+        for _, group in itertools.groupby(rows, key=lambda r: r.prompt_ids):
+            engine.add_group(list(group))
         index = {id(r): b for b, r in enumerate(rows)}
         started = time.perf_counter()
         self.timings = GenerationTimings(prompt_tokens=P)

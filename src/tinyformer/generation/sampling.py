@@ -81,6 +81,7 @@ __all__ = [
     "FrequencyPenalty",
     "LogitsProcessor",
     "MinP",
+    "Penalty",
     "PenaltyHistory",
     "PresencePenalty",
     "RepetitionPenalty",
@@ -139,17 +140,13 @@ class _Processor:
 # ----------------------------------------------------------------------------------------------
 
 
-def _is_real(x: object) -> bool:
-    # bool is an int subclass; `temperature=True` is a mistake, not 1.0.
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 def _is_int(x: object) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _real(name: str, x: object) -> float:
-    if not _is_real(x) or not math.isfinite(float(x)):  # type: ignore[arg-type]
+    # bool is an int subclass; `temperature=True` is a mistake, not 1.0.
+    if not isinstance(x, numbers.Real) or isinstance(x, bool) or not math.isfinite(float(x)):
         raise GenerationError(f"{name} must be a finite number, got {x!r}")
     return float(x)  # type: ignore[arg-type]
 
@@ -214,22 +211,17 @@ def _prob_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _history_ids(generated: Tensor, vocab_size: int) -> Tensor:
-    """``generated`` as int64 with every id outside ``[0, V)`` (padding such as -100) mapped to ``V``.
-
-    Scattering into a ``V + 1`` wide buffer and dropping the last column then ignores those ids
-    without a data-dependent filter (which would force a host sync on GPU).
-    """
-    ids = generated.to(torch.long)
-    if ids.dim() == 1:
-        ids = ids.unsqueeze(0)
-    return ids.masked_fill((ids < 0) | (ids >= vocab_size), vocab_size)
-
-
 def _token_counts(logits: Tensor, generated: Tensor) -> Tensor:
-    """``count[b, v]``: how often token ``v`` occurs in ``generated[b]`` (float, at least float32)."""
+    """``count[b, v]``: how often token ``v`` occurs in ``generated[b]`` (``[B, t]``, or ``[t]`` for every row)
+    (float, at least float32).
+
+    Every id outside ``[0, V)`` (padding such as -100) is mapped to ``V``: scattering into a ``V + 1`` wide
+    buffer and dropping the last column then ignores those ids without a data-dependent filter (which would
+    force a host sync on GPU).
+    """
     b, v = logits.shape
-    ids = _history_ids(generated, v).expand(b, -1)
+    ids = torch.atleast_2d(generated.to(torch.long))
+    ids = ids.masked_fill((ids < 0) | (ids >= v), v).expand(b, -1)
     dtype = _prob_dtype(logits.dtype)  # float32 counts are exact up to 2**24 occurrences
     counts = torch.zeros(b, v + 1, dtype=dtype, device=logits.device)
     counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=dtype, device=logits.device))
@@ -297,13 +289,6 @@ def _sees(params: SamplingParams) -> tuple[bool, bool]:
     """Whether the penalties of ``params`` look at the prompt, and whether they look at anything at all."""
     sees_prompt = params.repetition_penalty != 1.0
     return sees_prompt, sees_prompt or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-
-
-def _seen(generated: Tensor | PenaltyHistory | None, *, with_prompt: bool) -> Tensor | None:
-    """The ids one penalty sees in ``generated`` (all of a plain tensor)."""
-    if isinstance(generated, PenaltyHistory):
-        return generated.repetition_ids() if with_prompt else generated.generated
-    return generated
 
 
 # ----------------------------------------------------------------------------------------------
@@ -435,7 +420,28 @@ class MinP(_Processor):
         return logits.masked_fill(logits < threshold, _NEG_INF)
 
 
-class RepetitionPenalty(_Processor):
+class Penalty(_Processor):
+    """Base of the penalties: :meth:`apply` to the counts of the ids the penalty sees (prompt + generated
+    with ``with_prompt``, the generated ones without; all of a plain tensor); the logits as they are when it
+    sees none or its ``penalty`` is ``off``."""
+
+    with_prompt = False
+    off = 0.0
+    penalty: float
+
+    def __call__(self, logits: Tensor, generated: Tensor | PenaltyHistory | None) -> Tensor:
+        if isinstance(generated, PenaltyHistory):
+            generated = generated.repetition_ids() if self.with_prompt else generated.generated
+        if self.penalty == self.off or generated is None or generated.numel() == 0:
+            return logits
+        return self.apply(logits, _token_counts(logits, generated))
+
+    def apply(self, logits: Tensor, counts: Tensor) -> Tensor:
+        """The penalised ``logits`` [B, V], given ``counts[b, v]``: how often row b has seen token v."""
+        raise NotImplementedError
+
+
+class RepetitionPenalty(Penalty):
     r"""CTRL repetition penalty (Keskar et al. 2019), with HF's sign handling.
 
     For every token ``v`` that occurs in ``generated`` (any number of times):
@@ -447,21 +453,18 @@ class RepetitionPenalty(_Processor):
     Ids outside ``[0, V)`` in ``generated`` (padding) are ignored.
     """
 
+    with_prompt = True
+    off = 1.0
+
     def __init__(self, penalty: float) -> None:
         self.penalty = _check_repetition_penalty(penalty)
 
-    def __call__(self, logits: Tensor, generated: Tensor | PenaltyHistory | None) -> Tensor:
-        generated = _seen(generated, with_prompt=True)
-        if self.penalty == 1.0 or generated is None or generated.numel() == 0:
-            return logits
-        b, v = logits.shape
-        ids = _history_ids(generated, v).expand(b, -1)
-        seen = torch.zeros(b, v + 1, dtype=torch.bool, device=logits.device).scatter_(1, ids, True)[:, :v]
+    def apply(self, logits: Tensor, counts: Tensor) -> Tensor:
         penalised = torch.where(logits > 0, logits / self.penalty, logits * self.penalty)
-        return torch.where(seen, penalised, logits)
+        return torch.where(counts > 0, penalised, logits)
 
 
-class FrequencyPenalty(_Processor):
+class FrequencyPenalty(Penalty):
     r"""OpenAI frequency penalty: subtract ``f`` for every previous occurrence of the token.
 
     .. math:: \ell'_v = \ell_v - c_v \cdot f, \qquad c_v = \#\{\, i : \text{generated}_i = v \,\}
@@ -472,15 +475,11 @@ class FrequencyPenalty(_Processor):
     def __init__(self, penalty: float) -> None:
         self.penalty = _check_additive_penalty("frequency_penalty", penalty)
 
-    def __call__(self, logits: Tensor, generated: Tensor | PenaltyHistory | None) -> Tensor:
-        generated = _seen(generated, with_prompt=False)
-        if self.penalty == 0.0 or generated is None or generated.numel() == 0:
-            return logits
-        counts = _token_counts(logits, generated)
+    def apply(self, logits: Tensor, counts: Tensor) -> Tensor:
         return (logits - counts * self.penalty).to(logits.dtype)
 
 
-class PresencePenalty(_Processor):
+class PresencePenalty(Penalty):
     r"""OpenAI presence penalty: subtract ``p`` once from every token that has occurred at all.
 
     .. math:: \ell'_v = \ell_v - \mathbb{1}[c_v > 0] \cdot p
@@ -491,14 +490,8 @@ class PresencePenalty(_Processor):
     def __init__(self, penalty: float) -> None:
         self.penalty = _check_additive_penalty("presence_penalty", penalty)
 
-    def __call__(self, logits: Tensor, generated: Tensor | PenaltyHistory | None) -> Tensor:
-        generated = _seen(generated, with_prompt=False)
-        if self.penalty == 0.0 or generated is None or generated.numel() == 0:
-            return logits
-        b, v = logits.shape
-        ids = _history_ids(generated, v).expand(b, -1)
-        seen = torch.zeros(b, v + 1, dtype=torch.bool, device=logits.device).scatter_(1, ids, True)[:, :v]
-        return logits - seen.to(logits.dtype) * self.penalty
+    def apply(self, logits: Tensor, counts: Tensor) -> Tensor:
+        return logits - (counts > 0).to(logits.dtype) * self.penalty
 
 
 class TokenMask:
@@ -579,13 +572,9 @@ class SamplingParams:
             raise GenerationError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise GenerationError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
-        if isinstance(self.stop_token_ids, (str, bytes)) or not all(
-            _is_int(t) and t >= 0 for t in self.stop_token_ids
-        ):
+        if isinstance(self.stop_token_ids, (str, bytes)) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise GenerationError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
-        if isinstance(self.stop_strings, str) or not all(
-            isinstance(s, str) and s for s in self.stop_strings
-        ):
+        if isinstance(self.stop_strings, str) or not all(isinstance(s, str) and s for s in self.stop_strings):
             raise GenerationError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
         if self.constraint is not None and not isinstance(self.constraint, Grammar):
             raise GenerationError(f"constraint must be a Grammar (generation/constraint.py), got {self.constraint!r}")
@@ -612,13 +601,9 @@ def build_processors(params: SamplingParams) -> list[LogitsProcessor]:
     truncations never move the argmax (each keeps the most probable token).
     """
     params.validate()
-    procs: list[LogitsProcessor] = []
-    if params.repetition_penalty != 1.0:
-        procs.append(RepetitionPenalty(params.repetition_penalty))
-    if params.frequency_penalty != 0.0:
-        procs.append(FrequencyPenalty(params.frequency_penalty))
-    if params.presence_penalty != 0.0:
-        procs.append(PresencePenalty(params.presence_penalty))
+    penalties = ((RepetitionPenalty, params.repetition_penalty), (FrequencyPenalty, params.frequency_penalty),
+                 (PresencePenalty, params.presence_penalty))
+    procs: list[LogitsProcessor] = [cls(value) for cls, value in penalties if value != cls.off]
     if params.greedy:
         return procs
     if params.temperature != 1.0:
@@ -661,8 +646,7 @@ class Sampler:
     def __init__(self, processors: Sequence[LogitsProcessor] = (), *, greedy: bool = False) -> None:
         self.processors = tuple(processors)
         self.greedy = greedy
-        self.penalised = any(isinstance(p, (RepetitionPenalty, FrequencyPenalty, PresencePenalty))
-                             for p in self.processors)
+        self.penalised = any(isinstance(p, Penalty) for p in self.processors)
         self.key: Hashable = (greedy, tuple(getattr(p, "key", p) for p in self.processors))
 
     @classmethod
@@ -677,16 +661,11 @@ class Sampler:
 GREEDY = Sampler(greedy=True)  # the plain argmax: temperature 0, no penalty
 
 
-def sample(
-    logits: Tensor,
-    how: SamplingParams | Sampler | Sequence[SamplingParams | Sampler],
-    history: Tensor | PenaltyHistory | None = None,
-    generator: torch.Generator | Sequence[torch.Generator | None] | None = None,
-    *,
-    want_logprobs: bool = True,
-    allowed: Tensor | None = None,
-    sampled_logprobs: bool | Sequence[bool] = False,
-) -> tuple[Tensor, Tensor | None]:
+def sample(logits: Tensor, how: SamplingParams | Sampler | Sequence[SamplingParams | Sampler],
+           history: Tensor | PenaltyHistory | None = None,
+           generator: torch.Generator | Sequence[torch.Generator | None] | None = None, *,
+           want_logprobs: bool = True, allowed: Tensor | None = None,
+           sampled_logprobs: bool | Sequence[bool] = False) -> tuple[Tensor, Tensor | None]:
     r"""Choose one next token per row: the one sampler of every entry point.
 
     Args:
@@ -736,24 +715,21 @@ def sample(
     raw = logits if logits.dtype == torch.float64 else logits.float()
     masked = raw if allowed is None else TokenMask(allowed)(raw)
     if isinstance(how, (SamplingParams, Sampler)):
-        tokens, processed = _choose(_sampler(how), masked, history, generator)
+        how = [_sampler(how)] * raw.shape[0]
+    samplers = [_sampler(h) for h in how]
+    if len(samplers) != raw.shape[0]:
+        raise ValueError(f"one sampler per row: got {len(samplers)} for {raw.shape[0]} rows")
+    groups = _groups(samplers)
+    if len(groups) == 1:
+        tokens, processed = _choose(samplers[0], masked, history, generator)
     else:
-        samplers = [_sampler(h) for h in how]
-        if len(samplers) != raw.shape[0]:
-            raise ValueError(f"one sampler per row: got {len(samplers)} for {raw.shape[0]} rows")
-        groups: dict[Hashable, list[int]] = {}
-        for i, s in enumerate(samplers):
-            groups.setdefault(s.key, []).append(i)
-        if len(groups) == 1:
-            tokens, processed = _choose(samplers[0], masked, history, generator)
-        else:
-            tokens = torch.empty(raw.shape[0], dtype=torch.long, device=raw.device)
-            processed = torch.empty_like(raw)
-            for idx in groups.values():
-                rows = torch.tensor(idx, device=raw.device)
-                tokens[rows], processed[rows] = _choose(
-                    samplers[idx[0]], masked[rows], _history_rows(history, rows),
-                    [generator[i] for i in idx] if isinstance(generator, Sequence) else generator)
+        tokens = torch.empty(raw.shape[0], dtype=torch.long, device=raw.device)
+        processed = torch.empty_like(raw)
+        for idx in groups:
+            rows = torch.tensor(idx, device=raw.device)
+            tokens[rows], processed[rows] = _choose(
+                samplers[idx[0]], masked[rows], _history_rows(history, rows),
+                [generator[i] for i in idx] if isinstance(generator, Sequence) else generator)
     if not want_logprobs:
         return tokens, None
     logprobs = _token_logprobs(raw, tokens)
@@ -792,6 +768,14 @@ def _sampler(how: SamplingParams | Sampler) -> Sampler:
     return how if isinstance(how, Sampler) else Sampler.of(how)
 
 
+def _groups(samplers: Sequence[Sampler]) -> list[list[int]]:
+    """The rows of each sampler key, in the order the keys first appear."""
+    groups: dict[Hashable, list[int]] = {}
+    for i, s in enumerate(samplers):
+        groups.setdefault(s.key, []).append(i)
+    return list(groups.values())
+
+
 def _history_rows(history: Tensor | PenaltyHistory | None, rows: Tensor) -> Tensor | PenaltyHistory | None:
     """The history of ``rows`` (a ``[t]`` tensor is every row's)."""
     if history is None or (isinstance(history, Tensor) and history.dim() == 1):
@@ -807,13 +791,11 @@ def processed_logits(logits: Tensor, how: Sequence[SamplingParams | Sampler],
     the penalised logits only (its choice is their argmax). Rows with equal keys are processed together."""
     raw = logits if logits.dtype == torch.float64 else logits.float()
     samplers = [_sampler(h) for h in how]
-    groups: dict[Hashable, list[int]] = {}
-    for i, s in enumerate(samplers):
-        groups.setdefault(s.key, []).append(i)
+    groups = _groups(samplers)
     if len(groups) == 1:
         return _process(samplers[0], raw, history)
     out = torch.empty_like(raw)
-    for idx in groups.values():
+    for idx in groups:
         rows = torch.tensor(idx, device=raw.device)
         out[rows] = _process(samplers[idx[0]], raw[rows], _history_rows(history, rows))
     return out

@@ -55,14 +55,7 @@ import torch
 from torch import Tensor, nn
 
 from tinyformer.errors import GenerationError
-from tinyformer.generation.sampling import (
-    FrequencyPenalty,
-    PresencePenalty,
-    RepetitionPenalty,
-    Sampler,
-    processed_logits,
-    sample,
-)
+from tinyformer.generation.sampling import Penalty, Sampler, processed_logits, sample
 
 __all__ = [
     "DEFAULT_DRAFT_TOKENS",
@@ -75,7 +68,6 @@ __all__ = [
     "SpeculativeConfig",
     "accept_greedy",
     "accept_sampled",
-    "check_same_tokenizer",
 ]
 
 METHODS = ("ngram", "draft")
@@ -107,16 +99,11 @@ class SpeculativeConfig:
         """GenerationError naming the first bad field; ``self`` when every field is valid."""
         if self.method not in METHODS:
             raise GenerationError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) \
-                or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
-            raise GenerationError(f"draft tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got "
-                                  f"{self.draft_tokens!r}")
-        if isinstance(self.max_ngram, bool) or not isinstance(self.max_ngram, int) or not 1 <= self.max_ngram <= 16:
-            raise GenerationError(f"max ngram must be an integer in [1, 16], got {self.max_ngram!r}")
-        if isinstance(self.min_ngram, bool) or not isinstance(self.min_ngram, int) \
-                or not 1 <= self.min_ngram <= self.max_ngram:
-            raise GenerationError(f"min ngram must be an integer in [1, max ngram = {self.max_ngram}], got "
-                                  f"{self.min_ngram!r}")
+        for name, x, top, shown in (("draft tokens", self.draft_tokens, MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS),
+                                    ("max ngram", self.max_ngram, 16, 16),
+                                    ("min ngram", self.min_ngram, self.max_ngram, f"max ngram = {self.max_ngram}")):
+            if isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= top:
+                raise GenerationError(f"{name} must be an integer in [1, {shown}], got {x!r}")
         return self
 
 
@@ -233,14 +220,6 @@ def accept_sampled(x: Tensor, drafts: Sequence[int], q: Tensor | None,
     return m, int(y[0])
 
 
-def without_penalties(sampler: Sampler) -> Sampler:
-    """The draft's sampler: ``sampler``'s warping (temperature, top-k/p, min-p) without the penalties, which
-    need a history; any q keeps the rule exact, one close to p keeps more drafts."""
-    keep = [p for p in sampler.processors
-            if not isinstance(p, (RepetitionPenalty, FrequencyPenalty, PresencePenalty))]
-    return Sampler(keep, greedy=sampler.greedy)
-
-
 class DraftModel:
     """A draft model with its own KV cache, a row per engine slot: ``propose`` feeds a row's new tokens and
     decodes k drafts from them, ``rollback`` forgets the drafts the target rejected."""
@@ -262,7 +241,9 @@ class DraftModel:
         view.length = state.draft_pos
         feed = torch.tensor([list(seq[state.draft_pos:])], device=self.device)
         logits = self.model(feed, cache=view, last_only=True)[:, -1]
-        warp = without_penalties(sampler)
+        # the draft's sampler: the warping (temperature, top-k/p, min-p) without the penalties, which need a
+        # history; any q keeps the rule exact, one close to p keeps more drafts
+        warp = Sampler([p for p in sampler.processors if not isinstance(p, Penalty)], greedy=sampler.greedy)
         drafts: list[int] = []
         qs: list[Tensor] = []
         for i in range(k):
@@ -284,19 +265,3 @@ class DraftModel:
         if keep < state.draft_pos:
             self.cache.row_view(slot).truncate(keep, old=state.draft_pos)
             state.draft_pos = keep
-
-
-def check_same_tokenizer(target: object, draft: object) -> None:
-    """GenerationError when the draft model's tokenizer differs from the target's: drafts are token ids,
-    so both must mean the same text by every id."""
-    def fingerprint(tok: object) -> object:
-        # the id of every token (the merges follow from the vocabulary for the BPE kinds) and the end token
-        backend = getattr(tok, "backend", None)
-        vocab = backend.get_vocab(with_added_tokens=True) if backend is not None else None
-        return vocab, getattr(tok, "eos_id", None)
-
-    if target is None or draft is None:
-        raise GenerationError("a draft model needs tokenizers for both models, to check that they agree")
-    if fingerprint(target) != fingerprint(draft):
-        raise GenerationError("the draft model's tokenizer differs from the model's: a draft model must share "
-                              "the model's tokenizer")

@@ -13,6 +13,7 @@ for shown text (special tokens as none), the same for ``generate``, ``chat`` and
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 
 from tinyformer.errors import GenerationError
@@ -38,17 +39,13 @@ class TokenBytes:
         self._raw: dict[int, bytes] = {}
 
     def raw(self, token_id: int) -> bytes:
-        b = self._raw.get(token_id)
-        if b is None:
-            b = b""
-            tok = self.tokenizer
+        if token_id not in self._raw:
+            b, tok = b"", self.tokenizer
             if tok is not None and token_id < tok.vocab_size:  # type: ignore[attr-defined]
-                try:
+                with contextlib.suppress(Exception):  # a gap in a foreign vocabulary
                     b = tok.token_bytes(token_id)  # type: ignore[attr-defined]
-                except Exception:  # a gap in a foreign vocabulary
-                    b = b""
             self._raw[token_id] = b
-        return b
+        return self._raw[token_id]
 
     def __call__(self, token_id: int) -> bytes:
         return b"" if token_id in self.hidden else self.raw(token_id)
@@ -65,15 +62,10 @@ def _seq_len(lead: int) -> int:
     return 0
 
 
-def _second_byte_range(lead: int) -> tuple[int, int]:
-    """Allowed range of the byte after ``lead`` (Unicode Table 3-7).
-
-    The narrowed ranges exclude overlong forms (E0, F0), UTF-16 surrogates (ED) and code points
-    above U+10FFFF (F4); every later continuation byte is 80..BF.
-    """
-    return {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}.get(
-        lead, (0x80, 0xBF)
-    )
+# The allowed range of the byte after a lead, where it is not 80..BF (Unicode Table 3-7): the narrowed ranges
+# exclude overlong forms (E0, F0), UTF-16 surrogates (ED) and code points above U+10FFFF (F4); every later
+# continuation byte is 80..BF.
+_SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 
 
 def _incomplete_tail(data: bytes) -> int:
@@ -91,7 +83,7 @@ def _incomplete_tail(data: bytes) -> int:
         need = _seq_len(byte)
         if need <= back:
             return 0  # ASCII, an invalid byte, or a sequence that already has all its bytes
-        lo, hi = _second_byte_range(byte)
+        lo, hi = _SECOND_BYTE.get(byte, (0x80, 0xBF))
         if back >= 2 and not lo <= data[-back + 1] <= hi:
             return 0  # the second byte rules out this lead: the bytes are certainly invalid
         return back
@@ -167,23 +159,13 @@ class StopStringMatcher:
         if self._stopped:
             return "", True
         buf = self._held + text
-        best_end = best_start = -1
-        for s in self.stop_strings:
-            start = buf.find(s)  # first occurrence of s is also its earliest end
-            if start < 0:
-                continue
-            end = start + len(s)
-            if best_end < 0 or end < best_end or (end == best_end and start < best_start):
-                best_end, best_start = end, start
-        if best_end >= 0:
+        # (end, start) of each stop string's first occurrence, which is also its earliest end
+        found = [(start + len(s), start) for s in self.stop_strings if (start := buf.find(s)) >= 0]
+        if found:
             self._stopped = True
             self._held = ""
-            return buf[:best_start], True
-        hold = 0
-        for n in range(min(self._max_hold, len(buf)), 0, -1):
-            if buf[-n:] in self._prefixes:
-                hold = n
-                break
+            return buf[: min(found)[1]], True
+        hold = next((n for n in range(min(self._max_hold, len(buf)), 0, -1) if buf[-n:] in self._prefixes), 0)
         self._held = buf[len(buf) - hold :]
         return buf[: len(buf) - hold], False
 
