@@ -63,17 +63,8 @@ from torch import Tensor
 from tinyformer.errors import GenerationError
 from tinyformer.generation.sampling import GREEDY, sample
 
-__all__ = [
-    "DEFAULT_EARLY_STOPPING",
-    "DEFAULT_LENGTH_PENALTY",
-    "DEFAULT_NUM_RETURN_SEQUENCES",
-    "BeamHypothesis",
-    "BeamSearch",
-    "EarlyStopping",
-    "GreedySearch",
-    "new_search",
-    "validate_beam_args",
-]
+__all__ = ["DEFAULT_EARLY_STOPPING", "DEFAULT_LENGTH_PENALTY", "DEFAULT_NUM_RETURN_SEQUENCES", "BeamHypothesis",
+           "BeamSearch", "EarlyStopping", "GreedySearch", "new_search", "validate_beam_args"]
 
 EarlyStopping = bool | Literal["never"]
 

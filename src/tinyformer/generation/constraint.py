@@ -40,20 +40,8 @@ from torch import Tensor
 from tinyformer.errors import GenerationError
 from tinyformer.generation.streaming import TokenBytes
 
-__all__ = [
-    "EXTRA",
-    "JSON_OPTIONS",
-    "Grammar",
-    "Matcher",
-    "TokenVocabulary",
-    "allowed_tokens",
-    "choice",
-    "grammar",
-    "json_object",
-    "json_schema",
-    "regex",
-    "tool_calls",
-]
+__all__ = ["EXTRA", "JSON_OPTIONS", "Grammar", "Matcher", "TokenVocabulary", "allowed_tokens", "choice", "grammar",
+           "json_object", "json_schema", "regex", "tool_calls"]
 
 #: The pip extra that installs the grammar engine.
 EXTRA = "structured"

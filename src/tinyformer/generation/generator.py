@@ -57,13 +57,7 @@ from tinyformer.generation.speculative import SpeculativeConfig
 from tinyformer.generation.streaming import TextState, TokenBytes
 from tinyformer.generation.weight_layout import load_for_decoding
 
-__all__ = [
-    "CONTEXT_POLICIES",
-    "GenerationResult",
-    "GenerationTimings",
-    "Generator",
-    "TextStream",
-]
+__all__ = ["CONTEXT_POLICIES", "GenerationResult", "GenerationTimings", "Generator", "TextStream"]
 
 # With ``compile=True`` the cache length is rounded up to a multiple of this, so that requests of
 # similar lengths share one compiled step (each new shape compiles again).

@@ -68,35 +68,11 @@ from torch import Tensor
 from tinyformer.errors import GenerationError
 from tinyformer.generation.constraint import Grammar
 
-__all__ = [
-    "DEFAULT_MIN_P",
-    "DEFAULT_TEMPERATURE",
-    "DEFAULT_TOP_K",
-    "DEFAULT_TOP_P",
-    "GREEDY_TEMPERATURE",
-    "HUMAN_TEMPERATURE",
-    "HUMAN_TOP_K",
-    "OPENAI_TEMPERATURE",
-    "OPENAI_TOP_P",
-    "FrequencyPenalty",
-    "LogitsProcessor",
-    "MinP",
-    "Penalty",
-    "PenaltyHistory",
-    "PresencePenalty",
-    "RepetitionPenalty",
-    "Sampler",
-    "SamplingParams",
-    "Temperature",
-    "TopK",
-    "TokenMask",
-    "TopP",
-    "build_processors",
-    "make_generator",
-    "penalty_history",
-    "processed_logits",
-    "sample",
-]
+__all__ = ["DEFAULT_MIN_P", "DEFAULT_TEMPERATURE", "DEFAULT_TOP_K", "DEFAULT_TOP_P", "GREEDY_TEMPERATURE",
+           "HUMAN_TEMPERATURE", "HUMAN_TOP_K", "OPENAI_TEMPERATURE", "OPENAI_TOP_P", "FrequencyPenalty",
+           "LogitsProcessor", "MinP", "Penalty", "PenaltyHistory", "PresencePenalty", "RepetitionPenalty", "Sampler",
+           "SamplingParams", "Temperature", "TopK", "TokenMask", "TopP", "build_processors", "make_generator",
+           "penalty_history", "processed_logits", "sample"]
 
 _NEG_INF = float("-inf")
 

@@ -57,18 +57,8 @@ from torch import Tensor, nn
 from tinyformer.errors import GenerationError
 from tinyformer.generation.sampling import Penalty, Sampler, processed_logits, sample
 
-__all__ = [
-    "DEFAULT_DRAFT_TOKENS",
-    "DEFAULT_MAX_NGRAM",
-    "DEFAULT_MIN_NGRAM",
-    "METHODS",
-    "DraftModel",
-    "NgramIndex",
-    "RowDrafts",
-    "SpeculativeConfig",
-    "accept_greedy",
-    "accept_sampled",
-]
+__all__ = ["DEFAULT_DRAFT_TOKENS", "DEFAULT_MAX_NGRAM", "DEFAULT_MIN_NGRAM", "METHODS", "DraftModel", "NgramIndex",
+           "RowDrafts", "SpeculativeConfig", "accept_greedy", "accept_sampled"]
 
 METHODS = ("ngram", "draft")
 DEFAULT_DRAFT_TOKENS = 4  # docs/benchmarks/speculative.md: 8 gained little over 4 in fp32 and lost in int8
