@@ -88,14 +88,6 @@ def compiled_loss(loss: LossFn, *, math_attention: bool) -> LossFn:
     return torch.compile(loss_with_math_attention)
 
 
-def guess_peak_flops(device: torch.device, amp: torch.dtype | None) -> float | None:
-    """Peak FLOP/s of one device for MFU: a known GPU's dense bf16/fp16 figure (table and sources in
-    training/device.py), None on CPU or in float32."""
-    if device.type != "cuda" or amp is None:
-        return None
-    return device_peak_flops(device)
-
-
 @dataclass
 class TrainSummary:
     steps: int
@@ -157,7 +149,8 @@ class Trainer:
         # asked to stop (Ctrl-C / SIGTERM, interrupt.py): the loop saves and returns after the current step
         self.stop_request: Any = None
         self.flops_per_token = self._flops_per_token()
-        self.peak_flops = cfg.peak_flops or guess_peak_flops(self.device, self.amp_dtype)
+        # MFU's peak: a known GPU's dense bf16/fp16 figure (training/device.py); none on CPU or in float32
+        self.peak_flops = cfg.peak_flops or (device_peak_flops(self.device) if self.amp_dtype is not None else None)
         self.metrics = MetricsLogger(self.run_dir, enabled=self.is_main, tensorboard=cfg.tensorboard)
         objective.attach(self.model)
 
@@ -416,9 +409,8 @@ class Trainer:
         plot_note = self.plot() if self.is_main and interrupted is None else None
         if self.is_main and interrupted is None:
             self.write_report()
-        train_loss = self._last_train_loss()
-        return TrainSummary(self.step, self.tokens_seen, self.train_seconds, train_loss, val_loss, sample, plot_note,
-                            interrupted)
+        return TrainSummary(self.step, self.tokens_seen, self.train_seconds, self._last_train_loss(), val_loss, sample,
+                            plot_note, interrupted)
 
     def advance(self, pbar: Any = None) -> None:
         """One step of :meth:`fit`'s loop without its evaluations and checkpoints: the update, the running
@@ -460,8 +452,6 @@ class Trainer:
         scorer = self.builtin_task_scorer
         if scorer is not None and self.objective.scores_builtin_task and self.objective.cfg.data is None:
             # a model of the built-in corpus: its report card gains the built-in task's accuracy
-            from tinyformer.errors import TinyformerError
-
             try:
                 scorer(self.run_dir, self.model, self.objective.tokenizer)
             except TinyformerError as exc:  # e.g. a context too short for the questions: the run still stands
@@ -507,13 +497,10 @@ class Trainer:
         self._log(pbar, f"step {self.step}: " + "; ".join(f for f in figures if f))
         sample = self.draw_sample()
         if sample is not None:
-            self._append_sample(val_loss, sample)
+            loss = f", val loss {val_loss:.4f}" if val_loss is not None else ""
+            with open(self.run_dir / SAMPLES_FILE, "a", encoding="utf-8") as f:
+                f.write(f"===== step {self.step}{loss} =====\n{sample}\n\n")
         return val_loss, sample
-
-    def _append_sample(self, val_loss: float | None, sample: str) -> None:
-        loss = f", val loss {val_loss:.4f}" if val_loss is not None else ""
-        with open(self.run_dir / SAMPLES_FILE, "a", encoding="utf-8") as f:
-            f.write(f"===== step {self.step}{loss} =====\n{sample}\n\n")
 
     def final_figures(self) -> list[str]:
         """The figures of the last evaluation as report.md words them (console lines at the end of a run)."""
