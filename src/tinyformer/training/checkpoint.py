@@ -266,13 +266,11 @@ def save_checkpoint(
         }
         _write_file(tmp / TRAINER_FILE, (json.dumps(meta, indent=1) + "\n").encode())
         fsync_dir(tmp)
+        old = state_dir / f".old-step-{step:06d}-{os.getpid()}"
         if final.exists():  # the same step saved again (e.g. the last step): swap it out
-            old = state_dir / f".old-step-{step:06d}-{os.getpid()}"
             final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
         fsync_dir(state_dir)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -83,17 +83,6 @@ def default_run_dir() -> Path:
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
 
 
-def _fresh_configs(spec: RunSpec) -> tuple[ModelConfig | None, dict[str, Any], TrainConfig]:
-    """(model config or None when it comes from init_from, model fields asked for, train config)."""
-    train = TrainConfig.from_dict({**spec.sections.get("train", {}), **spec.train_overrides})
-    model_fields = {**spec.sections.get("model", {}), **spec.model_overrides}
-    if train.init_from is not None:
-        if "preset" in model_fields:
-            raise ConfigError("--init-from takes the model from that run; drop the model preset")
-        return None, model_fields, train
-    return build_model_config(model_fields), model_fields, train
-
-
 def _objective_schedule(spec: RunSpec, objective_cls: type[Objective], train: TrainConfig
                         ) -> tuple[TrainConfig, str | None]:
     """``train`` with the schedule fields the objective chooses for its own run length
@@ -325,7 +314,11 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
                 f"run folder {run_dir} already exists and is not empty; use --resume to continue it, --force to "
                 "start over (deleting its checkpoints), or another --out"
             )
-        model_cfg, model_fields, train = _fresh_configs(spec)
+        train = TrainConfig.from_dict({**spec.sections.get("train", {}), **spec.train_overrides})
+        model_fields = {**spec.sections.get("model", {}), **spec.model_overrides}
+        if train.init_from is not None and "preset" in model_fields:
+            raise ConfigError("--init-from takes the model from that run; drop the model preset")
+        model_cfg = build_model_config(model_fields) if train.init_from is None else None  # else init_from's, below
         init_from = Path(train.init_from) if train.init_from else None
         if init_from is not None:
             from tinyformer.run_folder import load_config

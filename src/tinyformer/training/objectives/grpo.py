@@ -258,11 +258,8 @@ class GRPOObjective(ChatObjective):
                 split = fixed or ("train" if held is not None else self._split(first_user_text(messages)))
                 self.prompts[split].append((ids, messages, row))
         if not self.prompts["train"]:
-            from tinyformer.data.chat_data import describe_skipped
-
-            extra = f"; {describe_skipped(self.skipped)}" if self.skipped else ""
-            raise DataError(f"{self.source} has no prompt to train on (each needs room for --max-new-tokens "
-                            f"{cfg.max_new_tokens} in the {self._block()}-token context){extra}")
+            raise self._no_data(f"prompt to train on (each needs room for --max-new-tokens {cfg.max_new_tokens} in "
+                                f"the {self._block()}-token context)")
         self.model: nn.Module | None = None
         self.reference: nn.Module | None = None  # a frozen copy, only without LoRA and with beta > 0
         #: the sampled batch still to be trained on by later PPO epochs, and how often it was used
@@ -358,13 +355,10 @@ class GRPOObjective(ChatObjective):
             index = torch.randint(0, n, (self.cfg.batch_size,), generator=generator).tolist()
             seed = int(torch.randint(0, 2**62, (1,), generator=generator))
             self.rollout, self.rollout_uses = self._rollout(index, seed), 0
-            self.micro = 0
         if self.micro == 0:
             self.rollout_uses += 1
-        A = self.cfg.grad_accum
-        part = self.micro
-        self.micro = (self.micro + 1) % A
-        return _to_batch(self.rollout, self.pad_id, part, A)
+        part, self.micro = self.micro, (self.micro + 1) % self.cfg.grad_accum
+        return _to_batch(self.rollout, self.pad_id, part, self.cfg.grad_accum)
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         logps = shared_prompt_logps(model, batch, self.cfg.temperature)

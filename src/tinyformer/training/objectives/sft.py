@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from tinyformer.training.train_config import TrainConfig
 
 IGNORE = -100
+Row = tuple[list[int], list[int]]  # (input ids, targets with -100 where there is no loss)
 SAMPLE_QUESTIONS = 3
 SAMPLE_TOKENS = 64
 REPORT_QUESTIONS = 5
@@ -72,7 +73,7 @@ def grow_vocab(tensors: dict[str, torch.Tensor], vocab_size: int) -> dict[str, t
     return out
 
 
-def pad_rows(rows: Sequence[tuple[list[int], list[int]]], pad_id: int) -> Batch:
+def pad_rows(rows: Sequence[Row], pad_id: int) -> Batch:
     """(input ids, targets) pairs of different lengths -> right-padded (B, T) tensors (targets -100 on padding)."""
     T = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
@@ -83,7 +84,7 @@ def pad_rows(rows: Sequence[tuple[list[int], list[int]]], pad_id: int) -> Batch:
     return {"input_ids": input_ids, "targets": targets, "tokens": int((targets != IGNORE).sum())}
 
 
-def reply_row(ids: list[int], mask: list[int], block_size: int) -> tuple[tuple[list[int], list[int]] | None, bool]:
+def reply_row(ids: list[int], mask: list[int], block_size: int) -> tuple[Row | None, bool]:
     """(the (inputs, targets) row of encoded ids cut to ``block_size + 1`` tokens, targets -100 where ``mask`` is 0;
     whether they were cut); the row is None when no target is left in the context."""
     cut = len(ids) > block_size + 1
@@ -94,8 +95,7 @@ def reply_row(ids: list[int], mask: list[int], block_size: int) -> tuple[tuple[l
     return (ids[:-1], targets), cut
 
 
-def conversation_row(conv: Conversation, block_size: int, template: ChatTemplate
-                     ) -> tuple[tuple[list[int], list[int]] | None, bool]:
+def conversation_row(conv: Conversation, block_size: int, template: ChatTemplate) -> tuple[Row | None, bool]:
     """:func:`reply_row` of a conversation, its assistant tokens the targets (a bad row names its source)."""
     try:
         ids, mask = template.encode_conversation(conv.messages, conv.tools)
