@@ -331,16 +331,10 @@ class GRPOObjective(ChatObjective):
         rows = [(prompts[k // G][0], ids, logps) for k, (ids, logps, _) in enumerate(done)]
         batch = _rows_batch(rows, self.pad_id)
         ref = self._reference_logps(batch)
-        self.window["sample_s"] += t1 - t0
-        self.window["reward_s"] += t2 - t1
-        self.window["reference_s"] += time.perf_counter() - t2
-        self.window["rollouts"] += 1
-        self.window["reward_sum"] += float(r.sum())
-        self.window["reward_sq"] += float((r * r).sum())
-        self.window["completions"] += r.numel()
-        self.window["equal_groups"] += int((r == r[:, :1]).all(dim=1).sum())
-        self.window["groups"] += len(index)
-        self.window["completion_tokens"] += sum(len(ids) for ids, _, _ in done)
+        self.window.update(sample_s=t1 - t0, reward_s=t2 - t1, reference_s=time.perf_counter() - t2, rollouts=1,
+                           reward_sum=float(r.sum()), reward_sq=float((r * r).sum()), completions=r.numel(),
+                           equal_groups=int((r == r[:, :1]).all(dim=1).sum()), groups=len(index),
+                           completion_tokens=sum(len(ids) for ids, _, _ in done))  # Counter.update adds
         return {"rows": [[p, ids, lp] for p, ids, lp in rows], "advantages": adv.tolist(),
                 "ref": None if ref is None else [ref[i, batch["targets"][i] != IGNORE].tolist()
                                                  for i in range(len(rows))]}
@@ -368,9 +362,7 @@ class GRPOObjective(ChatObjective):
         # the trainer divides each micro-batch's loss by --grad-accum: this part is already its share of the whole
         loss = loss * self.cfg.grad_accum
         if model.training and torch.is_grad_enabled():
-            self.window["updates"] += 1
-            self.window["kl"] += float(figures["kl"])
-            self.window["clip_fraction"] += float(figures["clip_fraction"])
+            self.window.update(updates=1, kl=float(figures["kl"]), clip_fraction=float(figures["clip_fraction"]))
         return loss
 
     # ------------------------------------------------------------------ figures
