@@ -310,17 +310,14 @@ class DistributedTrainer(Trainer):
         if self.distributed:
             self._restore_rank_rng(Path(ckpt_dir))
 
-    def _rank_rng(self) -> dict[str, torch.Tensor]:
-        states = {"torch": torch.get_rng_state(), "data": self.data_generator.get_state()}
-        if self.device.type == "cuda":
-            states["cuda"] = torch.cuda.get_rng_state(self.device)
-        return states
-
     def _gather_rank_rng(self) -> dict[str, torch.Tensor]:
         import torch.distributed as dist
 
+        states = {"torch": torch.get_rng_state(), "data": self.data_generator.get_state()}
+        if self.device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(self.device)
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, self._rank_rng())
+        dist.all_gather_object(gathered, states)
         return {f"rng.rank.{rank}.{key}": value.cpu() for rank, states in enumerate(gathered)
                 for key, value in states.items()}
 

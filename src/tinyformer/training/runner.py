@@ -94,17 +94,6 @@ def _objective_schedule(spec: RunSpec, objective_cls: type[Objective], train: Tr
     return train.replace(**chosen), f"{train.objective}'s default for {train.max_steps} steps"
 
 
-def _check_block_size(model_cfg: ModelConfig, train: TrainConfig) -> TrainConfig:
-    if train.block_size is None:
-        return train.replace(block_size=model_cfg.max_seq_len)
-    if train.block_size > model_cfg.max_seq_len:
-        raise ConfigError(
-            f"train.block_size {train.block_size} is above the model's max_seq_len {model_cfg.max_seq_len}; "
-            f"use --block-size <= {model_cfg.max_seq_len} or raise --model.max_seq_len"
-        )
-    return train
-
-
 def _clear_run(run_dir: Path) -> None:
     for name in RUN_ENTRIES:
         path = run_dir / name
@@ -338,8 +327,13 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
     if not spec.resume:
         train, schedule_source = _objective_schedule(spec, objective_cls, train)
     autocast_dtype(train.dtype, resolve_device(train.device))  # an impossible device/dtype fails before any data work
-    uses_block = objective_cls.uses_corpus or objective_cls.uses_block_size
-    train = _check_block_size(model_cfg, train) if uses_block else train
+    if objective_cls.uses_corpus or objective_cls.uses_block_size:  # batches of block_size tokens
+        if train.block_size is None:
+            train = train.replace(block_size=model_cfg.max_seq_len)
+        elif train.block_size > model_cfg.max_seq_len:
+            raise ConfigError(f"train.block_size {train.block_size} is above the model's max_seq_len "
+                              f"{model_cfg.max_seq_len}; use --block-size <= {model_cfg.max_seq_len} or raise "
+                              "--model.max_seq_len")
     check_buildable(model_cfg)  # an absurd size fails here, not in the allocator after the tokenizer is trained
 
     # ---- tokenizer and data

@@ -246,17 +246,6 @@ class TrainConfig:
 # ---------------------------------------------------------------------------- values from text
 
 
-def _field_types(cls: type) -> dict[str, set[type]]:
-    """The plain types each field of a dataclass accepts, from its (string) annotations."""
-    hints = typing.get_type_hints(cls)
-    out: dict[str, set[type]] = {}
-    for name, hint in hints.items():
-        args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
-            else (hint,)
-        out[name] = {typing.get_origin(a) or a for a in args}
-    return out
-
-
 def parse_value(text: str) -> Any:
     """A command-line value as YAML (true, null, [1, 2], 3.5), with YAML 1.1's gaps filled: ``3e-4`` is a float."""
     import yaml
@@ -277,9 +266,11 @@ def parse_value(text: str) -> Any:
 def coerce_field(cls: type, name: str, value: Any, raw: str | None = None) -> Any:
     """``value`` converted to what field ``name`` of ``cls`` holds when the conversion loses nothing
     (1 -> 1.0 for a float, 1000.0 -> 1000 for an int, the raw text for a string); else unchanged."""
-    allowed = _field_types(cls).get(name)
-    if allowed is None:
+    hint = typing.get_type_hints(cls).get(name)  # from the (string) annotations
+    if hint is None:
         return value
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    allowed = {typing.get_origin(a) or a for a in (typing.get_args(hint) if union else (hint,))}  # the plain types
     if value is None or type(value) in allowed:
         return value
     if float in allowed and isinstance(value, int) and not isinstance(value, bool):
@@ -313,18 +304,14 @@ def read_run_file(path: str | Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def parse_override(item: str) -> tuple[str, str, Any, str]:
-    """``"train.lr=3e-4"`` -> ("train", "lr", 0.0003, "3e-4"); the section is required."""
+def apply_override(sections: dict[str, dict[str, Any]], item: str) -> None:
+    """Apply one ``section.field=value`` override in place (``"train.lr=3e-4"``: train's lr = 0.0003), checking
+    that the field exists; the section is required."""
     key, sep, raw = item.partition("=")
     section, dot, name = key.strip().partition(".")
     if not sep or not dot or section not in SECTIONS or not name:
         raise ConfigError(f"override {item!r} must look like model.FIELD=VALUE or train.FIELD=VALUE")
-    return section, name, parse_value(raw), raw
-
-
-def apply_override(sections: dict[str, dict[str, Any]], item: str) -> None:
-    """Apply one ``section.field=value`` override in place, checking that the field exists."""
-    section, name, value, raw = parse_override(item)
+    value = parse_value(raw)
     cls = ModelConfig if section == "model" else TrainConfig
     known = {f.name for f in dataclasses.fields(cls)} | ({"preset"} if section == "model" else set())
     if name not in known:

@@ -47,7 +47,7 @@ from tinyformer.training.checkpoint import (
     save_checkpoint,
 )
 from tinyformer.training.device import device_peak_flops, synchronize
-from tinyformer.training.metrics import MetricsLogger, RunningWindow
+from tinyformer.training.metrics import MetricsLogger, RunningWindow, read_metrics
 from tinyformer.training.objectives import Objective
 from tinyformer.training.optim import build_optimizer, lr_at
 from tinyformer.training.train_config import TrainConfig
@@ -392,8 +392,11 @@ class Trainer:
         interrupted = None
         try:
             while self.step < cfg.max_steps:
-                if self.stop_request:
-                    interrupted = self._stop_and_save()
+                if self.stop_request:  # checkpoint the current step (unless it is step 0 or already saved)
+                    saved = self.last_checkpoint is not None and self.last_checkpoint.name == f"step-{self.step:06d}"
+                    if self.step > 0 and not saved:
+                        self.save()
+                    interrupted = self.stop_request.signal_name
                     break
                 self.advance(pbar)
                 last = self.step == cfg.max_steps
@@ -409,8 +412,10 @@ class Trainer:
         plot_note = self.plot() if self.is_main and interrupted is None else None
         if self.is_main and interrupted is None:
             self.write_report()
-        return TrainSummary(self.step, self.tokens_seen, self.train_seconds, self._last_train_loss(), val_loss, sample,
-                            plot_note, interrupted)
+        records = read_metrics(self.metrics.path) if self.is_main else []
+        losses = [r["loss"] for r in records if r.get("kind") == "train"]
+        return TrainSummary(self.step, self.tokens_seen, self.train_seconds, losses[-1] if losses else None, val_loss,
+                            sample, plot_note, interrupted)
 
     def advance(self, pbar: Any = None) -> None:
         """One step of :meth:`fit`'s loop without its evaluations and checkpoints: the update, the running
@@ -445,7 +450,6 @@ class Trainer:
     def write_report(self) -> None:
         """Write report.md (:mod:`tinyformer.report_card`) for the model as it is now."""
         from tinyformer.report_card import write_training_card
-        from tinyformer.training.metrics import read_metrics
 
         write_training_card(self.run_dir, read_metrics(self.metrics.path), self.objective,
                             self.objective.report(self.model, self.device))
@@ -467,13 +471,6 @@ class Trainer:
         changed = resample_threads()
         if changed is not None:
             self._log(pbar, f"threads: {changed[0]} -> {describe_threads(changed[1], 'load')}")
-
-    def _stop_and_save(self) -> str:
-        """Checkpoint the current step (unless it is step 0 or already saved); returns the signal's name."""
-        saved = self.last_checkpoint is not None and self.last_checkpoint.name == f"step-{self.step:06d}"
-        if self.step > 0 and not saved:
-            self.save()
-        return self.stop_request.signal_name
 
     def _evaluate_and_log(self, pbar: Any, train_loss: float, train_steps: int) -> tuple[float | None, str | None]:
         """Evaluate, log the eval record and print it: the figures as report.md words them
@@ -505,20 +502,11 @@ class Trainer:
     def final_figures(self) -> list[str]:
         """The figures of the last evaluation as report.md words them (console lines at the end of a run)."""
         from tinyformer.report_card import heldout_line, train_loss_line
-        from tinyformer.training.metrics import read_metrics
 
         evals = [r for r in read_metrics(self.metrics.path) if r.get("kind") == "eval"] if self.is_main else []
         if not evals:
             return []
         return [line for line in (train_loss_line(evals[-1]), heldout_line(evals[-1], self.objective)) if line]
-
-    def _last_train_loss(self) -> float | None:
-        from tinyformer.training.metrics import read_metrics
-
-        if not self.is_main:
-            return None
-        losses = [r["loss"] for r in read_metrics(self.metrics.path) if r.get("kind") == "train"]
-        return losses[-1] if losses else None
 
     def plot(self) -> str | None:
         from tinyformer.training.plot import plot_loss_curve

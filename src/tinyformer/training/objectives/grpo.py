@@ -382,17 +382,12 @@ class GRPOObjective(ChatObjective):
         self.window = Counter()
         return out
 
-    def _heldout(self) -> list[tuple[list[int], list[dict[str, str]], dict]]:
-        """The held-out prompts an evaluation answers: ``eval_iters * batch_size`` of them (0: all) spread evenly
-        over the split (the built-in set's kinds of question come in runs)."""
-        prompts = self.prompts["val"] or self.prompts["train"]
-        return spread(prompts, self.cfg.eval_iters * self.cfg.batch_size)
-
     def _heldout_scores(self, shown: int = 0) -> dict[str, Any]:
-        """Greedy completions of the held-out prompts: {"mean": mean reward, "n": prompts, "shown": the first
-        ``shown`` (prompt, completion, reward) spread evenly over them}."""
+        """Greedy completions of the held-out prompts (``eval_iters * batch_size`` of them, 0: all, spread evenly
+        over the split: the built-in set's kinds of question come in runs): {"mean": mean reward, "n": prompts,
+        "shown": the first ``shown`` (prompt, completion, reward) spread evenly over them}."""
         assert self.model is not None
-        prompts = self._heldout()
+        prompts = spread(self.prompts["val"] or self.prompts["train"], self.cfg.eval_iters * self.cfg.batch_size)
         done = sample_completions(self.model, self.tokenizer, [p[0] for p in prompts], 1, self.cfg.max_new_tokens,
                                   0.0, None, self.template.stop_token_ids)
         scores = [self.rewards.score(m[-1]["content"], text, row) for (_, m, row), (_, _, text) in zip(prompts, done)]
