@@ -79,15 +79,6 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def dist_timeout() -> datetime.timedelta:
-    raw = os.environ.get(TIMEOUT_ENV)
-    try:
-        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise ConfigError(f"${TIMEOUT_ENV}={raw!r} must be a number of seconds") from None
-    return datetime.timedelta(seconds=seconds)
-
-
 def init_distributed() -> DistContext:
     """Join the job this process was launched into, or describe a plain single process.
 
@@ -106,7 +97,12 @@ def init_distributed() -> DistContext:
             backend = "cpu:gloo,cuda:nccl"
         else:
             backend = "gloo"
-        dist.init_process_group(backend, timeout=dist_timeout())
+        raw = os.environ.get(TIMEOUT_ENV)
+        try:
+            seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise ConfigError(f"${TIMEOUT_ENV}={raw!r} must be a number of seconds") from None
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds))
         atexit.register(shutdown_distributed)
     if not ctx.is_main:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- lives as long as the process

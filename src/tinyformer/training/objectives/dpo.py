@@ -164,13 +164,12 @@ class DPOObjective(ChatObjective):
         n = len(self.rows[split]) if not self.cfg.eval_iters else min(len(self.rows[split]),
                                                                       self.cfg.eval_iters * self.cfg.batch_size)
         before = self.reference_accuracy(split, n)
-        lines = [f"## Preferences ({n} {name} pairs, beta {self.cfg.dpo_beta:g})", "",
-                 "| | before (reference) | after |", "|---|---|---|",
-                 f"| preference accuracy, log p(chosen) > log p(rejected) | {before:.3f} "
-                 f"| {after[f'{split}_preference_accuracy']:.3f} |",
-                 f"| reward margin | 0 | {after[f'{split}_reward_margin']:.4f} |",
-                 f"| reward accuracy | 0 | {after[f'{split}_reward_accuracy']:.3f} |"]
-        return lines
+        return [f"## Preferences ({n} {name} pairs, beta {self.cfg.dpo_beta:g})", "",
+                "| | before (reference) | after |", "|---|---|---|",
+                f"| preference accuracy, log p(chosen) > log p(rejected) | {before:.3f} "
+                f"| {after[f'{split}_preference_accuracy']:.3f} |",
+                f"| reward margin | 0 | {after[f'{split}_reward_margin']:.4f} |",
+                f"| reward accuracy | 0 | {after[f'{split}_reward_accuracy']:.3f} |"]
 
 
 def load_pairs(data: str | None) -> tuple[list[PreferencePair], str, dict[str, int]]:
