@@ -156,12 +156,10 @@ def _resume_configs(spec: RunSpec, run_dir: Path, latest: Path | None) -> tuple[
     train_diff = config_differences(train.to_dict(), asked_train.to_dict(), RESUME_MUTABLE)
     if model_diff or train_diff:
         asked = {*spec.model_overrides, *spec.train_overrides}  # name what the user changed, not a knock-on
-        model_diff.sort(key=lambda k: k not in asked)
-        train_diff.sort(key=lambda k: k not in asked)
-        name = f"model.{model_diff[0]}" if model_diff else f"train.{train_diff[0]}"
-        section, key = name.split(".", 1)
-        have = getattr(model_cfg if section == "model" else train, key)
-        want = getattr(asked_model if section == "model" else asked_train, key)
+        section, diff, saved, wanted = (("model", model_diff, model_cfg, asked_model) if model_diff
+                                        else ("train", train_diff, train, asked_train))
+        key = min(diff, key=lambda k: k not in asked)  # the first field the user changed, else the first that differs
+        name, have, want = f"{section}.{key}", getattr(saved, key), getattr(wanted, key)
         raise CheckpointError(
             f"--resume: {run_dir} was trained with {name}={have!r} but this run asks for {want!r}; its checkpoint "
             "is from another config. Resume without that change, or start a new run with another --out"
