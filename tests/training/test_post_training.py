@@ -164,8 +164,8 @@ def test_prompt_longer_than_the_context_is_skipped_and_counted(tmp_path: Path) -
     objective = prepare_run(spec, log=lambda _: None).trainer.objective
     assert objective.skipped == {"no assistant token within the context": 1}
     assert objective.truncated == 2  # the skipped row and the long reply, which is cut
-    assert len(objective.examples["train"]) == 2
-    assert all(len(ids) <= 48 for ids, _ in objective.examples["train"])
+    assert len(objective.rows["train"]) == 2
+    assert all(len(ids) <= 48 for ids, _ in objective.rows["train"])
 
 
 # ---------------------------------------------------------------------------- ChatML added to a run
@@ -332,7 +332,7 @@ def test_dpo_reference_stays_fixed_and_heldout_preference_accuracy_rises(tmp_pat
     init_grown = type(init)(trainer.model.cfg)
     init_grown.load_state_dict(grow_vocab(init.state_dict(), trainer.model.cfg.vocab_size), strict=False)
     init_grown.lm_head.weight = init_grown.tok_emb.weight
-    chosen, rejected = score_pairs(init_grown, objective.pairs["val"], objective.pad_id, 7, "cpu")
+    chosen, rejected = score_pairs(init_grown, objective.rows["val"], objective.pad_id, 7, "cpu")
     assert torch.allclose(before["val"], torch.stack([chosen, rejected], 1), atol=1e-5)
     accuracy_before = objective.reference_accuracy("val")
     assert 0.2 <= accuracy_before <= 0.8

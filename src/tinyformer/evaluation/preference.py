@@ -20,29 +20,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyformer.errors import DataError
-from tinyformer.training.objectives.dpo import encode_pair, reply_row, score_pairs
-from tinyformer.training.objectives.sft import IGNORE, pad_rows
+from tinyformer.training.objectives.dpo import encode_pair, score_pairs
+from tinyformer.training.objectives.sft import IGNORE, conversation_row, pad_rows
 
 if TYPE_CHECKING:
-    from tinyformer.data.tokenizer import Tokenizer
+    from tinyformer.data.chat_template import ChatTemplate
 
 
-def _load(run: Path, device: str) -> tuple[nn.Module, Tokenizer, torch.device]:
+def _load(run: Path, device: str) -> tuple[nn.Module, ChatTemplate, int, torch.device]:
+    """The run's model, its chat template, the padding id and the device."""
+    from tinyformer.data.chat_template import ChatTemplate
     from tinyformer.devices import resolve_device
     from tinyformer.run_folder import load_model, load_tokenizer
 
     dev = resolve_device(device)
-    return load_model(run, device=dev), load_tokenizer(run), dev
+    model, tokenizer = load_model(run, device=dev), load_tokenizer(run)
+    return model, ChatTemplate(tokenizer), tokenizer.pad_id if tokenizer.pad_id is not None else 0, dev
 
 
 def evaluate_preferences(run: Path, data: str, *, batch_size: int = 8, device: str = "auto") -> dict[str, Any]:
     """Preference accuracy and mean log-prob margin of the model in ``run`` on a preference JSONL file."""
     from tinyformer.data.chat_data import describe_skipped, read_preference_file
-    from tinyformer.data.chat_template import ChatTemplate
 
-    model, tokenizer, dev = _load(run, device)
+    model, template, pad, dev = _load(run, device)
     prefs = read_preference_file(data)
-    template = ChatTemplate(tokenizer)
     rows, skipped = [], prefs.skipped.copy()
     for pair in prefs.pairs:
         encoded, _ = encode_pair(pair, model.cfg.max_seq_len, template)
@@ -52,7 +53,6 @@ def evaluate_preferences(run: Path, data: str, *, batch_size: int = 8, device: s
             rows.append(encoded)
     if not rows:
         raise DataError(f"{data} has no usable preference pair; {describe_skipped(skipped) or 'it is empty'}")
-    pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     chosen, rejected = score_pairs(model, rows, pad, batch_size, dev)
     margin = (chosen - rejected).double()
     return {"model": str(run), "data": str(data), "pairs": len(rows), "skipped": sum(skipped.values()),
@@ -63,25 +63,18 @@ def evaluate_preferences(run: Path, data: str, *, batch_size: int = 8, device: s
 def evaluate_chat(run: Path, data: str, *, batch_size: int = 8, device: str = "auto") -> dict[str, Any]:
     """Assistant-token loss (and perplexity) of the model in ``run`` on a chat JSONL file."""
     from tinyformer.data.chat_data import describe_skipped, read_chat_file
-    from tinyformer.data.chat_template import ChatTemplate
 
-    model, tokenizer, dev = _load(run, device)
+    model, template, pad, dev = _load(run, device)
     chat = read_chat_file(data)
-    template = ChatTemplate(tokenizer)
     rows, skipped = [], chat.skipped.copy()
     for conv in chat.conversations:
-        try:
-            ids, mask = template.encode_conversation(conv.messages, conv.tools)
-        except DataError as exc:
-            raise DataError(f"{conv.source}: {exc}") from None
-        row, _ = reply_row(ids, mask, model.cfg.max_seq_len)
+        row, _ = conversation_row(conv, model.cfg.max_seq_len, template)
         if row is None:
             skipped["no assistant token within the context"] += 1
         else:
             rows.append(row)
     if not rows:
         raise DataError(f"{data} has no usable conversation; {describe_skipped(skipped) or 'it is empty'}")
-    pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     nll, count = 0.0, 0
     for start in range(0, len(rows), batch_size):
         batch = pad_rows(rows[start : start + batch_size], pad)

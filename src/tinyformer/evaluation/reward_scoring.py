@@ -52,14 +52,9 @@ def evaluate_rewards(model_dir: str | Path, data: str | None, specs: list[str], 
     template = ChatTemplate(tokenizer)
     scored: list[list[float]] = []
     kinds: dict[str, list[float]] = defaultdict(list)
-    skipped = 0
-    encoded = []
-    for messages, row in prompts:
-        ids = template.encode_prompt(messages)
-        if len(ids) + max_new_tokens > model.cfg.max_seq_len:
-            skipped += 1
-            continue
-        encoded.append((ids, messages, row))
+    rendered = [(template.encode_prompt(messages), messages, row) for messages, row in prompts]
+    encoded = [r for r in rendered if len(r[0]) + max_new_tokens <= model.cfg.max_seq_len]  # room to answer
+    skipped = len(rendered) - len(encoded)
     temperature, seed = (0.0, None) if num_samples == 1 else (1.0, 0)
     for start in range(0, len(encoded), batch_size):
         chunk = encoded[start : start + batch_size]

@@ -216,21 +216,19 @@ def evaluate_items(model: Any, tokenizer: Any, items: Sequence[MultipleChoice | 
         empty = next((i for i, (c, k) in enumerate(requests) if not c or not k), None)
         if empty is not None:
             raise DataError(f"question {owner[empty] + 1} encodes to no context or no choice tokens")
-        scores = score_continuations(model, requests, batch_size=batch_size, progress=progress)
-        acc, acc_norm, acc_bytes = [], [], []
-        i = 0
+        scores = iter(score_continuations(model, requests, batch_size=batch_size, progress=progress))
+        # each metric's length of a choice (the log-likelihood is divided by it): none, characters, UTF-8 bytes
+        lengths = {"acc": None, "acc_norm": len, "acc_bytes": lambda c: len(c.encode("utf-8"))}
+        hits: dict[str, list[float]] = {name: [] for name in lengths}
         for it in mc:
-            lls = [s.logprob for s in scores[i : i + len(it.choices)]]
-            i += len(it.choices)
-            acc.append(float(_argmax(lls) == it.answer))
-            acc_norm.append(float(_argmax([ll / len(c) for ll, c in zip(lls, it.choices)]) == it.answer))
-            acc_bytes.append(float(_argmax([ll / len(c.encode("utf-8")) for ll, c in zip(lls, it.choices)])
-                                   == it.answer))
+            lls = [next(scores).logprob for _ in it.choices]
+            for name, length in lengths.items():
+                normed = lls if length is None else [ll / length(c) for ll, c in zip(lls, it.choices)]
+                hits[name].append(float(_argmax(normed) == it.answer))
         result["multiple_choice"] = {"n": len(mc)}
-        for name, values in (("acc", acc), ("acc_norm", acc_norm), ("acc_bytes", acc_bytes)):
+        for name, values in hits.items():
             mean, err = _mean_stderr(values)
-            result["multiple_choice"][name] = mean
-            result["multiple_choice"][f"{name}_stderr"] = err
+            result["multiple_choice"].update({name: mean, f"{name}_stderr": err})
     exact = [it for it in items if isinstance(it, ExactAnswer)]
     if exact:
         hits = _exact_match(model, tokenizer, exact, batch_size, max_new_tokens)

@@ -266,13 +266,11 @@ def save_checkpoint(
         }
         _write_file(tmp / TRAINER_FILE, (json.dumps(meta, indent=1) + "\n").encode())
         fsync_dir(tmp)
+        old = state_dir / f".old-step-{step:06d}-{os.getpid()}"
         if final.exists():  # the same step saved again (e.g. the last step): swap it out
-            old = state_dir / f".old-step-{step:06d}-{os.getpid()}"
             final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
         fsync_dir(state_dir)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -314,16 +312,6 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: str
             own[key].copy_(value)
 
 
-def check_trainer_fields(meta: Any, ckpt_dir: Path) -> None:
-    """A trainer.json must be an object with every field a resume reads; name the first one missing."""
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{ckpt_dir / TRAINER_FILE} must hold a JSON object")
-    for key in ("step", "optimizer", "rng", "trainer"):
-        if key not in meta:
-            raise CheckpointError(f"{ckpt_dir / TRAINER_FILE} has no {key!r} field: the checkpoint is damaged; "
-                                  "remove that step's folder to resume from an earlier one")
-
-
 def load_checkpoint(
     ckpt_dir: Path,
     model: nn.Module,
@@ -351,12 +339,14 @@ def load_checkpoint(
     if saved_sizes != own_sizes:
         raise CheckpointError(f"{ckpt_dir}: optimizer groups hold {saved_sizes} tensors, this model needs "
                               f"{own_sizes}: the checkpoint is from another config")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     for pid, values in state["state"].items():
+        if values and not 0 <= pid < len(params):
+            raise CheckpointError(f"optimizer state names tensor {pid}, the model has {len(params)}")
         for key, value in values.items():
-            param = _param_by_index(optimizer, pid)
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[pid].shape:
                 raise CheckpointError(f"{ckpt_dir}: optimizer state {key} of tensor {pid} has shape "
-                                      f"{tuple(value.shape)}, this model needs {tuple(param.shape)}")
+                                      f"{tuple(value.shape)}, this model needs {tuple(params[pid].shape)}")
     (assign_optimizer or optimizer.load_state_dict)(state)
     restore_rng(tensors, meta["rng"], data_generator)
     if scaler is not None and meta.get("scaler"):
@@ -373,7 +363,10 @@ def read_meta(ckpt_dir: Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format_version") != STATE_FORMAT_VERSION:
         version = meta.get("format_version") if isinstance(meta, dict) else None
         raise CheckpointError(f"{ckpt_dir} has state format {version!r}, expected {STATE_FORMAT_VERSION}")
-    check_trainer_fields(meta, ckpt_dir)
+    for key in ("step", "optimizer", "rng", "trainer"):  # every field a resume reads; name the first one missing
+        if key not in meta:
+            raise CheckpointError(f"{ckpt_dir / TRAINER_FILE} has no {key!r} field: the checkpoint is damaged; "
+                                  "remove that step's folder to resume from an earlier one")
     return meta
 
 
@@ -389,10 +382,3 @@ def run_file(ckpt_dir: Path, name: str) -> bytes | None:
         raise CheckpointError(f"{path} does not match the checksum recorded when it was written: the checkpoint "
                               f"is corrupt; {_older(ckpt_dir)}")
     return data
-
-
-def _param_by_index(optimizer: torch.optim.Optimizer, index: int) -> torch.Tensor:
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if not 0 <= index < len(params):
-        raise CheckpointError(f"optimizer state names tensor {index}, the model has {len(params)}")
-    return params[index]

@@ -36,7 +36,6 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import json
 import os
 import sys
 import time
@@ -49,7 +48,6 @@ import torch
 from torch import nn
 
 from tinyformer.errors import ConfigError, TinyformerError
-from tinyformer.training.train_config import PARALLEL_MODES
 from tinyformer.training.trainer import Trainer
 
 #: Methods of a model that objectives call instead of ``forward`` (e.g. ``model.loss(x, y)``); the
@@ -81,15 +79,6 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def dist_timeout() -> datetime.timedelta:
-    raw = os.environ.get(TIMEOUT_ENV)
-    try:
-        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise ConfigError(f"${TIMEOUT_ENV}={raw!r} must be a number of seconds") from None
-    return datetime.timedelta(seconds=seconds)
-
-
 def init_distributed() -> DistContext:
     """Join the job this process was launched into, or describe a plain single process.
 
@@ -108,7 +97,12 @@ def init_distributed() -> DistContext:
             backend = "cpu:gloo,cuda:nccl"
         else:
             backend = "gloo"
-        dist.init_process_group(backend, timeout=dist_timeout())
+        raw = os.environ.get(TIMEOUT_ENV)
+        try:
+            seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise ConfigError(f"${TIMEOUT_ENV}={raw!r} must be a number of seconds") from None
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds))
         atexit.register(shutdown_distributed)
     if not ctx.is_main:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- lives as long as the process
@@ -202,13 +196,8 @@ class DistributedTrainer(Trainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         import torch.distributed as dist
 
-        cfg = args[1] if len(args) > 1 else kwargs["cfg"]
-        self.parallel = cfg.parallel
-        if self.parallel not in PARALLEL_MODES:
-            raise ConfigError(f"train.parallel={self.parallel!r} is not one of {', '.join(PARALLEL_MODES)}")
         self.distributed = dist.is_available() and dist.is_initialized()
         self._ddp: _DDP | None = None
-        self.compile_seconds: float | None = None
         super().__init__(*args, **kwargs)
         if self.device.type == "cuda":
             from tinyformer.training.device import enable_tf32
@@ -220,13 +209,13 @@ class DistributedTrainer(Trainer):
 
     @property
     def sharded(self) -> bool:
-        return self.distributed and self.parallel == "fsdp"
+        return self.distributed and self.cfg.parallel == "fsdp"
 
     # ------------------------------------------------------------------ wrapping
     def wrap_model(self, model: nn.Module) -> nn.Module:
         if not self.distributed:
             return super().wrap_model(model)
-        if self.parallel == "fsdp":
+        if self.cfg.parallel == "fsdp":
             return self._fully_shard(model)
         device_ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
             if self.device.type == "cuda" else None
@@ -317,17 +306,14 @@ class DistributedTrainer(Trainer):
         if self.distributed:
             self._restore_rank_rng(Path(ckpt_dir))
 
-    def _rank_rng(self) -> dict[str, torch.Tensor]:
-        states = {"torch": torch.get_rng_state(), "data": self.data_generator.get_state()}
-        if self.device.type == "cuda":
-            states["cuda"] = torch.cuda.get_rng_state(self.device)
-        return states
-
     def _gather_rank_rng(self) -> dict[str, torch.Tensor]:
         import torch.distributed as dist
 
+        states = {"torch": torch.get_rng_state(), "data": self.data_generator.get_state()}
+        if self.device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(self.device)
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, self._rank_rng())
+        dist.all_gather_object(gathered, states)
         return {f"rng.rank.{rank}.{key}": value.cpu() for rank, states in enumerate(gathered)
                 for key, value in states.items()}
 
@@ -335,10 +321,9 @@ class DistributedTrainer(Trainer):
         """This rank's own streams when the checkpoint has them for this world size; else derived ones."""
         from safetensors import safe_open
 
-        from tinyformer.training.checkpoint import OPTIM_FILE, TRAINER_FILE
+        from tinyformer.training.checkpoint import OPTIM_FILE, read_meta
 
-        meta = json.loads((ckpt_dir / TRAINER_FILE).read_text(encoding="utf-8"))
-        saved_world = int(meta.get("trainer", {}).get("world_size", 1))
+        saved_world = int(read_meta(ckpt_dir)["trainer"].get("world_size", 1))
         prefix = f"rng.rank.{self.rank}."
         with safe_open(str(ckpt_dir / OPTIM_FILE), framework="pt") as f:
             own = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
@@ -355,8 +340,7 @@ class DistributedTrainer(Trainer):
     # ------------------------------------------------------------------ the loop
     def fit(self):  # -> TrainSummary
         if self.cfg.compile and not self.compile_skipped and self.step < self.cfg.max_steps:
-            self.compile_seconds = self.warm_up()
-            self._log(None, f"compiled in {self.compile_seconds:.1f} s (warm-up, not counted in the timings)")
+            self._log(None, f"compiled in {self.warm_up():.1f} s (warm-up, not counted in the timings)")
         return super().fit()
 
     def warm_up(self) -> float:

@@ -74,11 +74,6 @@ class RunningWindow:
         return cls(**{k: v for k, v in (data or {}).items() if k in names})
 
 
-def _json_value(v: Any) -> Any:
-    # JSON has no NaN/inf; null keeps every line parseable by strict readers
-    return None if isinstance(v, float) and not math.isfinite(v) else v
-
-
 class MetricsLogger:
     """Appends records to ``run_dir/metrics.jsonl``; a no-op when ``enabled`` is False (ranks > 0)."""
 
@@ -109,7 +104,8 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        clean = {k: _json_value(v) for k, v in record.items()}
+        # JSON has no NaN/inf; null keeps every line parseable by strict readers
+        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(clean) + "\n")
         tb = self._tensorboard()

@@ -24,10 +24,6 @@ from tinyformer.errors import DataError, TinyformerError
 from tinyformer.training.train_config import TOKENIZER_KINDS, TrainConfig
 
 
-def token_cache_dir(cfg: TrainConfig) -> Path:
-    return (Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()) / "tokens"
-
-
 def corpus_name(cfg: TrainConfig) -> str:
     return cfg.data if cfg.data is not None else "the built-in corpus"
 
@@ -121,7 +117,8 @@ def check_sample_prompt(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
 def build_dataset(cfg: TrainConfig, tokenizer: Tokenizer) -> TokenDataset:
     """Encode the corpus (or reuse its cached token file) and split it into train and val."""
     source: str | Path = load_corpus(cfg.data, cfg.text_field) if _in_memory(cfg) else Path(cfg.data)
-    path = encode_to_memmap(source, tokenizer, token_cache_dir(cfg), text_field=cfg.text_field)
+    cache = (Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()) / "tokens"
+    path = encode_to_memmap(source, tokenizer, cache, text_field=cfg.text_field)
     return TokenDataset(path, val_fraction=cfg.val_fraction)
 
 

@@ -35,6 +35,7 @@ audit hook that refuses sockets, subprocesses and opening files for writing.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -47,7 +48,7 @@ import sys
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -333,24 +334,20 @@ class RewardSet:
             self.calls = int(state.get("calls", 0))
 
 
-class _time_limit:
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
     """Raise :class:`RewardTimeout` in the main thread after ``seconds`` (SIGALRM; no limit elsewhere)."""
+    if seconds <= 0 or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.armed = False
+    def fire(signum: int, frame: Any) -> None:
+        raise RewardTimeout(f"ran past its limit of {seconds:g} s")
 
-    def __enter__(self) -> None:
-        if (self.seconds > 0 and hasattr(signal, "setitimer")
-                and threading.current_thread() is threading.main_thread()):
-            self.previous = signal.signal(signal.SIGALRM, self._fire)
-            signal.setitimer(signal.ITIMER_REAL, self.seconds)
-            self.armed = True
-
-    def _fire(self, signum: int, frame: Any) -> None:
-        raise RewardTimeout(f"ran past its limit of {self.seconds:g} s")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.armed:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self.previous)
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

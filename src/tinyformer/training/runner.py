@@ -83,17 +83,6 @@ def default_run_dir() -> Path:
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
 
 
-def _fresh_configs(spec: RunSpec) -> tuple[ModelConfig | None, dict[str, Any], TrainConfig]:
-    """(model config or None when it comes from init_from, model fields asked for, train config)."""
-    train = TrainConfig.from_dict({**spec.sections.get("train", {}), **spec.train_overrides})
-    model_fields = {**spec.sections.get("model", {}), **spec.model_overrides}
-    if train.init_from is not None:
-        if "preset" in model_fields:
-            raise ConfigError("--init-from takes the model from that run; drop the model preset")
-        return None, model_fields, train
-    return build_model_config(model_fields), model_fields, train
-
-
 def _objective_schedule(spec: RunSpec, objective_cls: type[Objective], train: TrainConfig
                         ) -> tuple[TrainConfig, str | None]:
     """``train`` with the schedule fields the objective chooses for its own run length
@@ -103,17 +92,6 @@ def _objective_schedule(spec: RunSpec, objective_cls: type[Objective], train: Tr
     if not chosen:
         return train, None
     return train.replace(**chosen), f"{train.objective}'s default for {train.max_steps} steps"
-
-
-def _check_block_size(model_cfg: ModelConfig, train: TrainConfig) -> TrainConfig:
-    if train.block_size is None:
-        return train.replace(block_size=model_cfg.max_seq_len)
-    if train.block_size > model_cfg.max_seq_len:
-        raise ConfigError(
-            f"train.block_size {train.block_size} is above the model's max_seq_len {model_cfg.max_seq_len}; "
-            f"use --block-size <= {model_cfg.max_seq_len} or raise --model.max_seq_len"
-        )
-    return train
 
 
 def _clear_run(run_dir: Path) -> None:
@@ -178,12 +156,10 @@ def _resume_configs(spec: RunSpec, run_dir: Path, latest: Path | None) -> tuple[
     train_diff = config_differences(train.to_dict(), asked_train.to_dict(), RESUME_MUTABLE)
     if model_diff or train_diff:
         asked = {*spec.model_overrides, *spec.train_overrides}  # name what the user changed, not a knock-on
-        model_diff.sort(key=lambda k: k not in asked)
-        train_diff.sort(key=lambda k: k not in asked)
-        name = f"model.{model_diff[0]}" if model_diff else f"train.{train_diff[0]}"
-        section, key = name.split(".", 1)
-        have = getattr(model_cfg if section == "model" else train, key)
-        want = getattr(asked_model if section == "model" else asked_train, key)
+        section, diff, saved, wanted = (("model", model_diff, model_cfg, asked_model) if model_diff
+                                        else ("train", train_diff, train, asked_train))
+        key = min(diff, key=lambda k: k not in asked)  # the first field the user changed, else the first that differs
+        name, have, want = f"{section}.{key}", getattr(saved, key), getattr(wanted, key)
         raise CheckpointError(
             f"--resume: {run_dir} was trained with {name}={have!r} but this run asks for {want!r}; its checkpoint "
             "is from another config. Resume without that change, or start a new run with another --out"
@@ -325,7 +301,11 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
                 f"run folder {run_dir} already exists and is not empty; use --resume to continue it, --force to "
                 "start over (deleting its checkpoints), or another --out"
             )
-        model_cfg, model_fields, train = _fresh_configs(spec)
+        train = TrainConfig.from_dict({**spec.sections.get("train", {}), **spec.train_overrides})
+        model_fields = {**spec.sections.get("model", {}), **spec.model_overrides}
+        if train.init_from is not None and "preset" in model_fields:
+            raise ConfigError("--init-from takes the model from that run; drop the model preset")
+        model_cfg = build_model_config(model_fields) if train.init_from is None else None  # else init_from's, below
         init_from = Path(train.init_from) if train.init_from else None
         if init_from is not None:
             from tinyformer.run_folder import load_config
@@ -345,8 +325,13 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
     if not spec.resume:
         train, schedule_source = _objective_schedule(spec, objective_cls, train)
     autocast_dtype(train.dtype, resolve_device(train.device))  # an impossible device/dtype fails before any data work
-    uses_block = objective_cls.uses_corpus or objective_cls.uses_block_size
-    train = _check_block_size(model_cfg, train) if uses_block else train
+    if objective_cls.uses_corpus or objective_cls.uses_block_size:  # batches of block_size tokens
+        if train.block_size is None:
+            train = train.replace(block_size=model_cfg.max_seq_len)
+        elif train.block_size > model_cfg.max_seq_len:
+            raise ConfigError(f"train.block_size {train.block_size} is above the model's max_seq_len "
+                              f"{model_cfg.max_seq_len}; use --block-size <= {model_cfg.max_seq_len} or raise "
+                              "--model.max_seq_len")
     check_buildable(model_cfg)  # an absurd size fails here, not in the allocator after the tokenizer is trained
 
     # ---- tokenizer and data

@@ -142,83 +142,65 @@ class TrainConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field (as ``train.<field>``)."""
-        def bad(name: str, why: str) -> ConfigError:
-            return ConfigError(f"train.{name} {why}, got {getattr(self, name)!r}")
-
         def is_int(v: Any) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
         def is_num(v: Any) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-        for name in ("max_steps", "batch_size", "grad_accum", "log_interval", "eval_interval", "keep_last"):
-            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise bad(name, "must be a positive integer")
-        for name in ("warmup_steps", "eval_iters", "sample_tokens", "seed"):
-            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
-                raise bad(name, "must be a non-negative integer")
-        for name in ("block_size", "vocab_size", "decay_steps", "checkpoint_interval", "threads"):
-            value = getattr(self, name)
-            if value is not None and (not is_int(value) or value < 1):
-                raise bad(name, "must be a positive integer or null")
-        for name in ("lr", "eps"):
-            if not is_num(getattr(self, name)) or getattr(self, name) <= 0:
-                raise bad(name, "must be a positive number")
-        if self.min_lr is not None and (not is_num(self.min_lr) or not 0 <= self.min_lr <= self.lr):
-            raise bad("min_lr", f"must be a number in [0, lr={self.lr}] or null")
-        if not is_num(self.weight_decay) or self.weight_decay < 0:
-            raise bad("weight_decay", "must be a non-negative number")
-        for name in ("beta1", "beta2"):
-            if not is_num(getattr(self, name)) or not 0 <= getattr(self, name) < 1:
-                raise bad(name, "must be in [0, 1)")
-        if not is_num(self.dpo_beta) or self.dpo_beta <= 0:
-            raise bad("dpo_beta", "must be a positive number")
-        for name in ("group_size", "max_new_tokens", "ppo_epochs"):
-            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise bad(name, "must be a positive integer")
+        def check(*rules: tuple[tuple[str, ...], str, Any]) -> None:
+            """Each rule is (fields, what each must be, whether a value is that), checked in order."""
+            for names, why, ok in rules:
+                for name in names:
+                    if not ok(getattr(self, name)):
+                        raise ConfigError(f"train.{name} {why}, got {getattr(self, name)!r}")
+
+        check((("max_steps", "batch_size", "grad_accum", "log_interval", "eval_interval", "keep_last"),
+               "must be a positive integer", lambda v: is_int(v) and v >= 1),
+              (("warmup_steps", "eval_iters", "sample_tokens", "seed"), "must be a non-negative integer",
+               lambda v: is_int(v) and v >= 0),
+              (("block_size", "vocab_size", "decay_steps", "checkpoint_interval", "threads"),
+               "must be a positive integer or null", lambda v: v is None or is_int(v) and v >= 1),
+              (("lr", "eps"), "must be a positive number", lambda v: is_num(v) and v > 0),
+              (("min_lr",), f"must be a number in [0, lr={self.lr}] or null",
+               lambda v: v is None or is_num(v) and 0 <= v <= self.lr),
+              (("weight_decay",), "must be a non-negative number", lambda v: is_num(v) and v >= 0),
+              (("beta1", "beta2"), "must be in [0, 1)", lambda v: is_num(v) and 0 <= v < 1),
+              (("dpo_beta",), "must be a positive number", lambda v: is_num(v) and v > 0),
+              (("group_size", "max_new_tokens", "ppo_epochs"), "must be a positive integer",
+               lambda v: is_int(v) and v >= 1))
         if self.group_size == 1:
             raise ConfigError("train.group_size must be at least 2: GRPO compares the completions of a prompt with "
                               "each other, and a group of 1 has nothing to compare (--group-size 1 refused)")
-        for name in ("temperature", "clip_eps", "reward_timeout"):
-            if not is_num(getattr(self, name)) or getattr(self, name) <= 0:
-                raise bad(name, "must be a positive number")
-        if not is_num(self.kl_beta) or self.kl_beta < 0:
-            raise bad("kl_beta", "must be a non-negative number (0: no reference)")
+        check((("temperature", "clip_eps", "reward_timeout"), "must be a positive number",
+               lambda v: is_num(v) and v > 0),
+              (("kl_beta",), "must be a non-negative number (0: no reference)", lambda v: is_num(v) and v >= 0))
         if self.grpo_loss not in GRPO_LOSSES:
             raise ConfigError(f"train.grpo_loss={self.grpo_loss!r} is not one of {', '.join(GRPO_LOSSES)}")
-        if not isinstance(self.rewards, list) or not all(isinstance(r, str) for r in self.rewards):
-            raise bad("rewards", "must be a list of reward specs (strings)")
-        if not is_num(self.grad_clip) or self.grad_clip < 0:
-            raise bad("grad_clip", "must be a non-negative number (0 disables clipping)")
-        if not is_num(self.val_fraction) or not 0 <= self.val_fraction < 1:
-            raise bad("val_fraction", "must be in [0, 1)")
-        if self.peak_flops is not None and (not is_num(self.peak_flops) or self.peak_flops <= 0):
-            raise bad("peak_flops", "must be a positive number of FLOP/s or null")
+        check((("rewards",), "must be a list of reward specs (strings)",
+               lambda v: isinstance(v, list) and all(isinstance(r, str) for r in v)),
+              (("grad_clip",), "must be a non-negative number (0 disables clipping)", lambda v: is_num(v) and v >= 0),
+              (("val_fraction",), "must be in [0, 1)", lambda v: is_num(v) and 0 <= v < 1),
+              (("peak_flops",), "must be a positive number of FLOP/s or null",
+               lambda v: v is None or is_num(v) and v > 0))
         choices = {"lr_schedule": LR_SCHEDULES, "device": DEVICES, "dtype": DTYPES, "parallel": PARALLEL_MODES}
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value not in allowed and not (name == "device" and isinstance(value, str) and ":" in value):
                 raise ConfigError(f"train.{name}={value!r} is not one of {', '.join(allowed)}")
-        for name in ("decay_embeddings", "compile", "tensorboard", "progress", "std_scale"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(name, "must be true or false")
-        for name in ("text_field", "tokenizer", "objective", "sample_prompt"):
-            if not isinstance(getattr(self, name), str):
-                raise bad(name, "must be a string")
-        for name in ("data", "cache_dir", "task", "init_from", "eval_data"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise bad(name, "must be a string or null")
+        check((("decay_embeddings", "compile", "tensorboard", "progress", "std_scale"), "must be true or false",
+               lambda v: isinstance(v, bool)),
+              (("text_field", "tokenizer", "objective", "sample_prompt"), "must be a string",
+               lambda v: isinstance(v, str)),
+              (("data", "cache_dir", "task", "init_from", "eval_data"), "must be a string or null",
+               lambda v: v is None or isinstance(v, str)))
         if self.lora_rank is not None or self.lora_alpha is not None or self.lora_dropout != 0.0:
             if self.lora_rank is None:
                 raise ConfigError("train.lora_alpha and train.lora_dropout apply with train.lora_rank (--lora-rank R)")
-            if not is_int(self.lora_rank) or self.lora_rank < 1:
-                raise bad("lora_rank", "must be a positive integer or null")
-        if not isinstance(self.lora_targets, str):
-            raise bad("lora_targets", "must be a comma-separated string such as 'q,v'")
+            check((("lora_rank",), "must be a positive integer or null", lambda v: is_int(v) and v >= 1))
+        check((("lora_targets",), "must be a comma-separated string such as 'q,v'", lambda v: isinstance(v, str)))
         self.lora_config()
-        if not self.tokenizer:
-            raise bad("tokenizer", "must be 'char', 'bpe' or a path to a tokenizer.json")
+        check((("tokenizer",), "must be 'char', 'bpe' or a path to a tokenizer.json", bool))
         if self.vocab_size is not None and self.tokenizer == "char":
             raise ConfigError(
                 "train.vocab_size applies to the bpe tokenizer only; a char vocabulary is the corpus' characters"
@@ -264,17 +246,6 @@ class TrainConfig:
 # ---------------------------------------------------------------------------- values from text
 
 
-def _field_types(cls: type) -> dict[str, set[type]]:
-    """The plain types each field of a dataclass accepts, from its (string) annotations."""
-    hints = typing.get_type_hints(cls)
-    out: dict[str, set[type]] = {}
-    for name, hint in hints.items():
-        args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
-            else (hint,)
-        out[name] = {typing.get_origin(a) or a for a in args}
-    return out
-
-
 def parse_value(text: str) -> Any:
     """A command-line value as YAML (true, null, [1, 2], 3.5), with YAML 1.1's gaps filled: ``3e-4`` is a float."""
     import yaml
@@ -295,9 +266,11 @@ def parse_value(text: str) -> Any:
 def coerce_field(cls: type, name: str, value: Any, raw: str | None = None) -> Any:
     """``value`` converted to what field ``name`` of ``cls`` holds when the conversion loses nothing
     (1 -> 1.0 for a float, 1000.0 -> 1000 for an int, the raw text for a string); else unchanged."""
-    allowed = _field_types(cls).get(name)
-    if allowed is None:
+    hint = typing.get_type_hints(cls).get(name)  # from the (string) annotations
+    if hint is None:
         return value
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    allowed = {typing.get_origin(a) or a for a in (typing.get_args(hint) if union else (hint,))}  # the plain types
     if value is None or type(value) in allowed:
         return value
     if float in allowed and isinstance(value, int) and not isinstance(value, bool):
@@ -331,18 +304,14 @@ def read_run_file(path: str | Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def parse_override(item: str) -> tuple[str, str, Any, str]:
-    """``"train.lr=3e-4"`` -> ("train", "lr", 0.0003, "3e-4"); the section is required."""
+def apply_override(sections: dict[str, dict[str, Any]], item: str) -> None:
+    """Apply one ``section.field=value`` override in place (``"train.lr=3e-4"``: train's lr = 0.0003), checking
+    that the field exists; the section is required."""
     key, sep, raw = item.partition("=")
     section, dot, name = key.strip().partition(".")
     if not sep or not dot or section not in SECTIONS or not name:
         raise ConfigError(f"override {item!r} must look like model.FIELD=VALUE or train.FIELD=VALUE")
-    return section, name, parse_value(raw), raw
-
-
-def apply_override(sections: dict[str, dict[str, Any]], item: str) -> None:
-    """Apply one ``section.field=value`` override in place, checking that the field exists."""
-    section, name, value, raw = parse_override(item)
+    value = parse_value(raw)
     cls = ModelConfig if section == "model" else TrainConfig
     known = {f.name for f in dataclasses.fields(cls)} | ({"preset"} if section == "model" else set())
     if name not in known:

@@ -47,7 +47,7 @@ from tinyformer.training.checkpoint import (
     save_checkpoint,
 )
 from tinyformer.training.device import device_peak_flops, synchronize
-from tinyformer.training.metrics import MetricsLogger, RunningWindow
+from tinyformer.training.metrics import MetricsLogger, RunningWindow, read_metrics
 from tinyformer.training.objectives import Objective
 from tinyformer.training.optim import build_optimizer, lr_at
 from tinyformer.training.train_config import TrainConfig
@@ -86,14 +86,6 @@ def compiled_loss(loss: LossFn, *, math_attention: bool) -> LossFn:
             return loss(model, batch)
 
     return torch.compile(loss_with_math_attention)
-
-
-def guess_peak_flops(device: torch.device, amp: torch.dtype | None) -> float | None:
-    """Peak FLOP/s of one device for MFU: a known GPU's dense bf16/fp16 figure (table and sources in
-    training/device.py), None on CPU or in float32."""
-    if device.type != "cuda" or amp is None:
-        return None
-    return device_peak_flops(device)
 
 
 @dataclass
@@ -157,7 +149,8 @@ class Trainer:
         # asked to stop (Ctrl-C / SIGTERM, interrupt.py): the loop saves and returns after the current step
         self.stop_request: Any = None
         self.flops_per_token = self._flops_per_token()
-        self.peak_flops = cfg.peak_flops or guess_peak_flops(self.device, self.amp_dtype)
+        # MFU's peak: a known GPU's dense bf16/fp16 figure (training/device.py); none on CPU or in float32
+        self.peak_flops = cfg.peak_flops or (device_peak_flops(self.device) if self.amp_dtype is not None else None)
         self.metrics = MetricsLogger(self.run_dir, enabled=self.is_main, tensorboard=cfg.tensorboard)
         objective.attach(self.model)
 
@@ -399,8 +392,11 @@ class Trainer:
         interrupted = None
         try:
             while self.step < cfg.max_steps:
-                if self.stop_request:
-                    interrupted = self._stop_and_save()
+                if self.stop_request:  # checkpoint the current step (unless it is step 0 or already saved)
+                    saved = self.last_checkpoint is not None and self.last_checkpoint.name == f"step-{self.step:06d}"
+                    if self.step > 0 and not saved:
+                        self.save()
+                    interrupted = self.stop_request.signal_name
                     break
                 self.advance(pbar)
                 last = self.step == cfg.max_steps
@@ -416,9 +412,10 @@ class Trainer:
         plot_note = self.plot() if self.is_main and interrupted is None else None
         if self.is_main and interrupted is None:
             self.write_report()
-        train_loss = self._last_train_loss()
-        return TrainSummary(self.step, self.tokens_seen, self.train_seconds, train_loss, val_loss, sample, plot_note,
-                            interrupted)
+        records = read_metrics(self.metrics.path) if self.is_main else []
+        losses = [r["loss"] for r in records if r.get("kind") == "train"]
+        return TrainSummary(self.step, self.tokens_seen, self.train_seconds, losses[-1] if losses else None, val_loss,
+                            sample, plot_note, interrupted)
 
     def advance(self, pbar: Any = None) -> None:
         """One step of :meth:`fit`'s loop without its evaluations and checkpoints: the update, the running
@@ -453,15 +450,12 @@ class Trainer:
     def write_report(self) -> None:
         """Write report.md (:mod:`tinyformer.report_card`) for the model as it is now."""
         from tinyformer.report_card import write_training_card
-        from tinyformer.training.metrics import read_metrics
 
         write_training_card(self.run_dir, read_metrics(self.metrics.path), self.objective,
                             self.objective.report(self.model, self.device))
         scorer = self.builtin_task_scorer
         if scorer is not None and self.objective.scores_builtin_task and self.objective.cfg.data is None:
             # a model of the built-in corpus: its report card gains the built-in task's accuracy
-            from tinyformer.errors import TinyformerError
-
             try:
                 scorer(self.run_dir, self.model, self.objective.tokenizer)
             except TinyformerError as exc:  # e.g. a context too short for the questions: the run still stands
@@ -477,13 +471,6 @@ class Trainer:
         changed = resample_threads()
         if changed is not None:
             self._log(pbar, f"threads: {changed[0]} -> {describe_threads(changed[1], 'load')}")
-
-    def _stop_and_save(self) -> str:
-        """Checkpoint the current step (unless it is step 0 or already saved); returns the signal's name."""
-        saved = self.last_checkpoint is not None and self.last_checkpoint.name == f"step-{self.step:06d}"
-        if self.step > 0 and not saved:
-            self.save()
-        return self.stop_request.signal_name
 
     def _evaluate_and_log(self, pbar: Any, train_loss: float, train_steps: int) -> tuple[float | None, str | None]:
         """Evaluate, log the eval record and print it: the figures as report.md words them
@@ -507,31 +494,19 @@ class Trainer:
         self._log(pbar, f"step {self.step}: " + "; ".join(f for f in figures if f))
         sample = self.draw_sample()
         if sample is not None:
-            self._append_sample(val_loss, sample)
+            loss = f", val loss {val_loss:.4f}" if val_loss is not None else ""
+            with open(self.run_dir / SAMPLES_FILE, "a", encoding="utf-8") as f:
+                f.write(f"===== step {self.step}{loss} =====\n{sample}\n\n")
         return val_loss, sample
-
-    def _append_sample(self, val_loss: float | None, sample: str) -> None:
-        loss = f", val loss {val_loss:.4f}" if val_loss is not None else ""
-        with open(self.run_dir / SAMPLES_FILE, "a", encoding="utf-8") as f:
-            f.write(f"===== step {self.step}{loss} =====\n{sample}\n\n")
 
     def final_figures(self) -> list[str]:
         """The figures of the last evaluation as report.md words them (console lines at the end of a run)."""
         from tinyformer.report_card import heldout_line, train_loss_line
-        from tinyformer.training.metrics import read_metrics
 
         evals = [r for r in read_metrics(self.metrics.path) if r.get("kind") == "eval"] if self.is_main else []
         if not evals:
             return []
         return [line for line in (train_loss_line(evals[-1]), heldout_line(evals[-1], self.objective)) if line]
-
-    def _last_train_loss(self) -> float | None:
-        from tinyformer.training.metrics import read_metrics
-
-        if not self.is_main:
-            return None
-        losses = [r["loss"] for r in read_metrics(self.metrics.path) if r.get("kind") == "train"]
-        return losses[-1] if losses else None
 
     def plot(self) -> str | None:
         from tinyformer.training.plot import plot_loss_curve

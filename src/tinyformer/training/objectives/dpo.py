@@ -24,7 +24,7 @@ Rows that cannot be used are skipped and counted: chosen == rejected, a prompt t
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,7 +34,7 @@ from torch import nn
 from tinyformer.components.lora import has_lora, lora_disabled
 from tinyformer.errors import DataError
 from tinyformer.training.objectives.base import Batch, eval_mode
-from tinyformer.training.objectives.sft import IGNORE, ChatObjective, first_user_text, pad_rows, plain_module
+from tinyformer.training.objectives.sft import IGNORE, ChatObjective, first_user_text, pad_rows, plain_module, reply_row
 
 if TYPE_CHECKING:
     from tinyformer.data.chat_data import PreferencePair
@@ -58,37 +58,22 @@ class DPOObjective(ChatObjective):
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
         super().__init__(cfg, tokenizer, dataset)
-        from tinyformer.data.chat_data import describe_skipped
-
         pairs, self.source, skipped = load_pairs(cfg.data)
         self.skipped.update(skipped)
-        self.truncated = 0
-        self.pairs: dict[str, list[tuple[Row, Row]]] = {s: [] for s in SPLITS}
-        self.raw: dict[str, list[PreferencePair]] = {s: [] for s in SPLITS}
-        for pair in pairs:
+        for pair in pairs:  # rows: (chosen row, rejected row) of each pair
             encoded, cut = encode_pair(pair, self._block(), self.template)
             if encoded is None:
                 self.skipped["prompt longer than the context"] += 1
                 continue
             self.truncated += cut
-            split = self._split(first_user_text(pair.prompt))
-            self.pairs[split].append(encoded)
-            self.raw[split].append(pair)
-        if not self.pairs["train"]:
-            extra = f"; {describe_skipped(self.skipped)}" if self.skipped else ""
-            raise DataError(f"{self.source} has no preference pair to train on{extra}")
+            self.rows[self._split(first_user_text(pair.prompt))].append(encoded)
+        if not self.rows["train"]:
+            raise self._no_data("preference pair to train on")
         #: reference log-probs per split, (N, 2) = (chosen, rejected); computed at the first loss
         self.reference: dict[str, torch.Tensor] | None = None
 
     def describe_data(self) -> str | None:
-        from tinyformer.data.chat_data import describe_skipped
-
-        parts = [f"data: {len(self.pairs['train']):,} train / {len(self.pairs['val']):,} held-out preference pairs "
-                 f"from {self.source}", f"{self.truncated} cut to the {self._block()}-token context",
-                 f"beta {self.cfg.dpo_beta:g}"]
-        if self.skipped:
-            parts.append(describe_skipped(self.skipped))
-        return "; ".join(parts)
+        return self._describe("preference pairs", f"beta {self.cfg.dpo_beta:g}")
 
     # ------------------------------------------------------------------ the reference
     def ensure_reference(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -107,45 +92,29 @@ class DPOObjective(ChatObjective):
     def _score_all(self, model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
         out = {}
         for split in SPLITS:
-            if self.pairs[split]:
-                chosen, rejected = score_pairs(model, self.pairs[split], self.pad_id, self.cfg.batch_size, device)
+            if self.rows[split]:
+                chosen, rejected = score_pairs(model, self.rows[split], self.pad_id, self.cfg.batch_size, device)
                 out[split] = torch.stack([chosen, rejected], dim=1)
             else:
                 out[split] = torch.zeros(0, 2)
         return out
 
     # ------------------------------------------------------------------ batches and loss
-    def has_split(self, split: str) -> bool:
-        return bool(self.pairs.get(split))
-
     def eval_weight(self, batch: Batch) -> int:
         return batch["pair_index"].numel()  # the loss is a mean over pairs: so is the held-out loss
 
     def tokens_per_step(self, sequences: int) -> str | None:
         # the chosen and rejected reply tokens (those that carry the loss), on average over the training pairs
-        pairs = self.pairs["train"]
+        pairs = self.rows["train"]
         mean = sum(sum(t != IGNORE for t in c[1]) + sum(t != IGNORE for t in r[1]) for c, r in pairs) / len(pairs)
         return (f"{sequences} preference pairs (~{mean:,.0f} chosen + rejected reply tokens each carry the loss: "
                 f"~{sequences * mean:,.0f} tokens per step)")
 
     def _batch(self, split: str, index: list[int]) -> Batch:
-        batch = pair_batch([self.pairs[split][i] for i in index], self.pad_id)
+        batch = pair_batch([self.rows[split][i] for i in index], self.pad_id)
         batch["pair_index"] = torch.tensor(index, dtype=torch.long)
         batch["split"] = torch.tensor(SPLITS.index(split))
         return batch
-
-    def get_batch(self, split: str, generator: torch.Generator, rank: int = 0, world_size: int = 1) -> Batch:
-        n = len(self.pairs[split])
-        index = torch.randint(0, n, (self.cfg.batch_size * world_size,), generator=generator)
-        return self._batch(split, index[rank::world_size].tolist())
-
-    def eval_batches(self, split: str, max_batches: int | None, rank: int = 0, world_size: int = 1
-                     ) -> Iterator[Batch]:
-        B, n = self.cfg.batch_size, len(self.pairs[split])
-        for k, start in enumerate(range(rank * B, n, B * world_size)):
-            if max_batches is not None and k >= max_batches:
-                return
-            yield self._batch(split, list(range(start, min(start + B, n))))
 
     def pair_terms(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                    torch.Tensor, torch.Tensor]:
@@ -176,7 +145,7 @@ class DPOObjective(ChatObjective):
     def eval_metrics(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         out: dict[str, float] = {}
         for split in SPLITS:
-            if self.pairs[split]:
+            if self.rows[split]:
                 out.update(self.split_metrics(model, split, device))
         return out
 
@@ -189,19 +158,18 @@ class DPOObjective(ChatObjective):
 
     def report(self, model: nn.Module, device: torch.device) -> list[str]:
         self.ensure_reference(model)
-        split = "val" if self.pairs["val"] else "train"
+        split = "val" if self.rows["val"] else "train"
         after = self.split_metrics(model, split, device)
         name = "held-out" if split == "val" else "train (no held-out pairs)"
-        n = len(self.pairs[split]) if not self.cfg.eval_iters else min(len(self.pairs[split]),
-                                                                        self.cfg.eval_iters * self.cfg.batch_size)
+        n = len(self.rows[split]) if not self.cfg.eval_iters else min(len(self.rows[split]),
+                                                                      self.cfg.eval_iters * self.cfg.batch_size)
         before = self.reference_accuracy(split, n)
-        lines = [f"## Preferences ({n} {name} pairs, beta {self.cfg.dpo_beta:g})", "",
-                 "| | before (reference) | after |", "|---|---|---|",
-                 f"| preference accuracy, log p(chosen) > log p(rejected) | {before:.3f} "
-                 f"| {after[f'{split}_preference_accuracy']:.3f} |",
-                 f"| reward margin | 0 | {after[f'{split}_reward_margin']:.4f} |",
-                 f"| reward accuracy | 0 | {after[f'{split}_reward_accuracy']:.3f} |"]
-        return lines
+        return [f"## Preferences ({n} {name} pairs, beta {self.cfg.dpo_beta:g})", "",
+                "| | before (reference) | after |", "|---|---|---|",
+                f"| preference accuracy, log p(chosen) > log p(rejected) | {before:.3f} "
+                f"| {after[f'{split}_preference_accuracy']:.3f} |",
+                f"| reward margin | 0 | {after[f'{split}_reward_margin']:.4f} |",
+                f"| reward accuracy | 0 | {after[f'{split}_reward_accuracy']:.3f} |"]
 
 
 def load_pairs(data: str | None) -> tuple[list[PreferencePair], str, dict[str, int]]:
@@ -233,17 +201,6 @@ def sequence_logps(model: nn.Module, input_ids: torch.Tensor, targets: torch.Ten
     mask = targets != IGNORE
     token_logps = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
     return (token_logps * mask).sum(-1)
-
-
-def reply_row(ids: list[int], mask: list[int], block_size: int) -> tuple[Row | None, bool]:
-    """(the (inputs, targets) row of an encoded reply cut to ``block_size + 1`` tokens, whether it was cut);
-    the row is None when the prompt alone fills the context (no reply token left)."""
-    cut = len(ids) > block_size + 1
-    ids, mask = ids[: block_size + 1], mask[: block_size + 1]
-    targets = [t if m else IGNORE for t, m in zip(ids[1:], mask[1:])]
-    if all(t == IGNORE for t in targets):
-        return None, cut
-    return (ids[:-1], targets), cut
 
 
 def encode_pair(pair: PreferencePair, block_size: int, template: ChatTemplate

@@ -258,11 +258,8 @@ class GRPOObjective(ChatObjective):
                 split = fixed or ("train" if held is not None else self._split(first_user_text(messages)))
                 self.prompts[split].append((ids, messages, row))
         if not self.prompts["train"]:
-            from tinyformer.data.chat_data import describe_skipped
-
-            extra = f"; {describe_skipped(self.skipped)}" if self.skipped else ""
-            raise DataError(f"{self.source} has no prompt to train on (each needs room for --max-new-tokens "
-                            f"{cfg.max_new_tokens} in the {self._block()}-token context){extra}")
+            raise self._no_data(f"prompt to train on (each needs room for --max-new-tokens {cfg.max_new_tokens} in "
+                                f"the {self._block()}-token context)")
         self.model: nn.Module | None = None
         self.reference: nn.Module | None = None  # a frozen copy, only without LoRA and with beta > 0
         #: the sampled batch still to be trained on by later PPO epochs, and how often it was used
@@ -334,16 +331,10 @@ class GRPOObjective(ChatObjective):
         rows = [(prompts[k // G][0], ids, logps) for k, (ids, logps, _) in enumerate(done)]
         batch = _rows_batch(rows, self.pad_id)
         ref = self._reference_logps(batch)
-        self.window["sample_s"] += t1 - t0
-        self.window["reward_s"] += t2 - t1
-        self.window["reference_s"] += time.perf_counter() - t2
-        self.window["rollouts"] += 1
-        self.window["reward_sum"] += float(r.sum())
-        self.window["reward_sq"] += float((r * r).sum())
-        self.window["completions"] += r.numel()
-        self.window["equal_groups"] += int((r == r[:, :1]).all(dim=1).sum())
-        self.window["groups"] += len(index)
-        self.window["completion_tokens"] += sum(len(ids) for ids, _, _ in done)
+        self.window.update(sample_s=t1 - t0, reward_s=t2 - t1, reference_s=time.perf_counter() - t2, rollouts=1,
+                           reward_sum=float(r.sum()), reward_sq=float((r * r).sum()), completions=r.numel(),
+                           equal_groups=int((r == r[:, :1]).all(dim=1).sum()), groups=len(index),
+                           completion_tokens=sum(len(ids) for ids, _, _ in done))  # Counter.update adds
         return {"rows": [[p, ids, lp] for p, ids, lp in rows], "advantages": adv.tolist(),
                 "ref": None if ref is None else [ref[i, batch["targets"][i] != IGNORE].tolist()
                                                  for i in range(len(rows))]}
@@ -358,13 +349,10 @@ class GRPOObjective(ChatObjective):
             index = torch.randint(0, n, (self.cfg.batch_size,), generator=generator).tolist()
             seed = int(torch.randint(0, 2**62, (1,), generator=generator))
             self.rollout, self.rollout_uses = self._rollout(index, seed), 0
-            self.micro = 0
         if self.micro == 0:
             self.rollout_uses += 1
-        A = self.cfg.grad_accum
-        part = self.micro
-        self.micro = (self.micro + 1) % A
-        return _to_batch(self.rollout, self.pad_id, part, A)
+        part, self.micro = self.micro, (self.micro + 1) % self.cfg.grad_accum
+        return _to_batch(self.rollout, self.pad_id, part, self.cfg.grad_accum)
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         logps = shared_prompt_logps(model, batch, self.cfg.temperature)
@@ -374,9 +362,7 @@ class GRPOObjective(ChatObjective):
         # the trainer divides each micro-batch's loss by --grad-accum: this part is already its share of the whole
         loss = loss * self.cfg.grad_accum
         if model.training and torch.is_grad_enabled():
-            self.window["updates"] += 1
-            self.window["kl"] += float(figures["kl"])
-            self.window["clip_fraction"] += float(figures["clip_fraction"])
+            self.window.update(updates=1, kl=float(figures["kl"]), clip_fraction=float(figures["clip_fraction"]))
         return loss
 
     # ------------------------------------------------------------------ figures
@@ -396,17 +382,12 @@ class GRPOObjective(ChatObjective):
         self.window = Counter()
         return out
 
-    def _heldout(self) -> list[tuple[list[int], list[dict[str, str]], dict]]:
-        """The held-out prompts an evaluation answers: ``eval_iters * batch_size`` of them (0: all) spread evenly
-        over the split (the built-in set's kinds of question come in runs)."""
-        prompts = self.prompts["val"] or self.prompts["train"]
-        return spread(prompts, self.cfg.eval_iters * self.cfg.batch_size)
-
     def _heldout_scores(self, shown: int = 0) -> dict[str, Any]:
-        """Greedy completions of the held-out prompts: {"mean": mean reward, "n": prompts, "shown": the first
-        ``shown`` (prompt, completion, reward) spread evenly over them}."""
+        """Greedy completions of the held-out prompts (``eval_iters * batch_size`` of them, 0: all, spread evenly
+        over the split: the built-in set's kinds of question come in runs): {"mean": mean reward, "n": prompts,
+        "shown": the first ``shown`` (prompt, completion, reward) spread evenly over them}."""
         assert self.model is not None
-        prompts = self._heldout()
+        prompts = spread(self.prompts["val"] or self.prompts["train"], self.cfg.eval_iters * self.cfg.batch_size)
         done = sample_completions(self.model, self.tokenizer, [p[0] for p in prompts], 1, self.cfg.max_new_tokens,
                                   0.0, None, self.template.stop_token_ids)
         scores = [self.rewards.score(m[-1]["content"], text, row) for (_, m, row), (_, _, text) in zip(prompts, done)]

@@ -95,9 +95,8 @@ class MaskedLM(Objective):
             raise ConfigError(f"--task {cfg.task!r} does not apply to objective 'mlm' (it reads a corpus)")
         found = _find(tokenizer, MASK_NAMES)
         self.mask_id = found if found is not None else tokenizer.vocab_size  # a new row when the vocab has none
-        self.cls_id = _find(tokenizer, CLS_NAMES)
-        if self.cls_id is None:
-            self.cls_id = tokenizer.bos_id
+        cls_id = _find(tokenizer, CLS_NAMES)
+        self.cls_id = cls_id if cls_id is not None else tokenizer.bos_id
         specials = set(tokenizer.backend.get_added_tokens_decoder()) | {self.mask_id, self.cls_id}
         self.special_ids = sorted(i for i in specials if i is not None)
         ordinary = sorted(set(range(tokenizer.vocab_size)) - set(self.special_ids))

@@ -127,8 +127,7 @@ class Seq2SeqObjective(Objective):
                      ) -> Iterator[Batch]:
         examples = self.data.heldout if split == "val" else self._train_eval
         B = self.cfg.batch_size
-        starts = list(range(rank * B, len(examples), B * world_size))
-        for n, start in enumerate(starts):
+        for n, start in enumerate(range(rank * B, len(examples), B * world_size)):
             if max_batches is not None and n >= max_batches:
                 return
             yield make_batch(examples[start : start + B], self.tokenizer)

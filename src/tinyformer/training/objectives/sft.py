@@ -43,11 +43,13 @@ from tinyformer.training.objectives.lm import lm_loss
 
 if TYPE_CHECKING:
     from tinyformer.data.chat_data import Conversation
+    from tinyformer.data.chat_template import ChatTemplate
     from tinyformer.data.dataset import TokenDataset
     from tinyformer.data.tokenizer import Tokenizer
     from tinyformer.training.train_config import TrainConfig
 
 IGNORE = -100
+Row = tuple[list[int], list[int]]  # (input ids, targets with -100 where there is no loss)
 SAMPLE_QUESTIONS = 3
 SAMPLE_TOKENS = 64
 REPORT_QUESTIONS = 5
@@ -71,7 +73,7 @@ def grow_vocab(tensors: dict[str, torch.Tensor], vocab_size: int) -> dict[str, t
     return out
 
 
-def pad_rows(rows: Sequence[tuple[list[int], list[int]]], pad_id: int) -> Batch:
+def pad_rows(rows: Sequence[Row], pad_id: int) -> Batch:
     """(input ids, targets) pairs of different lengths -> right-padded (B, T) tensors (targets -100 on padding)."""
     T = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
@@ -80,6 +82,26 @@ def pad_rows(rows: Sequence[tuple[list[int], list[int]]], pad_id: int) -> Batch:
         input_ids[i, : len(ids)] = torch.tensor(ids)
         targets[i, : len(tgt)] = torch.tensor(tgt)
     return {"input_ids": input_ids, "targets": targets, "tokens": int((targets != IGNORE).sum())}
+
+
+def reply_row(ids: list[int], mask: list[int], block_size: int) -> tuple[Row | None, bool]:
+    """(the (inputs, targets) row of encoded ids cut to ``block_size + 1`` tokens, targets -100 where ``mask`` is 0;
+    whether they were cut); the row is None when no target is left in the context."""
+    cut = len(ids) > block_size + 1
+    ids, mask = ids[: block_size + 1], mask[: block_size + 1]
+    targets = [t if m else IGNORE for t, m in zip(ids[1:], mask[1:])]
+    if all(t == IGNORE for t in targets):
+        return None, cut
+    return (ids[:-1], targets), cut
+
+
+def conversation_row(conv: Conversation, block_size: int, template: ChatTemplate) -> tuple[Row | None, bool]:
+    """:func:`reply_row` of a conversation, its assistant tokens the targets (a bad row names its source)."""
+    try:
+        ids, mask = template.encode_conversation(conv.messages, conv.tools)
+    except DataError as exc:
+        raise DataError(f"{conv.source}: {exc}") from None
+    return reply_row(ids, mask, block_size)
 
 
 def plain_module(model: nn.Module) -> nn.Module:
@@ -104,6 +126,9 @@ class ChatObjective(Objective):
         self.template = ChatTemplate(tokenizer)
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else (tokenizer.eos_id or 0)
         self.skipped: Counter = Counter()
+        self.truncated = 0  # rows cut to the context
+        #: each split's encoded rows (SFT: (input ids, targets); DPO: (chosen row, rejected row))
+        self.rows: dict[str, list] = {"train": [], "val": []}
 
     @classmethod
     def make_tokenizer(cls, cfg: TrainConfig) -> Tokenizer:
@@ -131,6 +156,40 @@ class ChatObjective(Objective):
 
     def _split(self, key: str) -> str:
         return "val" if is_heldout(key, self.cfg.val_fraction) else "train"
+
+    def _no_data(self, what: str) -> DataError:
+        """The error of a data set left with nothing to train on (``what``), naming what was skipped."""
+        from tinyformer.data.chat_data import describe_skipped
+
+        extra = f"; {describe_skipped(self.skipped)}" if self.skipped else ""
+        return DataError(f"{self.source} has no {what}{extra}")
+
+    def _describe(self, what: str, *extra: str) -> str:
+        """The run's note on its data: ``what`` rows per split, how many were cut, ``extra``, what was skipped."""
+        from tinyformer.data.chat_data import describe_skipped
+
+        parts = [f"data: {len(self.rows['train']):,} train / {len(self.rows['val']):,} held-out {what} from "
+                 f"{self.source}", f"{self.truncated} cut to the {self._block()}-token context", *extra]
+        return "; ".join(parts + ([describe_skipped(self.skipped)] if self.skipped else []))
+
+    def has_split(self, split: str) -> bool:
+        return bool(self.rows.get(split))
+
+    def _batch(self, split: str, index: list[int]) -> Batch:
+        """The batch of rows ``index`` of ``split``."""
+        raise NotImplementedError
+
+    def get_batch(self, split: str, generator: torch.Generator, rank: int = 0, world_size: int = 1) -> Batch:
+        index = torch.randint(0, len(self.rows[split]), (self.cfg.batch_size * world_size,), generator=generator)
+        return self._batch(split, index[rank::world_size].tolist())  # every rank draws the same, keeps its share
+
+    def eval_batches(self, split: str, max_batches: int | None, rank: int = 0, world_size: int = 1
+                     ) -> Iterator[Batch]:
+        B, n = self.cfg.batch_size, len(self.rows[split])
+        for k, start in enumerate(range(rank * B, n, B * world_size)):
+            if max_batches is not None and k >= max_batches:
+                return
+            yield self._batch(split, list(range(start, min(start + B, n))))
 
     def _load_reference(self, model: nn.Module, device: torch.device) -> nn.Module:
         """The ``--init-from`` weights in a frozen model shaped like ``model`` (embeddings grown as for training):
@@ -182,75 +241,33 @@ class SFTObjective(ChatObjective):
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
         super().__init__(cfg, tokenizer, dataset)
-        from tinyformer.data.chat_data import describe_skipped
-
-        conversations, source, skipped = load_conversations(cfg.data)
-        self.source = source
+        conversations, self.source, skipped = load_conversations(cfg.data)
         self.skipped.update(skipped)
-        self.truncated = 0
-        self.examples: dict[str, list[tuple[list[int], list[int]]]] = {"train": [], "val": []}
         self.heldout: list[Conversation] = []
         for conv in conversations:
-            example = self.encode(conv)
-            if example is None:
+            row, cut = conversation_row(conv, self._block(), self.template)
+            self.truncated += cut
+            if row is None:
+                self.skipped["no assistant token within the context"] += 1
                 continue
             split = self._split(first_user_text(conv.messages))
-            self.examples[split].append(example)
+            self.rows[split].append(row)
             if split == "val":
                 self.heldout.append(conv)
-        if not self.examples["train"]:
-            extra = f"; {describe_skipped(self.skipped)}" if self.skipped else ""
-            raise DataError(f"{source} has no conversation to train on{extra}")
-
-    def encode(self, conv: Conversation) -> tuple[list[int], list[int]] | None:
-        """(input ids, targets) of a conversation cut to the context, or None (counted) when no assistant
-        token is left."""
-        try:
-            ids, mask = self.template.encode_conversation(conv.messages, conv.tools)
-        except DataError as exc:
-            raise DataError(f"{conv.source}: {exc}") from None
-        if len(ids) > self._block() + 1:
-            ids, mask = ids[: self._block() + 1], mask[: self._block() + 1]
-            self.truncated += 1
-        targets = [t if m else IGNORE for t, m in zip(ids[1:], mask[1:])]
-        if all(t == IGNORE for t in targets):
-            self.skipped["no assistant token within the context"] += 1
-            return None
-        return ids[:-1], targets
+        if not self.rows["train"]:
+            raise self._no_data("conversation to train on")
 
     def describe_data(self) -> str | None:
-        from tinyformer.data.chat_data import describe_skipped
-
-        n_train, n_val = len(self.examples["train"]), len(self.examples["val"])
-        parts = [f"data: {n_train:,} train / {n_val:,} held-out conversations from {self.source}",
-                 f"{self.truncated} cut to the {self._block()}-token context"]
-        if self.skipped:
-            parts.append(describe_skipped(self.skipped))
-        return "; ".join(parts)
-
-    def has_split(self, split: str) -> bool:
-        return bool(self.examples.get(split))
+        return self._describe("conversations")
 
     def tokens_per_step(self, sequences: int) -> str | None:
         # the assistant tokens that carry the loss, on average over the training conversations
-        mean = sum(sum(t != IGNORE for t in tgt) for _, tgt in self.examples["train"]) / len(self.examples["train"])
+        mean = sum(sum(t != IGNORE for t in tgt) for _, tgt in self.rows["train"]) / len(self.rows["train"])
         return (f"{sequences} conversations (~{mean:,.0f} assistant tokens each carry the loss: "
                 f"~{sequences * mean:,.0f} tokens per step)")
 
-    def get_batch(self, split: str, generator: torch.Generator, rank: int = 0, world_size: int = 1) -> Batch:
-        examples = self.examples[split]
-        index = torch.randint(0, len(examples), (self.cfg.batch_size * world_size,), generator=generator)
-        mine = index[rank::world_size].tolist()  # every rank draws the same numbers and keeps its share
-        return pad_rows([examples[i] for i in mine], self.pad_id)
-
-    def eval_batches(self, split: str, max_batches: int | None, rank: int = 0, world_size: int = 1
-                     ) -> Iterator[Batch]:
-        examples = self.examples[split]
-        B = self.cfg.batch_size
-        for n, start in enumerate(range(rank * B, len(examples), B * world_size)):
-            if max_batches is not None and n >= max_batches:
-                return
-            yield pad_rows(examples[start : start + B], self.pad_id)
+    def _batch(self, split: str, index: list[int]) -> Batch:
+        return pad_rows([self.rows[split][i] for i in index], self.pad_id)
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         return lm_loss(model, batch["input_ids"], batch["targets"])
@@ -270,9 +287,10 @@ class SFTObjective(ChatObjective):
         """Greedy answers to the first held-out questions, next to the expected answers."""
         if self.cfg.sample_tokens <= 0 or not self.heldout:
             return None
-        return format_answers(self.heldout_prompts(SAMPLE_QUESTIONS),
-                              self.answer(model, [p for p, _ in self.heldout_prompts(SAMPLE_QUESTIONS)], device,
-                                          min(SAMPLE_TOKENS, self.cfg.sample_tokens)))
+        pairs = self.heldout_prompts(SAMPLE_QUESTIONS)
+        replies = self.answer(model, [p for p, _ in pairs], device, min(SAMPLE_TOKENS, self.cfg.sample_tokens))
+        return "\n".join(f"Q: {prompt[-1]['content']}\nA: {reply}\n   (reference: {expected})"
+                         for (prompt, expected), reply in zip(pairs, replies))
 
     def report(self, model: nn.Module, device: torch.device) -> list[str]:
         pairs = self.heldout_prompts(REPORT_QUESTIONS)
@@ -284,13 +302,6 @@ class SFTObjective(ChatObjective):
         for (prompt, expected), reply in zip(pairs, replies):
             lines += [f"- **Q:** {prompt[-1]['content']}", f"  **A:** {reply}", f"  *reference:* {expected}"]
         return lines
-
-
-def format_answers(pairs: Sequence[tuple[Sequence[dict[str, str]], str]], replies: Sequence[str]) -> str:
-    lines = []
-    for (prompt, expected), reply in zip(pairs, replies):
-        lines += [f"Q: {prompt[-1]['content']}", f"A: {reply}", f"   (reference: {expected})"]
-    return "\n".join(lines)
 
 
 def load_conversations(data: str | None) -> tuple[list[Conversation], str, Counter]:
