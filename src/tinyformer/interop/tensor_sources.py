@@ -3,7 +3,8 @@
     TensorSource        names(), meta(name) (shape and dtype, no data), read(name)
       SafetensorsSource   one or several safetensors files (shards) seen as one set of names
       TorchBinSource      pytorch_model.bin files, torch.load(weights_only=True), memory-mapped
-      MetaStateDict       the state dict a config implies, on the meta device (what a checkpoint must hold)
+      DictSource          meta tensors held by name
+        MetaStateDict     the state dict a config implies, on the meta device (what a checkpoint must hold)
     TensorView          a source seen as a Mapping of meta tensors (planning) or real ones (writing)
     open_hf_weights     the weights of a Hugging Face folder: model.safetensors[.index.json] or
                         pytorch_model.bin[.index.json]
@@ -138,23 +139,29 @@ class TensorView(Mapping[str, torch.Tensor]):
         return len(self._names)
 
 
-class MetaStateDict(TensorSource):
-    """The state dict a config implies, on the meta device (what a checkpoint must contain)."""
+class DictSource(TensorSource):
+    """Meta tensors held by name (what a conversion plans)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        from tinyformer.models import meta_model
-
-        model = meta_model(cfg)
-        sd = model.state_dict()
-        if cfg.tie_embeddings and "lm_head.weight" in sd and "tok_emb.weight" in sd:
-            sd.pop("lm_head.weight")  # stored once, as the run folder does
-        self.sd = sd
+    def __init__(self, sd: Mapping[str, torch.Tensor] | Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.sd = dict(sd)
 
     def names(self) -> list[str]:
         return list(self.sd)
 
     def meta(self, name: str) -> torch.Tensor:
         return self.sd[name]
+
+
+class MetaStateDict(DictSource):
+    """The state dict a config implies, on the meta device (what a checkpoint must contain)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        from tinyformer.models import meta_model
+
+        sd = meta_model(cfg).state_dict()
+        if cfg.tie_embeddings and "lm_head.weight" in sd and "tok_emb.weight" in sd:
+            sd.pop("lm_head.weight")  # stored once, as the run folder does
+        super().__init__(sd)
 
 
 def read_json(path: Path, what: str, kind: type = dict) -> Any:

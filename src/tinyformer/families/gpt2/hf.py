@@ -149,26 +149,29 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
     return hf
 
 
-def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (tinyformer name, tensor) from a HF GPT-2 state dict (or lazy mapping), one at a time."""
-    pre = _prefix(cfg)
-
-    def get(name: str) -> torch.Tensor:
-        return checkpoint_tensor(hf_sd, pre + name)
-
-    yield "tok_emb.weight", get("wte.weight")
-    yield "pos_emb.weight", get("wpe.weight")
+def _pairs(cfg: ModelConfig) -> Iterator[tuple[str, str, bool]]:
+    """(HF name after the prefix, tinyformer name, stored transposed) of every tensor but an untied lm_head."""
+    yield "wte.weight", "tok_emb.weight", False
+    yield "wpe.weight", "pos_emb.weight", False
     for i in range(cfg.n_layer):
         p, a = f"h.{i}.", f"blocks.{i}."
         for hf_name, ours in (("ln_1", "attn_norm"), ("ln_2", "ffn_norm")):
-            yield a + ours + ".weight", get(p + hf_name + ".weight")
-            yield a + ours + ".bias", get(p + hf_name + ".bias")
+            yield p + hf_name + ".weight", a + ours + ".weight", False
+            yield p + hf_name + ".bias", a + ours + ".bias", False
         for hf_name, ours in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.out"), ("mlp.c_fc", "ffn.up"),
                               ("mlp.c_proj", "ffn.down")):
-            yield a + ours + ".weight", get(p + hf_name + ".weight").t().contiguous()  # Conv1D (in, out)
-            yield a + ours + ".bias", get(p + hf_name + ".bias")
-    yield "norm.weight", get("ln_f.weight")
-    yield "norm.bias", get("ln_f.bias")
+            yield p + hf_name + ".weight", a + ours + ".weight", True  # Conv1D (in, out)
+            yield p + hf_name + ".bias", a + ours + ".bias", False
+    yield "ln_f.weight", "norm.weight", False
+    yield "ln_f.bias", "norm.bias", False
+
+
+def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (tinyformer name, tensor) from a HF GPT-2 state dict (or lazy mapping), one at a time."""
+    pre = _prefix(cfg)
+    for hf_name, ours, transposed in _pairs(cfg):
+        tensor = checkpoint_tensor(hf_sd, pre + hf_name)
+        yield ours, tensor.t().contiguous() if transposed else tensor
     if not cfg.tie_embeddings:
         yield "lm_head.weight", checkpoint_tensor(hf_sd, "lm_head.weight", "tie_word_embeddings=false")
 
@@ -176,19 +179,8 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Ite
 def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) from a tinyformer state dict; the inverse of ``hf_to_tinyformer``."""
     pre = _prefix(cfg)
-    yield pre + "wte.weight", sd["tok_emb.weight"]
-    yield pre + "wpe.weight", sd["pos_emb.weight"]
-    for i in range(cfg.n_layer):
-        p, a = f"{pre}h.{i}.", f"blocks.{i}."
-        for hf_name, ours in (("ln_1", "attn_norm"), ("ln_2", "ffn_norm")):
-            yield p + hf_name + ".weight", sd[a + ours + ".weight"]
-            yield p + hf_name + ".bias", sd[a + ours + ".bias"]
-        for hf_name, ours in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.out"), ("mlp.c_fc", "ffn.up"),
-                              ("mlp.c_proj", "ffn.down")):
-            yield p + hf_name + ".weight", sd[a + ours + ".weight"].t().contiguous()
-            yield p + hf_name + ".bias", sd[a + ours + ".bias"]
-    yield pre + "ln_f.weight", sd["norm.weight"]
-    yield pre + "ln_f.bias", sd["norm.bias"]
+    for hf_name, ours, transposed in _pairs(cfg):
+        yield pre + hf_name, sd[ours].t().contiguous() if transposed else sd[ours]
     if not cfg.tie_embeddings:
         yield "lm_head.weight", sd["lm_head.weight"]
 

@@ -48,11 +48,6 @@ BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k":
          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 EXPORT_TOP = {v: k for k, v in TOP.items()}
-EXPORT_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv",
-                "mlp.gate_up_proj": "ffn_up", "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")  # (E, rows, cols), all experts
 _EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")  # one expert (older files)
@@ -97,7 +92,10 @@ def gguf_name(name: str, arch: GGUFArch) -> str:
     rest = name.removeprefix("model.layers.")
     layer, rest = rest.split(".", 1)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{arch.export_block_names[module]}.{kind}"
+    names = {hf: ours for ours, hf in arch.block_names.items()}
+    if arch.moe is not None:
+        names[arch.moe[0]] = "ffn_gate_inp"
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 def f32(value: float) -> float:
@@ -299,4 +297,4 @@ def config_from_gguf(g: Any) -> dict[str, Any]:
     return hf
 
 
-ARCH = GGUFArch("llama", config_from_gguf, BLOCK, EXPORT_BLOCK, moe=MIXTRAL_MOE, rope_interleaved=True)
+ARCH = GGUFArch("llama", config_from_gguf, BLOCK, moe=MIXTRAL_MOE, rope_interleaved=True)

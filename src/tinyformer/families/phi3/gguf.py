@@ -17,7 +17,7 @@ from typing import Any
 
 from tinyformer.errors import CheckpointError
 from tinyformer.families.family import GGUFArch
-from tinyformer.families.llama.gguf import BLOCK, EXPORT_BLOCK, Key, expert_count, f32, layout_config, metadata
+from tinyformer.families.llama.gguf import BLOCK, Key, expert_count, f32, layout_config, metadata
 from tinyformer.families.phi3.hf import PHI3
 
 # q, k, v fused as attn_qkv; ffn_up holds gate and up stacked (Hugging Face's gate_up_proj)
@@ -57,4 +57,4 @@ def _phi3_config(g: Any) -> dict[str, Any]:
     return layout_config(g, key, ARCH, PHI3.model_type, PHI3.architecture, _phi3_keys, longrope=longrope_from_gguf)[0]
 
 
-ARCH = GGUFArch("phi3", _phi3_config, PHI3_BLOCK, EXPORT_BLOCK, sliding_window=True, longrope=True)
+ARCH = GGUFArch("phi3", _phi3_config, PHI3_BLOCK, sliding_window=True, longrope=True)
