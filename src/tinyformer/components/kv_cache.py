@@ -185,17 +185,11 @@ WHOLE_SEQUENCE = Step.whole()
 
 
 @dataclass
-class _CachedStep(Step):
-    """A call on a ``KVCache``: ``start`` is where the new tokens go (an int, or (B,) per row), ``kv_len`` the
-    slots a row call attends."""
+class BlockStep(Step):
+    """A block call on a cache: the new keys and values go to positions start .. start + T - 1 of every row."""
 
     cache: KVCache | None = None
-    start: int | Tensor = 0
-    kv_len: int = 0
-
-
-class BlockStep(_CachedStep):
-    """A block call on a cache: the new keys and values go to positions start .. start + T - 1 of every row."""
+    start: int = 0
 
     def kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         keys, values = self.cache.store[layer].write(k, v, self.start)
@@ -203,11 +197,13 @@ class BlockStep(_CachedStep):
 
 
 @dataclass
-class RowStep(_CachedStep):
+class RowStep(Step):
     """A row call: row b's new keys and values go to positions start[b] .. start[b] + T - 1 (``positions``
     (B, T); ``rows`` (B, 1) indexes the rows alongside); attention runs over slots [0, kv_len) (a ring: its R
     slots), masked per row."""
 
+    cache: KVCache | None = None
+    kv_len: int = 0
     rows: Tensor | None = None
     per_query: bool = False
 
@@ -600,5 +596,4 @@ class RowCalls:
         positions = start[:, None] + torch.arange(T, device=start.device)  # (B, T)
         masks = _masks_by_kind(self.cache.store, lambda s: s.rows_mask(positions, kv_len))
         rows = torch.arange(start.shape[0], device=start.device)[:, None]  # (B, 1)
-        return RowStep(positions, masks, cache=self.cache, start=start, kv_len=kv_len, rows=rows,
-                       per_query=self.per_query)
+        return RowStep(positions, masks, cache=self.cache, kv_len=kv_len, rows=rows, per_query=self.per_query)

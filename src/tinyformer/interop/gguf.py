@@ -477,6 +477,8 @@ def block_parts(raw: np.ndarray, qtype_name: str, rows: int, cols: int) -> dict[
 
 
 EXACT_KEEP = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
+# the run's type for a file of mostly these blocks (the others rounded again into it)
+KEEP_AS = {**EXACT_KEEP, "Q6_K": "int8", **dict.fromkeys(("Q4_K", "Q5_K", "Q3_K", "Q2_K", "Q5_0", "Q5_1"), "int4")}
 
 
 def import_gguf_keep_quant(path: str | Path, out: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -500,15 +502,10 @@ def import_gguf_keep_quant(path: str | Path, out: str | Path, *, max_shard_bytes
     arch, hf_config = hf_config_from_gguf(g)
     kinds = Counter(t.tensor_type.name for n, t in g.tensors.items() if n.startswith("blk.") and len(t.shape) == 2)
     main = kinds.most_common(1)[0][0] if kinds else "F32"
-    if main in EXACT_KEEP:
-        spec = QuantSpec(EXACT_KEEP[main], 32)
-    elif main in ("Q4_K", "Q5_K", "Q3_K", "Q2_K", "Q5_0", "Q5_1"):
-        spec = QuantSpec("int4", 32)
-    elif main == "Q6_K":
-        spec = QuantSpec("int8", 32)
-    else:
+    if main not in KEEP_AS:
         raise ConfigError(f"{g.path}: --keep-quant needs quantized matrices; this file's are {main} (import it "
                           "without --keep-quant)")
+    spec = QuantSpec(KEEP_AS[main], 32)
     source = GGUFSource(g, hf_config, arch)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

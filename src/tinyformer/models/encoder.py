@@ -27,6 +27,7 @@ from torch import nn
 
 from tinyformer.components.block import Block
 from tinyformer.components.cross_attention import source_padding_mask
+from tinyformer.components.ffn import activation
 from tinyformer.components.initialization import init_weights
 from tinyformer.components.kv_cache import Step
 from tinyformer.components.norm import build_norm
@@ -36,13 +37,6 @@ from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError, GenerationError
 
 POOLING_MODES = ("mean", "cls", "max")
-
-
-def activation(cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
-    """The elementwise non-linearity the config's FFN uses (GELU for the gated SwiGLU)."""
-    if cfg.ffn == "relu":
-        return F.relu(x)
-    return F.gelu(x, approximate="tanh" if cfg.ffn == "gelu_tanh" else "none")
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, mode: str = "mean") -> torch.Tensor:
@@ -80,7 +74,7 @@ class MLMTransform(nn.Module):
         self.norm = build_norm(cfg)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm(activation(self.cfg, self.dense(hidden)))
+        return self.norm(activation(self.cfg.ffn, self.dense(hidden)))  # GELU for the gated SwiGLU
 
 
 class EncoderModel(nn.Module):

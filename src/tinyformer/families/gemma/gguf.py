@@ -22,7 +22,7 @@ from typing import Any
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
 from tinyformer.families.family import GGUFArch
-from tinyformer.families.gemma.hf import ARCHITECTURES
+from tinyformer.families.gemma.hf import TYPES
 from tinyformer.families.llama.gguf import BLOCK, Key, expert_count, f32, layout_config, metadata
 
 GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}  # llama.cpp's fixed pattern: every n-th layer global
@@ -79,7 +79,7 @@ def _gemma_config(arch: str, own_keys: Callable[[Any, Key, dict[str, Any]], dict
     key = metadata(g, arch)
     expert_count(g, key, arch, allowed=False)
     model_type = MODEL_TYPES[arch]
-    hf, head_dim, window = layout_config(g, key, ARCHS[arch], model_type, ARCHITECTURES[model_type], _no_keys)
+    hf, head_dim, window = layout_config(g, key, ARCHS[arch], model_type, TYPES[model_type].architecture, _no_keys)
     hf.update(gemma_from_gguf(g, key, GEMMA_GLOBAL_EVERY[arch], hf, head_dim, window))
     hf.update(own_keys(g, key, hf))
     return hf

@@ -40,6 +40,7 @@ from tinyformer.families.adapter import (
     fixed_field_problem,
     hf_pad_token_id,
     imported_hf_config,
+    updated_hf_config,
 )
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
@@ -119,10 +120,7 @@ def export_problem(cfg: ModelConfig) -> str | None:
 
 def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
     """A Hugging Face GPT-2 config dict (the imported original, updated, when there is one)."""
-    if problem := export_problem(cfg):
-        raise ConfigError(problem)
-    hf: dict[str, Any] = dict(imported_hf_config(cfg) or {})
-    hf.update({
+    hf = updated_hf_config(cfg, export_problem, {
         "architectures": ["GPT2LMHeadModel"] if _prefix(cfg) else ["GPT2Model"],
         "model_type": "gpt2",
         "vocab_size": cfg.vocab_size,
@@ -139,13 +137,8 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "torch_dtype": torch_dtype,
-        "dtype": torch_dtype,
-    })
+    }, torch_dtype)
     hf.pop("n_ctx", None)
-    if cfg.pad_token_id is not None:
-        hf["pad_token_id"] = cfg.pad_token_id
     return hf
 
 
@@ -191,13 +184,6 @@ def ignorable_hf_tensor(cfg: ModelConfig, name: str) -> bool:
     return name.endswith((".attn.bias", ".attn.masked_bias")) or (cfg.tie_embeddings and name == "lm_head.weight")
 
 
-ADAPTER = Adapter(
-    name="gpt2",
-    model_types=("gpt2",),
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
-    hf_to_tinyformer=hf_to_tinyformer,
-    tinyformer_to_hf=tinyformer_to_hf,
-    export_problem=export_problem,
-    ignorable_hf_tensor=ignorable_hf_tensor,
-)
+ADAPTER = Adapter(name="gpt2", model_types=("gpt2",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+                  hf_to_tinyformer=hf_to_tinyformer, tinyformer_to_hf=tinyformer_to_hf, export_problem=export_problem,
+                  ignorable_hf_tensor=ignorable_hf_tensor)

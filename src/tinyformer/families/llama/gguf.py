@@ -281,7 +281,8 @@ def _llama_keys(g: Any, key: Key, window: int | None) -> dict[str, Any]:
     return {**has_attention_bias(g), "mlp_bias": "blk.0.ffn_down.bias" in g.tensors}
 
 
-def _mixtral_keys(g: Any, key: Key, window: int | None) -> dict[str, Any]:
+def window_key(g: Any, key: Key, window: int | None) -> dict[str, Any]:
+    """``sliding_window`` of every layer (Mixtral, Phi-3)."""
     return {"sliding_window": int(window) if window else None}
 
 
@@ -291,7 +292,7 @@ def config_from_gguf(g: Any) -> dict[str, Any]:
     n_experts = expert_count(g, key, "llama", allowed=True)
     kind = MIXTRAL if n_experts else LLAMA
     hf, _, _ = layout_config(g, key, ARCH, kind.model_type, kind.architecture,
-                             _mixtral_keys if n_experts else _llama_keys)
+                             window_key if n_experts else _llama_keys)
     if n_experts:
         hf.update(_mixtral_experts(g, key, n_experts))
     return hf

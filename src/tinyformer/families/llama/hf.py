@@ -198,20 +198,14 @@ def check_llama_compatible(cfg: ModelConfig) -> None:
         raise ConfigError(problem)
 
 
-def _same_model(a: ModelConfig, b: ModelConfig) -> bool:
-    da, db = a.to_dict(), b.to_dict()
-    da.pop("extra"), db.pop("extra")
-    return da == db
-
-
 def original_if_unchanged(cfg: ModelConfig, from_hf: Any, torch_dtype: str) -> dict[str, Any] | None:
     """The imported HF config (``extra["hf_config"]``) with the new dtype when ``from_hf`` of it still gives
     ``cfg``'s fields, so that an import/export round trip writes the original back; None otherwise."""
     original = imported_hf_config(cfg)
     if original is None:
         return None
-    try:
-        if not _same_model(from_hf(original), cfg):
+    try:  # every field but extra
+        if {**from_hf(original).to_dict(), "extra": None} != {**cfg.to_dict(), "extra": None}:
             return None
     except ConfigError:
         return None
@@ -392,10 +386,7 @@ class Layout:
         kind = self.tensor_type(cfg)
         rope_parameters, max_positions = rope_to_hf(cfg)
         hf = shape_to_hf(cfg, kind.model_type, kind.architecture, rope_parameters, max_positions, torch_dtype)
-        hf.update({
-            "hidden_act": "silu",
-            "rope_theta": cfg.rope_theta,
-        })
+        hf.update({"hidden_act": "silu", "rope_theta": cfg.rope_theta})
         if cfg.rope_scaling:
             hf["rope_scaling"] = dict(rope_parameters)  # the transformers 4 spelling, for older readers
         for keys in kind.hf_keys:
@@ -423,12 +414,13 @@ class Layout:
         return self.tensor_type(cfg).gguf_arch
 
 
-def tensor_names(cfg: ModelConfig, *, fused: bool = False, zero_biases: bool = False
-                 ) -> Iterator[tuple[str, list[str] | None]]:
+def tensor_names(cfg: ModelConfig, *, fused: bool = False, zero_biases: bool = False,
+                 ffn_norm: str = "post_attention_layernorm") -> Iterator[tuple[str, list[str] | None]]:
     """(tinyformer name, the HF tensors whose rows it stacks, in order) of every tensor, in checkpoint order; a
     mixture of experts' layer gives (``blocks.i.ffn``, None) where its router and experts go.
     ``fused``: q/k/v and gate/up stored as one matrix each (Phi-3); ``zero_biases``: q/k/v and o biases listed
-    when the model has either (the export writes those it lacks as zeros)."""
+    when the model has either (the export writes those it lacks as zeros); ``ffn_norm``: the HF name of the norm
+    before the FFN (Gemma's is pre_feedforward_layernorm)."""
     attn_bias = cfg.attn_bias or (zero_biases and cfg.attn_out_bias)
     out_bias = cfg.attn_out_bias or (zero_biases and cfg.attn_bias)
     yield "tok_emb.weight", ["model.embed_tokens.weight"]
@@ -445,7 +437,7 @@ def tensor_names(cfg: ModelConfig, *, fused: bool = False, zero_biases: bool = F
         if cfg.qk_norm:
             yield a + "attn.q_norm.weight", [p + "self_attn.q_norm.weight"]
             yield a + "attn.k_norm.weight", [p + "self_attn.k_norm.weight"]
-        yield a + "ffn_norm.weight", [p + "post_attention_layernorm.weight"]
+        yield a + "ffn_norm.weight", [p + ffn_norm + ".weight"]
         if cfg.ffn == "moe":
             yield a + "ffn", None
             continue
@@ -462,9 +454,10 @@ def tensor_names(cfg: ModelConfig, *, fused: bool = False, zero_biases: bool = F
 
 
 def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor], *, fused: bool = False,
-                     moe: MoENames | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                     moe: MoENames | None = None, ffn_norm: str = "post_attention_layernorm"
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (tinyformer name, tensor), one tensor at a time, from a HF state dict (or lazy mapping).
-    ``fused`` as in ``tensor_names``; ``moe``: the experts' names.
+    ``fused`` and ``ffn_norm`` as in ``tensor_names``; ``moe``: the experts' names.
 
     Raises ConfigError naming a missing tensor. Callers check that every HF tensor was consumed.
     At most one layer's q/k/v (or gate/up) tensors exist twice at any time (the concatenation)."""
@@ -472,7 +465,7 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor], *, fus
     def get(name: str) -> torch.Tensor:
         return checkpoint_tensor(hf_sd, name)
 
-    for ours, names in tensor_names(cfg, fused=fused):
+    for ours, names in tensor_names(cfg, fused=fused, ffn_norm=ffn_norm):
         if names is not None:
             yield ours, get(names[0]) if len(names) == 1 else torch.cat([get(n) for n in names])
             continue
@@ -487,13 +480,14 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor], *, fus
 
 
 def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *, fused: bool = False,
-                     moe: MoENames | None = None, all_four_biases: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                     moe: MoENames | None = None, all_four_biases: bool = False,
+                     ffn_norm: str = "post_attention_layernorm") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) from a tinyformer state dict; the inverse of ``hf_to_tinyformer``.
 
     With ``all_four_biases`` (Llama's ``attention_bias``: q, k, v and o biases, or none), a model with only some of
     them gets the others as zeros (adding zero changes nothing)."""
     q, kv, f = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.d_ff
-    for ours, names in tensor_names(cfg, fused=fused, zero_biases=all_four_biases):
+    for ours, names in tensor_names(cfg, fused=fused, zero_biases=all_four_biases, ffn_norm=ffn_norm):
         if names is None:
             assert moe is not None, "a mixture of experts needs its tensor names"
             router, experts, gate_name, up_name, down_name = moe
