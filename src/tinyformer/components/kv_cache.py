@@ -90,15 +90,14 @@ def causal_mask(T: int, start: int, window: int | None, attention_mask: Tensor |
 
 
 def ring_mask(attention_mask: Tensor | None, T: int, start: int, window: int, device: torch.device,
-              slots: int | None = None) -> Tensor:
+              R: int) -> Tensor:
     """(B|1, 1, T, K) mask over the keys a ring layer attends in a block call (``RingKV.write``).
 
-    Slot s of the R-slot ring (R = ``slots``, default W) holds the latest position c = p - ((p - s) mod R)
+    Slot s of the R-slot ring holds the latest position c = p - ((p - s) mod R)
     with c = s (mod R) up to p = start (one new token, written before attending: K = R) or p = start - 1 (a
     block of T > 1, attending the old slots and then its own T keys: K = R + T). A slot with c < 0 was never
     written. Query i sees key column c iff 0 <= c, i - W < c <= i and attention_mask[c] (columns count from
     the cache's start)."""
-    R = window if slots is None else slots
     last = start if T == 1 else start - 1
     cols = last - torch.remainder(last - torch.arange(R, device=device), R)
     if T > 1:
@@ -471,18 +470,10 @@ class KVCache:
     docstring). ``length`` is where the next block call writes (None after ``truncate`` left rows at different
     lengths: then feed them with ``at``); ``layers`` lists each layer's (k, v) buffers."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        batch_size: int,
-        max_len: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-        n_layer: int | None = None,
-        rolling: bool = True,
-        spare_slots: int = 0,
-        row_kernel: bool = False,
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
+                 n_layer: int | None = None, rolling: bool = True, spare_slots: int = 0,
+                 row_kernel: bool = False) -> None:
         self.max_len = max_len or cfg.max_seq_len
         # per-query attention through quant_kernels.row_attention (RowStep.attend): for a model whose products
         # are tinyformer's CPU kernels (quant_kernels.uses_kernels), which are built already; a model without

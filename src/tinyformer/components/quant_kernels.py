@@ -46,8 +46,7 @@ _state: dict[str, object] = {}
 
 
 def _compiler() -> str | None:
-    cxx = os.environ.get("CXX", "c++")
-    return shutil.which(cxx)
+    return shutil.which(os.environ.get("CXX", "c++"))
 
 
 def _ninja_on_path() -> None:

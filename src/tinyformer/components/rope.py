@@ -184,9 +184,8 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.for_length(seen, positions)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
-    def forward(
-        self, start: int, length: int, position_ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, start: int, length: int,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions start .. start+length-1, or for explicit ``position_ids`` (B, T)."""
         cos, sin = self.for_length(start + length if position_ids is None else None, position_ids)
         if position_ids is None:  # contiguous positions: a slice, no gather (the common case)

@@ -67,10 +67,8 @@ def _gguf():
 def supported_types() -> dict[Any, torch.dtype]:
     """GGML tensor types this importer reads, and the dtype each becomes."""
     Q = _gguf().GGMLQuantizationType
-    out = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
-    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
-        out[getattr(Q, name)] = torch.float32
-    return out
+    blocks = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+    return {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16, **{Q[n]: torch.float32 for n in blocks}}
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
