@@ -53,8 +53,7 @@ AttentionKernel = Callable[..., Tensor]
 def positions_from_mask(attention_mask: Tensor) -> Tensor:
     """Position of each token counted over real tokens only: cumsum(mask) - 1, padding at 0.
     With left padding this gives every row positions 0, 1, 2, ... from its first real token."""
-    pos = attention_mask.long().cumsum(-1) - 1
-    return pos.clamp_min(0)
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
 def build_attention_mask(attention_mask: Tensor, T: int, start: int, window: int | None = None) -> Tensor:
