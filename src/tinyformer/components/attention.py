@@ -65,16 +65,9 @@ def safe_softmax(scores: torch.Tensor) -> torch.Tensor:
     return (e / torch.where(denom > 0, denom, torch.ones_like(denom))).to(scores.dtype)
 
 
-def reference_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    is_causal: bool = False,
-    dropout_p: float = 0.0,
-    scale: float | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                        is_causal: bool = False, dropout_p: float = 0.0, scale: float | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     """The explicit formula. q (B, H, T, d); k, v (B, H_kv, S, d); mask broadcastable to (B, H, T, S),
     True = may attend. With ``is_causal`` query i (the last T of S positions) sees keys j <= S - T + i.
     ``softcap`` c: scores -> c tanh(scores / c) before masking."""
@@ -135,15 +128,8 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
                                           enable_gqa=k.shape[1] != q.shape[1], scale=scale)
 
 
-def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    is_causal: bool,
-    impl: str = "sdpa",
-    dropout_p: float = 0.0,
-) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+           impl: str = "sdpa", dropout_p: float = 0.0) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + M) v by the chosen implementation; see ``reference_attention``. With
     ``is_causal`` and fewer queries than keys the causal mask is aligned bottom-right (the queries continue a
     prefix)."""

@@ -49,6 +49,13 @@ def silu_mul(gu: torch.Tensor, f: int) -> torch.Tensor:
     return _SiluMul.apply(gu, f)
 
 
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """The elementwise non-linearity ``name``: relu, gelu_tanh, else the exact (erf) GELU."""
+    if name == "relu":
+        return F.relu(x)
+    return F.gelu(x, approximate="tanh" if name == "gelu_tanh" else "none")
+
+
 class SwiGLU(nn.Module):
     """The gated FFN with silu (SwiGLU); ``GeGLU`` is its GELU-tanh sibling (``activation`` names which)."""
 
@@ -89,10 +96,5 @@ class MLP(nn.Module):
         self.down = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(x)
-        if self.activation == "relu":
-            h = F.relu(h)
-        else:
-            h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return self.down(h)
+        return self.down(activation(self.activation, self.up(x)))
 

@@ -53,8 +53,7 @@ AttentionKernel = Callable[..., Tensor]
 def positions_from_mask(attention_mask: Tensor) -> Tensor:
     """Position of each token counted over real tokens only: cumsum(mask) - 1, padding at 0.
     With left padding this gives every row positions 0, 1, 2, ... from its first real token."""
-    pos = attention_mask.long().cumsum(-1) - 1
-    return pos.clamp_min(0)
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
 def build_attention_mask(attention_mask: Tensor, T: int, start: int, window: int | None = None) -> Tensor:
@@ -90,15 +89,14 @@ def causal_mask(T: int, start: int, window: int | None, attention_mask: Tensor |
 
 
 def ring_mask(attention_mask: Tensor | None, T: int, start: int, window: int, device: torch.device,
-              slots: int | None = None) -> Tensor:
+              R: int) -> Tensor:
     """(B|1, 1, T, K) mask over the keys a ring layer attends in a block call (``RingKV.write``).
 
-    Slot s of the R-slot ring (R = ``slots``, default W) holds the latest position c = p - ((p - s) mod R)
+    Slot s of the R-slot ring holds the latest position c = p - ((p - s) mod R)
     with c = s (mod R) up to p = start (one new token, written before attending: K = R) or p = start - 1 (a
     block of T > 1, attending the old slots and then its own T keys: K = R + T). A slot with c < 0 was never
     written. Query i sees key column c iff 0 <= c, i - W < c <= i and attention_mask[c] (columns count from
     the cache's start)."""
-    R = window if slots is None else slots
     last = start if T == 1 else start - 1
     cols = last - torch.remainder(last - torch.arange(R, device=device), R)
     if T > 1:
@@ -185,17 +183,11 @@ WHOLE_SEQUENCE = Step.whole()
 
 
 @dataclass
-class _CachedStep(Step):
-    """A call on a ``KVCache``: ``start`` is where the new tokens go (an int, or (B,) per row), ``kv_len`` the
-    slots a row call attends."""
+class BlockStep(Step):
+    """A block call on a cache: the new keys and values go to positions start .. start + T - 1 of every row."""
 
     cache: KVCache | None = None
-    start: int | Tensor = 0
-    kv_len: int = 0
-
-
-class BlockStep(_CachedStep):
-    """A block call on a cache: the new keys and values go to positions start .. start + T - 1 of every row."""
+    start: int = 0
 
     def kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         keys, values = self.cache.store[layer].write(k, v, self.start)
@@ -203,11 +195,13 @@ class BlockStep(_CachedStep):
 
 
 @dataclass
-class RowStep(_CachedStep):
+class RowStep(Step):
     """A row call: row b's new keys and values go to positions start[b] .. start[b] + T - 1 (``positions``
     (B, T); ``rows`` (B, 1) indexes the rows alongside); attention runs over slots [0, kv_len) (a ring: its R
     slots), masked per row."""
 
+    cache: KVCache | None = None
+    kv_len: int = 0
     rows: Tensor | None = None
     per_query: bool = False
 
@@ -475,18 +469,10 @@ class KVCache:
     docstring). ``length`` is where the next block call writes (None after ``truncate`` left rows at different
     lengths: then feed them with ``at``); ``layers`` lists each layer's (k, v) buffers."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        batch_size: int,
-        max_len: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-        n_layer: int | None = None,
-        rolling: bool = True,
-        spare_slots: int = 0,
-        row_kernel: bool = False,
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
+                 n_layer: int | None = None, rolling: bool = True, spare_slots: int = 0,
+                 row_kernel: bool = False) -> None:
         self.max_len = max_len or cfg.max_seq_len
         # per-query attention through quant_kernels.row_attention (RowStep.attend): for a model whose products
         # are tinyformer's CPU kernels (quant_kernels.uses_kernels), which are built already; a model without
@@ -600,5 +586,4 @@ class RowCalls:
         positions = start[:, None] + torch.arange(T, device=start.device)  # (B, T)
         masks = _masks_by_kind(self.cache.store, lambda s: s.rows_mask(positions, kv_len))
         rows = torch.arange(start.shape[0], device=start.device)[:, None]  # (B, 1)
-        return RowStep(positions, masks, cache=self.cache, start=start, kv_len=kv_len, rows=rows,
-                       per_query=self.per_query)
+        return RowStep(positions, masks, cache=self.cache, kv_len=kv_len, rows=rows, per_query=self.per_query)

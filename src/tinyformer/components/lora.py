@@ -59,10 +59,8 @@ class LoRAConfig:
     targets: tuple[str, ...] = TARGETS
 
     def __post_init__(self) -> None:
-        if isinstance(self.targets, str):
-            object.__setattr__(self, "targets", parse_targets(self.targets))
-        else:
-            object.__setattr__(self, "targets", tuple(self.targets))
+        targets = parse_targets(self.targets) if isinstance(self.targets, str) else tuple(self.targets)
+        object.__setattr__(self, "targets", targets)
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise ConfigError(f"LoRA rank (--lora-rank) must be a positive integer, got {self.rank!r}")
         if self.alpha is not None and (not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool)

@@ -2,7 +2,7 @@
 
 Sinusoidal (Vaswani et al. 2017):  PE(pos, 2i) = sin(pos / 10000^(2i/d)),  PE(pos, 2i+1) = cos(pos / 10000^(2i/d))
 Learned (GPT-2, BERT): a trainable table P of shape (max_seq_len, d).
-Both map positions (T,) or (B, T) to (T, d) or (B, T, d); ``add_to(x, positions)`` is x + P[positions].
+``add_to(x, positions)`` is x + P[positions], positions (T,) or (B|1, T).
 RoPE, which rotates q and k instead, is in rope.py; a RoPE model's ``pos_emb`` is ``NoPositions``.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from tinyformer.config import ModelConfig
 
 
 def sinusoidal_table(length: int, dim: int, base: float = 10000.0) -> torch.Tensor:
@@ -34,11 +36,8 @@ class SinusoidalPositions(nn.Module):
         """Recompute the table on ``device`` (after a meta-device build: it is not in the checkpoint)."""
         self.table = sinusoidal_table(self.table.shape[0], self.table.shape[1]).to(device)
 
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.table[positions]
-
     def add_to(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (B, T, d) + PE[positions], positions (B|1, T)."""
+        """x (B, T, d) + PE[positions]."""
         return x + self.table[positions]
 
 
@@ -49,11 +48,8 @@ class LearnedPositions(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(max_seq_len, dim))
 
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.weight[positions]
-
     def add_to(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (B, T, d) + P[positions], positions (B|1, T)."""
+        """x (B, T, d) + P[positions]."""
         return x + self.weight[positions]
 
 
@@ -62,3 +58,12 @@ class NoPositions(nn.Module):
 
     def add_to(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return x
+
+
+def build_positions(cfg: ModelConfig) -> nn.Module:
+    """The table added to the embeddings: learned, sinusoidal, or none (RoPE)."""
+    if cfg.pos == "learned":
+        return LearnedPositions(cfg.max_seq_len, cfg.d_model)
+    if cfg.pos == "sinusoidal":
+        return SinusoidalPositions(cfg.max_seq_len, cfg.d_model)
+    return NoPositions()

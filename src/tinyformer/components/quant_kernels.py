@@ -46,8 +46,7 @@ _state: dict[str, object] = {}
 
 
 def _compiler() -> str | None:
-    cxx = os.environ.get("CXX", "c++")
-    return shutil.which(cxx)
+    return shutil.which(os.environ.get("CXX", "c++"))
 
 
 def _ninja_on_path() -> None:
@@ -74,13 +73,8 @@ def _build() -> None:
     load(name=name, sources=[str(_SOURCE)], is_python_module=False,
          extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
-    torch.library.register_fake("tinyformer::f32_linear")(_fake_f32)
-    torch.library.register_fake("tinyformer::int8_linear")(_fake_int8)
-    torch.library.register_fake("tinyformer::int4_linear")(_fake_int4)
-    torch.library.register_fake("tinyformer::act8_gemm")(_fake_gemm)
-    torch.library.register_fake("tinyformer::dequantize_rows")(_fake_dequantize_rows)
-    torch.library.register_fake("tinyformer::row_attention")(_fake_row_attention)
-    torch.library.register_fake("tinyformer::act8_embedding")(_fake_act8_embedding)
+    for op, fake in _FAKES.items():
+        torch.library.register_fake(f"tinyformer::{op}")(fake)
 
 
 def build_folder(name: str) -> Path:
@@ -126,35 +120,18 @@ def announce_build(name: str) -> bool:
     return True
 
 
-def _fake_f32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, path: int = 0) -> torch.Tensor:
-    return x.new_empty((x.shape[0], w.shape[0]))
-
-
-def _fake_int8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, path: int = 0) -> torch.Tensor:
-    return x.new_empty((x.shape[0], q.shape[0]))  # (M, N): the shape torch.compile traces with
-
-
-def _fake_int4(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, path: int = 0) -> torch.Tensor:
-    return x.new_empty((x.shape[0], q.shape[0]))
-
-
-def _fake_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, aux: torch.Tensor, n: int, g: int, int4: bool,
-               path: int) -> torch.Tensor:
-    return x.new_empty((x.shape[0], n))
-
-
-def _fake_dequantize_rows(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, o0: int, o1: int) -> torch.Tensor:
-    return s.new_empty((o1 - o0, q.shape[1] * (2 if z is not None else 1)), dtype=torch.float32)
-
-
-def _fake_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                        path: int = 0) -> torch.Tensor:
-    return q.new_empty(q.shape)  # contiguous, as the kernel returns it
-
-
-def _fake_act8_embedding(wp: torch.Tensor, sp: torch.Tensor, aux: torch.Tensor, ids: torch.Tensor, g: int,
-                         int4: bool) -> torch.Tensor:
-    return sp.new_empty((ids.shape[0], wp.shape[1] * (8 if int4 else 4)), dtype=torch.float32)
+# each op's output (shape and dtype) for torch.compile's tracing: the fake implementations registered by ``_build``
+_FAKES = {
+    "f32_linear": lambda x, w, b, path=0: x.new_empty((x.shape[0], w.shape[0])),
+    "int8_linear": lambda x, q, s, path=0: x.new_empty((x.shape[0], q.shape[0])),  # (M, N)
+    "int4_linear": lambda x, q, s, z, path=0: x.new_empty((x.shape[0], q.shape[0])),
+    "act8_gemm": lambda x, wp, sp, aux, n, g, int4, path: x.new_empty((x.shape[0], n)),
+    "dequantize_rows": lambda q, s, z, o0, o1: s.new_empty((o1 - o0, q.shape[1] * (2 if z is not None else 1)),
+                                                           dtype=torch.float32),
+    "row_attention": lambda q, k, v, mask, scale, path=0: q.new_empty(q.shape),  # contiguous, as the kernel's
+    "act8_embedding": lambda wp, sp, aux, ids, g, int4: sp.new_empty((ids.shape[0], wp.shape[1] * (8 if int4 else 4)),
+                                                                      dtype=torch.float32),
+}
 
 
 def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None,

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,6 +163,8 @@ def int4_kernel_applies(out_features: int, group: int, device: torch.device) -> 
 def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device: torch.device) -> str:
     """The kernel one layer uses: the spec's, or for ``auto`` the fastest measured that applies."""
     g = spec.groups(in_features)
+    aten_applies = (spec.type == "int8" and spec.group_size == 0) or (
+        spec.type == "int4" and int4_kernel_applies(out_features, g, device))
     kernel = spec.kernel
     if kernel == "auto":
         if device.type != "cpu":
@@ -174,16 +175,11 @@ def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device:
             # has integer dot products (docs/benchmarks/quantized.md); else the weight-only kernel
             integer_dots = quant_kernels.has_vnni() or quant_kernels.has_avx2()
             return "cpp_act8" if integer_dots and in_features % 32 == 0 and g % 32 == 0 else "cpp"
-        if spec.type == "int8":
-            return "aten" if spec.group_size == 0 else "dequant"
-        return "aten" if int4_kernel_applies(out_features, g, device) else "dequant"
-    if kernel == "aten":
-        ok = (spec.type == "int8" and spec.group_size == 0) or (
-            spec.type == "int4" and int4_kernel_applies(out_features, g, device))
-        if not ok:
-            raise ConfigError(f"kernel 'aten' does not apply to a {out_features} x {in_features} {spec.type} weight "
-                              f"with group_size {spec.group_size} on {device.type} (int8 needs group_size 0; int4 "
-                              f"needs a CPU, out % 16 == 0 and G in {INT4_KERNEL_GROUPS})")
+        return "aten" if aten_applies else "dequant"
+    if kernel == "aten" and not aten_applies:
+        raise ConfigError(f"kernel 'aten' does not apply to a {out_features} x {in_features} {spec.type} weight "
+                          f"with group_size {spec.group_size} on {device.type} (int8 needs group_size 0; int4 "
+                          f"needs a CPU, out % 16 == 0 and G in {INT4_KERNEL_GROUPS})")
     if kernel in ("fbgemm", "cpp", "cpp_act8") and device.type != "cpu":
         raise ConfigError(f"kernel {kernel!r} runs on the CPU only")
     if kernel == "cpp_act8" and (in_features % 32 or g % 32):
@@ -193,11 +189,6 @@ def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device:
 
 
 # ------------------------------------------------------------------ modules
-
-
-# the C++ kernels by --kernel choice and weight type (components/quant_kernels.py)
-_CPP_OPS: dict[str, Callable[..., torch.Tensor]] = {"int8": quant_kernels.int8_linear,
-                                                     "int4": quant_kernels.int4_linear}
 
 
 class QuantizedLinear(nn.Module):
@@ -228,11 +219,6 @@ class QuantizedLinear(nn.Module):
         if self.kernel == "cpp_act8":  # packed once for the GEMM (quant_kernels.pack_act8); no portable copy kept
             for name, t in quant_kernels.pack_act8({**portable, "scales": scales}, spec.type).items():
                 self.register_buffer(name, t, persistent=False)
-        elif self.kernel == "cpp":  # the portable tensors as they are: float32 scales
-            self.register_buffer("qweight", q, persistent=False)
-            self.register_buffer("scales", scales, persistent=False)
-            if spec.type == "int4":
-                self.register_buffer("zeros", portable["zeros"].float(), persistent=False)
         elif self.kernel == "fbgemm":
             with warnings.catch_warnings():  # torch 2.13 marks the quantized tensor type deprecated
                 warnings.simplefilter("ignore", UserWarning)
@@ -250,11 +236,12 @@ class QuantizedLinear(nn.Module):
                                  persistent=False)
             sz = torch.stack([scales.t(), portable["zeros"].float().t()], dim=-1).contiguous()  # (in/G, out, 2)
             self.register_buffer("scales_and_zeros", sz.to(dtype), persistent=False)
-        else:
+        else:  # cpp, dequant: the portable tensors, scales (and zeros) float32 for the C++ kernels, else in dtype
+            s_dtype = torch.float32 if self.kernel == "cpp" else dtype
             self.register_buffer("qweight", q, persistent=False)
-            self.register_buffer("scales", scales.to(dtype), persistent=False)
+            self.register_buffer("scales", scales.to(s_dtype), persistent=False)
             if spec.type == "int4":
-                self.register_buffer("zeros", portable["zeros"].float().to(dtype), persistent=False)
+                self.register_buffer("zeros", portable["zeros"].float().to(s_dtype), persistent=False)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -278,10 +265,9 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.kernel == "cpp_act8":
             y = self._act8(x2)
-        elif self.kernel == "cpp" and x2.shape[0] <= CPP_MAX_ROWS:
-            op = _CPP_OPS[self.spec.type]
-            y = op(x2, self.qweight, self.scales) if self.spec.type == "int8" else \
-                op(x2, self.qweight, self.scales, self.zeros)
+        elif self.kernel == "cpp" and x2.shape[0] <= CPP_MAX_ROWS:  # the C++ kernels (components/quant_kernels.py)
+            op = quant_kernels.int8_linear if self.spec.type == "int8" else quant_kernels.int4_linear
+            y = op(x2, *self._portable().values())  # (x, q, s[, z])
         elif self.kernel == "fbgemm":
             y = torch.ops.quantized.linear_dynamic(x2.float(), self._fbgemm, fbgemm_reduce_range()).to(x.dtype)
         elif self.kernel == "aten" and self.spec.type == "int8":
@@ -291,13 +277,17 @@ class QuantizedLinear(nn.Module):
         elif self.kernel == "cpp":
             y = self._tiled_dequant_linear(x2)
         else:
-            parts = {"qweight": self.qweight, "scales": self.scales}
-            if self.spec.type == "int4":
-                parts["zeros"] = self.zeros
-            y = F.linear(x2, dequantize_weight(parts, self.spec.type, x.dtype))
+            y = F.linear(x2, dequantize_weight(self._portable(), self.spec.type, x.dtype))
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _portable(self) -> dict[str, torch.Tensor]:
+        """The weight's {"qweight", "scales"[, "zeros"]} as this layer holds them (kernels cpp, dequant)."""
+        parts = {"qweight": self.qweight, "scales": self.scales}
+        if self.spec.type == "int4":
+            parts["zeros"] = self.zeros
+        return parts
 
     def _act8(self, x2: torch.Tensor) -> torch.Tensor:
         packed = {"wp": self.wp, "sp": self.sp, "aux": self.aux}
@@ -309,9 +299,7 @@ class QuantizedLinear(nn.Module):
         vocabulary would be 113 MiB)."""
         step = max(1, DEQUANT_TILE_BYTES // (4 * self.in_features))
         out = x2.new_empty(x2.shape[0], self.out_features)
-        parts = {"qweight": self.qweight, "scales": self.scales}
-        if self.spec.type == "int4":
-            parts["zeros"] = self.zeros
+        parts = self._portable()
         for o in range(0, self.out_features, step):
             w = quant_kernels.dequantize_rows(parts, self.spec.type, o, min(o + step, self.out_features))
             torch.matmul(x2, w.to(x2.dtype).t(), out=out[:, o : o + step])

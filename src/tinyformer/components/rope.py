@@ -184,9 +184,8 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.for_length(seen, positions)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
-    def forward(
-        self, start: int, length: int, position_ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, start: int, length: int,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions start .. start+length-1, or for explicit ``position_ids`` (B, T)."""
         cos, sin = self.for_length(start + length if position_ids is None else None, position_ids)
         if position_ids is None:  # contiguous positions: a slice, no gather (the common case)
@@ -216,19 +215,14 @@ class LongRotaryEmbedding(RotaryEmbedding):
     """LongRoPE: the long factors, for every position of the call, once the sequence (max position + 1)
     outgrows the original context (as transformers switches)."""
 
-    def long_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """LongRoPE's cos/sin tables with the long factors (built on first use)."""
-        if not hasattr(self, "_long"):
-            l0 = int((self.cfg.rope_scaling or {})["original_max_position_embeddings"])
+    def for_length(self, seen: int | None, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        l0 = int((self.cfg.rope_scaling or {})["original_max_position_embeddings"])
+        if _seen(seen, positions) <= l0:
+            return self.cos_cached, self.sin_cached
+        if not hasattr(self, "_long"):  # the tables with the long factors, built on first use
             inv_freq, scale = rope_inv_freq(self.cfg, seq_len=l0 + 1)
             self._long = self._tables(inv_freq.to(self.cos_cached.device), self.cfg.max_seq_len, scale)
         return self._long
-
-    def for_length(self, seen: int | None, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        l0 = int((self.cfg.rope_scaling or {})["original_max_position_embeddings"])
-        if _seen(seen, positions) > l0:
-            return self.long_tables()
-        return self.cos_cached, self.sin_cached
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

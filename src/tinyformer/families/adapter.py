@@ -84,6 +84,19 @@ def checkpoint_tensor(hf_sd: TensorMap, name: str, why: str = "") -> torch.Tenso
     return hf_sd[name]
 
 
+def updated_hf_config(cfg: ModelConfig, export_problem: Callable[[ModelConfig], str | None],
+                      keys: Mapping[str, Any], torch_dtype: str) -> dict[str, Any]:
+    """The imported HF config (or a new one) updated with ``keys``, tying, dtype and the padding id; ConfigError
+    naming ``export_problem(cfg)`` when there is one."""
+    if problem := export_problem(cfg):
+        raise ConfigError(problem)
+    hf = dict(imported_hf_config(cfg) or {})
+    hf.update({**keys, "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": torch_dtype, "dtype": torch_dtype})
+    if cfg.pad_token_id is not None:
+        hf["pad_token_id"] = cfg.pad_token_id
+    return hf
+
+
 def fixed_field_problem(cfg: ModelConfig, wanted: Mapping[str, Any], target: str) -> str | None:
     """The first config field that differs from the value a format fixes, as a message naming both
     (``target`` is the format, e.g. "GPT-2"); None when every field matches."""

@@ -9,7 +9,7 @@ A ``GGUFArch`` is one llama.cpp ``general.architecture`` as data and two small f
     config_from_gguf(g) -> dict      the Hugging Face config.json dict the file's metadata states (``g`` is an
                                      ``interop.gguf.GGUFFile``: ``get``, ``require``, ``tensors``, ``read``, ``path``)
     block_names                      llama.cpp's name of a layer tensor -> its HF module under model.layers.i.
-    export_block_names               the inverse, for writing
+                                     (its inverse, with the router's ``moe[0]``, names them for writing)
     moe                              (router, experts, gate, up, down): the HF names of a mixture's tensors
     rope_interleaved                 llama.cpp rotates adjacent pairs (2i, 2i+1) for this architecture, so W_q and
                                      W_k rows are permuted on the way in and out (tinyformer rotates half-split)
@@ -46,7 +46,6 @@ class GGUFArch:
     name: str
     config_from_gguf: Callable[[Any], dict[str, Any]]
     block_names: Mapping[str, str]
-    export_block_names: Mapping[str, str]
     moe: tuple[str, str, str, str, str] | None = None
     rope_interleaved: bool = False
     norm_plus_one: bool = False

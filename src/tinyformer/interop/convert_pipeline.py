@@ -37,7 +37,7 @@ from tinyformer.config import ModelConfig
 from tinyformer.errors import CheckpointError, ConfigError, DataError
 from tinyformer.families import adapter_for_hf
 from tinyformer.integrity import write_manifest
-from tinyformer.interop.tensor_sources import MetaStateDict, TensorSource, TensorView, name_list, read_json
+from tinyformer.interop.tensor_sources import DictSource, MetaStateDict, TensorSource, TensorView, name_list, read_json
 from tinyformer.safetensors_io import TensorSpec, write_planned
 from tinyformer.sizing import check_buildable
 from tinyformer.utils.io import (
@@ -49,7 +49,6 @@ from tinyformer.utils.io import (
 )
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
-
 
 
 def check_tensors(source: TensorSource, expected: TensorSource, ignorable: Callable[[str], bool],
@@ -73,17 +72,6 @@ def check_tensors(source: TensorSource, expected: TensorSource, ignorable: Calla
     if unknown:
         raise CheckpointError(f"{source.description}: unknown tensor(s) {name_list(unknown)} "
                               f"(not part of the model that {implied_by} describes)")
-
-
-class _Planned(TensorSource):
-    def __init__(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        self.sd = dict(pairs)
-
-    def names(self) -> list[str]:
-        return list(self.sd)
-
-    def meta(self, name: str) -> torch.Tensor:
-        return self.sd[name]
 
 
 def _cast(stream: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype | None
@@ -211,7 +199,7 @@ def import_checkpoint(hf_config: Mapping[str, Any], source: TensorSource, out: s
                               f"checkpoint holds only {n_tensors:,} tensors; check num_hidden_layers")
     check_buildable(cfg, torch.empty(0, dtype=dtype).element_size() if dtype is not None else 2)
     expected = MetaStateDict(cfg)
-    implied = _Planned(list(adapter.tinyformer_to_hf(cfg, expected.sd)))
+    implied = DictSource(adapter.tinyformer_to_hf(cfg, expected.sd))
     check_tensors(source, implied, lambda n: adapter.ignorable_hf_tensor(cfg, n), "config.json")
     dtype = dtype or source.main_float_dtype()
     specs, stream = plan_and_stream(lambda m: adapter.hf_to_tinyformer(cfg, m), source, dtype)

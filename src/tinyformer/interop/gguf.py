@@ -67,10 +67,8 @@ def _gguf():
 def supported_types() -> dict[Any, torch.dtype]:
     """GGML tensor types this importer reads, and the dtype each becomes."""
     Q = _gguf().GGMLQuantizationType
-    out = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
-    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
-        out[getattr(Q, name)] = torch.float32
-    return out
+    blocks = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+    return {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16, **{Q[n]: torch.float32 for n in blocks}}
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -477,6 +475,8 @@ def block_parts(raw: np.ndarray, qtype_name: str, rows: int, cols: int) -> dict[
 
 
 EXACT_KEEP = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
+# the run's type for a file of mostly these blocks (the others rounded again into it)
+KEEP_AS = {**EXACT_KEEP, "Q6_K": "int8", **dict.fromkeys(("Q4_K", "Q5_K", "Q3_K", "Q2_K", "Q5_0", "Q5_1"), "int4")}
 
 
 def import_gguf_keep_quant(path: str | Path, out: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -500,15 +500,10 @@ def import_gguf_keep_quant(path: str | Path, out: str | Path, *, max_shard_bytes
     arch, hf_config = hf_config_from_gguf(g)
     kinds = Counter(t.tensor_type.name for n, t in g.tensors.items() if n.startswith("blk.") and len(t.shape) == 2)
     main = kinds.most_common(1)[0][0] if kinds else "F32"
-    if main in EXACT_KEEP:
-        spec = QuantSpec(EXACT_KEEP[main], 32)
-    elif main in ("Q4_K", "Q5_K", "Q3_K", "Q2_K", "Q5_0", "Q5_1"):
-        spec = QuantSpec("int4", 32)
-    elif main == "Q6_K":
-        spec = QuantSpec("int8", 32)
-    else:
+    if main not in KEEP_AS:
         raise ConfigError(f"{g.path}: --keep-quant needs quantized matrices; this file's are {main} (import it "
                           "without --keep-quant)")
+    spec = QuantSpec(KEEP_AS[main], 32)
     source = GGUFSource(g, hf_config, arch)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

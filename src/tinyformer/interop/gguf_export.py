@@ -179,15 +179,13 @@ def export_gguf(run: str | Path, out: str | Path, qtype: str = "f32", *, force: 
         raise ConfigError("llama.cpp renormalises a mixture's top-k router weights; this router does not "
                           "(router_norm_topk false)")
     Q = gguf.GGMLQuantizationType
-    matrix_type = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[qtype]
+    matrix_type = Q[qtype.upper()]  # F32, F16, BF16, Q8_0, Q4_0
     if qtype in ("q8_0", "q4_0"):
         bad = [n for n, k in (("d_model", cfg.d_model), ("d_ff", cfg.d_ff), ("n_head x head_dim",
                                                                               cfg.n_head * cfg.head_dim)) if k % 32]
         if bad:
             raise ConfigError(f"{qtype} stores rows in blocks of 32 values: {', '.join(bad)} is not a multiple of 32")
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                 "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                 "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[qtype]
+    file_type = gguf.LlamaFileType["ALL_F32" if qtype == "f32" else f"MOSTLY_{qtype.upper()}"]
     sd = float_state_dict(run, cfg)
 
     with atomic_path(out) as tmp:

@@ -90,10 +90,9 @@ def import_hf(src: str | Path, out: str | Path, *, dtype: str | torch.dtype | No
         return import_sentence_transformers(src, out, dtype=dtype, max_shard_bytes=max_shard_bytes, force=force)
     hf_config = read_json(src / "config.json", "model config")
     adapter_for_hf(hf_config)  # unsupported architectures fail before the weights are opened
-    source = open_hf_weights(src)
-    dt = parse_dtype(dtype)
-    return import_checkpoint(hf_config, source, out, write_tokenizer=lambda dst: copy_hf_tokenizer(src, dst),
-                             dtype=dt, max_shard_bytes=max_shard_bytes, force=force, inputs=(src,))
+    return import_checkpoint(hf_config, open_hf_weights(src), out,
+                             write_tokenizer=lambda dst: copy_hf_tokenizer(src, dst), dtype=parse_dtype(dtype),
+                             max_shard_bytes=max_shard_bytes, force=force, inputs=(src,))
 
 
 def import_sentence_transformers(src: str | Path, out: str | Path, *, dtype: str | torch.dtype | None = None,
@@ -105,14 +104,11 @@ def import_sentence_transformers(src: str | Path, out: str | Path, *, dtype: str
     if hf_config.get("model_type") != "bert":
         raise ConfigError(f"{transformer_dir}: model_type {hf_config.get('model_type')!r} is not supported in a "
                           "sentence-transformers folder (supported: bert)")
-    source = open_hf_weights(transformer_dir)
-    hf_config = adapter_for_hf(hf_config).align_config(hf_config, source.names())
-    dt = parse_dtype(dtype)
     return import_checkpoint(
-        hf_config, source, out,
+        hf_config, open_hf_weights(transformer_dir), out,
         write_tokenizer=lambda dst: copy_hf_tokenizer(transformer_dir, dst),
-        dtype=dt, max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES, force=force, inputs=(src,),
-        extra={"sentence_transformers": info},
+        dtype=parse_dtype(dtype), max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES, force=force,
+        inputs=(src,), extra={"sentence_transformers": info},
     )
 
 

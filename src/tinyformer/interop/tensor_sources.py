@@ -2,8 +2,9 @@
 
     TensorSource        names(), meta(name) (shape and dtype, no data), read(name)
       SafetensorsSource   one or several safetensors files (shards) seen as one set of names
-      TorchBinSource      pytorch_model.bin files, torch.load(weights_only=True), memory-mapped
-      MetaStateDict       the state dict a config implies, on the meta device (what a checkpoint must hold)
+      DictSource          tensors held by name
+        TorchBinSource    pytorch_model.bin files, torch.load(weights_only=True), memory-mapped
+        MetaStateDict     the state dict a config implies, on the meta device (what a checkpoint must hold)
     TensorView          a source seen as a Mapping of meta tensors (planning) or real ones (writing)
     open_hf_weights     the weights of a Hugging Face folder: model.safetensors[.index.json] or
                         pytorch_model.bin[.index.json]
@@ -78,13 +79,26 @@ class SafetensorsSource(TensorSource):
         return self._where[name].read(name)
 
 
-class TorchBinSource(TensorSource):
+class DictSource(TensorSource):
+    """Tensors held by name: meta ones (what a conversion plans), or a loaded checkpoint's."""
+
+    def __init__(self, sd: Mapping[str, torch.Tensor] | Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.sd = dict(sd)
+
+    def names(self) -> list[str]:
+        return list(self.sd)
+
+    def meta(self, name: str) -> torch.Tensor:
+        return self.sd[name]
+
+
+class TorchBinSource(DictSource):
     """``pytorch_model.bin`` files, loaded with ``torch.load(weights_only=True)`` (no arbitrary unpickling),
     memory-mapped when the file is in the zip format."""
 
     def __init__(self, files: list[Path], description: str) -> None:
         self.description = description
-        self._tensors: dict[str, torch.Tensor] = {}
+        self.sd: dict[str, torch.Tensor] = {}
         for path in files:
             if not path.is_file():
                 raise CheckpointError(f"{description}: weight file {path} is missing")
@@ -101,19 +115,16 @@ class TorchBinSource(TensorSource):
             if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
                 raise CheckpointError(f"{path} does not hold a state dict of tensors")
             for name, tensor in sd.items():
-                if name in self._tensors:
+                if name in self.sd:
                     raise CheckpointError(f"{description}: tensor {name!r} is stored twice")
-                self._tensors[name] = tensor
-
-    def names(self) -> list[str]:
-        return list(self._tensors)
+                self.sd[name] = tensor
 
     def meta(self, name: str) -> torch.Tensor:
-        t = self._tensors[name]
+        t = self.sd[name]
         return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
     def read(self, name: str) -> torch.Tensor:
-        return self._tensors[name]
+        return self.sd[name]
 
 
 class TensorView(Mapping[str, torch.Tensor]):
@@ -138,23 +149,16 @@ class TensorView(Mapping[str, torch.Tensor]):
         return len(self._names)
 
 
-class MetaStateDict(TensorSource):
+class MetaStateDict(DictSource):
     """The state dict a config implies, on the meta device (what a checkpoint must contain)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         from tinyformer.models import meta_model
 
-        model = meta_model(cfg)
-        sd = model.state_dict()
+        sd = meta_model(cfg).state_dict()
         if cfg.tie_embeddings and "lm_head.weight" in sd and "tok_emb.weight" in sd:
             sd.pop("lm_head.weight")  # stored once, as the run folder does
-        self.sd = sd
-
-    def names(self) -> list[str]:
-        return list(self.sd)
-
-    def meta(self, name: str) -> torch.Tensor:
-        return self.sd[name]
+        super().__init__(sd)
 
 
 def read_json(path: Path, what: str, kind: type = dict) -> Any:

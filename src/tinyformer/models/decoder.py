@@ -34,7 +34,7 @@ from tinyformer.components.initialization import init_weights
 from tinyformer.components.kv_cache import KVCache, NoCache, RowCalls
 from tinyformer.components.loss import drop_ignored, linear_cross_entropy
 from tinyformer.components.norm import build_norm
-from tinyformer.components.positions import LearnedPositions, NoPositions, SinusoidalPositions
+from tinyformer.components.positions import LearnedPositions, build_positions
 from tinyformer.components.rope import RotaryEmbedding
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
@@ -60,15 +60,6 @@ class SoftCap(nn.Module):
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.tanh(logits / self.c) * self.c
-
-
-def build_positions(cfg: ModelConfig) -> nn.Module:
-    """The table added to the embeddings: learned, sinusoidal, or none (RoPE)."""
-    if cfg.pos == "learned":
-        return LearnedPositions(cfg.max_seq_len, cfg.d_model)
-    if cfg.pos == "sinusoidal":
-        return SinusoidalPositions(cfg.max_seq_len, cfg.d_model)
-    return NoPositions()
 
 
 class DecoderLM(nn.Module):

@@ -27,22 +27,16 @@ from torch import nn
 
 from tinyformer.components.block import Block
 from tinyformer.components.cross_attention import source_padding_mask
+from tinyformer.components.ffn import activation
 from tinyformer.components.initialization import init_weights
 from tinyformer.components.kv_cache import Step
 from tinyformer.components.norm import build_norm
-from tinyformer.components.positions import LearnedPositions, SinusoidalPositions
+from tinyformer.components.positions import build_positions
 from tinyformer.components.rope import RotaryEmbedding
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError, GenerationError
 
 POOLING_MODES = ("mean", "cls", "max")
-
-
-def activation(cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
-    """The elementwise non-linearity the config's FFN uses (GELU for the gated SwiGLU)."""
-    if cfg.ffn == "relu":
-        return F.relu(x)
-    return F.gelu(x, approximate="tanh" if cfg.ffn == "gelu_tanh" else "none")
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, mode: str = "mean") -> torch.Tensor:
@@ -80,7 +74,7 @@ class MLMTransform(nn.Module):
         self.norm = build_norm(cfg)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm(activation(self.cfg, self.dense(hidden)))
+        return self.norm(activation(self.cfg.ffn, self.dense(hidden)))  # GELU for the gated SwiGLU
 
 
 class EncoderModel(nn.Module):
@@ -95,11 +89,7 @@ class EncoderModel(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, d)
         self.type_emb = nn.Embedding(cfg.type_vocab_size, d) if cfg.type_vocab_size > 0 else None
         self.rope = RotaryEmbedding(cfg) if cfg.pos == "rope" else None
-        self.pos_emb: nn.Module | None = None
-        if cfg.pos == "learned":
-            self.pos_emb = LearnedPositions(cfg.max_seq_len, d)
-        elif cfg.pos == "sinusoidal":
-            self.pos_emb = SinusoidalPositions(cfg.max_seq_len, d)
+        self.pos_emb = build_positions(cfg)
         self.emb_scale = math.sqrt(d) if cfg.embed_scale else 1.0
         self.emb_norm = build_norm(cfg) if cfg.embed_norm else None
         self.emb_drop = nn.Dropout(cfg.embd_dropout) if cfg.embd_dropout > 0 else nn.Identity()
@@ -125,9 +115,7 @@ class EncoderModel(nn.Module):
         x = self.tok_emb(input_ids)
         if self.emb_scale != 1.0:
             x = x * self.emb_scale
-        if self.pos_emb is not None:
-            positions = position_ids if position_ids is not None else torch.arange(T, device=input_ids.device)
-            x = x + self.pos_emb(positions)
+        x = self.pos_emb.add_to(x, position_ids if position_ids is not None else torch.arange(T, device=x.device))
         if self.type_emb is not None:
             types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
             x = x + self.type_emb(types)

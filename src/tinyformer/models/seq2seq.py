@@ -32,7 +32,7 @@ from tinyformer.components.cross_attention import CrossAttention, source_padding
 from tinyformer.components.initialization import init_weights
 from tinyformer.components.kv_cache import WHOLE_SEQUENCE, KVCache, RowCalls, Step
 from tinyformer.components.norm import build_norm
-from tinyformer.components.positions import LearnedPositions, SinusoidalPositions
+from tinyformer.components.positions import LearnedPositions, build_positions
 from tinyformer.components.rope import RotaryEmbedding
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError, GenerationError
@@ -81,13 +81,10 @@ class Seq2SeqModel(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, d)  # the target (decoder) table; shared with the source
         self.src_emb = None if cfg.share_src_tgt_embeddings else nn.Embedding(cfg.vocab_size, d)
         self.rope = RotaryEmbedding(cfg) if cfg.pos == "rope" else None
-        self.pos_emb: nn.Module | None = None
-        self.src_pos_emb: nn.Module | None = None
-        if cfg.pos == "learned":  # one table per stack: source and target positions mean different things
-            self.pos_emb = LearnedPositions(cfg.max_seq_len, d)
-            self.src_pos_emb = LearnedPositions(cfg.max_seq_len, d)
-        elif cfg.pos == "sinusoidal":  # a fixed function: one table serves both
-            self.pos_emb = SinusoidalPositions(cfg.max_seq_len, d)
+        self.pos_emb = build_positions(cfg)
+        # learned: one table per stack (source and target positions mean different things); a fixed function
+        # (sinusoidal) serves both
+        self.src_pos_emb = LearnedPositions(cfg.max_seq_len, d) if cfg.pos == "learned" else None
         self.emb_scale = math.sqrt(d) if cfg.embed_scale else 1.0
         self.src_emb_norm = build_norm(cfg) if cfg.embed_norm else None
         self.emb_norm = build_norm(cfg) if cfg.embed_norm else None
@@ -103,7 +100,7 @@ class Seq2SeqModel(nn.Module):
         init_weights(self, cfg.init_std, max(2 * cfg.n_encoder_layer, 3 * cfg.n_layer))
 
     # ------------------------------------------------------------------ embeddings
-    def _embed(self, ids: torch.Tensor, table: nn.Embedding, positions: nn.Module | None, norm: nn.Module | None,
+    def _embed(self, ids: torch.Tensor, table: nn.Embedding, positions: nn.Module, norm: nn.Module | None,
                pos: torch.Tensor | None = None) -> torch.Tensor:
         """ids (B, T) -> (B, T, d); ``pos`` the tokens' positions (B|1, T), by default 0 .. T - 1."""
         T = ids.shape[1]
@@ -115,8 +112,7 @@ class Seq2SeqModel(nn.Module):
         x = table(ids)
         if self.emb_scale != 1.0:
             x = x * self.emb_scale
-        if positions is not None:
-            x = positions.add_to(x, pos)
+        x = positions.add_to(x, pos)
         if norm is not None:
             x = norm(x)
         return self.emb_drop(x)

@@ -4,7 +4,7 @@ Everything here is computed from the config by formula (no model is built), and 
 each parameter count against ``sum(p.numel())`` of the real model built on the ``meta`` device.
 
 The per-layer parameter formulas (attention, FFN, norms) and the ``ParamCount`` breakdown are in
-``sizing/params.py``; the encoder and encoder-decoder stacks are counted in ``sizing/classic.py``.
+``sizing/params.py``; an encoder's other parts and the encoder-decoder stack are counted in ``sizing/classic.py``.
 Training FLOPs per token (Kaplan et al. 2020; PaLM appendix B):
   6 N_matmul + 12 n_layer H d_h T
 where N_matmul counts the weights that take part in matrix multiplies (every matrix, the LM head
@@ -20,7 +20,7 @@ from typing import Any
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.sizing.classic import count_params_classic
+from tinyformer.sizing.classic import count_params_classic, encoder_extra
 from tinyformer.sizing.params import ParamCount, attention_params, ffn_params, norm_params
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "int8": 1, "fp8": 1}
@@ -34,7 +34,7 @@ def dtype_bytes(dtype: str) -> int:
 
 def count_params(cfg: ModelConfig) -> ParamCount:
     """Exact parameter count of the model ``cfg`` describes, component by component."""
-    if cfg.arch != "decoder":
+    if cfg.arch == "encoder_decoder":
         return count_params_classic(cfg)
     d = cfg.d_model
     return ParamCount(
@@ -45,7 +45,8 @@ def count_params(cfg: ModelConfig) -> ParamCount:
         norms_per_layer=(4 if cfg.norm_placement == "sandwich" else 2) * norm_params(cfg),
         n_layer=cfg.n_layer,
         final_norm=norm_params(cfg) if cfg.final_norm else 0,
-        head=0 if cfg.tie_embeddings else cfg.vocab_size * d,
+        head=0 if cfg.tie_embeddings or (cfg.arch == "encoder" and not cfg.mlm_head) else cfg.vocab_size * d,
+        extra=encoder_extra(cfg) if cfg.arch == "encoder" else {},
         ffn_active_per_layer=ffn_params(cfg, active=True) if cfg.ffn == "moe" else None,
     )
 
@@ -127,12 +128,7 @@ def build_bytes(cfg: ModelConfig, bytes_per_elem: int = 4) -> tuple[int, int]:
     the parameters of :func:`count_params` plus the tables precomputed for every position (RoPE's cos and
     sin: 2 * max_seq_len * head_dim; a sinusoidal table: max_seq_len * d_model)."""
     params = count_params(cfg).total
-    if cfg.pos == "rope":
-        tables = 2 * cfg.max_seq_len * cfg.head_dim
-    elif cfg.pos == "sinusoidal":
-        tables = cfg.max_seq_len * cfg.d_model
-    else:
-        tables = 0
+    tables = {"rope": 2 * cfg.max_seq_len * cfg.head_dim, "sinusoidal": cfg.max_seq_len * cfg.d_model}.get(cfg.pos, 0)
     return params * bytes_per_elem, tables * bytes_per_elem
 
 

@@ -1,7 +1,7 @@
 """Parameter counts of the encoder (BERT) and encoder-decoder (2017 Transformer) stacks, by formula.
 
-``sizing.count_params`` delegates here for ``arch != "decoder"``; the tests check every total
-against ``sum(p.numel())`` of the model built on the meta device.
+``sizing.count_params`` counts an encoder's layers as a decoder's, with ``encoder_extra``, and delegates the
+encoder-decoder here; the tests check every total against ``sum(p.numel())`` of the model built on the meta device.
 
 Encoder (d = d_model, V = vocab, f = d_ff, N = n_layer):
   embedding   V d + type_vocab_size d          positions   max_seq_len d (learned only)
@@ -25,31 +25,23 @@ from tinyformer.config import ModelConfig
 from tinyformer.sizing.params import ParamCount, attention_params, ffn_params, norm_params
 
 
+def encoder_extra(cfg: ModelConfig) -> dict[str, int]:
+    """An encoder's parameters outside its layers and tables: embed_norm, pooler, mlm_head."""
+    d, norm = cfg.d_model, norm_params(cfg)
+    extra: dict[str, int] = {}
+    if cfg.embed_norm:
+        extra["embed_norm"] = norm
+    if cfg.pooler:
+        extra["pooler"] = d * d + d
+    if cfg.mlm_head:
+        extra["mlm_head"] = d * d + d + norm + cfg.vocab_size
+    return extra
+
+
 def count_params_classic(cfg: ModelConfig) -> ParamCount:
-    """Exact parameter count of an ``encoder`` or ``encoder_decoder`` config, component by component."""
+    """Exact parameter count of an ``encoder_decoder`` config, component by component."""
     d, V = cfg.d_model, cfg.vocab_size
     norm = norm_params(cfg)
-    if cfg.arch == "encoder":
-        extra: dict[str, int] = {}
-        if cfg.embed_norm:
-            extra["embed_norm"] = norm
-        if cfg.pooler:
-            extra["pooler"] = d * d + d
-        if cfg.mlm_head:
-            extra["mlm_head"] = d * d + d + norm + V
-        return ParamCount(
-            embedding=V * d + cfg.type_vocab_size * d,
-            positions=cfg.max_seq_len * d if cfg.pos == "learned" else 0,
-            attention_per_layer=attention_params(cfg),
-            ffn_per_layer=ffn_params(cfg),
-            norms_per_layer=2 * norm,
-            n_layer=cfg.n_layer,
-            final_norm=norm if cfg.final_norm else 0,
-            head=V * d if cfg.mlm_head and not cfg.tie_embeddings else 0,
-            extra=extra,
-        )
-    if cfg.arch != "encoder_decoder":
-        raise ValueError(f"count_params_classic handles encoder and encoder_decoder, not {cfg.arch!r}")
     n_enc = cfg.n_encoder_layer or cfg.n_layer
     extra = {"encoder_layers": n_enc * (attention_params(cfg) + ffn_params(cfg) + 2 * norm)}
     if cfg.final_norm:

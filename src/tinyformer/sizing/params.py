@@ -20,9 +20,7 @@ from tinyformer.config import ModelConfig
 def norm_params(cfg: ModelConfig, dim: int | None = None) -> int:
     """Parameters of one norm over ``dim`` (default d_model): the gain, plus the bias of a LayerNorm."""
     d = cfg.d_model if dim is None else dim
-    if cfg.norm == "rmsnorm":
-        return d
-    return d * (2 if cfg.norm_bias else 1)
+    return d * (2 if cfg.norm == "layernorm" and cfg.norm_bias else 1)
 
 
 def attention_params(cfg: ModelConfig) -> int:

@@ -41,6 +41,7 @@ from tinyformer.families.adapter import (
     fixed_field_problem,
     hf_pad_token_id,
     imported_hf_config,
+    updated_hf_config,
 )
 
 PREFIX = "bert."
@@ -156,10 +157,7 @@ def _export_architecture(cfg: ModelConfig) -> str:
 
 def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
     """A Hugging Face BERT config dict (the imported original, updated, when there is one)."""
-    if problem := export_problem(cfg):
-        raise ConfigError(problem)
-    hf: dict[str, Any] = dict(imported_hf_config(cfg) or {})
-    hf.update({
+    return updated_hf_config(cfg, export_problem, {
         "architectures": [_export_architecture(cfg)],
         "model_type": "bert",
         "vocab_size": cfg.vocab_size,
@@ -174,13 +172,7 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         "hidden_dropout_prob": cfg.dropout,
         "attention_probs_dropout_prob": cfg.attn_dropout,
         "position_embedding_type": "absolute",
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "torch_dtype": torch_dtype,
-        "dtype": torch_dtype,
-    })
-    if cfg.pad_token_id is not None:
-        hf["pad_token_id"] = cfg.pad_token_id
-    return hf
+    }, torch_dtype)
 
 
 _LAYER = (  # (HF name under encoder.layer.i., tinyformer name under blocks.i.)
@@ -199,48 +191,43 @@ _EMBEDDINGS = (
 )
 
 
-def _pairs(cfg: ModelConfig, pre: str) -> Iterator[tuple[str, str]]:
-    """(HF name, tinyformer name) of every tensor copied as it is (everything but q/k/v)."""
-    yield from ((pre + hf, ours) for hf, ours in _EMBEDDINGS)
+def _pairs(cfg: ModelConfig, pre: str) -> Iterator[tuple[list[str], str]]:
+    """(the HF tensors whose rows it stacks, tinyformer name) of every tensor: q/k/v (last) are stacked, the others
+    copied as they are."""
+    yield from (([pre + hf], ours) for hf, ours in _EMBEDDINGS)
     for i in range(cfg.n_layer):
         for hf, ours in _LAYER:
             for kind in ("weight", "bias"):
-                yield f"{pre}encoder.layer.{i}.{hf}.{kind}", f"blocks.{i}.{ours}.{kind}"
+                yield [f"{pre}encoder.layer.{i}.{hf}.{kind}"], f"blocks.{i}.{ours}.{kind}"
     if cfg.pooler:
-        yield pre + "pooler.dense.weight", "pooler.dense.weight"
-        yield pre + "pooler.dense.bias", "pooler.dense.bias"
+        yield [pre + "pooler.dense.weight"], "pooler.dense.weight"
+        yield [pre + "pooler.dense.bias"], "pooler.dense.bias"
     if cfg.mlm_head:
         for hf, ours in (("transform.dense", "mlm_head.dense"), ("transform.LayerNorm", "mlm_head.norm")):
             for kind in ("weight", "bias"):
-                yield f"cls.predictions.{hf}.{kind}", f"{ours}.{kind}"
-        yield "cls.predictions.bias", "lm_head.bias"
+                yield [f"cls.predictions.{hf}.{kind}"], f"{ours}.{kind}"
+        yield ["cls.predictions.bias"], "lm_head.bias"
+    for i in range(cfg.n_layer):
+        p = f"{pre}encoder.layer.{i}.attention.self."
+        for kind in ("weight", "bias"):
+            yield [p + f"{x}.{kind}" for x in ("query", "key", "value")], f"blocks.{i}.attn.qkv.{kind}"
 
 
 def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (tinyformer name, tensor) from a HF BERT state dict (or lazy mapping), one at a time."""
-    pre = _prefix(cfg)
-
-    def get(name: str) -> torch.Tensor:
-        return checkpoint_tensor(hf_sd, name)
-
-    for hf_name, ours in _pairs(cfg, pre):
-        yield ours, get(hf_name)
-    for i in range(cfg.n_layer):
-        p = f"{pre}encoder.layer.{i}.attention.self."
-        for kind in ("weight", "bias"):
-            yield f"blocks.{i}.attn.qkv.{kind}", torch.cat([get(p + f"{x}.{kind}") for x in ("query", "key", "value")])
+    for names, ours in _pairs(cfg, _prefix(cfg)):
+        parts = [checkpoint_tensor(hf_sd, name) for name in names]
+        yield ours, parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) from a tinyformer state dict; the inverse of ``hf_to_tinyformer``."""
-    pre = _prefix(cfg)
-    for hf_name, ours in _pairs(cfg, pre):
-        yield hf_name, sd[ours]
-    for i in range(cfg.n_layer):
-        p = f"{pre}encoder.layer.{i}.attention.self."
-        for kind in ("weight", "bias"):
-            for x, part in zip(("query", "key", "value"), sd[f"blocks.{i}.attn.qkv.{kind}"].chunk(3)):
-                yield p + f"{x}.{kind}", part.contiguous()
+    for names, ours in _pairs(cfg, _prefix(cfg)):
+        if len(names) == 1:
+            yield names[0], sd[ours]
+        else:
+            for name, part in zip(names, sd[ours].chunk(3)):
+                yield name, part.contiguous()
 
 
 def ignorable_hf_tensor(cfg: ModelConfig, name: str) -> bool:
@@ -252,13 +239,6 @@ def ignorable_hf_tensor(cfg: ModelConfig, name: str) -> bool:
             or (not cfg.pooler and name.removeprefix(PREFIX).startswith("pooler.")))
 
 
-ADAPTER = Adapter(
-    name="bert",
-    model_types=("bert",),
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
-    hf_to_tinyformer=hf_to_tinyformer,
-    tinyformer_to_hf=tinyformer_to_hf,
-    export_problem=export_problem,
-    ignorable_hf_tensor=ignorable_hf_tensor,
-)
+ADAPTER = Adapter(name="bert", model_types=("bert",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+                  hf_to_tinyformer=hf_to_tinyformer, tinyformer_to_hf=tinyformer_to_hf, export_problem=export_problem,
+                  ignorable_hf_tensor=ignorable_hf_tensor)

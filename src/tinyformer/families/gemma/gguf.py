@@ -22,8 +22,8 @@ from typing import Any
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
 from tinyformer.families.family import GGUFArch
-from tinyformer.families.gemma.hf import ARCHITECTURES
-from tinyformer.families.llama.gguf import BLOCK, EXPORT_BLOCK, Key, expert_count, f32, layout_config, metadata
+from tinyformer.families.gemma.hf import TYPES
+from tinyformer.families.llama.gguf import BLOCK, Key, expert_count, f32, layout_config, metadata
 
 GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}  # llama.cpp's fixed pattern: every n-th layer global
 GEMMA3_LOCAL_THETA = 10000.0  # llama.cpp's fixed RoPE base of Gemma 3's sliding-window layers
@@ -31,8 +31,6 @@ MODEL_TYPES = {"gemma2": "gemma2", "gemma3": "gemma3_text"}  # GGUF architecture
 # Gemma's four norms per layer
 GEMMA_BLOCK = {**BLOCK, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"}
-GEMMA_EXPORT_BLOCK = {**EXPORT_BLOCK, "post_attention_layernorm": "post_attention_norm",
-                      "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def gemma_from_gguf(g: Any, key: Any, every: int, hf: dict[str, Any], head_dim: int,
@@ -81,7 +79,7 @@ def _gemma_config(arch: str, own_keys: Callable[[Any, Key, dict[str, Any]], dict
     key = metadata(g, arch)
     expert_count(g, key, arch, allowed=False)
     model_type = MODEL_TYPES[arch]
-    hf, head_dim, window = layout_config(g, key, ARCHS[arch], model_type, ARCHITECTURES[model_type], _no_keys)
+    hf, head_dim, window = layout_config(g, key, ARCHS[arch], model_type, TYPES[model_type].architecture, _no_keys)
     hf.update(gemma_from_gguf(g, key, GEMMA_GLOBAL_EVERY[arch], hf, head_dim, window))
     hf.update(own_keys(g, key, hf))
     return hf
@@ -124,7 +122,7 @@ def _softcaps(w: Any, cfg: ModelConfig) -> None:
 
 def _arch(name: str, own_keys: Callable[[Any, Key, dict[str, Any]], dict[str, Any]],
           problem: Callable[[ModelConfig], str | None], **options: Any) -> GGUFArch:
-    return GGUFArch(name, partial(_gemma_config, name, own_keys), GEMMA_BLOCK, GEMMA_EXPORT_BLOCK, norm_plus_one=True,
+    return GGUFArch(name, partial(_gemma_config, name, own_keys), GEMMA_BLOCK, norm_plus_one=True,
                     sliding_window=True, export_problem=problem, **options)
 
 

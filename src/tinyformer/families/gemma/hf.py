@@ -48,7 +48,6 @@ class GemmaType:
 TYPES = {t.model_type: t for t in (GemmaType("gemma2", "Gemma2ForCausalLM", 2, gemma3=False),
                                    GemmaType("gemma3_text", "Gemma3ForCausalLM", 6, gemma3=True))}
 MODEL_TYPES = tuple(TYPES)
-ARCHITECTURES = {t.model_type: t.architecture for t in TYPES.values()}
 
 
 def _layer_types(hf: Mapping[str, Any], kind: GemmaType) -> list[str]:
@@ -166,7 +165,7 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         rope_parameters = {"full_attention": rope_parameters,
                            "sliding_attention": {"rope_type": "default", "rope_theta": local}}
     scalar = (cfg.attn_scale or cfg.head_dim**-0.5) ** -2
-    hf = llama.shape_to_hf(cfg, model_type, ARCHITECTURES[model_type], rope_parameters, max_positions, torch_dtype)
+    hf = llama.shape_to_hf(cfg, model_type, TYPES[model_type].architecture, rope_parameters, max_positions, torch_dtype)
     hf.update({
         "hidden_activation": "gelu_pytorch_tanh",
         "attention_bias": cfg.attn_bias,
@@ -179,34 +178,10 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
     return hf
 
 
-class _Renamed(Mapping[str, torch.Tensor]):
-    """A view of a state dict under other names: ``view[new] = sd[names.get(new, new)]``."""
-
-    def __init__(self, sd: Mapping[str, torch.Tensor], names: Mapping[str, str]) -> None:
-        self.sd, self.names = sd, names
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.sd[self.names.get(name, name)]
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and self.names.get(name, name) in self.sd
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.sd)
-
-    def __len__(self) -> int:
-        return len(self.sd)
-
-
-def _llama_ffn_norm(i: int) -> str:
-    return f"model.layers.{i}.post_attention_layernorm.weight"
-
-
 def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """The Llama mapping, with Gemma's pre-FFN norm where Llama has its post-attention one, then the two
     post-sub-block norms."""
-    names = {_llama_ffn_norm(i): f"model.layers.{i}.pre_feedforward_layernorm.weight" for i in range(cfg.n_layer)}
-    yield from llama.hf_to_tinyformer(cfg, _Renamed(hf_sd, names))
+    yield from llama.hf_to_tinyformer(cfg, hf_sd, ffn_norm="pre_feedforward_layernorm")
     for i in range(cfg.n_layer):
         for ours, theirs in (("attn_post_norm", "post_attention_layernorm"),
                              ("ffn_post_norm", "post_feedforward_layernorm")):
@@ -215,21 +190,12 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Ite
 
 def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """The inverse of ``hf_to_tinyformer``."""
-    renamed = {_llama_ffn_norm(i): f"model.layers.{i}.pre_feedforward_layernorm.weight" for i in range(cfg.n_layer)}
-    for name, tensor in llama.tinyformer_to_hf(cfg, sd):
-        yield renamed.get(name, name), tensor
+    yield from llama.tinyformer_to_hf(cfg, sd, ffn_norm="pre_feedforward_layernorm")
     for i in range(cfg.n_layer):
         yield f"model.layers.{i}.post_attention_layernorm.weight", sd[f"blocks.{i}.attn_post_norm.weight"]
         yield f"model.layers.{i}.post_feedforward_layernorm.weight", sd[f"blocks.{i}.ffn_post_norm.weight"]
 
 
-ADAPTER = Adapter(
-    name="gemma",
-    model_types=MODEL_TYPES,
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
-    hf_to_tinyformer=hf_to_tinyformer,
-    tinyformer_to_hf=tinyformer_to_hf,
-    export_problem=export_problem,
-    ignorable_hf_tensor=llama.ignorable_hf_tensor,
-)
+ADAPTER = Adapter(name="gemma", model_types=MODEL_TYPES, config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+                  hf_to_tinyformer=hf_to_tinyformer, tinyformer_to_hf=tinyformer_to_hf, export_problem=export_problem,
+                  ignorable_hf_tensor=llama.ignorable_hf_tensor)

@@ -40,6 +40,7 @@ from tinyformer.families.adapter import (
     fixed_field_problem,
     hf_pad_token_id,
     imported_hf_config,
+    updated_hf_config,
 )
 
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
@@ -119,10 +120,7 @@ def export_problem(cfg: ModelConfig) -> str | None:
 
 def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
     """A Hugging Face GPT-2 config dict (the imported original, updated, when there is one)."""
-    if problem := export_problem(cfg):
-        raise ConfigError(problem)
-    hf: dict[str, Any] = dict(imported_hf_config(cfg) or {})
-    hf.update({
+    hf = updated_hf_config(cfg, export_problem, {
         "architectures": ["GPT2LMHeadModel"] if _prefix(cfg) else ["GPT2Model"],
         "model_type": "gpt2",
         "vocab_size": cfg.vocab_size,
@@ -139,36 +137,34 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "torch_dtype": torch_dtype,
-        "dtype": torch_dtype,
-    })
+    }, torch_dtype)
     hf.pop("n_ctx", None)
-    if cfg.pad_token_id is not None:
-        hf["pad_token_id"] = cfg.pad_token_id
     return hf
+
+
+def _pairs(cfg: ModelConfig) -> Iterator[tuple[str, str, bool]]:
+    """(HF name after the prefix, tinyformer name, stored transposed) of every tensor but an untied lm_head."""
+    yield "wte.weight", "tok_emb.weight", False
+    yield "wpe.weight", "pos_emb.weight", False
+    for i in range(cfg.n_layer):
+        p, a = f"h.{i}.", f"blocks.{i}."
+        for hf_name, ours in (("ln_1", "attn_norm"), ("ln_2", "ffn_norm")):
+            yield p + hf_name + ".weight", a + ours + ".weight", False
+            yield p + hf_name + ".bias", a + ours + ".bias", False
+        for hf_name, ours in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.out"), ("mlp.c_fc", "ffn.up"),
+                              ("mlp.c_proj", "ffn.down")):
+            yield p + hf_name + ".weight", a + ours + ".weight", True  # Conv1D (in, out)
+            yield p + hf_name + ".bias", a + ours + ".bias", False
+    yield "ln_f.weight", "norm.weight", False
+    yield "ln_f.bias", "norm.bias", False
 
 
 def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (tinyformer name, tensor) from a HF GPT-2 state dict (or lazy mapping), one at a time."""
     pre = _prefix(cfg)
-
-    def get(name: str) -> torch.Tensor:
-        return checkpoint_tensor(hf_sd, pre + name)
-
-    yield "tok_emb.weight", get("wte.weight")
-    yield "pos_emb.weight", get("wpe.weight")
-    for i in range(cfg.n_layer):
-        p, a = f"h.{i}.", f"blocks.{i}."
-        for hf_name, ours in (("ln_1", "attn_norm"), ("ln_2", "ffn_norm")):
-            yield a + ours + ".weight", get(p + hf_name + ".weight")
-            yield a + ours + ".bias", get(p + hf_name + ".bias")
-        for hf_name, ours in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.out"), ("mlp.c_fc", "ffn.up"),
-                              ("mlp.c_proj", "ffn.down")):
-            yield a + ours + ".weight", get(p + hf_name + ".weight").t().contiguous()  # Conv1D (in, out)
-            yield a + ours + ".bias", get(p + hf_name + ".bias")
-    yield "norm.weight", get("ln_f.weight")
-    yield "norm.bias", get("ln_f.bias")
+    for hf_name, ours, transposed in _pairs(cfg):
+        tensor = checkpoint_tensor(hf_sd, pre + hf_name)
+        yield ours, tensor.t().contiguous() if transposed else tensor
     if not cfg.tie_embeddings:
         yield "lm_head.weight", checkpoint_tensor(hf_sd, "lm_head.weight", "tie_word_embeddings=false")
 
@@ -176,19 +172,8 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Ite
 def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) from a tinyformer state dict; the inverse of ``hf_to_tinyformer``."""
     pre = _prefix(cfg)
-    yield pre + "wte.weight", sd["tok_emb.weight"]
-    yield pre + "wpe.weight", sd["pos_emb.weight"]
-    for i in range(cfg.n_layer):
-        p, a = f"{pre}h.{i}.", f"blocks.{i}."
-        for hf_name, ours in (("ln_1", "attn_norm"), ("ln_2", "ffn_norm")):
-            yield p + hf_name + ".weight", sd[a + ours + ".weight"]
-            yield p + hf_name + ".bias", sd[a + ours + ".bias"]
-        for hf_name, ours in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.out"), ("mlp.c_fc", "ffn.up"),
-                              ("mlp.c_proj", "ffn.down")):
-            yield p + hf_name + ".weight", sd[a + ours + ".weight"].t().contiguous()
-            yield p + hf_name + ".bias", sd[a + ours + ".bias"]
-    yield pre + "ln_f.weight", sd["norm.weight"]
-    yield pre + "ln_f.bias", sd["norm.bias"]
+    for hf_name, ours, transposed in _pairs(cfg):
+        yield pre + hf_name, sd[ours].t().contiguous() if transposed else sd[ours]
     if not cfg.tie_embeddings:
         yield "lm_head.weight", sd["lm_head.weight"]
 
@@ -199,13 +184,6 @@ def ignorable_hf_tensor(cfg: ModelConfig, name: str) -> bool:
     return name.endswith((".attn.bias", ".attn.masked_bias")) or (cfg.tie_embeddings and name == "lm_head.weight")
 
 
-ADAPTER = Adapter(
-    name="gpt2",
-    model_types=("gpt2",),
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
-    hf_to_tinyformer=hf_to_tinyformer,
-    tinyformer_to_hf=tinyformer_to_hf,
-    export_problem=export_problem,
-    ignorable_hf_tensor=ignorable_hf_tensor,
-)
+ADAPTER = Adapter(name="gpt2", model_types=("gpt2",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+                  hf_to_tinyformer=hf_to_tinyformer, tinyformer_to_hf=tinyformer_to_hf, export_problem=export_problem,
+                  ignorable_hf_tensor=ignorable_hf_tensor)

@@ -48,11 +48,6 @@ BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k":
          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 EXPORT_TOP = {v: k for k, v in TOP.items()}
-EXPORT_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv",
-                "mlp.gate_up_proj": "ffn_up", "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")  # (E, rows, cols), all experts
 _EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")  # one expert (older files)
@@ -97,7 +92,10 @@ def gguf_name(name: str, arch: GGUFArch) -> str:
     rest = name.removeprefix("model.layers.")
     layer, rest = rest.split(".", 1)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{arch.export_block_names[module]}.{kind}"
+    names = {hf: ours for ours, hf in arch.block_names.items()}
+    if arch.moe is not None:
+        names[arch.moe[0]] = "ffn_gate_inp"
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 def f32(value: float) -> float:
@@ -283,7 +281,8 @@ def _llama_keys(g: Any, key: Key, window: int | None) -> dict[str, Any]:
     return {**has_attention_bias(g), "mlp_bias": "blk.0.ffn_down.bias" in g.tensors}
 
 
-def _mixtral_keys(g: Any, key: Key, window: int | None) -> dict[str, Any]:
+def window_key(g: Any, key: Key, window: int | None) -> dict[str, Any]:
+    """``sliding_window`` of every layer (Mixtral, Phi-3)."""
     return {"sliding_window": int(window) if window else None}
 
 
@@ -293,10 +292,10 @@ def config_from_gguf(g: Any) -> dict[str, Any]:
     n_experts = expert_count(g, key, "llama", allowed=True)
     kind = MIXTRAL if n_experts else LLAMA
     hf, _, _ = layout_config(g, key, ARCH, kind.model_type, kind.architecture,
-                             _mixtral_keys if n_experts else _llama_keys)
+                             window_key if n_experts else _llama_keys)
     if n_experts:
         hf.update(_mixtral_experts(g, key, n_experts))
     return hf
 
 
-ARCH = GGUFArch("llama", config_from_gguf, BLOCK, EXPORT_BLOCK, moe=MIXTRAL_MOE, rope_interleaved=True)
+ARCH = GGUFArch("llama", config_from_gguf, BLOCK, moe=MIXTRAL_MOE, rope_interleaved=True)

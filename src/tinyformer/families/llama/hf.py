@@ -198,20 +198,14 @@ def check_llama_compatible(cfg: ModelConfig) -> None:
         raise ConfigError(problem)
 
 
-def _same_model(a: ModelConfig, b: ModelConfig) -> bool:
-    da, db = a.to_dict(), b.to_dict()
-    da.pop("extra"), db.pop("extra")
-    return da == db
-
-
 def original_if_unchanged(cfg: ModelConfig, from_hf: Any, torch_dtype: str) -> dict[str, Any] | None:
     """The imported HF config (``extra["hf_config"]``) with the new dtype when ``from_hf`` of it still gives
     ``cfg``'s fields, so that an import/export round trip writes the original back; None otherwise."""
     original = imported_hf_config(cfg)
     if original is None:
         return None
-    try:
-        if not _same_model(from_hf(original), cfg):
+    try:  # every field but extra
+        if {**from_hf(original).to_dict(), "extra": None} != {**cfg.to_dict(), "extra": None}:
             return None
     except ConfigError:
         return None
@@ -392,10 +386,7 @@ class Layout:
         kind = self.tensor_type(cfg)
         rope_parameters, max_positions = rope_to_hf(cfg)
         hf = shape_to_hf(cfg, kind.model_type, kind.architecture, rope_parameters, max_positions, torch_dtype)
-        hf.update({
-            "hidden_act": "silu",
-            "rope_theta": cfg.rope_theta,
-        })
+        hf.update({"hidden_act": "silu", "rope_theta": cfg.rope_theta})
         if cfg.rope_scaling:
             hf["rope_scaling"] = dict(rope_parameters)  # the transformers 4 spelling, for older readers
         for keys in kind.hf_keys:
@@ -423,10 +414,50 @@ class Layout:
         return self.tensor_type(cfg).gguf_arch
 
 
+def tensor_names(cfg: ModelConfig, *, fused: bool = False, zero_biases: bool = False,
+                 ffn_norm: str = "post_attention_layernorm") -> Iterator[tuple[str, list[str] | None]]:
+    """(tinyformer name, the HF tensors whose rows it stacks, in order) of every tensor, in checkpoint order; a
+    mixture of experts' layer gives (``blocks.i.ffn``, None) where its router and experts go.
+    ``fused``: q/k/v and gate/up stored as one matrix each (Phi-3); ``zero_biases``: q/k/v and o biases listed
+    when the model has either (the export writes those it lacks as zeros); ``ffn_norm``: the HF name of the norm
+    before the FFN (Gemma's is pre_feedforward_layernorm)."""
+    attn_bias = cfg.attn_bias or (zero_biases and cfg.attn_out_bias)
+    out_bias = cfg.attn_out_bias or (zero_biases and cfg.attn_bias)
+    yield "tok_emb.weight", ["model.embed_tokens.weight"]
+    for i in range(cfg.n_layer):
+        p, a = f"model.layers.{i}.", f"blocks.{i}."
+        yield a + "attn_norm.weight", [p + "input_layernorm.weight"]
+        qkv = ["qkv_proj"] if fused else ["q_proj", "k_proj", "v_proj"]
+        yield a + "attn.qkv.weight", [f"{p}self_attn.{x}.weight" for x in qkv]
+        if attn_bias:
+            yield a + "attn.qkv.bias", [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+        yield a + "attn.out.weight", [p + "self_attn.o_proj.weight"]
+        if out_bias:
+            yield a + "attn.out.bias", [p + "self_attn.o_proj.bias"]
+        if cfg.qk_norm:
+            yield a + "attn.q_norm.weight", [p + "self_attn.q_norm.weight"]
+            yield a + "attn.k_norm.weight", [p + "self_attn.k_norm.weight"]
+        yield a + "ffn_norm.weight", [p + ffn_norm + ".weight"]
+        if cfg.ffn == "moe":
+            yield a + "ffn", None
+            continue
+        gate_up = ["gate_up_proj"] if fused else ["gate_proj", "up_proj"]
+        yield a + "ffn.gate_up.weight", [f"{p}mlp.{x}.weight" for x in gate_up]
+        if cfg.mlp_bias:
+            yield a + "ffn.gate_up.bias", [p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"]
+        yield a + "ffn.down.weight", [p + "mlp.down_proj.weight"]
+        if cfg.mlp_bias:
+            yield a + "ffn.down.bias", [p + "mlp.down_proj.bias"]
+    yield "norm.weight", ["model.norm.weight"]
+    if not cfg.tie_embeddings:
+        yield "lm_head.weight", ["lm_head.weight"]
+
+
 def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor], *, fused: bool = False,
-                     moe: MoENames | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                     moe: MoENames | None = None, ffn_norm: str = "post_attention_layernorm"
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (tinyformer name, tensor), one tensor at a time, from a HF state dict (or lazy mapping).
-    ``fused``: q/k/v and gate/up stored as one matrix each (Phi-3); ``moe``: the experts' names.
+    ``fused`` and ``ffn_norm`` as in ``tensor_names``; ``moe``: the experts' names.
 
     Raises ConfigError naming a missing tensor. Callers check that every HF tensor was consumed.
     At most one layer's q/k/v (or gate/up) tensors exist twice at any time (the concatenation)."""
@@ -434,105 +465,50 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor], *, fus
     def get(name: str) -> torch.Tensor:
         return checkpoint_tensor(hf_sd, name)
 
-    yield "tok_emb.weight", get("model.embed_tokens.weight")
-    for i in range(cfg.n_layer):
-        p, a = f"model.layers.{i}.", f"blocks.{i}."
-        yield a + "attn_norm.weight", get(p + "input_layernorm.weight")
-        if fused:
-            yield a + "attn.qkv.weight", get(p + "self_attn.qkv_proj.weight")
-        else:
-            yield a + "attn.qkv.weight", torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
-        if cfg.attn_bias:
-            yield a + "attn.qkv.bias", torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
-        yield a + "attn.out.weight", get(p + "self_attn.o_proj.weight")
-        if cfg.attn_out_bias:
-            yield a + "attn.out.bias", get(p + "self_attn.o_proj.bias")
-        if cfg.qk_norm:
-            yield a + "attn.q_norm.weight", get(p + "self_attn.q_norm.weight")
-            yield a + "attn.k_norm.weight", get(p + "self_attn.k_norm.weight")
-        yield a + "ffn_norm.weight", get(p + "post_attention_layernorm.weight")
-        if cfg.ffn == "moe":
-            assert moe is not None, "a mixture of experts needs its tensor names"
-            router, experts, gate, up, down = moe
-            yield a + "ffn.router.weight", get(p + router + ".weight")
-            yield a + "ffn.gate_up", torch.stack([torch.cat([get(f"{p}{experts}.{e}.{gate}.weight"),
-                                                             get(f"{p}{experts}.{e}.{up}.weight")])
-                                                  for e in range(cfg.n_experts)])
-            yield a + "ffn.down", torch.stack([get(f"{p}{experts}.{e}.{down}.weight") for e in range(cfg.n_experts)])
+    for ours, names in tensor_names(cfg, fused=fused, ffn_norm=ffn_norm):
+        if names is not None:
+            yield ours, get(names[0]) if len(names) == 1 else torch.cat([get(n) for n in names])
             continue
-        if fused:
-            yield a + "ffn.gate_up.weight", get(p + "mlp.gate_up_proj.weight")
-        else:
-            yield a + "ffn.gate_up.weight", torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-        if cfg.mlp_bias:
-            yield a + "ffn.gate_up.bias", torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
-        yield a + "ffn.down.weight", get(p + "mlp.down_proj.weight")
-        if cfg.mlp_bias:
-            yield a + "ffn.down.bias", get(p + "mlp.down_proj.bias")
-    yield "norm.weight", get("model.norm.weight")
-    if not cfg.tie_embeddings:
-        yield "lm_head.weight", get("lm_head.weight")
+        assert moe is not None, "a mixture of experts needs its tensor names"
+        router, experts, gate, up, down = moe
+        p = ours.replace("blocks.", "model.layers.").removesuffix("ffn")
+        yield ours + ".router.weight", get(p + router + ".weight")
+        yield ours + ".gate_up", torch.stack([torch.cat([get(f"{p}{experts}.{e}.{gate}.weight"),
+                                                         get(f"{p}{experts}.{e}.{up}.weight")])
+                                              for e in range(cfg.n_experts)])
+        yield ours + ".down", torch.stack([get(f"{p}{experts}.{e}.{down}.weight") for e in range(cfg.n_experts)])
 
 
 def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *, fused: bool = False,
-                     moe: MoENames | None = None, all_four_biases: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                     moe: MoENames | None = None, all_four_biases: bool = False,
+                     ffn_norm: str = "post_attention_layernorm") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) from a tinyformer state dict; the inverse of ``hf_to_tinyformer``.
 
     With ``all_four_biases`` (Llama's ``attention_bias``: q, k, v and o biases, or none), a model with only some of
     them gets the others as zeros (adding zero changes nothing)."""
     q, kv, f = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.d_ff
-    llama_bias = all_four_biases and (cfg.attn_bias or cfg.attn_out_bias)
-    yield "model.embed_tokens.weight", sd["tok_emb.weight"]
-    for i in range(cfg.n_layer):
-        p, a = f"model.layers.{i}.", f"blocks.{i}."
-        yield p + "input_layernorm.weight", sd[a + "attn_norm.weight"]
-        if fused:
-            yield p + "self_attn.qkv_proj.weight", sd[a + "attn.qkv.weight"]
-        for name, part in zip("qkv", () if fused else sd[a + "attn.qkv.weight"].split((q, kv, kv))):
-            yield p + f"self_attn.{name}_proj.weight", part.contiguous()
-        if cfg.attn_bias:
-            for name, part in zip("qkv", sd[a + "attn.qkv.bias"].split((q, kv, kv))):
-                yield p + f"self_attn.{name}_proj.bias", part.contiguous()
-        elif llama_bias:
-            w = sd[a + "attn.qkv.weight"]
-            for name, n in zip("qkv", (q, kv, kv)):
-                yield p + f"self_attn.{name}_proj.bias", torch.zeros(n, dtype=w.dtype, device=w.device)
-        out_w = sd[a + "attn.out.weight"]
-        yield p + "self_attn.o_proj.weight", out_w
-        if cfg.attn_out_bias:
-            yield p + "self_attn.o_proj.bias", sd[a + "attn.out.bias"]
-        elif llama_bias:
-            yield p + "self_attn.o_proj.bias", torch.zeros(cfg.d_model, dtype=out_w.dtype, device=out_w.device)
-        if cfg.qk_norm:
-            yield p + "self_attn.q_norm.weight", sd[a + "attn.q_norm.weight"]
-            yield p + "self_attn.k_norm.weight", sd[a + "attn.k_norm.weight"]
-        yield p + "post_attention_layernorm.weight", sd[a + "ffn_norm.weight"]
-        if cfg.ffn == "moe":
+    for ours, names in tensor_names(cfg, fused=fused, zero_biases=all_four_biases, ffn_norm=ffn_norm):
+        if names is None:
             assert moe is not None, "a mixture of experts needs its tensor names"
             router, experts, gate_name, up_name, down_name = moe
-            yield p + router + ".weight", sd[a + "ffn.router.weight"]
-            for e, (expert_gate_up, expert_down) in enumerate(zip(sd[a + "ffn.gate_up"], sd[a + "ffn.down"])):
+            p = ours.replace("blocks.", "model.layers.").removesuffix("ffn")
+            yield p + router + ".weight", sd[ours + ".router.weight"]
+            for e, (expert_gate_up, expert_down) in enumerate(zip(sd[ours + ".gate_up"], sd[ours + ".down"])):
                 expert_gate, expert_up = expert_gate_up.split((f, f))
                 yield f"{p}{experts}.{e}.{gate_name}.weight", expert_gate.contiguous()
                 yield f"{p}{experts}.{e}.{up_name}.weight", expert_up.contiguous()
                 yield f"{p}{experts}.{e}.{down_name}.weight", expert_down.contiguous()
             continue
-        if fused:
-            yield p + "mlp.gate_up_proj.weight", sd[a + "ffn.gate_up.weight"]
+        if ours in sd:
+            tensor = sd[ours]
+        else:  # a bias the model lacks (zero_biases): one zero per row of its weight
+            weight = sd[ours.removesuffix(".bias") + ".weight"]
+            tensor = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
+        if len(names) == 1:
+            yield names[0], tensor
         else:
-            gate, up = sd[a + "ffn.gate_up.weight"].split((f, f))
-            yield p + "mlp.gate_proj.weight", gate.contiguous()
-            yield p + "mlp.up_proj.weight", up.contiguous()
-        if cfg.mlp_bias:
-            gate_b, up_b = sd[a + "ffn.gate_up.bias"].split((f, f))
-            yield p + "mlp.gate_proj.bias", gate_b.contiguous()
-            yield p + "mlp.up_proj.bias", up_b.contiguous()
-        yield p + "mlp.down_proj.weight", sd[a + "ffn.down.weight"]
-        if cfg.mlp_bias:
-            yield p + "mlp.down_proj.bias", sd[a + "ffn.down.bias"]
-    yield "model.norm.weight", sd["norm.weight"]
-    if not cfg.tie_embeddings:
-        yield "lm_head.weight", sd["lm_head.weight"]
+            for name, part in zip(names, tensor.split((q, kv, kv) if len(names) == 3 else (f, f))):
+                yield name, part.contiguous()
 
 
 def ignorable_hf_tensor(cfg: ModelConfig, name: str) -> bool:

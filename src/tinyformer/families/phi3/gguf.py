@@ -17,7 +17,7 @@ from typing import Any
 
 from tinyformer.errors import CheckpointError
 from tinyformer.families.family import GGUFArch
-from tinyformer.families.llama.gguf import BLOCK, EXPORT_BLOCK, Key, expert_count, f32, layout_config, metadata
+from tinyformer.families.llama.gguf import BLOCK, expert_count, f32, layout_config, metadata, window_key
 from tinyformer.families.phi3.hf import PHI3
 
 # q, k, v fused as attn_qkv; ffn_up holds gate and up stacked (Hugging Face's gate_up_proj)
@@ -47,14 +47,10 @@ def longrope_from_gguf(g: Any, key: Any, theta: float, ctx: int, head_dim: int) 
     return params
 
 
-def _phi3_keys(g: Any, key: Key, window: int | None) -> dict[str, Any]:
-    return {"sliding_window": int(window) if window else None}
-
-
 def _phi3_config(g: Any) -> dict[str, Any]:
     key = metadata(g, "phi3")
     expert_count(g, key, "phi3", allowed=False)
-    return layout_config(g, key, ARCH, PHI3.model_type, PHI3.architecture, _phi3_keys, longrope=longrope_from_gguf)[0]
+    return layout_config(g, key, ARCH, PHI3.model_type, PHI3.architecture, window_key, longrope=longrope_from_gguf)[0]
 
 
-ARCH = GGUFArch("phi3", _phi3_config, PHI3_BLOCK, EXPORT_BLOCK, sliding_window=True, longrope=True)
+ARCH = GGUFArch("phi3", _phi3_config, PHI3_BLOCK, sliding_window=True, longrope=True)

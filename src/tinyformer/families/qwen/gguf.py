@@ -11,7 +11,6 @@ from typing import Any
 from tinyformer.families.family import GGUFArch
 from tinyformer.families.llama.gguf import (
     BLOCK,
-    EXPORT_BLOCK,
     Key,
     expert_count,
     experts_from_gguf,
@@ -52,6 +51,6 @@ def _qwen3moe_config(g: Any) -> dict[str, Any]:
     return hf
 
 
-QWEN2_ARCH = GGUFArch("qwen2", _qwen2_config, BLOCK, EXPORT_BLOCK, split_qkv_bias=True)
-QWEN3_ARCH = GGUFArch("qwen3", _qwen3_config, BLOCK, EXPORT_BLOCK)
-QWEN3MOE_ARCH = GGUFArch("qwen3moe", _qwen3moe_config, BLOCK, EXPORT_BLOCK, moe=QWEN3_MOE_NAMES)
+QWEN2_ARCH = GGUFArch("qwen2", _qwen2_config, BLOCK, split_qkv_bias=True)
+QWEN3_ARCH = GGUFArch("qwen3", _qwen3_config, BLOCK)
+QWEN3MOE_ARCH = GGUFArch("qwen3moe", _qwen3moe_config, BLOCK, moe=QWEN3_MOE_NAMES)
