@@ -25,19 +25,8 @@ COMPUTE_COMMANDS = frozenset({"train", "eval", "generate", "chat", "serve", "emb
 RESERVED_CORES = {"serve": 1}
 
 # subcommand modules under tinyformer.cli, in the order `--help` lists them
-COMMANDS = [
-    "count",
-    "train",
-    "eval",
-    "generate",
-    "chat",
-    "serve",
-    "convert",
-    "quantize",
-    "embed",
-    "tokenize",
-    "inspect",
-]
+COMMANDS = ["count", "train", "eval", "generate", "chat", "serve", "convert", "quantize", "embed", "tokenize",
+            "inspect"]
 
 
 class _Parser(argparse.ArgumentParser):

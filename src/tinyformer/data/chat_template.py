@@ -78,14 +78,17 @@ __all__ = ["CHATML_TEMPLATE", "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "ChatTemplate
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CHATML_TOKENS = (IM_START, IM_END)
+# The tool list of a system turn (ChatML's and tools_as_text's wording), one JSON object per line between them.
+TOOLS_HEAD = "# Tools\n\nYou may call one or more functions. Their signatures, one JSON object per line:\n<tools>\n"
+TOOLS_TAIL = ("</tools>\n\nTo call a function, answer with one block per call:\n<tool_call>\n"
+              '{"name": <function-name>, "arguments": <arguments-object>}\n</tool_call>')
 CHATML_TEMPLATE = (
     "{% if tools %}"
     "{{ '<|im_start|>system\n' }}"
     "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
-    "{{ '# Tools\n\nYou may call one or more functions. Their signatures, one JSON object per line:\n<tools>\n' }}"
+    "{{ '" + TOOLS_HEAD + "' }}"
     "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
-    "{{ '</tools>\n\nTo call a function, answer with one block per call:\n<tool_call>\n"
-    "{\"name\": <function-name>, \"arguments\": <arguments-object>}\n</tool_call><|im_end|>\n' }}"
+    "{{ '" + TOOLS_TAIL + "<|im_end|>\n' }}"
     "{% endif %}"
     "{% for message in messages %}"
     "{% if not (tools and loop.first and message['role'] == 'system') %}"
@@ -155,10 +158,7 @@ def tools_as_text(messages: Messages, tools: Sequence[dict[str, Any]] | None) ->
     message becomes a user turn holding ``<tool_response>...</tool_response>``."""
     out: list[dict[str, Any]] = []
     if tools:
-        listing = ("# Tools\n\nYou may call one or more functions. Their signatures, one JSON object per line:\n"
-                   "<tools>\n" + "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in tools) + "</tools>\n\n"
-                   "To call a function, answer with one block per call:\n<tool_call>\n"
-                   '{"name": <function-name>, "arguments": <arguments-object>}\n</tool_call>')
+        listing = TOOLS_HEAD + "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in tools) + TOOLS_TAIL
         if messages and messages[0]["role"] == "system":
             out.append({"role": "system", "content": messages[0]["content"] + "\n\n" + listing})
             messages = messages[1:]
@@ -468,11 +468,12 @@ def _sandbox_class() -> type:
                 self.built(len(result))
             return result
 
-        def concat(self, pieces: Iterable[str]) -> str:  # the text of a macro, {% set %} or {% filter %} block
+        def concat(self, pieces: Iterable[str], what: str = "a block of text") -> str:
+            """The text of a macro, {% set %} or {% filter %} block (and, from checked_join, of ``~``)."""
             self.tick()
             pieces = list(pieces)
             size = sum(len(p) for p in pieces)
-            self.too_big("a block of text", size)
+            self.too_big(what, size)
             self.built(size)
             return "".join(pieces)
 
@@ -482,12 +483,7 @@ def _sandbox_class() -> type:
                 yield item
 
         def checked_join(self, *parts: Any) -> str:  # the ~ operator
-            self.tick()
-            texts = [str(p) for p in parts]
-            size = sum(len(t) for t in texts)
-            self.too_big("a string", size)
-            self.built(size)
-            return "".join(texts)
+            return self.concat([str(p) for p in parts], "a string")
 
         def guard_filter(self, name: str, func: Any) -> Any:
             """``func`` with the clock read and its width/count arguments checked before it runs."""

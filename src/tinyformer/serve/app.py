@@ -26,7 +26,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from tinyformer.data.chat_template import DEFAULT_TIMEOUT_S
 from tinyformer.serve import DEFAULT_HEADER_TIMEOUT
@@ -34,7 +33,7 @@ from tinyformer.serve import protocol as P
 from tinyformer.serve.guard import DEFAULT_MAX_BODY_BYTES
 from tinyformer.serve.protocol import APIError
 from tinyformer.serve.scheduler import TokenInfo
-from tinyformer.serve.server import Choice, Server, collect
+from tinyformer.serve.server import Choice, Server, check_token_ids, collect
 from tinyformer.serve.sse import EventStream, stream_choices
 from tinyformer.serve.structured import (
     ToolCallDeltas,
@@ -73,7 +72,6 @@ def _chat_logprobs(server: Server, tokens: list[TokenInfo]) -> dict[str, Any]:
 
 def _total_usage(choices: list[Choice], prompt_lengths: list[int]) -> dict[str, int]:
     return P.usage(sum(prompt_lengths), sum(c.completion_tokens for c in choices))
-
 
 
 def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 16, max_queue: int = 64,
@@ -179,8 +177,6 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
             return EventStream(events, on_close=lambda: server.cancel(reqs))
 
         choices = await collect(request, server, reqs, inbox)
-        if choices is None:
-            return JSONResponse(P.error_body("client disconnected"), status_code=499)
         body = []
         for index, c in enumerate(choices):
             echo = echo_of(index)
@@ -253,8 +249,6 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
             return EventStream(events, on_close=lambda: server.cancel(reqs))
 
         choices = await collect(request, server, reqs, inbox)
-        if choices is None:
-            return JSONResponse(P.error_body("client disconnected"), status_code=499)
         body = []
         for i, c in enumerate(choices):
             message, finish = reply_message("".join(c.text), c.finish_reason, tools_on)
@@ -266,7 +260,6 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
         return P.chat_body(rid, created, req.model, body, _total_usage(choices, prompt_lengths))
 
     return app
-
 
 
 def _merge_deltas(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -294,9 +287,6 @@ def _completion_prompts(server: Server, prompt: Any) -> tuple[list[str], list[li
         return list(prompt), [server.encode(p, f"prompt.{i}", special) for i, p in enumerate(prompt)]
     batches = [prompt] if isinstance(prompt[0], int) else prompt
     for ids in batches:
-        bad = next((t for t in ids if not 0 <= t < server.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} in 'prompt' is outside the vocabulary [0, {server.vocab_size})",
-                           param="prompt")
+        check_token_ids(ids, server.vocab_size, "prompt")
     texts = [server.tokenizer.decode(ids) for ids in batches]
     return texts, [list(ids) for ids in batches]

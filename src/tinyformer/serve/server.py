@@ -32,7 +32,7 @@ from tinyformer.serve import protocol as P
 from tinyformer.serve.protocol import APIError
 from tinyformer.serve.scheduler import GenerationRequest, QueueFull, Scheduler, StepEvent, TokenInfo
 
-__all__ = ["Choice", "Server", "add_event", "collect", "event_error"]
+__all__ = ["Choice", "Server", "add_event", "check_token_ids", "collect", "event_error"]
 
 TEMPLATE_THREADS = 4  # chat templates rendering at once; more requests wait for a thread
 
@@ -49,7 +49,6 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     complete: bool | None = None  # with a grammar: whether the text completed it
-
 
 
 class _Mailbox:
@@ -76,7 +75,6 @@ class _Mailbox:
             items, self._pending = self._pending, []
         for queue, event in items:
             queue.put_nowait(event)
-
 
 
 class Server:
@@ -247,6 +245,12 @@ class Server:
         self.scheduler.cancel([r.id for r in reqs])
 
 
+def check_token_ids(ids: list[int], limit: int, param: str, vocabulary: str = "the vocabulary") -> None:
+    """A 400 naming the first of ``ids`` outside [0, ``limit``), the ``vocabulary`` of the request's ``param``."""
+    bad = next((t for t in ids if not 0 <= t < limit), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} in '{param}' is outside {vocabulary} [0, {limit})", param=param)
+
 
 def event_error(event: StepEvent) -> APIError:
     if event.finish_reason == "timeout":
@@ -261,8 +265,8 @@ def event_error(event: StepEvent) -> APIError:
 
 
 async def collect(request: Request, server: Server, reqs: list[GenerationRequest],
-                   inbox: asyncio.Queue) -> list[Choice] | None:
-    """Wait for every choice to finish; None if the client disconnected first."""
+                   inbox: asyncio.Queue) -> list[Choice]:
+    """Wait for every choice to finish; a 499 APIError if the client disconnected first."""
     choices = {r.index: Choice() for r in reqs}
     remaining = len(reqs)
     try:
@@ -271,7 +275,7 @@ async def collect(request: Request, server: Server, reqs: list[GenerationRequest
                 event = await asyncio.wait_for(inbox.get(), timeout=0.5)
             except TimeoutError:
                 if await request.is_disconnected():
-                    return None
+                    raise APIError(499, "client disconnected") from None
                 continue
             if event.error is not None:
                 raise event_error(event)
