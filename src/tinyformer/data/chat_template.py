@@ -227,19 +227,13 @@ class ChatTemplate:
         self.timeout_s, self.max_chars = float(timeout_s), max_chars
         self._tokens = {name: getattr(tokenizer, name, None) or "" for name in ("bos_token", "eos_token",
                                                                                 "pad_token")}
-        self._env: Any = None  # the limited sandbox of _sandbox_class (jinja2 is imported only for templates)
-        self._compiled: Any = None
-        if self.source is not None:
-            self._env, self._compiled = _compile(self.source, max_chars)
+        # the limited sandbox of _sandbox_class and the compiled template (jinja2 is imported only for templates)
+        self._env, self._compiled = (None, None) if self.source is None else _compile(self.source, max_chars)
         # whether the template itself renders tools, tool calls and tool results (HF templates that take tools=)
         self.reads_tools = self.source is not None and "tool" in self.source
-        if self.is_plain:
-            self.stop_strings: tuple[str, ...] = PLAIN_STOP
-            self.stop_token_ids: tuple[int, ...] = ()
-        else:
-            self.stop_strings = ()
-            ids = (tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS)
-            self.stop_token_ids = tuple(i for i in ids if i is not None)
+        self.stop_strings: tuple[str, ...] = PLAIN_STOP if self.is_plain else ()
+        ids = () if self.is_plain else (tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS)
+        self.stop_token_ids: tuple[int, ...] = tuple(i for i in ids if i is not None)
 
     def render(self, messages: Messages, add_generation_prompt: bool = True,
                tools: Sequence[dict[str, Any]] | None = None) -> str:

@@ -20,6 +20,7 @@ N most probable next tokens of every step, which the playground shows as a proba
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -142,7 +143,7 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
         reqs, inbox = server.build(req, prompts, req.max_tokens, DEFAULT_COMPLETION_TOKENS, top,
                                    logprobs=req.logprobs is not None, grammar=grammar)
         prompt_lengths = [len(r.prompt_ids) for r in reqs[:: req.n]]  # the prompt counts once, not per choice
-        rid, created = P.new_id("cmpl"), P.now()
+        body = functools.partial(P.completion_body, P.new_id("cmpl"), P.now(), req.model)
         want_logprobs = req.logprobs is not None
         server.submit(reqs)
 
@@ -157,9 +158,8 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
             for r in reqs:
                 if echo_of(r.index):
                     choices[r.index].length = len(echo_of(r.index))
-                    opening.append(P.completion_body(rid, created, req.model, [
-                        {"index": r.index, "text": echo_of(r.index), "logprobs": None, "finish_reason": None}
-                    ], None, chunk=True))
+                    opening.append(body([{"index": r.index, "text": echo_of(r.index), "logprobs": None,
+                                          "finish_reason": None}], None, chunk=True))
 
             def chunk(event: Any, c: Choice, start: int) -> dict[str, Any]:
                 lp = _completion_logprobs(server, c.tokens[start:], c.offsets[start:]) if want_logprobs else None
@@ -167,26 +167,25 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
                           "finish_reason": event.finish_reason}
                 if grammar is not None and event.complete is False:
                     choice["incomplete_details"] = incomplete_details(grammar)
-                return P.completion_body(rid, created, req.model, [choice], None, chunk=True)
+                return body([choice], None, chunk=True)
 
             def usage() -> dict[str, Any]:
-                return P.completion_body(rid, created, req.model, [],
-                                         _total_usage(list(choices.values()), prompt_lengths), chunk=True)
+                return body([], _total_usage(list(choices.values()), prompt_lengths), chunk=True)
 
             events = stream_choices(inbox, choices, opening, chunk, usage if include_usage else None, want_logprobs)
             return EventStream(events, on_close=lambda: server.cancel(reqs))
 
         choices = await collect(request, server, reqs, inbox)
-        body = []
+        out = []
         for index, c in enumerate(choices):
             echo = echo_of(index)
             offsets = [o + len(echo) for o in c.offsets]
-            body.append({"index": index, "text": echo + "".join(c.text),
-                         "logprobs": _completion_logprobs(server, c.tokens, offsets) if want_logprobs else None,
-                         "finish_reason": c.finish_reason})
+            out.append({"index": index, "text": echo + "".join(c.text),
+                        "logprobs": _completion_logprobs(server, c.tokens, offsets) if want_logprobs else None,
+                        "finish_reason": c.finish_reason})
             if grammar is not None and c.complete is False:
-                body[-1]["incomplete_details"] = incomplete_details(grammar)
-        return P.completion_body(rid, created, req.model, body, _total_usage(choices, prompt_lengths))
+                out[-1]["incomplete_details"] = incomplete_details(grammar)
+        return body(out, _total_usage(choices, prompt_lengths))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -210,7 +209,7 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
                                    extra_stop_ids=server.template.stop_token_ids,
                                    logprobs=bool(req.logprobs), grammar=grammar)
         prompt_lengths = [len(reqs[0].prompt_ids)]
-        rid, created = P.new_id("chatcmpl"), P.now()
+        body = functools.partial(P.chat_body, P.new_id("chatcmpl"), P.now(), req.model)
         server.submit(reqs)
 
         if req.stream:
@@ -218,9 +217,8 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
 
             choices = {r.index: Choice() for r in reqs}
             deltas = {r.index: ToolCallDeltas() for r in reqs} if tools_on else {}
-            opening = [P.chat_body(rid, created, req.model, [
-                {"index": r.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}], None, chunk=True) for r in reqs]
+            opening = [body([{"index": r.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}], None, chunk=True) for r in reqs]
 
             def chunk(event: Any, c: Choice, start: int) -> dict[str, Any] | None:
                 lp = _chat_logprobs(server, event.tokens) if req.logprobs else None
@@ -238,26 +236,25 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
                 choice = {"index": event.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
                 if grammar is not None and event.complete is False:
                     choice["incomplete_details"] = incomplete_details(grammar)
-                return P.chat_body(rid, created, req.model, [choice], None, chunk=True)
+                return body([choice], None, chunk=True)
 
             def usage() -> dict[str, Any]:
-                return P.chat_body(rid, created, req.model, [],
-                                   _total_usage(list(choices.values()), prompt_lengths), chunk=True)
+                return body([], _total_usage(list(choices.values()), prompt_lengths), chunk=True)
 
             events = stream_choices(inbox, choices, opening, chunk, usage if include_usage else None,
                                     bool(req.logprobs))
             return EventStream(events, on_close=lambda: server.cancel(reqs))
 
         choices = await collect(request, server, reqs, inbox)
-        body = []
+        out = []
         for i, c in enumerate(choices):
             message, finish = reply_message("".join(c.text), c.finish_reason, tools_on)
-            body.append({"index": i, "message": message,
-                         "logprobs": _chat_logprobs(server, c.tokens) if req.logprobs else None,
-                         "finish_reason": finish})
+            out.append({"index": i, "message": message,
+                        "logprobs": _chat_logprobs(server, c.tokens) if req.logprobs else None,
+                        "finish_reason": finish})
             if grammar is not None and c.complete is False:
-                body[-1]["incomplete_details"] = incomplete_details(grammar)
-        return P.chat_body(rid, created, req.model, body, _total_usage(choices, prompt_lengths))
+                out[-1]["incomplete_details"] = incomplete_details(grammar)
+        return body(out, _total_usage(choices, prompt_lengths))
 
     return app
 

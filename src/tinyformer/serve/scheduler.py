@@ -140,7 +140,6 @@ class Scheduler:
                                   prefill_chunk=prefill_chunk,
                                   prefix_cache=new_prefix_cache(model, prefix_cache_mb), buckets=True,
                                   max_draft_tokens=max_draft_tokens, draft_model=draft_model)
-        self.cache = self.engine.cache
         self.max_len = self.engine.max_len
         self._cond = threading.Condition()
         self._waiting: deque[GenerationRequest] = deque()
@@ -154,10 +153,6 @@ class Scheduler:
         self.peak_active = 0
         self.finished = 0
         self.cancelled = 0
-
-    @property
-    def moves(self) -> int:
-        return self.engine.moves
 
     # ------------------------------------------------------------------ called from any thread
     def start(self) -> None:
@@ -190,7 +185,7 @@ class Scheduler:
         with self._cond:
             return {"active": len(self._running), "waiting": len(self._waiting), "max_batch": self.max_batch,
                     "max_queue": self.max_queue, "steps": self.steps, "peak_active": self.peak_active,
-                    "finished": self.finished, "cancelled": self.cancelled, "moves": self.moves,
+                    "finished": self.finished, "cancelled": self.cancelled, "moves": self.engine.moves,
                     "draft_proposed": self.engine.draft_proposed, "draft_accepted": self.engine.draft_accepted,
                     **({"prefix_hits": pc.stats.hits, "prefix_tokens_reused": pc.stats.tokens_reused}
                        if (pc := self.engine.prefix_cache) is not None else {})}
