@@ -38,10 +38,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="tinyformer",
-        description="A from-scratch Transformer and mini-LLM toolkit: count, train, generate, convert.",
-    )
+    parser = _Parser(prog="tinyformer",
+                     description="A from-scratch Transformer and mini-LLM toolkit: count, train, generate, convert.")
     from tinyformer import __version__
 
     parser.add_argument("--version", action="version", version=f"tinyformer {__version__}")

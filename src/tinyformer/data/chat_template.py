@@ -370,6 +370,12 @@ def _sandbox_class() -> type:
                                          f"characters of text while rendering (its size limit is "
                                          f"{self.max_chars:,} characters)")
 
+        def counted(self, result: Any) -> Any:
+            """``result``, counted as text built when it is a string."""
+            if isinstance(result, str):
+                self.built(len(result))
+            return result
+
         def too_big(self, what: str, size: float) -> None:
             if size > self.max_chars:
                 raise TemplateLimitError(f"the chat template would make {what} of about {size:,.0f} characters, "
@@ -422,13 +428,9 @@ def _sandbox_class() -> type:
         def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:  # every call a template makes
             self.tick()
             if getattr(obj, "__self__", None) is not self:  # not this sandbox's own checked_iter / checked_join
-                self.check_int_args(args)
-                self.check_int_args(kwargs.values())
+                self.check_int_args((*args, *kwargs.values()))
                 args = self.predict(obj, args)
-            result = super().call(context, obj, *args, **kwargs)
-            if isinstance(result, str):
-                self.built(len(result))
-            return result
+            return self.counted(super().call(context, obj, *args, **kwargs))
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
             if operator == "+":  # the common case first, kept short: string concatenation in every template
@@ -457,10 +459,7 @@ def _sandbox_class() -> type:
                 self.check_format(left, "%")
                 if "*" in left:  # a width given as an argument: '%*d' % (width, value)
                     self.check_int_args(right if isinstance(right, tuple) else (right,))
-            result = super().call_binop(context, operator, left, right)
-            if isinstance(result, str):
-                self.built(len(result))
-            return result
+            return self.counted(super().call_binop(context, operator, left, right))
 
         def concat(self, pieces: Iterable[str], what: str = "a block of text") -> str:
             """The text of a macro, {% set %} or {% filter %} block (and, from checked_join, of ``~``)."""
@@ -491,17 +490,13 @@ def _sandbox_class() -> type:
             def guarded(*args: Any, **kwargs: Any) -> Any:
                 self.tick()
                 if len(args) > skip or kwargs:  # arguments besides the value (most filters get none)
-                    self.check_int_args(args[skip:])
-                    self.check_int_args(kwargs.values())
+                    self.check_int_args((*args[skip:], *kwargs.values()))
                     value, rest = args[skip - 1], args[skip:]
                     if name == "replace" and isinstance(value, str) and len(rest) >= 2:
                         self.predict(value.replace, (str(rest[0]), str(rest[1])))
                     elif name == "format" and isinstance(value, str):
                         self.check_format(value, "%")
-                result = func(*args, **kwargs)
-                if isinstance(result, str):
-                    self.built(len(result))
-                return result
+                return self.counted(func(*args, **kwargs))
 
             return guarded
 

@@ -51,14 +51,20 @@ def stdlib_source_files(stdlib_dir: str | os.PathLike[str] | None = None) -> lis
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
+def parse_source(path: Path) -> ast.Module | None:
+    """A Python file parsed with ``ast`` (nothing imported), or None when it cannot be read or parsed."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. SyntaxWarning for old escape sequences on newer Pythons
+            return ast.parse(path.read_bytes(), filename=str(path))
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
 def _pydoc_topics(stdlib_dir: Path) -> list[str]:
     """The help texts of ``pydoc_data/topics.py`` (the ``topics`` dict values), in file order."""
-    path = stdlib_dir / "pydoc_data" / "topics.py"
-    try:
-        tree = ast.parse(path.read_bytes(), filename=str(path))
-    except (OSError, SyntaxError, ValueError):
-        return []
-    for node in tree.body:
+    tree = parse_source(stdlib_dir / "pydoc_data" / "topics.py")
+    for node in tree.body if tree is not None else []:
         targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
         value = getattr(node, "value", None)
         if any(isinstance(t, ast.Name) and t.id == "topics" for t in targets) and isinstance(value, ast.Dict):
@@ -68,14 +74,9 @@ def _pydoc_topics(stdlib_dir: Path) -> list[str]:
 
 def _docstrings(path: Path) -> list[str]:
     """Module, class and function docstrings of one source file; [] if it cannot be parsed."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # e.g. SyntaxWarning for old escape sequences on newer Pythons
-            tree = ast.parse(path.read_bytes(), filename=str(path))
-    except (OSError, SyntaxError, ValueError):
-        return []
+    tree = parse_source(path)
     docs: list[str] = []
-    stack: list[ast.AST] = [tree]
+    stack: list[ast.AST] = [tree] if tree is not None else []
     while stack:
         node = stack.pop()
         if isinstance(node, _DOC_NODES):

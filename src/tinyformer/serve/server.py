@@ -85,14 +85,8 @@ class Server:
                  max_len: int | None = None, compile: bool = False, prefill_chunk: int | None = 256,
                  prefix_cache_mb: float = 0, template_timeout: float = DEFAULT_TIMEOUT_S,
                  speculative: SpeculativeConfig | None = None, draft_model: Any = None) -> None:
-        self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.created = P.now()
-        self.api_key = api_key or None
+        self._serve(model, tokenizer, model_name, api_key)
         self.request_timeout = request_timeout if request_timeout and request_timeout > 0 else None
-        self.vocab_size = int(model.cfg.vocab_size)
-        # shown text leaves special tokens out; log-probability entries name every token (raw bytes)
-        self.text_bytes = TokenBytes(tokenizer)
         # requests may speculate whatever the server's default: K drafts at most (the server's, else the default)
         self.speculative = None if speculative is None else speculative.validate()
         self.max_draft_tokens = DEFAULT_DRAFT_TOKENS if speculative is None else speculative.draft_tokens
@@ -104,8 +98,16 @@ class Server:
         self.context = self.scheduler.max_len
         self.template = ChatTemplate(tokenizer, timeout_s=template_timeout)
         self.template_pool = ThreadPoolExecutor(max_workers=TEMPLATE_THREADS, thread_name_prefix="tinyformer-template")
-        self._token_text: dict[int, str] = {}
         self._box: _Mailbox | None = None
+
+    def _serve(self, model: Any, tokenizer: Any, model_name: str, api_key: str | None) -> None:
+        """The fields of every served run (a decoder's or an encoder's) that the checks and encoding read."""
+        self.tokenizer, self.model_name, self.created = tokenizer, model_name, P.now()
+        self.api_key = api_key or None
+        self.vocab_size = int(model.cfg.vocab_size)
+        # shown text leaves special tokens out; log-probability entries name every token (raw bytes)
+        self.text_bytes = TokenBytes(tokenizer)
+        self._token_text: dict[int, str] = {}
 
     # ------------------------------------------------------------------ checks
     def authorize(self, request: Request) -> None:

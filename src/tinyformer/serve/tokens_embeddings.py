@@ -35,7 +35,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tinyformer.generation.streaming import TokenBytes
 from tinyformer.generation.token_pieces import token_pieces
 from tinyformer.serve import DEFAULT_HEADER_TIMEOUT
 from tinyformer.serve import protocol as P
@@ -129,13 +128,9 @@ class EncoderServer(Server):
                  max_len: int | None = None) -> None:
         from tinyformer.models.sentence_embeddings import embedding_limit
 
-        self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
-        self.created = P.now()
-        self.api_key = api_key or None
-        self.vocab_size = int(model.cfg.vocab_size)
-        self.text_bytes = TokenBytes(tokenizer)
+        self._serve(model, tokenizer, model_name, api_key)
+        self.model = model
         self.context = embedding_limit(model, max_len)
-        self._token_text: dict[int, str] = {}
         self._forward = threading.Lock()  # one batch of forward passes at a time
 
     def embed(self, rows: list[list[int]]) -> Any:
