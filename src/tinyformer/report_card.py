@@ -162,8 +162,7 @@ def merge_eval_table(run: str | Path, rows: Iterable[Row]) -> Path | None:
     path = Path(run) / REPORT
     if not path.is_file():
         return None
-    text = path.read_text(encoding="utf-8")
-    lines = text.splitlines()
+    lines = path.read_text(encoding="utf-8").splitlines()
     if BEGIN in lines and END in lines[lines.index(BEGIN):]:
         start = lines.index(BEGIN)
         stop = lines.index(END, start)

@@ -69,7 +69,7 @@ def side_files(run_dir: str | Path) -> list[Path]:
 
 
 def save_tensors(run_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]],
-                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, metadata: dict[str, str] | None = None) -> list[str]:
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
     """Write (name, tensor) pairs as one safetensors file, or shards plus an index when larger than
     ``max_shard_bytes``. Tensors are consumed one by one: only one shard is held in memory."""
     from safetensors.torch import save_file
@@ -78,7 +78,6 @@ def save_tensors(run_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]
 
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
-    meta = {"format": "pt", **(metadata or {})}
     shard: dict[str, torch.Tensor] = {}
     written: list[tuple[str, list[str]]] = []  # (temporary name, tensor names) per shard
     size = total = 0
@@ -87,7 +86,7 @@ def save_tensors(run_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]
         nonlocal shard, size
         if shard:
             name, part = f"shard-{len(written):05d}.tmp.safetensors", shard
-            atomic_write_with(run / name, lambda p: save_file(part, str(p), metadata=meta))
+            atomic_write_with(run / name, lambda p: save_file(part, str(p), metadata={"format": "pt"}))
             written.append((name, list(part)))
         shard, size = {}, 0
 

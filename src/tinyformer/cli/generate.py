@@ -146,15 +146,11 @@ def unescape(text: str) -> str:
 
 def sampling_params(args: argparse.Namespace, max_new_tokens: int, **changes: Any) -> SamplingParams:
     """SamplingParams from the flags, validated (impossible values raise GenerationError)."""
-    params = SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty, max_new_tokens=max_new_tokens, seed=args.seed,
-        stop_strings=tuple(unescape(s) for s in args.stop), constraint=constraint_from_args(args),
-    )
-    for key, value in changes.items():
-        setattr(params, key, value)
-    return params.validate()
+    flags = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                 repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                 presence_penalty=args.presence_penalty, max_new_tokens=max_new_tokens, seed=args.seed,
+                 stop_strings=tuple(unescape(s) for s in args.stop), constraint=constraint_from_args(args))
+    return SamplingParams(**{**flags, **changes}).validate()
 
 
 def load_generator(args: argparse.Namespace) -> Generator:

@@ -166,8 +166,8 @@ def read_text(path: Path) -> str:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"corpus file {path} is not UTF-8: byte 0x{data[e.start]:02x} at byte offset {e.start} "
-                        f"({e.reason}); re-encode it to UTF-8, e.g. `iconv -f latin1 -t utf-8 {path.name} > out.txt`"
-                        ) from e
+                        f"({e.reason}); re-encode it to UTF-8, e.g. `iconv -f latin1 -t utf-8 {path.name} > "
+                        "out.txt`") from e
     return text.removeprefix("\ufeff")
 
 

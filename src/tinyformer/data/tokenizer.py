@@ -331,10 +331,9 @@ class Tokenizer:
             atomic_write_text(p, self.to_json())
             return p
         p.mkdir(parents=True, exist_ok=True)
-        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
-        for field in ("bos_token", "eos_token", "pad_token", "chat_template"):
-            if getattr(self, field) is not None:
-                config[field] = getattr(self, field)
+        fields = ("bos_token", "eos_token", "pad_token", "chat_template")
+        config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                  **{field: getattr(self, field) for field in fields if getattr(self, field) is not None}}
         atomic_write_text(p / "tokenizer.json", self.to_json())
         atomic_write_text(p / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
         return p / "tokenizer.json"

@@ -54,12 +54,8 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def _completion_logprobs(server: Server, tokens: list[TokenInfo], offsets: list[int]) -> dict[str, Any]:
-    return {
-        "tokens": [server.token_text(t.token_id) for t in tokens],
-        "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [{server.token_text(i): lp for i, lp in t.top} for t in tokens],
-        "text_offset": offsets,
-    }
+    return {"tokens": [server.token_text(t.token_id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{server.token_text(i): lp for i, lp in t.top} for t in tokens], "text_offset": offsets}
 
 
 def _chat_logprobs(server: Server, tokens: list[TokenInfo]) -> dict[str, Any]:
