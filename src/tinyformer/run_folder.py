@@ -388,11 +388,6 @@ def linear_names(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
-
-
 def tied_head(model: nn.Module) -> bool:
     head, emb = getattr(model, "lm_head", None), getattr(model, "tok_emb", None)
     return isinstance(head, nn.Linear) and isinstance(emb, nn.Embedding) and head.weight is emb.weight
@@ -426,6 +421,7 @@ def load_quantized(model: nn.Module, spec: QuantSpec, tensors: dict[str, torch.T
         if layer.bias is not None and bias is None:
             raise CheckpointError(f"{source}: missing tensor {name}.bias")
         quantized = QuantizedLinear(portable, spec, layer.in_features, bias, dtype)
-        _set_module(model, name, quantized)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, quantized)
         if tied and name == "lm_head":
             model.tok_emb = QuantizedEmbedding(portable, spec.type, dtype, head=quantized)

@@ -128,12 +128,6 @@ class SafetensorsFile:
         return buf.view(dtype).reshape(shape)
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    # A flat uint8 view of the tensor's storage: written without another copy.
-    flat = t.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
-
-
 def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
     """Greedy split into shards of at most ``max_shard_bytes`` (a tensor larger than that gets its own)."""
     shards: list[list[TensorSpec]] = [[]]
@@ -190,7 +184,8 @@ def write_planned(folder: str | Path, specs: list[TensorSpec], tensors: Iterable
                 if name != spec.name or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
                     raise RuntimeError(f"conversion produced {name!r} {tuple(tensor.shape)} {tensor.dtype}, "
                                        f"planned {spec.name!r} {spec.shape} {spec.dtype}")
-                f.write(_tensor_bytes(tensor))
+                # a flat uint8 view of the tensor's storage: written without another copy
+                f.write(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
                 del tensor
             f.flush()
             os.fsync(f.fileno())

@@ -123,10 +123,6 @@ def builtin_corpus(stdlib_dir: str | os.PathLike[str] | None = None) -> str:
     return _builtin_corpus(root.resolve())
 
 
-def _is_glob(path: str) -> bool:
-    return any(ch in path for ch in "*?[")
-
-
 def iter_corpus_files(path: str | os.PathLike[str]) -> list[Path]:
     """Resolve a corpus path to the files it names, in sorted order.
 
@@ -147,7 +143,7 @@ def iter_corpus_files(path: str | os.PathLike[str]) -> list[Path]:
         if not files:
             raise DataError(f"corpus folder {p} has no .txt or .md files; put text files in it or name a file")
         return files
-    if _is_glob(text):
+    if any(ch in text for ch in "*?["):  # a glob pattern
         files = sorted(Path(f) for f in glob.glob(os.path.expanduser(text), recursive=True) if os.path.isfile(f))
         if not files:
             raise DataError(f"corpus pattern {text!r} matches no files")

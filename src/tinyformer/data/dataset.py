@@ -65,12 +65,6 @@ def _find_cut(text: str, lo: int, hi: int) -> int:
     return hi
 
 
-def _source_files(source: os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
-    if isinstance(source, os.PathLike):
-        return iter_corpus_files(source)
-    return [f for item in source for f in iter_corpus_files(item)]
-
-
 def _cache_key(tokenizer: Tokenizer, text: str | None, files: list[Path], text_field: str) -> str:
     h = hashlib.sha256(_CACHE_VERSION)
     tok = tokenizer.to_json().encode()
@@ -106,7 +100,8 @@ def encode_to_memmap(source: str | os.PathLike[str] | Sequence[str | os.PathLike
     a temporary name, fsynced and renamed, so a crash never leaves a partial cache file.
     """
     text = source if isinstance(source, str) else None
-    files = [] if text is not None else _source_files(source)
+    paths = [] if text is not None else [source] if isinstance(source, os.PathLike) else source
+    files = [f for path in paths for f in iter_corpus_files(path)]
     dtype = token_dtype(tokenizer.vocab_size)
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
