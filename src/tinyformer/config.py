@@ -34,30 +34,13 @@ ROPE_SCALING_KEYS: dict[str, dict[str, bool]] = {
     # key -> required?
     "linear": {"factor": True},
     "dynamic": {"factor": True, "original_max_position_embeddings": False},
-    "yarn": {
-        "factor": True,
-        "original_max_position_embeddings": False,
-        "attention_factor": False,
-        "beta_fast": False,
-        "beta_slow": False,
-        "mscale": False,
-        "mscale_all_dim": False,
-        "truncate": False,
-    },
-    "llama3": {
-        "factor": True,
-        "low_freq_factor": True,
-        "high_freq_factor": True,
-        "original_max_position_embeddings": True,
-    },
+    "yarn": {"factor": True, "original_max_position_embeddings": False, "attention_factor": False, "beta_fast": False,
+             "beta_slow": False, "mscale": False, "mscale_all_dim": False, "truncate": False},
+    "llama3": {"factor": True, "low_freq_factor": True, "high_freq_factor": True,
+               "original_max_position_embeddings": True},
     # LongRoPE (Phi-3's "su"): per-frequency divisors, short_factor up to the original context, long_factor beyond
-    "longrope": {
-        "short_factor": True,
-        "long_factor": True,
-        "original_max_position_embeddings": True,
-        "factor": False,
-        "attention_factor": False,
-    },
+    "longrope": {"short_factor": True, "long_factor": True, "original_max_position_embeddings": True, "factor": False,
+                 "attention_factor": False},
 }
 
 
@@ -161,10 +144,8 @@ class ModelConfig:
             self.n_kv_head = self.n_head
         if self.head_dim is None and isinstance(self.d_model, int) and isinstance(self.n_head, int):
             if self.n_head > 0 and self.d_model % self.n_head != 0:
-                raise ConfigError(
-                    f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head}), "
-                    "or set head_dim explicitly"
-                )
+                raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head}), "
+                                  "or set head_dim explicitly")
             self.head_dim = self.d_model // self.n_head if self.n_head > 0 else 0
         if self.d_ff is None and isinstance(self.d_model, int):
             if self.ffn in ("swiglu", "geglu_tanh", "moe"):  # gated FFNs (MoE experts are SwiGLU)
@@ -178,30 +159,20 @@ class ModelConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise ConfigError (a ValueError) naming the first invalid field."""
-        choices = {
-            "arch": ARCHS,
-            "norm": NORMS,
-            "norm_placement": NORM_PLACEMENTS,
-            "pos": POSITIONS,
-            "ffn": FFNS,
-            "attn_impl": ATTN_IMPLS,
-            "router_order": ROUTER_ORDERS,
-        }
+        choices = {"arch": ARCHS, "norm": NORMS, "norm_placement": NORM_PLACEMENTS, "pos": POSITIONS, "ffn": FFNS,
+                   "attn_impl": ATTN_IMPLS, "router_order": ROUTER_ORDERS}
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value not in allowed:
                 raise ConfigError(f"{name}={value!r} is not one of {', '.join(allowed)}")
-        positive = ["vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "d_ff",
-                    "max_seq_len", "ffn_multiple_of"]
-        for name in positive:
+        for name in ("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "d_ff", "max_seq_len",
+                     "ffn_multiple_of"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.n_head % self.n_kv_head != 0:
-            raise ConfigError(
-                f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head}): "
-                "each key/value head serves a whole group of query heads"
-            )
+            raise ConfigError(f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head}): "
+                              "each key/value head serves a whole group of query heads")
         if self.pos == "rope" and self.head_dim % 2 != 0:
             raise ConfigError(f"head_dim ({self.head_dim}) must be even for pos='rope'")
         if self.pos == "sinusoidal" and self.d_model % 2 != 0:
@@ -311,16 +282,12 @@ class ModelConfig:
         if kind in (None, "default") and set(rs) <= {"rope_type", "type"}:
             return
         if kind not in ROPE_SCALING_KEYS:
-            raise ConfigError(
-                f"rope_scaling.rope_type={kind!r} is not one of {', '.join(ROPE_SCALING_KEYS)}"
-            )
+            raise ConfigError(f"rope_scaling.rope_type={kind!r} is not one of {', '.join(ROPE_SCALING_KEYS)}")
         allowed = ROPE_SCALING_KEYS[kind]
         for key in rs:
             if key not in allowed and key not in ("rope_type", "type"):
-                raise ConfigError(
-                    f"rope_scaling.{key} is not a parameter of rope_type {kind!r} "
-                    f"(allowed: {', '.join(allowed)})"
-                )
+                raise ConfigError(f"rope_scaling.{key} is not a parameter of rope_type {kind!r} "
+                                  f"(allowed: {', '.join(allowed)})")
         for key, required in allowed.items():
             if required and rs.get(key) is None:
                 raise ConfigError(f"rope_scaling.{key} is required for rope_type {kind!r}")
@@ -337,9 +304,7 @@ class ModelConfig:
         if kind == "llama3":
             low, high = rs["low_freq_factor"], rs["high_freq_factor"]
             if not (0 < low < high):
-                raise ConfigError(
-                    f"rope_scaling needs 0 < low_freq_factor < high_freq_factor, got {low!r}, {high!r}"
-                )
+                raise ConfigError(f"rope_scaling needs 0 < low_freq_factor < high_freq_factor, got {low!r}, {high!r}")
         omp = rs.get("original_max_position_embeddings")
         if omp is not None and (not isinstance(omp, int) or omp <= 0):
             raise ConfigError(f"rope_scaling.original_max_position_embeddings must be a positive int, got {omp!r}")

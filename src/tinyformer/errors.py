@@ -49,10 +49,8 @@ class OutputError(TinyformerError):
 
 
 #: errno values that describe the machine (its disks, its limits), not a bug: the CLI prints them on one line
-ENVIRONMENT_ERRNOS = frozenset({
-    "ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "ENOTDIR", "EEXIST", "EISDIR", "ENAMETOOLONG", "EMFILE",
-    "ENFILE", "EIO", "EFBIG", "ELOOP", "EXDEV", "ENOENT",
-})
+ENVIRONMENT_ERRNOS = frozenset({"ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "ENOTDIR", "EEXIST", "EISDIR",
+                                "ENAMETOOLONG", "EMFILE", "ENFILE", "EIO", "EFBIG", "ELOOP", "EXDEV", "ENOENT"})
 
 
 def environment_error_message(exc: OSError) -> str | None:

@@ -20,23 +20,17 @@ from tinyformer.families import family_presets
 from tinyformer.families.gpt2.presets import GPT2
 from tinyformer.families.llama.presets import LLAMA
 
-_VASWANI: dict[str, Any] = dict(
-    arch="encoder_decoder", norm="layernorm", norm_eps=1e-6, norm_placement="post", final_norm=False,
-    pos="sinusoidal", embed_scale=True, ffn="relu", attn_bias=True, attn_out_bias=True, mlp_bias=True,
-    tie_embeddings=True, share_src_tgt_embeddings=True,
-)
+_VASWANI: dict[str, Any] = dict(arch="encoder_decoder", norm="layernorm", norm_eps=1e-6, norm_placement="post",
+                                final_norm=False, pos="sinusoidal", embed_scale=True, ffn="relu", attn_bias=True,
+                                attn_out_bias=True, mlp_bias=True, tie_embeddings=True, share_src_tgt_embeddings=True)
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        norm="rmsnorm", pos="rope", ffn="swiglu", vocab_size=4096, d_model=256, n_layer=4, n_head=8,
-        n_kv_head=4, d_ff=704, max_seq_len=256, tie_embeddings=True,
-    ),
+    "tiny": dict(norm="rmsnorm", pos="rope", ffn="swiglu", vocab_size=4096, d_model=256, n_layer=4, n_head=8,
+                 n_kv_head=4, d_ff=704, max_seq_len=256, tie_embeddings=True),
     # A small mixture of experts that trains on a CPU: 8 SwiGLU experts of width 256, 2 per token (Mixtral's
     # routing), so each token runs the FFN compute of a 512-wide dense model with 4x its FFN parameters.
-    "moe": dict(
-        norm="rmsnorm", pos="rope", ffn="moe", n_experts=8, experts_per_token=2, vocab_size=4096, d_model=256,
-        n_layer=4, n_head=8, n_kv_head=4, d_ff=256, max_seq_len=256, tie_embeddings=True,
-    ),
+    "moe": dict(norm="rmsnorm", pos="rope", ffn="moe", n_experts=8, experts_per_token=2, vocab_size=4096,
+                d_model=256, n_layer=4, n_head=8, n_kv_head=4, d_ff=256, max_seq_len=256, tie_embeddings=True),
     "stories15m": dict(LLAMA, d_model=288, n_layer=6, n_head=6, d_ff=768, max_seq_len=256),
     "llama-110m": dict(LLAMA, d_model=768, n_layer=12, n_head=12, d_ff=2048, max_seq_len=1024),
     "gpt3-175b": dict(GPT2, vocab_size=50257, d_model=12288, n_layer=96, n_head=96, max_seq_len=2048),

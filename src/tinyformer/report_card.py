@@ -111,10 +111,13 @@ def write_training_card(run_dir: str | Path, records: Sequence[dict[str, Any]], 
         lines += [f"- {line}" for line in figures if line]
         if figures[1] is None:
             lines.append(f"- {objective.loss_label}: none (no held-out split)")
-    if extra:
-        lines += ["", *extra]
-    path = run_dir / REPORT
-    atomic_write_text(path, "\n".join(lines) + "\n")
+    return _write_card(run_dir, lines, extra)
+
+
+def _write_card(folder: Path, lines: list[str], extra: Sequence[str]) -> Path:
+    """Write ``folder``/report.md: ``lines``, then the ``extra`` lines after a blank one."""
+    path = folder / REPORT
+    atomic_write_text(path, "\n".join([*lines, *(["", *extra] if extra else [])]) + "\n")
     return path
 
 
@@ -134,11 +137,7 @@ def write_derived_card(out: str | Path, what: str, parent: str | Path, settings:
         lines.append(f"- the parent's report card (its training and evaluation figures): `{card}`")
     else:
         lines.append("- the parent has no report card")
-    if extra:
-        lines += ["", *extra]
-    path = Path(out) / REPORT
-    atomic_write_text(path, "\n".join(lines) + "\n")
-    return path
+    return _write_card(Path(out), lines, extra)
 
 
 # ------------------------------------------------------------------ the eval table
@@ -163,8 +162,7 @@ def merge_eval_table(run: str | Path, rows: Iterable[Row]) -> Path | None:
     path = Path(run) / REPORT
     if not path.is_file():
         return None
-    text = path.read_text(encoding="utf-8")
-    lines = text.splitlines()
+    lines = path.read_text(encoding="utf-8").splitlines()
     if BEGIN in lines and END in lines[lines.index(BEGIN):]:
         start = lines.index(BEGIN)
         stop = lines.index(END, start)

@@ -69,53 +69,45 @@ def side_files(run_dir: str | Path) -> list[Path]:
 
 
 def save_tensors(run_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]],
-                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, metadata: dict[str, str] | None = None) -> list[str]:
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
     """Write (name, tensor) pairs as one safetensors file, or shards plus an index when larger than
     ``max_shard_bytes``. Tensors are consumed one by one: only one shard is held in memory."""
     from safetensors.torch import save_file
 
+    from tinyformer.safetensors_io import shard_names
+
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
-    meta = {"format": "pt", **(metadata or {})}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    written: list[tuple[str, list[str]]] = []
-    size = 0
-    total = 0
-    tmp_names: list[str] = []
+    shard: dict[str, torch.Tensor] = {}
+    written: list[tuple[str, list[str]]] = []  # (temporary name, tensor names) per shard
+    size = total = 0
 
-    def flush(final: bool) -> None:
-        nonlocal size
-        if not shards[-1]:
-            return
-        name = f"shard-{len(written):05d}.tmp.safetensors"
-        part = shards[-1]
-        atomic_write_with(run / name, lambda p: save_file(part, str(p), metadata=meta))
-        written.append((name, list(part)))
-        tmp_names.append(name)
-        shards[-1] = {}
-        size = 0
+    def flush() -> None:
+        nonlocal shard, size
+        if shard:
+            name, part = f"shard-{len(written):05d}.tmp.safetensors", shard
+            atomic_write_with(run / name, lambda p: save_file(part, str(p), metadata={"format": "pt"}))
+            written.append((name, list(part)))
+        shard, size = {}, 0
 
     for key, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
         if size and size + nbytes > max_shard_bytes:
-            flush(False)
-        shards[-1][key] = tensor.detach().contiguous()
+            flush()
+        shard[key] = tensor.detach().contiguous()
         size += nbytes
         total += nbytes
-    flush(True)
+    flush()
     # rename the shards into place only once all of them are complete
     if len(written) == 1:
         (run / written[0][0]).replace(run / WEIGHTS)
         (run / INDEX).unlink(missing_ok=True)
         write_manifest(run, [WEIGHTS])
         return [WEIGHTS]
-    n = len(written)
+    names = shard_names(len(written))
     weight_map: dict[str, str] = {}
-    names = []
-    for i, (tmp, keys) in enumerate(written):
-        final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+    for (tmp, keys), final in zip(written, names):
         (run / tmp).replace(run / final)
-        names.append(final)
         weight_map.update({k: final for k in keys})
     atomic_write_text(run / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                               indent=2))
@@ -193,11 +185,13 @@ def iter_tensors(run_dir: str | Path, device: str = "cpu", verify: bool = True,
 def save_model(run_dir: str | Path, model: nn.Module, cfg: ModelConfig | None = None,
                max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None) -> None:
     """Write config.json and the weights of ``model`` into ``run_dir``."""
-    cfg = cfg or model.cfg
-    sd = state_dict_for_saving(model)
-    items = ((k, v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in sd.items())
-    save_tensors(run_dir, items, max_shard_bytes)
-    cfg.save(Path(run_dir) / "config.json")
+    save_tensors(run_dir, _cast(state_dict_for_saving(model).items(), dtype), max_shard_bytes)
+    (cfg or model.cfg).save(Path(run_dir) / "config.json")
+
+
+def _cast(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs with the floating-point tensors cast to ``dtype`` (None: as they are)."""
+    return ((k, v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in tensors)
 
 
 def load_config(run_dir: str | Path) -> ModelConfig:
@@ -226,18 +220,15 @@ def load_state_into(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]
     cfg = getattr(model, "cfg", None)
     tied = cfg is not None and getattr(cfg, "tie_embeddings", False) and "lm_head.weight" in own
     expected = set(own) - ({"lm_head.weight"} if tied else set())
-    seen: set[str] = set()
     loaded: dict[str, torch.Tensor] = {}
     for key, tensor in tensors:
-        if key not in own or key not in expected:
+        if key not in expected:
             raise CheckpointError(f"{source}: unexpected tensor {key!r} (not part of this model's config)")
         if tuple(tensor.shape) != tuple(own[key].shape):
-            raise CheckpointError(
-                f"{source}: tensor {key!r} has shape {tuple(tensor.shape)}, the config needs {tuple(own[key].shape)}"
-            )
+            raise CheckpointError(f"{source}: tensor {key!r} has shape {tuple(tensor.shape)}, the config needs "
+                                  f"{tuple(own[key].shape)}")
         loaded[key] = tensor
-        seen.add(key)
-    missing = sorted(expected - seen)
+    missing = sorted(expected - set(loaded))
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{source}: missing tensor(s) {', '.join(missing[:5])}{more}")
@@ -263,19 +254,12 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: t
     check_buildable(cfg, torch.empty(0, dtype=dtype).element_size() if dtype is not None else 2)
     spec = quant_spec(cfg)
     model = empty_model(cfg, device)
-
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for k, v in iter_tensors(run_dir, verify=verify, mapped=mapped):
-            v = v.to(device)
-            yield k, (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
-
+    tensors = ((k, v.to(device)) for k, v in iter_tensors(run_dir, verify=verify, mapped=mapped))
     if spec is not None:  # quantized layers first (their scales stay float32 until the layer casts them)
-        stored = {k: v.to(device) for k, v in iter_tensors(run_dir, verify=verify, mapped=mapped)}
+        stored = dict(tensors)
         load_quantized(model, spec, stored, str(run_dir), dtype or torch.float32)
-        load_state_into(model, ((k, v.to(dtype) if dtype is not None and v.is_floating_point() else v)
-                                for k, v in stored.items()), str(run_dir))
-    else:
-        load_state_into(model, tensors(), str(run_dir))
+        tensors = iter(stored.items())
+    load_state_into(model, _cast(tensors, dtype), str(run_dir))
     rebuild_buffers(model, device)
     return model.eval()
 
@@ -404,11 +388,6 @@ def linear_names(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
-
-
 def tied_head(model: nn.Module) -> bool:
     head, emb = getattr(model, "lm_head", None), getattr(model, "tok_emb", None)
     return isinstance(head, nn.Linear) and isinstance(emb, nn.Embedding) and head.weight is emb.weight
@@ -442,6 +421,7 @@ def load_quantized(model: nn.Module, spec: QuantSpec, tensors: dict[str, torch.T
         if layer.bias is not None and bias is None:
             raise CheckpointError(f"{source}: missing tensor {name}.bias")
         quantized = QuantizedLinear(portable, spec, layer.in_features, bias, dtype)
-        _set_module(model, name, quantized)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, quantized)
         if tied and name == "lm_head":
             model.tok_emb = QuantizedEmbedding(portable, spec.type, dtype, head=quantized)

@@ -21,9 +21,10 @@ back with the ``safetensors`` library and with ``transformers``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,20 +32,10 @@ import torch
 
 from tinyformer.errors import CheckpointError
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+DTYPES: dict[str, torch.dtype] = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                                  "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+                                  "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+                                  "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 MAX_HEADER_BYTES = 100 * 2**20  # the reference implementation's limit
 
@@ -59,10 +50,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
 class SafetensorsFile:
@@ -140,12 +128,6 @@ class SafetensorsFile:
         return buf.view(dtype).reshape(shape)
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    # A flat uint8 view of the tensor's storage: written without another copy.
-    flat = t.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
-
-
 def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
     """Greedy split into shards of at most ``max_shard_bytes`` (a tensor larger than that gets its own)."""
     shards: list[list[TensorSpec]] = [[]]
@@ -159,15 +141,15 @@ def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[Tens
     return shards
 
 
-def shard_names(n: int, stem: str = "model") -> list[str]:
+def shard_names(n: int) -> list[str]:
     """``model.safetensors`` for one shard, ``model-00001-of-0000n.safetensors`` otherwise (Hugging Face's)."""
     if n == 1:
-        return [f"{stem}.safetensors"]
-    return [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def _header_bytes(specs: list[TensorSpec], metadata: Mapping[str, str]) -> bytes:
-    header: dict[str, object] = {"__metadata__": dict(metadata)}
+def _header_bytes(specs: list[TensorSpec]) -> bytes:
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for spec in specs:
         header[spec.name] = {"dtype": DTYPE_NAMES[spec.dtype], "shape": list(spec.shape),
@@ -179,22 +161,21 @@ def _header_bytes(specs: list[TensorSpec], metadata: Mapping[str, str]) -> bytes
 
 
 def write_planned(folder: str | Path, specs: list[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]],
-                  max_shard_bytes: int, metadata: Mapping[str, str] | None = None, stem: str = "model") -> list[str]:
+                  max_shard_bytes: int) -> list[str]:
     """Write ``tensors`` (which must arrive in the order, shapes and dtypes of ``specs``) as safetensors
-    shards into ``folder``, plus ``{stem}.safetensors.index.json`` when there is more than one shard.
+    shards into ``folder``, plus ``model.safetensors.index.json`` when there is more than one shard.
 
     Each tensor is written as it arrives; nothing is buffered. ``folder`` should be a staging folder that
     the caller renames into place once everything succeeded (see ``convert_pipeline.staged_output``).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    meta = {"format": "pt", **(metadata or {})}
     shards = plan_shards(specs, max_shard_bytes)
-    names = shard_names(len(shards), stem)
+    names = shard_names(len(shards))
     stream: Iterator[tuple[str, torch.Tensor]] = iter(tensors)
     for shard, fname in zip(shards, names):
         with open(folder / fname, "wb") as f:
-            f.write(_header_bytes(shard, meta))
+            f.write(_header_bytes(shard))
             for spec in shard:
                 try:
                     name, tensor = next(stream)
@@ -203,7 +184,8 @@ def write_planned(folder: str | Path, specs: list[TensorSpec], tensors: Iterable
                 if name != spec.name or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
                     raise RuntimeError(f"conversion produced {name!r} {tuple(tensor.shape)} {tensor.dtype}, "
                                        f"planned {spec.name!r} {spec.shape} {spec.dtype}")
-                f.write(_tensor_bytes(tensor))
+                # a flat uint8 view of the tensor's storage: written without another copy
+                f.write(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
                 del tensor
             f.flush()
             os.fsync(f.fileno())
@@ -213,5 +195,5 @@ def write_planned(folder: str | Path, specs: list[TensorSpec], tensors: Iterable
         weight_map = {spec.name: fname for shard, fname in zip(shards, names) for spec in shard}
         total = sum(spec.nbytes for spec in specs)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return names

@@ -37,6 +37,20 @@ def format_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def read_prompt_file(name: str) -> str:
+    """The text of a ``--prompt-file`` (UTF-8, read in text mode); a missing or undecodable file is a
+    one-line GenerationError."""
+    from tinyformer.errors import GenerationError
+
+    path = Path(name)
+    if not path.is_file():
+        raise GenerationError(f"prompt file {path} does not exist")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise GenerationError(f"prompt file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
 def add_no_verify_flag(p: Any) -> None:
     """``--no-verify`` of every command that loads a run's weights (see integrity.py)."""
     p.add_argument("--no-verify", action="store_true",

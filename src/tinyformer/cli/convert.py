@@ -35,11 +35,15 @@ def parse_size(text: str) -> int:
     return size
 
 
-def position_summary(cfg) -> str:
-    """How the model encodes positions, as the summary line says it: 'rope (llama3 scaling)', 'learned positions'."""
+def model_summary(cfg) -> str:
+    """The model as the summary line and the report card say it, its positions last: 'rope (llama3 scaling)',
+    'learned positions', ..."""
     if cfg.pos == "rope":
-        return "rope" if cfg.rope_type == "default" else f"rope ({cfg.rope_type} scaling)"
-    return {"learned": "learned positions", "sinusoidal": "sinusoidal positions"}.get(cfg.pos, "no positions")
+        positions = "rope" if cfg.rope_type == "default" else f"rope ({cfg.rope_type} scaling)"
+    else:
+        positions = {"learned": "learned positions", "sinusoidal": "sinusoidal positions"}.get(cfg.pos, "no positions")
+    return (f"{cfg.arch}, {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads ({cfg.n_kv_head} kv), "
+            f"vocab {cfg.vocab_size}, context {cfg.max_seq_len}, {positions}")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -128,27 +132,23 @@ def run(args: argparse.Namespace) -> int:
             from tinyformer.interop.gguf import import_gguf
 
             report = import_gguf(args.from_gguf, args.out, **kwargs)
-    cfg = report.cfg
     dtype = str(report.dtype).removeprefix("torch.")
     if args.merge_lora or args.from_hf or args.from_gguf:  # a run folder: it gets its own report card
-        write_card(args, report)
+        write_card(args, report, dtype)
     print(f"wrote {report.out}  ({report.n_params / 1e6:.2f}M parameters, {dtype}, "
           f"{time.perf_counter() - started:.1f}s)")
-    print(f"  model: {cfg.arch}, {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads ({cfg.n_kv_head} "
-          f"kv), vocab {cfg.vocab_size}, context {cfg.max_seq_len}, {position_summary(cfg)}")
+    print(f"  model: {model_summary(report.cfg)}")
     print(f"  files: {', '.join(report.files)}")
     for note in report.notes:
         print(f"  note: {note}")
     return 0
 
 
-def write_card(args: argparse.Namespace, report) -> None:
+def write_card(args: argparse.Namespace, report, dtype: str) -> None:
     """The written run folder's own report.md (report_card.py): what it is, from what, with which
     settings, and where the parent's card is (a LoRA run's; an HF folder or a GGUF file has none)."""
     from tinyformer.report_card import write_derived_card
 
-    cfg = report.cfg
-    dtype = str(report.dtype).removeprefix("torch.")
     if args.merge_lora:
         what, parent = "a LoRA run with its adapter merged into the base weights (a plain run)", args.model
     elif args.from_hf:
@@ -156,10 +156,8 @@ def write_card(args: argparse.Namespace, report) -> None:
     else:
         kept = "its Q8_0 / Q4_0 / Q4_1 matrices kept as int8 / int4" if args.keep_quant else "dequantized"
         what, parent = f"a GGUF file imported into a run folder ({kept}; no training here)", args.from_gguf
-    model = (f"{cfg.arch}, {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads ({cfg.n_kv_head} kv), "
-             f"vocab {cfg.vocab_size}, context {cfg.max_seq_len}, {position_summary(cfg)}")
-    settings = [("model", model), ("parameters", f"{report.n_params:,}"), ("stored as", f"`{dtype}`"),
-                ("command", f"`tinyformer convert {' '.join(_given_flags(args))}`")]
+    settings = [("model", model_summary(report.cfg)), ("parameters", f"{report.n_params:,}"),
+                ("stored as", f"`{dtype}`"), ("command", f"`tinyformer convert {' '.join(_given_flags(args))}`")]
     write_derived_card(report.out, what, parent, settings, [f"- note: {n}" for n in report.notes])
 
 

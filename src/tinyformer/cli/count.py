@@ -75,25 +75,17 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
     p, kv, att = report["params"], report["kv_cache"], report["attention_memory"]
+    # the parameter rows in this order, then any other count of the report under its own name
+    labels = {"embedding": "embedding", "positions": "positions", "attention_per_layer": "attention / layer",
+              "ffn_per_layer": "ffn / layer", "norms_per_layer": "norms / layer",
+              "all_layers": f"all {p['n_layer']:>3} layers", "final_norm": "final_norm", "head": "head"}
+    rows = [*labels, *(key for key in p if key not in labels and key not in ("per_layer", "n_layer"))]
     lines = [
         f"model: {report['name']}  (d_model {cfg.d_model}, {cfg.n_layer} layers, {cfg.n_head} heads, "
         f"{cfg.n_kv_head} kv heads, d_ff {cfg.d_ff}, vocab {cfg.vocab_size})",
         "",
         "parameters",
-        f"  embedding            {p['embedding']:>18,}",
-        f"  positions            {p['positions']:>18,}",
-        f"  attention / layer    {p['attention_per_layer']:>18,}",
-        f"  ffn / layer          {p['ffn_per_layer']:>18,}",
-        f"  norms / layer        {p['norms_per_layer']:>18,}",
-        f"  all {p['n_layer']:>3} layers       {p['all_layers']:>18,}",
-    ]
-    for key in ("final_norm", "head"):
-        lines.append(f"  {key:<20} {p[key]:>18,}")
-    for key, value in p.items():
-        if key not in ("embedding", "positions", "attention_per_layer", "ffn_per_layer", "norms_per_layer",
-                       "per_layer", "n_layer", "all_layers", "final_norm", "head"):
-            lines.append(f"  {key:<20} {value:>18,}")
-    lines += [
+        *(f"  {labels.get(key, key):<20} {p[key]:>18,}" for key in rows),
         f"  total                {report['total_params']:>18,}  ({format_count(report['total_params'])})",
         f"  without embeddings   {report['non_embedding_params']:>18,}",
         *([f"  active per token     {report['active_params']:>18,}  ({format_count(report['active_params'])}; "

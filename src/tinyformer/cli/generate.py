@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from tinyformer.cli.common import (
     add_speculative_args,
     add_template_timeout_flag,
     decide_compile,
+    read_prompt_file,
     speculative_from_args,
     template_timeout,
 )
@@ -139,28 +141,16 @@ def warn_incomplete(results: Any, max_new_tokens: int) -> None:
 
 def unescape(text: str) -> str:
     """Shell-friendly escapes in a --stop value: \\n, \\t and \\\\ (nothing else is touched)."""
-    out, i = [], 0
-    while i < len(text):
-        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "nt\\":
-            out.append({"n": "\n", "t": "\t", "\\": "\\"}[text[i + 1]])
-            i += 2
-        else:
-            out.append(text[i])
-            i += 1
-    return "".join(out)
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
 
 
 def sampling_params(args: argparse.Namespace, max_new_tokens: int, **changes: Any) -> SamplingParams:
     """SamplingParams from the flags, validated (impossible values raise GenerationError)."""
-    params = SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty, max_new_tokens=max_new_tokens, seed=args.seed,
-        stop_strings=tuple(unescape(s) for s in args.stop), constraint=constraint_from_args(args),
-    )
-    for key, value in changes.items():
-        setattr(params, key, value)
-    return params.validate()
+    flags = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                 repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                 presence_penalty=args.presence_penalty, max_new_tokens=max_new_tokens, seed=args.seed,
+                 stop_strings=tuple(unescape(s) for s in args.stop), constraint=constraint_from_args(args))
+    return SamplingParams(**{**flags, **changes}).validate()
 
 
 def load_generator(args: argparse.Namespace) -> Generator:
@@ -233,15 +223,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         return args.prompt
-    if args.prompt_file == "-":
-        return sys.stdin.read()
-    path = Path(args.prompt_file)
-    if not path.is_file():
-        raise GenerationError(f"prompt file {path} does not exist")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise GenerationError(f"prompt file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return sys.stdin.read() if args.prompt_file == "-" else read_prompt_file(args.prompt_file)
 
 
 def run(args: argparse.Namespace) -> int:

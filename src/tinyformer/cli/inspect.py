@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tinyformer.cli.common import add_no_verify_flag
+from tinyformer.cli.common import add_no_verify_flag, read_prompt_file
 from tinyformer.errors import ConfigError, GenerationError
 from tinyformer.generation.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P
 
@@ -51,16 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def read_text(args: argparse.Namespace) -> str:
-    if args.prompt is not None:
-        text = args.prompt
-    else:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise GenerationError(f"prompt file {path} does not exist")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise GenerationError(f"prompt file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    text = args.prompt if args.prompt is not None else read_prompt_file(args.prompt_file)
     if not text:
         raise GenerationError("the prompt is empty")
     return text

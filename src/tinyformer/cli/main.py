@@ -25,19 +25,8 @@ COMPUTE_COMMANDS = frozenset({"train", "eval", "generate", "chat", "serve", "emb
 RESERVED_CORES = {"serve": 1}
 
 # subcommand modules under tinyformer.cli, in the order `--help` lists them
-COMMANDS = [
-    "count",
-    "train",
-    "eval",
-    "generate",
-    "chat",
-    "serve",
-    "convert",
-    "quantize",
-    "embed",
-    "tokenize",
-    "inspect",
-]
+COMMANDS = ["count", "train", "eval", "generate", "chat", "serve", "convert", "quantize", "embed", "tokenize",
+            "inspect"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,10 +38,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="tinyformer",
-        description="A from-scratch Transformer and mini-LLM toolkit: count, train, generate, convert.",
-    )
+    parser = _Parser(prog="tinyformer",
+                     description="A from-scratch Transformer and mini-LLM toolkit: count, train, generate, convert.")
     from tinyformer import __version__
 
     parser.add_argument("--version", action="version", version=f"tinyformer {__version__}")

@@ -96,9 +96,7 @@ def _require_serve_extra() -> None:
         except ImportError:
             missing.append(name)
     if missing:
-        raise TinyformerError(
-            f"'tinyformer serve' needs {' and '.join(missing)}: pip install 'tinyformer[serve]'"
-        )
+        raise TinyformerError(f"'tinyformer serve' needs {' and '.join(missing)}: pip install 'tinyformer[serve]'")
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -78,14 +78,17 @@ __all__ = ["CHATML_TEMPLATE", "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "ChatTemplate
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CHATML_TOKENS = (IM_START, IM_END)
+# The tool list of a system turn (ChatML's and tools_as_text's wording), one JSON object per line between them.
+TOOLS_HEAD = "# Tools\n\nYou may call one or more functions. Their signatures, one JSON object per line:\n<tools>\n"
+TOOLS_TAIL = ("</tools>\n\nTo call a function, answer with one block per call:\n<tool_call>\n"
+              '{"name": <function-name>, "arguments": <arguments-object>}\n</tool_call>')
 CHATML_TEMPLATE = (
     "{% if tools %}"
     "{{ '<|im_start|>system\n' }}"
     "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
-    "{{ '# Tools\n\nYou may call one or more functions. Their signatures, one JSON object per line:\n<tools>\n' }}"
+    "{{ '" + TOOLS_HEAD + "' }}"
     "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
-    "{{ '</tools>\n\nTo call a function, answer with one block per call:\n<tool_call>\n"
-    "{\"name\": <function-name>, \"arguments\": <arguments-object>}\n</tool_call><|im_end|>\n' }}"
+    "{{ '" + TOOLS_TAIL + "<|im_end|>\n' }}"
     "{% endif %}"
     "{% for message in messages %}"
     "{% if not (tools and loop.first and message['role'] == 'system') %}"
@@ -155,10 +158,7 @@ def tools_as_text(messages: Messages, tools: Sequence[dict[str, Any]] | None) ->
     message becomes a user turn holding ``<tool_response>...</tool_response>``."""
     out: list[dict[str, Any]] = []
     if tools:
-        listing = ("# Tools\n\nYou may call one or more functions. Their signatures, one JSON object per line:\n"
-                   "<tools>\n" + "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in tools) + "</tools>\n\n"
-                   "To call a function, answer with one block per call:\n<tool_call>\n"
-                   '{"name": <function-name>, "arguments": <arguments-object>}\n</tool_call>')
+        listing = TOOLS_HEAD + "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in tools) + TOOLS_TAIL
         if messages and messages[0]["role"] == "system":
             out.append({"role": "system", "content": messages[0]["content"] + "\n\n" + listing})
             messages = messages[1:]
@@ -227,19 +227,13 @@ class ChatTemplate:
         self.timeout_s, self.max_chars = float(timeout_s), max_chars
         self._tokens = {name: getattr(tokenizer, name, None) or "" for name in ("bos_token", "eos_token",
                                                                                 "pad_token")}
-        self._env: Any = None  # the limited sandbox of _sandbox_class (jinja2 is imported only for templates)
-        self._compiled: Any = None
-        if self.source is not None:
-            self._env, self._compiled = _compile(self.source, max_chars)
+        # the limited sandbox of _sandbox_class and the compiled template (jinja2 is imported only for templates)
+        self._env, self._compiled = (None, None) if self.source is None else _compile(self.source, max_chars)
         # whether the template itself renders tools, tool calls and tool results (HF templates that take tools=)
         self.reads_tools = self.source is not None and "tool" in self.source
-        if self.is_plain:
-            self.stop_strings: tuple[str, ...] = PLAIN_STOP
-            self.stop_token_ids: tuple[int, ...] = ()
-        else:
-            self.stop_strings = ()
-            ids = (tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS)
-            self.stop_token_ids = tuple(i for i in ids if i is not None)
+        self.stop_strings: tuple[str, ...] = PLAIN_STOP if self.is_plain else ()
+        ids = () if self.is_plain else (tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS)
+        self.stop_token_ids: tuple[int, ...] = tuple(i for i in ids if i is not None)
 
     def render(self, messages: Messages, add_generation_prompt: bool = True,
                tools: Sequence[dict[str, Any]] | None = None) -> str:
@@ -376,6 +370,12 @@ def _sandbox_class() -> type:
                                          f"characters of text while rendering (its size limit is "
                                          f"{self.max_chars:,} characters)")
 
+        def counted(self, result: Any) -> Any:
+            """``result``, counted as text built when it is a string."""
+            if isinstance(result, str):
+                self.built(len(result))
+            return result
+
         def too_big(self, what: str, size: float) -> None:
             if size > self.max_chars:
                 raise TemplateLimitError(f"the chat template would make {what} of about {size:,.0f} characters, "
@@ -428,13 +428,9 @@ def _sandbox_class() -> type:
         def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:  # every call a template makes
             self.tick()
             if getattr(obj, "__self__", None) is not self:  # not this sandbox's own checked_iter / checked_join
-                self.check_int_args(args)
-                self.check_int_args(kwargs.values())
+                self.check_int_args((*args, *kwargs.values()))
                 args = self.predict(obj, args)
-            result = super().call(context, obj, *args, **kwargs)
-            if isinstance(result, str):
-                self.built(len(result))
-            return result
+            return self.counted(super().call(context, obj, *args, **kwargs))
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
             if operator == "+":  # the common case first, kept short: string concatenation in every template
@@ -463,16 +459,14 @@ def _sandbox_class() -> type:
                 self.check_format(left, "%")
                 if "*" in left:  # a width given as an argument: '%*d' % (width, value)
                     self.check_int_args(right if isinstance(right, tuple) else (right,))
-            result = super().call_binop(context, operator, left, right)
-            if isinstance(result, str):
-                self.built(len(result))
-            return result
+            return self.counted(super().call_binop(context, operator, left, right))
 
-        def concat(self, pieces: Iterable[str]) -> str:  # the text of a macro, {% set %} or {% filter %} block
+        def concat(self, pieces: Iterable[str], what: str = "a block of text") -> str:
+            """The text of a macro, {% set %} or {% filter %} block (and, from checked_join, of ``~``)."""
             self.tick()
             pieces = list(pieces)
             size = sum(len(p) for p in pieces)
-            self.too_big("a block of text", size)
+            self.too_big(what, size)
             self.built(size)
             return "".join(pieces)
 
@@ -482,12 +476,7 @@ def _sandbox_class() -> type:
                 yield item
 
         def checked_join(self, *parts: Any) -> str:  # the ~ operator
-            self.tick()
-            texts = [str(p) for p in parts]
-            size = sum(len(t) for t in texts)
-            self.too_big("a string", size)
-            self.built(size)
-            return "".join(texts)
+            return self.concat([str(p) for p in parts], "a string")
 
         def guard_filter(self, name: str, func: Any) -> Any:
             """``func`` with the clock read and its width/count arguments checked before it runs."""
@@ -501,17 +490,13 @@ def _sandbox_class() -> type:
             def guarded(*args: Any, **kwargs: Any) -> Any:
                 self.tick()
                 if len(args) > skip or kwargs:  # arguments besides the value (most filters get none)
-                    self.check_int_args(args[skip:])
-                    self.check_int_args(kwargs.values())
+                    self.check_int_args((*args[skip:], *kwargs.values()))
                     value, rest = args[skip - 1], args[skip:]
                     if name == "replace" and isinstance(value, str) and len(rest) >= 2:
                         self.predict(value.replace, (str(rest[0]), str(rest[1])))
                     elif name == "format" and isinstance(value, str):
                         self.check_format(value, "%")
-                result = func(*args, **kwargs)
-                if isinstance(result, str):
-                    self.built(len(result))
-                return result
+                return self.counted(func(*args, **kwargs))
 
             return guarded
 

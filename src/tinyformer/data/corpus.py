@@ -28,9 +28,8 @@ TEXT_SUFFIXES = (".txt", ".md")
 
 # Folders of the standard library whose docstrings are not prose about Python (test suites) or
 # are not the standard library at all (third-party packages).
-_SKIP_DIRS = frozenset(
-    {"test", "tests", "idle_test", "lib2to3", "site-packages", "dist-packages", "__pycache__", "pydoc_data"}
-)
+_SKIP_DIRS = frozenset({"test", "tests", "idle_test", "lib2to3", "site-packages", "dist-packages", "__pycache__",
+                        "pydoc_data"})
 _DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
@@ -52,35 +51,32 @@ def stdlib_source_files(stdlib_dir: str | os.PathLike[str] | None = None) -> lis
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
+def parse_source(path: Path) -> ast.Module | None:
+    """A Python file parsed with ``ast`` (nothing imported), or None when it cannot be read or parsed."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. SyntaxWarning for old escape sequences on newer Pythons
+            return ast.parse(path.read_bytes(), filename=str(path))
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
 def _pydoc_topics(stdlib_dir: Path) -> list[str]:
     """The help texts of ``pydoc_data/topics.py`` (the ``topics`` dict values), in file order."""
-    path = stdlib_dir / "pydoc_data" / "topics.py"
-    try:
-        tree = ast.parse(path.read_bytes(), filename=str(path))
-    except (OSError, SyntaxError, ValueError):
-        return []
-    for node in tree.body:
+    tree = parse_source(stdlib_dir / "pydoc_data" / "topics.py")
+    for node in tree.body if tree is not None else []:
         targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
         value = getattr(node, "value", None)
         if any(isinstance(t, ast.Name) and t.id == "topics" for t in targets) and isinstance(value, ast.Dict):
-            return [
-                v.value.strip()
-                for v in value.values
-                if isinstance(v, ast.Constant) and isinstance(v.value, str)
-            ]
+            return [v.value.strip() for v in value.values if isinstance(v, ast.Constant) and isinstance(v.value, str)]
     return []
 
 
 def _docstrings(path: Path) -> list[str]:
     """Module, class and function docstrings of one source file; [] if it cannot be parsed."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # e.g. SyntaxWarning for old escape sequences on newer Pythons
-            tree = ast.parse(path.read_bytes(), filename=str(path))
-    except (OSError, SyntaxError, ValueError):
-        return []
+    tree = parse_source(path)
     docs: list[str] = []
-    stack: list[ast.AST] = [tree]
+    stack: list[ast.AST] = [tree] if tree is not None else []
     while stack:
         node = stack.pop()
         if isinstance(node, _DOC_NODES):
@@ -108,10 +104,9 @@ def _builtin_corpus(stdlib_dir: Path) -> str:
         if was_enabled:
             gc.enable()
     if not docs:
-        raise DataError(
-            f"no built-in corpus: found neither {stdlib_dir / 'pydoc_data' / 'topics.py'} nor standard "
-            f"library .py sources under {stdlib_dir}; pass a corpus path (a .txt/.md/.jsonl file or folder)"
-        )
+        raise DataError(f"no built-in corpus: found neither {stdlib_dir / 'pydoc_data' / 'topics.py'} nor "
+                        f"standard library .py sources under {stdlib_dir}; pass a corpus path (a .txt/.md/.jsonl file "
+                        "or folder)")
     return DOC_SEPARATOR.join(docs)
 
 
@@ -126,10 +121,6 @@ def builtin_corpus(stdlib_dir: str | os.PathLike[str] | None = None) -> str:
     """
     root = Path(stdlib_dir) if stdlib_dir is not None else _stdlib_dir()
     return _builtin_corpus(root.resolve())
-
-
-def _is_glob(path: str) -> bool:
-    return any(ch in path for ch in "*?[")
 
 
 def iter_corpus_files(path: str | os.PathLike[str]) -> list[Path]:
@@ -150,14 +141,10 @@ def iter_corpus_files(path: str | os.PathLike[str]) -> list[Path]:
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
         if not files:
-            raise DataError(
-                f"corpus folder {p} has no .txt or .md files; put text files in it or name a file"
-            )
+            raise DataError(f"corpus folder {p} has no .txt or .md files; put text files in it or name a file")
         return files
-    if _is_glob(text):
-        files = sorted(
-            Path(f) for f in glob.glob(os.path.expanduser(text), recursive=True) if os.path.isfile(f)
-        )
+    if any(ch in text for ch in "*?["):  # a glob pattern
+        files = sorted(Path(f) for f in glob.glob(os.path.expanduser(text), recursive=True) if os.path.isfile(f))
         if not files:
             raise DataError(f"corpus pattern {text!r} matches no files")
         return files
@@ -174,10 +161,9 @@ def read_text(path: Path) -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(
-            f"corpus file {path} is not UTF-8: byte 0x{data[e.start]:02x} at byte offset {e.start} "
-            f"({e.reason}); re-encode it to UTF-8, e.g. `iconv -f latin1 -t utf-8 {path.name} > out.txt`"
-        ) from e
+        raise DataError(f"corpus file {path} is not UTF-8: byte 0x{data[e.start]:02x} at byte offset {e.start} "
+                        f"({e.reason}); re-encode it to UTF-8, e.g. `iconv -f latin1 -t utf-8 {path.name} > "
+                        "out.txt`") from e
     return text.removeprefix("\ufeff")
 
 
@@ -188,21 +174,15 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(
-                f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one object like "
-                f'{{"{text_field}": "..."}}'
-            ) from e
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one object like "
+                            f'{{"{text_field}": "..."}}') from e
         if not isinstance(record, dict) or text_field not in record:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise DataError(
-                f"{path}:{lineno}: no field {text_field!r} (found {keys}); set the text field to one that "
-                "holds the text"
-            )
+            raise DataError(f"{path}:{lineno}: no field {text_field!r} (found {keys}); set the text field to one "
+                            "that holds the text")
         value = record[text_field]
         if not isinstance(value, str):
-            raise DataError(
-                f"{path}:{lineno}: field {text_field!r} is {type(value).__name__}, expected a string"
-            )
+            raise DataError(f"{path}:{lineno}: field {text_field!r} is {type(value).__name__}, expected a string")
         yield value
 
 
@@ -220,10 +200,8 @@ def _load_hf(name: str, text_field: str) -> str:
     try:
         import datasets  # lazy: optional and slow to import
     except ImportError as e:
-        raise DataError(
-            f"corpus 'hf:{name}' needs the `datasets` package; install it (pip install datasets) or "
-            "download the data to a .jsonl/.txt file"
-        ) from e
+        raise DataError(f"corpus 'hf:{name}' needs the `datasets` package; install it (pip install datasets) or "
+                        "download the data to a .jsonl/.txt file") from e
     try:
         ds = datasets.load_dataset(name, split="train")
     except Exception as e:  # the datasets library raises many unrelated types

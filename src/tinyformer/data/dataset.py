@@ -65,12 +65,6 @@ def _find_cut(text: str, lo: int, hi: int) -> int:
     return hi
 
 
-def _source_files(source: os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
-    if isinstance(source, os.PathLike):
-        return iter_corpus_files(source)
-    return [f for item in source for f in iter_corpus_files(item)]
-
-
 def _cache_key(tokenizer: Tokenizer, text: str | None, files: list[Path], text_field: str) -> str:
     h = hashlib.sha256(_CACHE_VERSION)
     tok = tokenizer.to_json().encode()
@@ -95,14 +89,9 @@ def _chunk_stream(documents: Iterable[str], chunk_chars: int) -> Iterator[tuple[
             yield (i > 0 and j == 0), chunk
 
 
-def encode_to_memmap(
-    source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-    tokenizer: Tokenizer,
-    cache_dir: str | os.PathLike[str],
-    *,
-    text_field: str = "text",
-    chunk_chars: int = CHUNK_CHARS,
-) -> Path:
+def encode_to_memmap(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], tokenizer: Tokenizer,
+                     cache_dir: str | os.PathLike[str], *, text_field: str = "text",
+                     chunk_chars: int = CHUNK_CHARS) -> Path:
     """Encode a corpus once into ``cache_dir/tokens-<hash>-<dtype>.bin`` and return its path.
 
     ``source`` is corpus text when it is a ``str``; a ``Path`` (file, folder or glob) or a list
@@ -111,7 +100,8 @@ def encode_to_memmap(
     a temporary name, fsynced and renamed, so a crash never leaves a partial cache file.
     """
     text = source if isinstance(source, str) else None
-    files = [] if text is not None else _source_files(source)
+    paths = [] if text is not None else [source] if isinstance(source, os.PathLike) else source
+    files = [f for path in paths for f in iter_corpus_files(path)]
     dtype = token_dtype(tokenizer.vocab_size)
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
@@ -119,9 +109,7 @@ def encode_to_memmap(
     if out.is_file():
         return out
 
-    documents: Iterable[str] = (
-        [text] if text is not None else (d for f in files for d in iter_documents(f, text_field))
-    )
+    documents: Iterable[str] = [text] if text is not None else (d for f in files for d in iter_documents(f, text_field))
     eos = tokenizer.eos_id
     fd, tmp = tempfile.mkstemp(dir=cache, prefix=".tokens-", suffix=".tmp")
     total = 0
@@ -149,9 +137,7 @@ def encode_to_memmap(
             f.flush()
             os.fsync(f.fileno())
         if total == 0:
-            raise DataError(
-                f"corpus {source if text is None else '(text)'} encodes to no tokens; is it empty?"
-            )
+            raise DataError(f"corpus {source if text is None else '(text)'} encodes to no tokens; is it empty?")
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -167,10 +153,8 @@ def shard_range(n: int, rank: int, world_size: int) -> range:
     Shard ``r`` is ``[floor(n·r/W), floor(n·(r+1)/W))``: sizes differ by at most one.
     """
     if world_size < 1 or not 0 <= rank < world_size:
-        raise DataError(
-            f"rank {rank} / world_size {world_size} is invalid: need world_size >= 1 and 0 <= rank < "
-            "world_size"
-        )
+        raise DataError(f"rank {rank} / world_size {world_size} is invalid: need world_size >= 1 and 0 <= rank < "
+                        "world_size")
     return range(n * rank // world_size, n * (rank + 1) // world_size)
 
 
@@ -182,12 +166,8 @@ class TokenDataset:
     integer array.
     """
 
-    def __init__(
-        self,
-        source: str | os.PathLike[str] | np.ndarray,
-        dtype: np.dtype | str | None = None,
-        val_fraction: float = 0.1,
-    ) -> None:
+    def __init__(self, source: str | os.PathLike[str] | np.ndarray, dtype: np.dtype | str | None = None,
+                 val_fraction: float = 0.1) -> None:
         if isinstance(source, np.ndarray):
             self.path = None
             self.tokens = source.reshape(-1)
@@ -227,10 +207,8 @@ class TokenDataset:
         if len(part) < block_size + 1:
             where = f"{name} (rank {rank} of {world_size})" if world_size > 1 else name
             fit = f"use block_size <= {len(part) - 1}" if len(part) > 1 else "use a larger corpus"
-            raise DataError(
-                f"{where} has {len(part)} tokens, too few for block_size {block_size} (a window needs "
-                f"block_size + 1 tokens); {fit}, or change val_fraction / add data"
-            )
+            raise DataError(f"{where} has {len(part)} tokens, too few for block_size {block_size} (a window needs "
+                            f"block_size + 1 tokens); {fit}, or change val_fraction / add data")
         return part
 
     def _windows(self, starts: np.ndarray, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,15 +216,8 @@ class TokenDataset:
         window = torch.from_numpy(np.asarray(self.tokens[idx]).astype(np.int64))
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
-    def get_batch(
-        self,
-        split: str | range,
-        batch_size: int,
-        block_size: int,
-        generator: torch.Generator | None = None,
-        rank: int = 0,
-        world_size: int = 1,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_batch(self, split: str | range, batch_size: int, block_size: int, generator: torch.Generator | None = None,
+                  rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample ``batch_size`` windows uniformly from this rank's shard of ``split``.
 
         Returns int64 ``(x, y)`` of shape (B, T) with ``y[b, t] = x[b, t + 1]`` (the next token).
@@ -257,15 +228,9 @@ class TokenDataset:
         starts = torch.randint(0, len(part) - block_size, (batch_size,), generator=generator).numpy()
         return self._windows(starts + part.start, block_size)
 
-    def iter_eval_batches(
-        self,
-        split: str | range,
-        batch_size: int,
-        block_size: int,
-        rank: int = 0,
-        world_size: int = 1,
-        max_batches: int | None = None,
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def iter_eval_batches(self, split: str | range, batch_size: int, block_size: int, rank: int = 0,
+                          world_size: int = 1, max_batches: int | None = None
+                          ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Non-overlapping windows from the start of this rank's shard, in order (last batch may be smaller).
 
         Window ``k`` covers tokens ``[k·T, k·T + T]``; there are ``(len(shard) - 1) // T`` of them.
@@ -284,14 +249,11 @@ def _open_memmap(path: Path, dtype: np.dtype | str | None) -> np.ndarray:
     if dtype is None:
         suffix = path.stem.rsplit("-", 1)[-1]
         if suffix not in ("uint16", "uint32"):
-            raise DataError(
-                f"cannot tell the dtype of token file {path}: name it *-uint16.bin/*-uint32.bin or pass dtype"
-            )
+            raise DataError(f"cannot tell the dtype of token file {path}: name it *-uint16.bin/*-uint32.bin or pass "
+                            "dtype")
         dtype = suffix
     dt = np.dtype(dtype)
     size = path.stat().st_size
     if size == 0 or size % dt.itemsize:
-        raise DataError(
-            f"token file {path} has {size} bytes, not a positive multiple of {dt.itemsize} ({dt.name})"
-        )
+        raise DataError(f"token file {path} has {size} bytes, not a positive multiple of {dt.itemsize} ({dt.name})")
     return np.memmap(path, dtype=dt, mode="r")

@@ -140,13 +140,10 @@ def _entries(root: Path) -> tuple[Entry, ...]:
     entries = _builtin_entries()
     for module, tree in public_modules(root):
         entries += _source_entries(tree, module)
-    seen: set[str] = set()
-    unique = []
+    first: dict[str, Entry] = {}  # each qualname's first entry, in the order of first appearance
     for entry in entries:
-        if entry.qualname not in seen:
-            seen.add(entry.qualname)
-            unique.append(entry)
-    return tuple(unique)
+        first.setdefault(entry.qualname, entry)
+    return tuple(first.values())
 
 
 def _questions(stdlib_dir: str | Path | None = None) -> tuple[tuple[str, str, str, int], ...]:

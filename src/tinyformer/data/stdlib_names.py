@@ -10,11 +10,10 @@ path). A file is a public module when every part of its dotted name (``urllib/pa
 from __future__ import annotations
 
 import ast
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from tinyformer.data.corpus import _stdlib_dir, stdlib_source_files
+from tinyformer.data.corpus import _stdlib_dir, parse_source, stdlib_source_files
 
 
 def stdlib_root(stdlib_dir: str | Path | None = None) -> Path:
@@ -36,12 +35,6 @@ def public_modules(root: Path) -> Iterator[tuple[str, ast.Module]]:
     """(module name, parsed source) of every public module under ``root``, in sorted path order."""
     for path in stdlib_source_files(root):
         module = public_module_name(path, root)
-        if module is None:
-            continue
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                tree = ast.parse(path.read_bytes(), filename=str(path))
-        except (OSError, SyntaxError, ValueError):
-            continue
-        yield module, tree
+        tree = None if module is None else parse_source(path)
+        if module is not None and tree is not None:
+            yield module, tree

@@ -52,11 +52,7 @@ def byte_level_decoder() -> dict[str, int]:
     Bytes that are printable Latin-1 (``!``..``~``, ``¡``..``¬``, ``®``..``ÿ``) stand for
     themselves; the other 68 bytes ``b`` are mapped, in increasing order, to ``chr(256 + k)``.
     """
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table = {chr(b): b for b in printable}
     extra = (b for b in range(256) if b not in set(printable))
     table.update({chr(256 + k): b for k, b in enumerate(extra)})
@@ -91,15 +87,8 @@ class Tokenizer:
     (anything else). ``vocab_size`` is the largest id + 1, the rows an embedding table needs.
     """
 
-    def __init__(
-        self,
-        backend: tokenizers.Tokenizer,
-        *,
-        bos_token: str | None = None,
-        eos_token: str | None = None,
-        pad_token: str | None = None,
-        chat_template: str | None = None,
-    ) -> None:
+    def __init__(self, backend: tokenizers.Tokenizer, *, bos_token: str | None = None, eos_token: str | None = None,
+                 pad_token: str | None = None, chat_template: str | None = None) -> None:
         # A tokenizer.json may carry padding and truncation settings (sentence-transformers folders ship
         # `padding: Fixed 128`) that the backend would apply to every text: each prompt padded to 128 ids
         # that a model then reads as real tokens. As transformers does, they are switched off here and
@@ -117,14 +106,10 @@ class Tokenizer:
         self._added = {t.content for t in backend.get_added_tokens_decoder().values()}
         model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
         self._byte_level = "ByteLevel" in _types(spec.get("decoder"))
-        self._metaspace = "Metaspace" in _types(spec.get("decoder")) or "▁" in json.dumps(
-            spec.get("decoder"), ensure_ascii=False
-        )
-        if (
-            model.get("type") == "WordLevel"
-            and pre.get("type") == "Split"
-            and pre.get("pattern") == {"Regex": _CHAR_PATTERN}
-        ):
+        self._metaspace = "Metaspace" in _types(spec.get("decoder")) or "▁" in json.dumps(spec.get("decoder"),
+                                                                                           ensure_ascii=False)
+        if model.get("type") == "WordLevel" and pre.get("type") == "Split" and \
+                pre.get("pattern") == {"Regex": _CHAR_PATTERN}:
             self.kind = "char"
         elif model.get("type") == "BPE" and self._byte_level:
             self.kind = "bpe"
@@ -169,39 +154,25 @@ class Tokenizer:
         Raises :class:`DataError` when ``vocab_size`` is below 259 or above what the corpus can
         support (training stops when no pair of tokens occurs twice).
         """
-        minimum = BPE_MIN_VOCAB
-        if vocab_size < minimum:
-            raise DataError(
-                f"bpe vocab_size {vocab_size} is too small: it must be >= {minimum} (256 bytes + specials)"
-            )
+        if vocab_size < BPE_MIN_VOCAB:
+            raise DataError(f"bpe vocab_size {vocab_size} is too small: it must be >= {BPE_MIN_VOCAB} "
+                            "(256 bytes + specials)")
         backend = tokenizers.Tokenizer(models.BPE())
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=list(SPECIAL_TOKENS),
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
         chunks = _training_chunks(text) if isinstance(text, str) else iter(text)
         backend.train_from_iterator(chunks, trainer=trainer)
         got = backend.get_vocab_size()
         if got < vocab_size:
-            raise DataError(
-                f"bpe vocab_size {vocab_size} is larger than this corpus supports: training stopped at {got} "
-                f"tokens; use vocab_size <= {got} or a larger corpus"
-            )
+            raise DataError(f"bpe vocab_size {vocab_size} is larger than this corpus supports: training stopped at "
+                            f"{got} tokens; use vocab_size <= {got} or a larger corpus")
         return cls(backend, bos_token=BOS, eos_token=EOS, pad_token=PAD)
 
     @classmethod
-    def load(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        bos_token: str | None = None,
-        eos_token: str | None = None,
-        pad_token: str | None = None,
-    ) -> Tokenizer:
+    def load(cls, path: str | os.PathLike[str], *, bos_token: str | None = None, eos_token: str | None = None,
+             pad_token: str | None = None) -> Tokenizer:
         """Load a ``tokenizer.json`` (or a folder holding one) and its optional ``tokenizer_config.json``.
 
         Special tokens come from the arguments, else from ``tokenizer_config.json``, else from
@@ -233,13 +204,9 @@ class Tokenizer:
             name = _token_name(config.get(field))
             return name if name is not None and backend.token_to_id(name) is not None else None
 
-        return cls(
-            backend,
-            bos_token=configured("bos_token", bos_token),
-            eos_token=configured("eos_token", eos_token),
-            pad_token=configured("pad_token", pad_token),
-            chat_template=template if isinstance(template, str) else None,
-        )
+        return cls(backend, bos_token=configured("bos_token", bos_token), eos_token=configured("eos_token", eos_token),
+                   pad_token=configured("pad_token", pad_token),
+                   chat_template=template if isinstance(template, str) else None)
 
     # ---------------------------------------------------------------- ids
 
@@ -272,23 +239,21 @@ class Tokenizer:
         ``max_length`` truncates the *content* to ``max_length - s`` ids, s = the special tokens the
         post-processor adds, and then adds them: [CLS] a b [SEP] stays [CLS] a [SEP] at max_length 3
         (what transformers' ``truncation=True`` and so sentence-transformers do), never [CLS] a b."""
-        if max_length is not None:
-            if max_length < 1:
-                raise DataError(f"max_length must be positive, got {max_length}")
-            n_special = self.backend.num_special_tokens_to_add(False) if add_special_tokens else 0
-            if max_length <= n_special:
-                raise DataError(f"max_length {max_length} leaves no room for text beside the {n_special} special "
-                                "tokens the tokenizer adds")
-            if self.kind == "char" and not add_special_tokens:
-                return self._encode_chars(text)[:max_length]
-            encoding = self.backend.encode(text, add_special_tokens=False)
-            encoding.truncate(max_length - n_special)
-            if add_special_tokens:
-                encoding = self.backend.post_process(encoding, add_special_tokens=True)
-            return encoding.ids
+        if max_length is not None and max_length < 1:
+            raise DataError(f"max_length must be positive, got {max_length}")
         if self.kind == "char" and not add_special_tokens:
-            return self._encode_chars(text)
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+            return self._encode_chars(text)[:max_length]
+        if max_length is None:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        n_special = self.backend.num_special_tokens_to_add(False) if add_special_tokens else 0
+        if max_length <= n_special:
+            raise DataError(f"max_length {max_length} leaves no room for text beside the {n_special} special "
+                            "tokens the tokenizer adds")
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        encoding.truncate(max_length - n_special)
+        if add_special_tokens:
+            encoding = self.backend.post_process(encoding, add_special_tokens=True)
+        return encoding.ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Encode several texts (in parallel threads for the non-char kinds)."""
@@ -307,10 +272,9 @@ class Tokenizer:
                 ids.extend([vocab[c] for c in piece])
             except KeyError:
                 pos = next(j for j, c in enumerate(piece) if c not in vocab)
-                raise DataError(
-                    f"character {piece[pos]!r} (U+{ord(piece[pos]):04X}) at position {offset + pos} is not "
-                    "in the char tokenizer's vocabulary; retrain the tokenizer on a corpus that contains it"
-                ) from None
+                raise DataError(f"character {piece[pos]!r} (U+{ord(piece[pos]):04X}) at position {offset + pos} is "
+                                "not in the char tokenizer's vocabulary; retrain the tokenizer on a corpus that "
+                                "contains it") from None
             offset += len(piece)
             if i < len(specials):
                 ids.append(vocab[specials[i]])
@@ -322,15 +286,10 @@ class Tokenizer:
         ids = list(ids)
         if self.kind == "char":
             try:
-                return "".join(
-                    self._id_to_token[i]
-                    for i in ids
-                    if not (skip_special_tokens and self._id_to_token[i] in self._added)
-                )
+                return "".join(self._id_to_token[i] for i in ids
+                               if not (skip_special_tokens and self._id_to_token[i] in self._added))
             except KeyError as e:
-                raise DataError(
-                    f"token id {e.args[0]} is out of range for a vocabulary of {self.vocab_size}"
-                ) from None
+                raise DataError(f"token id {e.args[0]} is out of range for a vocabulary of {self.vocab_size}") from None
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -372,19 +331,16 @@ class Tokenizer:
             atomic_write_text(p, self.to_json())
             return p
         p.mkdir(parents=True, exist_ok=True)
-        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
-        for field in ("bos_token", "eos_token", "pad_token", "chat_template"):
-            if getattr(self, field) is not None:
-                config[field] = getattr(self, field)
+        fields = ("bos_token", "eos_token", "pad_token", "chat_template")
+        config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                  **{field: getattr(self, field) for field in fields if getattr(self, field) is not None}}
         atomic_write_text(p / "tokenizer.json", self.to_json())
         atomic_write_text(p / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
         return p / "tokenizer.json"
 
     def __repr__(self) -> str:
-        return (
-            f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, "
-            f"bos={self.bos_id}, eos={self.eos_id}, pad={self.pad_id})"
-        )
+        return (f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id}, "
+                f"pad={self.pad_id})")
 
 
 def _token_name(value: Any) -> str | None:

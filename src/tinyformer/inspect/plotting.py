@@ -29,10 +29,8 @@ def pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise PlottingUnavailableError(
-            "drawing pictures needs matplotlib, which is not installed: pip install matplotlib "
-            "(or pass --no-plots for the terminal table only)"
-        ) from None
+        raise PlottingUnavailableError("drawing pictures needs matplotlib, which is not installed: pip install "
+                                       "matplotlib (or pass --no-plots for the terminal table only)") from None
     return plt
 
 

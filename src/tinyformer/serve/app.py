@@ -20,13 +20,13 @@ N most probable next tokens of every step, which the playground shows as a proba
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from tinyformer.data.chat_template import DEFAULT_TIMEOUT_S
 from tinyformer.serve import DEFAULT_HEADER_TIMEOUT
@@ -34,7 +34,7 @@ from tinyformer.serve import protocol as P
 from tinyformer.serve.guard import DEFAULT_MAX_BODY_BYTES
 from tinyformer.serve.protocol import APIError
 from tinyformer.serve.scheduler import TokenInfo
-from tinyformer.serve.server import Choice, Server, collect
+from tinyformer.serve.server import Choice, Server, check_token_ids, collect
 from tinyformer.serve.sse import EventStream, stream_choices
 from tinyformer.serve.structured import (
     ToolCallDeltas,
@@ -54,12 +54,8 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def _completion_logprobs(server: Server, tokens: list[TokenInfo], offsets: list[int]) -> dict[str, Any]:
-    return {
-        "tokens": [server.token_text(t.token_id) for t in tokens],
-        "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [{server.token_text(i): lp for i, lp in t.top} for t in tokens],
-        "text_offset": offsets,
-    }
+    return {"tokens": [server.token_text(t.token_id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{server.token_text(i): lp for i, lp in t.top} for t in tokens], "text_offset": offsets}
 
 
 def _chat_logprobs(server: Server, tokens: list[TokenInfo]) -> dict[str, Any]:
@@ -73,7 +69,6 @@ def _chat_logprobs(server: Server, tokens: list[TokenInfo]) -> dict[str, Any]:
 
 def _total_usage(choices: list[Choice], prompt_lengths: list[int]) -> dict[str, int]:
     return P.usage(sum(prompt_lengths), sum(c.completion_tokens for c in choices))
-
 
 
 def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 16, max_queue: int = 64,
@@ -144,7 +139,7 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
         reqs, inbox = server.build(req, prompts, req.max_tokens, DEFAULT_COMPLETION_TOKENS, top,
                                    logprobs=req.logprobs is not None, grammar=grammar)
         prompt_lengths = [len(r.prompt_ids) for r in reqs[:: req.n]]  # the prompt counts once, not per choice
-        rid, created = P.new_id("cmpl"), P.now()
+        body = functools.partial(P.completion_body, P.new_id("cmpl"), P.now(), req.model)
         want_logprobs = req.logprobs is not None
         server.submit(reqs)
 
@@ -159,9 +154,8 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
             for r in reqs:
                 if echo_of(r.index):
                     choices[r.index].length = len(echo_of(r.index))
-                    opening.append(P.completion_body(rid, created, req.model, [
-                        {"index": r.index, "text": echo_of(r.index), "logprobs": None, "finish_reason": None}
-                    ], None, chunk=True))
+                    opening.append(body([{"index": r.index, "text": echo_of(r.index), "logprobs": None,
+                                          "finish_reason": None}], None, chunk=True))
 
             def chunk(event: Any, c: Choice, start: int) -> dict[str, Any]:
                 lp = _completion_logprobs(server, c.tokens[start:], c.offsets[start:]) if want_logprobs else None
@@ -169,28 +163,25 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
                           "finish_reason": event.finish_reason}
                 if grammar is not None and event.complete is False:
                     choice["incomplete_details"] = incomplete_details(grammar)
-                return P.completion_body(rid, created, req.model, [choice], None, chunk=True)
+                return body([choice], None, chunk=True)
 
             def usage() -> dict[str, Any]:
-                return P.completion_body(rid, created, req.model, [],
-                                         _total_usage(list(choices.values()), prompt_lengths), chunk=True)
+                return body([], _total_usage(list(choices.values()), prompt_lengths), chunk=True)
 
             events = stream_choices(inbox, choices, opening, chunk, usage if include_usage else None, want_logprobs)
             return EventStream(events, on_close=lambda: server.cancel(reqs))
 
         choices = await collect(request, server, reqs, inbox)
-        if choices is None:
-            return JSONResponse(P.error_body("client disconnected"), status_code=499)
-        body = []
+        out = []
         for index, c in enumerate(choices):
             echo = echo_of(index)
             offsets = [o + len(echo) for o in c.offsets]
-            body.append({"index": index, "text": echo + "".join(c.text),
-                         "logprobs": _completion_logprobs(server, c.tokens, offsets) if want_logprobs else None,
-                         "finish_reason": c.finish_reason})
+            out.append({"index": index, "text": echo + "".join(c.text),
+                        "logprobs": _completion_logprobs(server, c.tokens, offsets) if want_logprobs else None,
+                        "finish_reason": c.finish_reason})
             if grammar is not None and c.complete is False:
-                body[-1]["incomplete_details"] = incomplete_details(grammar)
-        return P.completion_body(rid, created, req.model, body, _total_usage(choices, prompt_lengths))
+                out[-1]["incomplete_details"] = incomplete_details(grammar)
+        return body(out, _total_usage(choices, prompt_lengths))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -214,7 +205,7 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
                                    extra_stop_ids=server.template.stop_token_ids,
                                    logprobs=bool(req.logprobs), grammar=grammar)
         prompt_lengths = [len(reqs[0].prompt_ids)]
-        rid, created = P.new_id("chatcmpl"), P.now()
+        body = functools.partial(P.chat_body, P.new_id("chatcmpl"), P.now(), req.model)
         server.submit(reqs)
 
         if req.stream:
@@ -222,9 +213,8 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
 
             choices = {r.index: Choice() for r in reqs}
             deltas = {r.index: ToolCallDeltas() for r in reqs} if tools_on else {}
-            opening = [P.chat_body(rid, created, req.model, [
-                {"index": r.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}], None, chunk=True) for r in reqs]
+            opening = [body([{"index": r.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}], None, chunk=True) for r in reqs]
 
             def chunk(event: Any, c: Choice, start: int) -> dict[str, Any] | None:
                 lp = _chat_logprobs(server, event.tokens) if req.logprobs else None
@@ -242,31 +232,27 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
                 choice = {"index": event.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
                 if grammar is not None and event.complete is False:
                     choice["incomplete_details"] = incomplete_details(grammar)
-                return P.chat_body(rid, created, req.model, [choice], None, chunk=True)
+                return body([choice], None, chunk=True)
 
             def usage() -> dict[str, Any]:
-                return P.chat_body(rid, created, req.model, [],
-                                   _total_usage(list(choices.values()), prompt_lengths), chunk=True)
+                return body([], _total_usage(list(choices.values()), prompt_lengths), chunk=True)
 
             events = stream_choices(inbox, choices, opening, chunk, usage if include_usage else None,
                                     bool(req.logprobs))
             return EventStream(events, on_close=lambda: server.cancel(reqs))
 
         choices = await collect(request, server, reqs, inbox)
-        if choices is None:
-            return JSONResponse(P.error_body("client disconnected"), status_code=499)
-        body = []
+        out = []
         for i, c in enumerate(choices):
             message, finish = reply_message("".join(c.text), c.finish_reason, tools_on)
-            body.append({"index": i, "message": message,
-                         "logprobs": _chat_logprobs(server, c.tokens) if req.logprobs else None,
-                         "finish_reason": finish})
+            out.append({"index": i, "message": message,
+                        "logprobs": _chat_logprobs(server, c.tokens) if req.logprobs else None,
+                        "finish_reason": finish})
             if grammar is not None and c.complete is False:
-                body[-1]["incomplete_details"] = incomplete_details(grammar)
-        return P.chat_body(rid, created, req.model, body, _total_usage(choices, prompt_lengths))
+                out[-1]["incomplete_details"] = incomplete_details(grammar)
+        return body(out, _total_usage(choices, prompt_lengths))
 
     return app
-
 
 
 def _merge_deltas(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -294,9 +280,6 @@ def _completion_prompts(server: Server, prompt: Any) -> tuple[list[str], list[li
         return list(prompt), [server.encode(p, f"prompt.{i}", special) for i, p in enumerate(prompt)]
     batches = [prompt] if isinstance(prompt[0], int) else prompt
     for ids in batches:
-        bad = next((t for t in ids if not 0 <= t < server.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} in 'prompt' is outside the vocabulary [0, {server.vocab_size})",
-                           param="prompt")
+        check_token_ids(ids, server.vocab_size, "prompt")
     texts = [server.tokenizer.decode(ids) for ids in batches]
     return texts, [list(ids) for ids in batches]

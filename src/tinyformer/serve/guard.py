@@ -146,8 +146,8 @@ class RequestGuard:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             return False  # "null" (sandboxed frames, file://) and other schemes
         o_host, o_port = _split_host(parts.netloc)
-        o_port = o_port or ("443" if parts.scheme == "https" else "80")
-        same = o_host == host and o_port == (port or ("443" if parts.scheme == "https" else "80"))
+        default = "443" if parts.scheme == "https" else "80"
+        same = o_host == host and (o_port or default) == (port or default)
         return same or (self.bound_to_loopback and is_loopback_host(o_host))
 
     def too_large(self, size: int | None) -> APIError:

@@ -80,12 +80,9 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Pro
             idle = sorted((c for c in self.connections if c is not self and getattr(c, "_waiting_for_head", None)
                            and c._waiting_for_head() and not c.transport.is_closing()),
                           key=lambda c: c._opened)
-            if idle:
-                idle[0].transport.write(_TIMEOUT_408)
-                idle[0].transport.close()
-            else:
-                self.transport.write(_BUSY_503)
-                self.transport.close()
+            closing = idle[0] if idle else self  # the oldest idle connection, else this one
+            closing.transport.write(_TIMEOUT_408 if idle else _BUSY_503)
+            closing.transport.close()
 
         def data_received(self, data: bytes) -> None:
             if self._waiting_for_head():

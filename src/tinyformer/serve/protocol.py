@@ -185,6 +185,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 _HINTS = {
     "prompt": "'prompt' must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "input": "'input' must be a string, a list of strings, a list of token ids or a list of lists of token ids",
     "stop": "'stop' must be a string or a list of strings",
     "content": "message 'content' must be a string or a list of {\"type\": \"text\", \"text\": ...} parts",
     "tools": "'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\", \"description\", "
@@ -299,10 +300,6 @@ class EmbeddingRequest(_Strict):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
-
-
-_HINTS["input"] = ("'input' must be a string, a list of strings, a list of token ids or a list of lists of "
-                   "token ids")
 
 
 def embedding_body(model: str, vectors: list[Any], prompt_tokens: int) -> dict[str, Any]:

@@ -121,20 +121,10 @@ class Scheduler:
     speculative``); ``draft_model`` is the draft model of those whose method is "draft".
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        token_bytes: Callable[[int], bytes],
-        *,
-        max_batch: int = 16,
-        max_queue: int = 64,
-        max_len: int | None = None,
-        compile: bool | PackageBuild = False,
-        prefill_chunk: int | None = 256,
-        prefix_cache_mb: float = 0,
-        max_draft_tokens: int = 0,
-        draft_model: nn.Module | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, token_bytes: Callable[[int], bytes], *, max_batch: int = 16,
+                 max_queue: int = 64, max_len: int | None = None, compile: bool | PackageBuild = False,
+                 prefill_chunk: int | None = 256, prefix_cache_mb: float = 0, max_draft_tokens: int = 0,
+                 draft_model: nn.Module | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue < 0:
@@ -150,7 +140,6 @@ class Scheduler:
                                   prefill_chunk=prefill_chunk,
                                   prefix_cache=new_prefix_cache(model, prefix_cache_mb), buckets=True,
                                   max_draft_tokens=max_draft_tokens, draft_model=draft_model)
-        self.cache = self.engine.cache
         self.max_len = self.engine.max_len
         self._cond = threading.Condition()
         self._waiting: deque[GenerationRequest] = deque()
@@ -164,10 +153,6 @@ class Scheduler:
         self.peak_active = 0
         self.finished = 0
         self.cancelled = 0
-
-    @property
-    def moves(self) -> int:
-        return self.engine.moves
 
     # ------------------------------------------------------------------ called from any thread
     def start(self) -> None:
@@ -198,21 +183,12 @@ class Scheduler:
 
     def stats(self) -> dict[str, int]:
         with self._cond:
-            return {
-                "active": len(self._running),
-                "waiting": len(self._waiting),
-                "max_batch": self.max_batch,
-                "max_queue": self.max_queue,
-                "steps": self.steps,
-                "peak_active": self.peak_active,
-                "finished": self.finished,
-                "cancelled": self.cancelled,
-                "moves": self.moves,
-                "draft_proposed": self.engine.draft_proposed,
-                "draft_accepted": self.engine.draft_accepted,
-                **({"prefix_hits": pc.stats.hits, "prefix_tokens_reused": pc.stats.tokens_reused}
-                   if (pc := self.engine.prefix_cache) is not None else {}),
-            }
+            return {"active": len(self._running), "waiting": len(self._waiting), "max_batch": self.max_batch,
+                    "max_queue": self.max_queue, "steps": self.steps, "peak_active": self.peak_active,
+                    "finished": self.finished, "cancelled": self.cancelled, "moves": self.engine.moves,
+                    "draft_proposed": self.engine.draft_proposed, "draft_accepted": self.engine.draft_accepted,
+                    **({"prefix_hits": pc.stats.hits, "prefix_tokens_reused": pc.stats.tokens_reused}
+                       if (pc := self.engine.prefix_cache) is not None else {})}
 
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
         """Queue all of ``requests`` (the choices of one API call) or none: raises :class:`QueueFull`
@@ -222,10 +198,8 @@ class Scheduler:
                 raise QueueFull("the server is shutting down")
             free = self.max_batch - len(self._running)
             if len(self._waiting) + len(requests) > free + self.max_queue:
-                raise QueueFull(
-                    f"the server is busy: {len(self._running)} requests running and {len(self._waiting)} "
-                    f"waiting (max queue {self.max_queue}); retry shortly"
-                )
+                raise QueueFull(f"the server is busy: {len(self._running)} requests running and {len(self._waiting)} "
+                                f"waiting (max queue {self.max_queue}); retry shortly")
             self._waiting.extend(requests)
             self._cond.notify_all()
 
@@ -267,7 +241,11 @@ class Scheduler:
         for row in list(self._running.values()) if running else []:
             self._finish(row, _event(row, "", [], "shutdown", SHUTTING_DOWN))
         for req in waiting:
-            self._emit(req, StepEvent(req.index, "", [], "shutdown", SHUTTING_DOWN, len(req.prompt_ids), 0))
+            self._end_queued(req, "shutdown", SHUTTING_DOWN)
+
+    def _end_queued(self, req: GenerationRequest, reason: str, error: str) -> None:
+        """The final event of a request that never held a slot (no tokens generated)."""
+        self._emit(req, StepEvent(req.index, "", [], reason, error, len(req.prompt_ids), 0))
 
     def _emit(self, req: GenerationRequest, event: StepEvent) -> bool:
         try:
@@ -311,8 +289,7 @@ class Scheduler:
                 self._waiting = deque(r for r in self._waiting if r.id not in late_ids)
         for req in late:
             self.finished += 1
-            self._emit(req, StepEvent(req.index, "", [], "timeout", "the request timed out while queued",
-                                      len(req.prompt_ids), 0))
+            self._end_queued(req, "timeout", "the request timed out while queued")
 
     def _admit(self) -> None:
         """Waiting requests take the free slots, first come first served; the engine prefills them together."""
@@ -330,8 +307,7 @@ class Scheduler:
             except Exception as exc:
                 log.exception("admission of request %d failed", req.id)
                 self.finished += 1
-                self._emit(req, StepEvent(req.index, "", [], "error", f"prefill failed: {exc}",
-                                          len(req.prompt_ids), 0))
+                self._end_queued(req, "error", f"prefill failed: {exc}")
                 continue
             self._running[req.id] = row
 

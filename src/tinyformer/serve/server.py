@@ -32,7 +32,7 @@ from tinyformer.serve import protocol as P
 from tinyformer.serve.protocol import APIError
 from tinyformer.serve.scheduler import GenerationRequest, QueueFull, Scheduler, StepEvent, TokenInfo
 
-__all__ = ["Choice", "Server", "add_event", "collect", "event_error"]
+__all__ = ["Choice", "Server", "add_event", "check_token_ids", "collect", "event_error"]
 
 TEMPLATE_THREADS = 4  # chat templates rendering at once; more requests wait for a thread
 
@@ -49,7 +49,6 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     complete: bool | None = None  # with a grammar: whether the text completed it
-
 
 
 class _Mailbox:
@@ -78,7 +77,6 @@ class _Mailbox:
             queue.put_nowait(event)
 
 
-
 class Server:
     """Everything a request handler needs: the model's scheduler, tokenizer, chat template, limits."""
 
@@ -87,14 +85,8 @@ class Server:
                  max_len: int | None = None, compile: bool = False, prefill_chunk: int | None = 256,
                  prefix_cache_mb: float = 0, template_timeout: float = DEFAULT_TIMEOUT_S,
                  speculative: SpeculativeConfig | None = None, draft_model: Any = None) -> None:
-        self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.created = P.now()
-        self.api_key = api_key or None
+        self._serve(model, tokenizer, model_name, api_key)
         self.request_timeout = request_timeout if request_timeout and request_timeout > 0 else None
-        self.vocab_size = int(model.cfg.vocab_size)
-        # shown text leaves special tokens out; log-probability entries name every token (raw bytes)
-        self.text_bytes = TokenBytes(tokenizer)
         # requests may speculate whatever the server's default: K drafts at most (the server's, else the default)
         self.speculative = None if speculative is None else speculative.validate()
         self.max_draft_tokens = DEFAULT_DRAFT_TOKENS if speculative is None else speculative.draft_tokens
@@ -106,8 +98,16 @@ class Server:
         self.context = self.scheduler.max_len
         self.template = ChatTemplate(tokenizer, timeout_s=template_timeout)
         self.template_pool = ThreadPoolExecutor(max_workers=TEMPLATE_THREADS, thread_name_prefix="tinyformer-template")
-        self._token_text: dict[int, str] = {}
         self._box: _Mailbox | None = None
+
+    def _serve(self, model: Any, tokenizer: Any, model_name: str, api_key: str | None) -> None:
+        """The fields of every served run (a decoder's or an encoder's) that the checks and encoding read."""
+        self.tokenizer, self.model_name, self.created = tokenizer, model_name, P.now()
+        self.api_key = api_key or None
+        self.vocab_size = int(model.cfg.vocab_size)
+        # shown text leaves special tokens out; log-probability entries name every token (raw bytes)
+        self.text_bytes = TokenBytes(tokenizer)
+        self._token_text: dict[int, str] = {}
 
     # ------------------------------------------------------------------ checks
     def authorize(self, request: Request) -> None:
@@ -247,6 +247,12 @@ class Server:
         self.scheduler.cancel([r.id for r in reqs])
 
 
+def check_token_ids(ids: list[int], limit: int, param: str, vocabulary: str = "the vocabulary") -> None:
+    """A 400 naming the first of ``ids`` outside [0, ``limit``), the ``vocabulary`` of the request's ``param``."""
+    bad = next((t for t in ids if not 0 <= t < limit), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} in '{param}' is outside {vocabulary} [0, {limit})", param=param)
+
 
 def event_error(event: StepEvent) -> APIError:
     if event.finish_reason == "timeout":
@@ -261,8 +267,8 @@ def event_error(event: StepEvent) -> APIError:
 
 
 async def collect(request: Request, server: Server, reqs: list[GenerationRequest],
-                   inbox: asyncio.Queue) -> list[Choice] | None:
-    """Wait for every choice to finish; None if the client disconnected first."""
+                   inbox: asyncio.Queue) -> list[Choice]:
+    """Wait for every choice to finish; a 499 APIError if the client disconnected first."""
     choices = {r.index: Choice() for r in reqs}
     remaining = len(reqs)
     try:
@@ -271,7 +277,7 @@ async def collect(request: Request, server: Server, reqs: list[GenerationRequest
                 event = await asyncio.wait_for(inbox.get(), timeout=0.5)
             except TimeoutError:
                 if await request.is_disconnected():
-                    return None
+                    raise APIError(499, "client disconnected") from None
                 continue
             if event.error is not None:
                 raise event_error(event)

@@ -90,10 +90,9 @@ def tool_setup(req: P.ChatCompletionRequest) -> tuple[list[dict[str, Any]] | Non
     """(the tools for the chat template, the grammar of the reply) of a chat request; 400s for a malformed
     tool list, a ``tool_choice`` naming an undeclared function, a ``tool_choice`` without tools."""
     if not req.tools:
-        if req.tools is not None and req.tool_choice not in (None, "none"):
-            raise APIError(400, "'tool_choice' needs a non-empty 'tools' list", param="tool_choice")
-        if req.tool_choice not in (None, "none"):
-            raise APIError(400, "'tool_choice' is only allowed when 'tools' are specified", param="tool_choice")
+        if req.tool_choice not in (None, "none"):  # an empty list, or none at all
+            raise APIError(400, "'tool_choice' needs a non-empty 'tools' list" if req.tools is not None else
+                           "'tool_choice' is only allowed when 'tools' are specified", param="tool_choice")
         return None, None
     names = [t.function.name for t in req.tools]
     if len(set(names)) != len(names):

@@ -35,13 +35,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tinyformer.generation.streaming import TokenBytes
 from tinyformer.generation.token_pieces import token_pieces
 from tinyformer.serve import DEFAULT_HEADER_TIMEOUT
 from tinyformer.serve import protocol as P
 from tinyformer.serve.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard, is_loopback_host
 from tinyformer.serve.protocol import APIError
-from tinyformer.serve.server import Server
+from tinyformer.serve.server import Server, check_token_ids
 
 __all__ = ["EncoderServer", "add_token_routes", "create_encoder_app", "install_common"]
 
@@ -129,13 +128,9 @@ class EncoderServer(Server):
                  max_len: int | None = None) -> None:
         from tinyformer.models.sentence_embeddings import embedding_limit
 
-        self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
-        self.created = P.now()
-        self.api_key = api_key or None
-        self.vocab_size = int(model.cfg.vocab_size)
-        self.text_bytes = TokenBytes(tokenizer)
+        self._serve(model, tokenizer, model_name, api_key)
+        self.model = model
         self.context = embedding_limit(model, max_len)
-        self._token_text: dict[int, str] = {}
         self._forward = threading.Lock()  # one batch of forward passes at a time
 
     def embed(self, rows: list[list[int]]) -> Any:
@@ -174,10 +169,7 @@ def _embedding_rows(server: EncoderServer, given: Any) -> list[list[int]]:
     for i, ids in enumerate(inputs):
         if not ids:
             raise APIError(400, f"'input.{i}' is an empty list of token ids", param="input")
-        bad = next((t for t in ids if not 0 <= t < server.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} in 'input' is outside the vocabulary [0, {server.vocab_size})",
-                           param="input")
+        check_token_ids(ids, server.vocab_size, "input")
         if len(ids) > server.context:
             raise APIError(400, f"'input.{i}' has {len(ids)} tokens; this model reads at most {server.context}",
                            param="input", code="context_length_exceeded")
@@ -198,11 +190,7 @@ def add_token_routes(app: FastAPI, server: Server) -> None:
     async def detokenize(request: Request) -> dict[str, Any]:
         server.authorize(request)
         req: P.DetokenizeRequest = P.parse_request(P.DetokenizeRequest, await request.body())
-        known = server.tokenizer.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < known), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} in 'tokens' is outside the tokenizer's vocabulary [0, {known})",
-                           param="tokens")
+        check_token_ids(req.tokens, server.tokenizer.vocab_size, "tokens", "the tokenizer's vocabulary")
         try:
             return {"content": server.tokenizer.decode(req.tokens)}
         except Exception as exc:  # a gap in a foreign vocabulary

@@ -83,9 +83,7 @@ def _writer_alive(path: Path, target: Path) -> bool | None:
     pid = path.name[len(target.name) + 2:].partition("-")[0]
     if not pid.isdigit():
         return None
-    if int(pid) == os.getpid():
-        return True
-    try:
+    try:  # signal 0: a check that the process exists (this one included)
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return False
