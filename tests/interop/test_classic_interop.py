@@ -80,6 +80,26 @@ def test_gpt2_model_checkpoint_without_head_prefix_imports(tmp_path):
         torch.testing.assert_close(ours(ids), want, atol=1e-4, rtol=1e-4)
 
 
+def _label(folder, architecture):
+    """Rewrite config.json's ``architectures`` as a Hub upload may state it, whatever class saved the tensors."""
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "architectures": [architecture]}))
+
+
+def test_gpt2_checkpoint_saved_as_lm_head_model_without_the_prefix_imports_with_its_tied_head(tmp_path):
+    # the Hub's gpt2 layout: config.json says GPT2LMHeadModel, the tensors are named without "transformer."
+    config = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0, architectures=["GPT2LMHeadModel"])
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    _perturb(hf)
+    hf.transformer.save_pretrained(tmp_path / "hf")
+    _label(tmp_path / "hf", "GPT2LMHeadModel")
+    import_hf(tmp_path / "hf", tmp_path / "run")
+    ids = torch.randint(0, 96, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(tmp_path / "run")(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
 def test_gpt2_style_model_exports_to_transformers(tmp_path):
     cfg = ModelConfig(vocab_size=96, d_model=64, n_layer=2, n_head=4, max_seq_len=32, norm="layernorm",
                       pos="learned", ffn="gelu_tanh", attn_bias=True, attn_out_bias=True, mlp_bias=True)
@@ -134,6 +154,23 @@ def test_bert_import_gives_transformers_hidden_states_and_heads(name, tmp_path):
     with torch.no_grad():
         back = again(input_ids=ids, attention_mask=mask, token_type_ids=types, output_hidden_states=True)
     torch.testing.assert_close(back.hidden_states[-1][real], out.hidden_states[-1][real], atol=1e-5, rtol=1e-5)
+
+
+def test_bert_pretraining_checkpoint_labelled_masked_lm_keeps_its_pooler(tmp_path):
+    # bert-base-uncased's layout: config.json says BertForMaskedLM, the file holds the pre-training model's tensors
+    hf = transformers.BertForPreTraining(_bert_config()).eval()
+    _perturb(hf)
+    hf.save_pretrained(tmp_path / "hf")
+    _label(tmp_path / "hf", "BertForMaskedLM")
+    import_hf(tmp_path / "hf", tmp_path / "run")
+    ours = load_model(tmp_path / "run")
+    ids = torch.randint(0, 80, (2, 9))
+    with torch.no_grad():
+        out = hf(input_ids=ids, output_hidden_states=True)
+        hidden = ours(ids)
+        torch.testing.assert_close(hidden, out.hidden_states[-1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ours.mlm_logits(ids), out.prediction_logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ours.pooled(hidden), hf.bert.pooler(hidden), atol=1e-4, rtol=1e-4)
 
 
 # ----------------------------------------------------------------------------------------- sentence-transformers

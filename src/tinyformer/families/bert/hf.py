@@ -241,4 +241,4 @@ def ignorable_hf_tensor(cfg: ModelConfig, name: str) -> bool:
 
 ADAPTER = Adapter(name="bert", model_types=("bert",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
                   hf_to_tinyformer=hf_to_tinyformer, tinyformer_to_hf=tinyformer_to_hf, export_problem=export_problem,
-                  ignorable_hf_tensor=ignorable_hf_tensor)
+                  ignorable_hf_tensor=ignorable_hf_tensor, align_config=align_config)
