@@ -245,14 +245,10 @@ class TokenVocabulary:
         ends = sorted({int(t) for t in end_ids if 0 <= int(t) < vocab_size})
         if not ends:
             raise GenerationError("structured output needs an end-of-sequence token (the tokenizer has none)")
-        backend = getattr(tokenizer, "backend", None)
-        added = backend.get_added_tokens_decoder().items() if backend is not None else ()
-        special = {i for i, t in added if t.special} | set(ends)
-        raw = TokenBytes(tokenizer).raw  # b"" for an id the tokenizer lacks
-        self.tokens = tokens = [(b"" if i in special else raw(i)) or b"\xff[" + str(i).encode() + b"]"
-                                for i in range(vocab_size)]
-        self.vocab_size = vocab_size
-        self.end_ids = tuple(ends)
+        token_bytes = TokenBytes(tokenizer)
+        special = token_bytes.hidden | set(ends)
+        raw = token_bytes.raw  # b"" for an id the tokenizer lacks
+        tokens = [(b"" if i in special else raw(i)) or b"\xff[" + str(i).encode() + b"]" for i in range(vocab_size)]
         encode = tokenizer.encode
 
         class _Wrapper:  # what llguidance.TokenizerWrapper reads
@@ -288,14 +284,13 @@ class Matcher:
     ``stopped``: nothing can follow (complete, or an end token was taken).
 
     Speculative decoding hook: :meth:`check_draft` gives how many leading draft tokens the grammar
-    accepts (without moving), :meth:`fill_draft_masks` the mask after each of them, and
+    accepts (without moving), :func:`draft_masks` the mask after each of them, and
     :meth:`rollback` undoes accepted tokens that the target model then rejected.
     """
 
     def __init__(self, g: Grammar, vocab: TokenVocabulary) -> None:
         ll = _ll()
         self.grammar = g
-        self.vocab = vocab
         self._m = ll.LLMatcher(vocab.ll_tokenizer, g.llguidance_grammar(), log_level=0)
         if self._m.is_error():
             raise GenerationError(f"{g.describe()} cannot be enforced: {' '.join(self._m.get_error().split())}")
@@ -328,18 +323,6 @@ class Matcher:
         if n and not self._m.rollback(int(n)):
             raise GenerationError(f"cannot roll the grammar back by {n} tokens")
 
-    def fill_draft_masks(self, tokens: Sequence[int], words: Tensor) -> None:
-        """Row ``i`` of ``words`` ``[len(tokens) + 1, W]``: the mask after the first ``i`` draft tokens
-        (the draft is accepted tentatively and rolled back). Rows after the first draft token the grammar
-        refuses are left as they are: that token is never consumed, as a refused token puts the matcher
-        in its error state for good."""
-        valid = self.check_draft(tokens)
-        for i in range(valid + 1):
-            self.fill(words[i])
-            if i < valid:
-                self.advance(tokens[i])
-        self.rollback(valid)
-
 
 def unpack_bits(words: Tensor, vocab_size: int) -> Tensor:
     """``[B, W]`` int32 bitmask words -> ``[B, V]`` bool (bit ``v % 32`` of word ``v // 32``)."""
@@ -349,9 +332,16 @@ def unpack_bits(words: Tensor, vocab_size: int) -> Tensor:
 
 def draft_masks(matcher: Matcher, drafts: Sequence[int], vocab_size: int) -> Tensor:
     """``[len(drafts) + 1, V]`` bool: row j, the tokens ``matcher`` allows after the first j ``drafts`` (the
-    matcher does not move; rows after a draft it refuses allow every token, as nothing there is kept)."""
+    draft is accepted tentatively and rolled back, so the matcher does not move; rows after a draft it refuses
+    allow every token, as nothing there is kept: that token is never consumed, as a refused token puts the
+    matcher in its error state for good)."""
     words = torch.full((len(drafts) + 1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    matcher.fill_draft_masks(drafts, words)
+    valid = matcher.check_draft(drafts)
+    for i in range(valid + 1):
+        matcher.fill(words[i])
+        if i < valid:
+            matcher.advance(drafts[i])
+    matcher.rollback(valid)
     return unpack_bits(words, vocab_size)
 
 

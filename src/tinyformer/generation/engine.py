@@ -178,7 +178,7 @@ class CompiledStep:
         self._fns: dict[bool, Callable[..., Tensor]] = {}
 
     def logits(self, tokens: Tensor, positions: Tensor, cache: Any, span: Tensor) -> Tensor:
-        return self.model(tokens, cache=cache.at(positions, span.shape[0], per_query=True))[:, -1]
+        return self.verify(tokens, positions, cache, span)[:, -1]
 
     def verify(self, tokens: Tensor, positions: Tensor, cache: Any, span: Tensor) -> Tensor:
         """A speculative verification: row r's tokens (R, T) at positions[r] .. positions[r] + T - 1, attending
@@ -435,14 +435,9 @@ class BatchEngine:
 
     def step(self) -> list[RowOutput]:
         """One decode step for the decoding rows, then one prefill round for the prefilling ones."""
-        out: list[RowOutput] = []
         decoding = [r for r in self.rows if not r.prefilling and not r.finished]
-        if decoding:
-            out += self._decode(decoding)
-        prefilling = [r for r in self.rows if r.prefilling and not r.finished]
-        if prefilling:
-            out += self._prefill(prefilling)
-        return out
+        out = self._decode(decoding) if decoding else []
+        return out + self._prefill([r for r in self.rows if r.prefilling and not r.finished])
 
     def _view(self, n: int) -> KVCache:
         """Rows [0, n) of the cache (one view per size, so a compiled step sees the same object)."""
@@ -624,7 +619,7 @@ class BatchEngine:
             seen = [r.token_ids + f[1 : j + 1] for r, f in zip(rows, feeds) for j in range(len(f))]
             history = penalty_history([r.params for r, _ in owner], [r.prompt_ids for r, _ in owner], seen, dev)
         # a constrained row's target at its j-th position is the plain path's: the logits masked by its
-        # grammar after the first j drafts (Matcher.fill_draft_masks), then processed
+        # grammar after the first j drafts (constraint.draft_masks), then processed
         allowed = None
         if any(r.constraint is not None for r in rows):
             allowed = torch.cat([draft_masks(r.constraint, f[1:], V) if r.constraint is not None

@@ -340,12 +340,9 @@ class Generator:
         rows = [EngineRow(ids, params, TextState(self.token_bytes, ends), search=search) for _ in range(num_beams)]
         for _ in self._decode(rows):
             pass
-        hyps = search.results(num_return_sequences)[0]
-        results = []
-        for hyp in hyps:
-            text = b"".join(self.token_bytes(i) for i in hyp.output_ids).decode("utf-8", errors="replace")
-            results.append(GenerationResult(text, hyp.token_ids, hyp.token_logprobs, hyp.finish_reason, ids))
-        return results
+        return [GenerationResult(b"".join(map(self.token_bytes, hyp.output_ids)).decode("utf-8", errors="replace"),
+                                 hyp.token_ids, hyp.token_logprobs, hyp.finish_reason, ids)
+                for hyp in search.results(num_return_sequences)[0]]
 
     # ---------------------------------------------------------------- decoding
 

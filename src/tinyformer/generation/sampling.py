@@ -130,8 +130,11 @@ def _real(name: str, x: object) -> float:
 #: The ranges outside which the processors' arithmetic overflows float32 logits (``logits / 1e-40`` is inf,
 #: ``0 * 1e308`` is NaN) and sampling fails on an all-NaN distribution: far beyond any useful setting.
 MIN_TEMPERATURE = 1e-6
-PENALTY_FACTOR_RANGE = (1e-2, 1e2)  # repetition_penalty: a factor on the logits
-MAX_ADDITIVE_PENALTY = 100.0  # |frequency_penalty|, |presence_penalty|: subtracted from the logits
+#: Each setting's range: (low, high, the value that disables it, whether low itself is excluded).
+_RANGES = {"top_p": (0.0, 1.0, 1, True), "min_p": (0.0, 1.0, 0, False),
+           "repetition_penalty": (1e-2, 1e2, 1, False),  # a factor on the logits
+           # subtracted from the logits
+           "frequency_penalty": (-100.0, 100.0, 0, False), "presence_penalty": (-100.0, 100.0, 0, False)}
 
 
 def _check_temperature(t: object, *, allow_zero: bool) -> float:
@@ -151,34 +154,14 @@ def _check_top_k(k: object) -> int:
     return int(k)  # type: ignore[call-overload]
 
 
-def _check_top_p(p: object) -> float:
-    p = _real("top_p", p)
-    if not 0.0 < p <= 1.0:
-        raise GenerationError(f"top_p must be in (0, 1] (1 disables), got {p!r}")
-    return p
-
-
-def _check_min_p(p: object) -> float:
-    p = _real("min_p", p)
-    if not 0.0 <= p <= 1.0:
-        raise GenerationError(f"min_p must be in [0, 1] (0 disables), got {p!r}")
-    return p
-
-
-def _check_repetition_penalty(r: object) -> float:
-    r = _real("repetition_penalty", r)
-    low, high = PENALTY_FACTOR_RANGE
-    if not low <= r <= high:
-        raise GenerationError(f"repetition_penalty must be in [{low:g}, {high:g}] (1 disables), got {r!r}")
-    return r
-
-
-def _check_additive_penalty(name: str, f: object) -> float:
-    f = _real(name, f)
-    if abs(f) > MAX_ADDITIVE_PENALTY:
-        raise GenerationError(f"{name} must be in [-{MAX_ADDITIVE_PENALTY:g}, {MAX_ADDITIVE_PENALTY:g}] "
-                              f"(0 disables), got {f!r}")
-    return f
+def _check(name: str, x: object) -> float:
+    """``x`` as a float, or a GenerationError unless it is in the range of setting ``name`` (``_RANGES``)."""
+    low, high, off, open_low = _RANGES[name]
+    x = _real(name, x)
+    if not (low < x if open_low else low <= x) or x > high:
+        raise GenerationError(f"{name} must be in {'(' if open_low else '['}{low:g}, {high:g}] ({off:g} disables), "
+                              f"got {x!r}")
+    return x
 
 
 def _prob_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -342,7 +325,7 @@ class TopP(_Processor):
     """
 
     def __init__(self, p: float) -> None:
-        self.p = _check_top_p(p)
+        self.p = _check("top_p", p)
 
     def __call__(self, logits: Tensor, generated: Tensor | None = None) -> Tensor:
         if self.p >= 1.0:
@@ -363,7 +346,7 @@ class _TopKTopP(_Processor):
 
     def __init__(self, k: int, p: float) -> None:
         self.k = _check_top_k(k)
-        self.p = _check_top_p(p)
+        self.p = _check("top_p", p)
 
     def __call__(self, logits: Tensor, generated: Tensor | None = None) -> Tensor:
         k = self.k if 0 < self.k < logits.size(-1) else logits.size(-1)
@@ -387,7 +370,7 @@ class MinP(_Processor):
     """
 
     def __init__(self, p: float) -> None:
-        self.p = _check_min_p(p)
+        self.p = _check("min_p", p)
 
     def __call__(self, logits: Tensor, generated: Tensor | None = None) -> Tensor:
         if self.p <= 0.0:
@@ -433,7 +416,7 @@ class RepetitionPenalty(Penalty):
     off = 1.0
 
     def __init__(self, penalty: float) -> None:
-        self.penalty = _check_repetition_penalty(penalty)
+        self.penalty = _check("repetition_penalty", penalty)
 
     def apply(self, logits: Tensor, counts: Tensor) -> Tensor:
         penalised = torch.where(logits > 0, logits / self.penalty, logits * self.penalty)
@@ -449,7 +432,7 @@ class FrequencyPenalty(Penalty):
     """
 
     def __init__(self, penalty: float) -> None:
-        self.penalty = _check_additive_penalty("frequency_penalty", penalty)
+        self.penalty = _check("frequency_penalty", penalty)
 
     def apply(self, logits: Tensor, counts: Tensor) -> Tensor:
         return (logits - counts * self.penalty).to(logits.dtype)
@@ -464,7 +447,7 @@ class PresencePenalty(Penalty):
     """
 
     def __init__(self, penalty: float) -> None:
-        self.penalty = _check_additive_penalty("presence_penalty", penalty)
+        self.penalty = _check("presence_penalty", penalty)
 
     def apply(self, logits: Tensor, counts: Tensor) -> Tensor:
         return logits - (counts > 0).to(logits.dtype) * self.penalty
@@ -539,11 +522,11 @@ class SamplingParams:
         """Raise :class:`GenerationError` naming the first invalid field; return ``self`` if all are valid."""
         _check_temperature(self.temperature, allow_zero=True)
         _check_top_k(self.top_k)
-        _check_top_p(self.top_p)
-        _check_min_p(self.min_p)
-        _check_repetition_penalty(self.repetition_penalty)
-        _check_additive_penalty("frequency_penalty", self.frequency_penalty)
-        _check_additive_penalty("presence_penalty", self.presence_penalty)
+        _check("top_p", self.top_p)
+        _check("min_p", self.min_p)
+        _check("repetition_penalty", self.repetition_penalty)
+        _check("frequency_penalty", self.frequency_penalty)
+        _check("presence_penalty", self.presence_penalty)
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):

@@ -160,9 +160,7 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
             def chunk(event: Any, c: Choice, start: int) -> dict[str, Any]:
                 lp = _completion_logprobs(server, c.tokens[start:], c.offsets[start:]) if want_logprobs else None
                 choice = {"index": event.index, "text": event.text, "logprobs": lp,
-                          "finish_reason": event.finish_reason}
-                if grammar is not None and event.complete is False:
-                    choice["incomplete_details"] = incomplete_details(grammar)
+                          "finish_reason": event.finish_reason, **incomplete_details(grammar, event.complete)}
                 return body([choice], None, chunk=True)
 
             def usage() -> dict[str, Any]:
@@ -178,9 +176,7 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
             offsets = [o + len(echo) for o in c.offsets]
             out.append({"index": index, "text": echo + "".join(c.text),
                         "logprobs": _completion_logprobs(server, c.tokens, offsets) if want_logprobs else None,
-                        "finish_reason": c.finish_reason})
-            if grammar is not None and c.complete is False:
-                out[-1]["incomplete_details"] = incomplete_details(grammar)
+                        "finish_reason": c.finish_reason, **incomplete_details(grammar, c.complete)})
         return body(out, _total_usage(choices, prompt_lengths))
 
     @app.post("/v1/chat/completions")
@@ -229,9 +225,8 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
                         return None  # held back: part of a tool call's head
                 else:
                     delta = {"content": event.text} if event.text else {}
-                choice = {"index": event.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-                if grammar is not None and event.complete is False:
-                    choice["incomplete_details"] = incomplete_details(grammar)
+                choice = {"index": event.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
+                          **incomplete_details(grammar, event.complete)}
                 return body([choice], None, chunk=True)
 
             def usage() -> dict[str, Any]:
@@ -247,9 +242,7 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
             message, finish = reply_message("".join(c.text), c.finish_reason, tools_on)
             out.append({"index": i, "message": message,
                         "logprobs": _chat_logprobs(server, c.tokens) if req.logprobs else None,
-                        "finish_reason": finish})
-            if grammar is not None and c.complete is False:
-                out[-1]["incomplete_details"] = incomplete_details(grammar)
+                        "finish_reason": finish, **incomplete_details(grammar, c.complete)})
         return body(out, _total_usage(choices, prompt_lengths))
 
     return app

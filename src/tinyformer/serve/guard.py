@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tinyformer.serve import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_BODY_BYTES
-from tinyformer.serve.protocol import APIError, error_body
+from tinyformer.serve.protocol import APIError
 
 
 def is_loopback_host(host: str) -> bool:
@@ -114,7 +114,7 @@ class RequestGuard:
             if int(length) > self.max_body_bytes:
                 await _answer(send, self.too_large(int(length)))
                 return
-        await self.app(scope, self.counting(receive), send)
+        await self.app(scope, receive, send)
 
     # ------------------------------------------------------------------ checks
     def refusal(self, headers: dict[str, str]) -> APIError | None:
@@ -156,18 +156,26 @@ class RequestGuard:
                              "(tinyformer serve --max-body-bytes).", code="request_too_large")
 
     def timed(self, receive: Receive, body: _Body) -> Receive:
-        """``receive`` that notes the end of the body and, until then, answers 408 when a part of it takes
-        longer than ``body_timeout``; afterwards (a stream waiting for the client to go away) it waits."""
+        """``receive`` that raises a 413 APIError once the body grows past the cap (bodies without a length),
+        notes the end of the body and, until then, answers 408 when a part of it takes longer than
+        ``body_timeout``; afterwards (a stream waiting for the client to go away) it waits."""
+        seen = 0
 
         async def wrapped() -> Message:
+            nonlocal seen
             if body.done or self.body_timeout is None:
-                return await receive()
-            try:
-                message = await asyncio.wait_for(receive(), self.body_timeout)
-            except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
-                raise APIError(408, f"the request body stopped arriving: no data for {self.body_timeout:g} s "
-                                    "(tinyformer serve --header-timeout)", code="request_timeout") from None
-            body.saw(message)
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), self.body_timeout)
+                except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
+                    raise APIError(408, f"the request body stopped arriving: no data for {self.body_timeout:g} s "
+                                        "(tinyformer serve --header-timeout)", code="request_timeout") from None
+                body.saw(message)
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:
+                    raise self.too_large(None)
             return message
 
         return wrapped
@@ -192,24 +200,9 @@ class RequestGuard:
 
         return wrapped
 
-    def counting(self, receive: Receive) -> Receive:
-        """``receive`` that raises a 413 APIError once the body grows past the cap (bodies without a length)."""
-        seen = 0
-
-        async def wrapped() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body_bytes:
-                    raise self.too_large(None)
-            return message
-
-        return wrapped
-
 
 async def _answer(send: Send, error: APIError) -> None:
-    body = json.dumps(error_body(error.message, error.type, error.param, error.code)).encode()
+    body = json.dumps(error.body()).encode()
     await send({"type": "http.response.start", "status": error.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})

@@ -46,7 +46,6 @@ class Choice:
     offsets: list[int] = field(default_factory=list)
     length: int = 0  # characters emitted so far (for text_offset)
     finish_reason: str | None = None
-    prompt_tokens: int = 0
     completion_tokens: int = 0
     complete: bool | None = None  # with a grammar: whether the text completed it
 
@@ -296,6 +295,6 @@ def add_event(choice: Choice, event: StepEvent) -> None:
     choice.text.append(event.text)
     choice.length += len(event.text)
     choice.finish_reason = event.finish_reason
-    choice.prompt_tokens, choice.completion_tokens = event.prompt_tokens, event.completion_tokens
+    choice.completion_tokens = event.completion_tokens
     if event.complete is not None:
         choice.complete = event.complete

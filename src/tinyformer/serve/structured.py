@@ -132,12 +132,16 @@ def reply_message(text: str, finish_reason: str | None, tools_on: bool) -> tuple
     return {"role": "assistant", "content": text}, finish_reason
 
 
-def incomplete_details(grammar: Grammar) -> dict[str, str]:
-    """What a choice that ran out of tokens before completing its structure carries (as the OpenAI
-    Responses API's ``incomplete_details``): the text is a prefix of valid output, not valid output."""
-    return {"reason": "max_tokens",
-            "message": f"max_tokens ran out before the output completed {grammar.describe()}; the text is "
-                       "an incomplete prefix, not valid output"}
+def incomplete_details(grammar: Grammar | None, complete: bool | None) -> dict[str, Any]:
+    """The ``incomplete_details`` a choice that ran out of tokens before completing the structure of ``grammar``
+    (``complete`` False) carries, as the OpenAI Responses API's: the text is a prefix of valid output, not valid
+    output; {} for any other choice."""
+    if grammar is None or complete is not False:
+        return {}
+    return {"incomplete_details": {
+        "reason": "max_tokens",
+        "message": f"max_tokens ran out before the output completed {grammar.describe()}; the text is an "
+                   "incomplete prefix, not valid output"}}
 
 
 _OPEN = TOOL_CALL_OPEN
