@@ -7,7 +7,8 @@ A ``GGUFArch`` is one llama.cpp ``general.architecture`` as data and two small f
 (``interop/gguf.py``) and writer (``interop/gguf_export.py``) do the rest:
 
     config_from_gguf(g) -> dict      the Hugging Face config.json dict the file's metadata states (``g`` is an
-                                     ``interop.gguf.GGUFFile``: ``get``, ``require``, ``tensors``, ``read``, ``path``)
+                                     ``interop.gguf.GGUFFile``: ``key`` (its architecture's metadata), ``get``,
+                                     ``require``, ``tensors``, ``read``, ``path``)
     block_names                      llama.cpp's name of a layer tensor -> its HF module under model.layers.i.
                                      (its inverse, with the router's ``moe[0]``, names them for writing)
     moe                              (router, experts, gate, up, down): the HF names of a mixture's tensors

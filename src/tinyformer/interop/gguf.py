@@ -195,6 +195,11 @@ class GGUFFile:
             raise CheckpointError(f"{self.path}: metadata key {key!r} is missing")
         return value
 
+    def key(self, name: str, default: Any = None, required: bool = False) -> Any:
+        """The architecture's metadata value ``<general.architecture>.<name>``."""
+        full = f"{self.get('general.architecture')}.{name}"
+        return self.require(full) if required else self.get(full, default)
+
     def read(self, name: str, index: int | None = None) -> np.ndarray:
         """The tensor as numpy, shape (rows, cols): float tensors as stored, quantized ones dequantized.
         ``index``: only slice ``index`` of a 3-D tensor (one expert of a stack), shape (rows, cols)."""
@@ -234,6 +239,10 @@ def hf_config_from_gguf(g: GGUFFile) -> tuple[GGUFArch, dict[str, Any]]:
     if name not in GGUF_ARCHS:
         raise ConfigError(f"{g.path}: GGUF architecture {name!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
     arch = GGUF_ARCHS[name]
+    n_experts = int(g.key("expert_count", 0) or 0)
+    if n_experts and arch.moe is None:
+        raise ConfigError(f"{g.path}: {name}.expert_count={n_experts}: experts are supported in 'llama' (Mixtral) "
+                          "and 'qwen3moe' files only")
     return arch, arch.config_from_gguf(g)
 
 
