@@ -140,12 +140,12 @@ def llama3_scaling(factors: np.ndarray, head_dim: int, theta: float, path: Any) 
 
 
 def layout_config(g: Any, arch: GGUFArch, kind: Any, type_keys: Callable[[Any, int | None], Mapping[str, Any]],
-                  longrope: Callable[..., dict[str, Any]] | None = None) -> tuple[dict[str, Any], int, int | None]:
-    """(HF config.json dict, head_dim, sliding window) from the metadata every Llama-layout architecture spells
-    alike: widths, heads, context, norm epsilon, tying, token ids and RoPE (with its scaling). ``kind`` is the Hugging
-    Face type written (its ``model_type`` and ``architecture``); ``type_keys(g, window)`` adds that type's keys
-    (biases, window flags), in config.json order; ``longrope(g, theta, ctx, head_dim)`` reads LongRoPE factor tensors
-    (Phi-3), refused elsewhere."""
+                  longrope: Callable[..., dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The HF config.json dict of the metadata every Llama-layout architecture spells alike: widths, heads, context,
+    norm epsilon, tying, token ids and RoPE (with its scaling). ``kind`` is the Hugging Face type written (its
+    ``model_type`` and ``architecture``); ``type_keys(g, window)`` adds that type's keys (biases, window flags), in
+    config.json order; ``longrope(g, theta, ctx, head_dim)`` reads LongRoPE factor tensors (Phi-3), refused
+    elsewhere."""
     key = g.key
     n_head = key("attention.head_count", required=True)
     n_kv = key("attention.head_count_kv", n_head)
@@ -222,7 +222,7 @@ def layout_config(g: Any, arch: GGUFArch, kind: Any, type_keys: Callable[[Any, i
             raise ConfigError(f"{g.path}: rope_factors_long/short (LongRoPE) are supported in 'phi3' files without "
                               "another RoPE scaling type")
         hf["rope_parameters"] = longrope(g, theta, int(ctx), head_dim)
-    return hf, int(head_dim), window
+    return hf
 
 
 def experts_from_gguf(g: Any) -> tuple[int, bool, int]:
@@ -260,7 +260,7 @@ def window_key(g: Any, window: int | None) -> dict[str, Any]:
 def config_from_gguf(g: Any) -> dict[str, Any]:
     """A ``llama`` file's config.json: Llama, or Mixtral when it has experts."""
     n_experts = int(g.key("expert_count", 0) or 0)
-    hf, _, _ = layout_config(g, ARCH, MIXTRAL if n_experts else LLAMA, window_key if n_experts else _llama_keys)
+    hf = layout_config(g, ARCH, MIXTRAL if n_experts else LLAMA, window_key if n_experts else _llama_keys)
     if n_experts:
         used, renormalise, width = experts_from_gguf(g)
         if not renormalise:

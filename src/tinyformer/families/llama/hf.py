@@ -191,13 +191,6 @@ def layout_problem(cfg: ModelConfig) -> str | None:
     return None
 
 
-def check_llama_compatible(cfg: ModelConfig) -> None:
-    """Raise ConfigError naming the first option the Llama layout (Llama, Mistral, Qwen2, ...) cannot express."""
-    problem = layout_problem(cfg)
-    if problem:
-        raise ConfigError(problem)
-
-
 def original_if_unchanged(cfg: ModelConfig, from_hf: Any, torch_dtype: str) -> dict[str, Any] | None:
     """The imported HF config (``extra["hf_config"]``) with the new dtype when ``from_hf`` of it still gives
     ``cfg``'s fields, so that an import/export round trip writes the original back; None otherwise."""
@@ -521,10 +514,6 @@ def ignorable_hf_tensor(cfg: ModelConfig, name: str) -> bool:
 # ------------------------------------------------------------------ the llama family's types
 
 
-def _writes_mixtral(cfg: ModelConfig, imported: str | None) -> bool:
-    return cfg.ffn == "moe" and not cfg.qk_norm
-
-
 def _writes_mistral(cfg: ModelConfig, imported: str | None) -> bool:
     """A window without q/k/v biases (Llama has no window), or a model imported from Mistral without biases."""
     if cfg.ffn == "moe" or cfg.qk_norm:
@@ -547,7 +536,8 @@ def _llama_keys(cfg: ModelConfig) -> dict[str, Any]:
 
 MIXTRAL_MOE: MoENames = ("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")
 MIXTRAL = LayoutType("mixtral", "MixtralForCausalLM", "llama", biases="none", window="always",
-                     writes=_writes_mixtral, hf_keys=(window_keys, expert_keys), moe=MIXTRAL_MOE,
+                     writes=lambda cfg, imported: cfg.ffn == "moe" and not cfg.qk_norm,
+                     hf_keys=(window_keys, expert_keys), moe=MIXTRAL_MOE,
                      router_always_renormalises=True)
 MISTRAL = LayoutType("mistral", "MistralForCausalLM", "llama", biases="none", window="always",
                      writes=_writes_mistral, hf_keys=(window_keys,))

@@ -23,18 +23,18 @@ def _qwen3_keys(g: Any, window: int | None) -> dict[str, Any]:
 
 
 def _qwen2_config(g: Any) -> dict[str, Any]:
-    return layout_config(g, QWEN2_ARCH, QWEN2, _qwen2_keys)[0]
+    return layout_config(g, QWEN2_ARCH, QWEN2, _qwen2_keys)
 
 
 def _qwen3_config(g: Any) -> dict[str, Any]:
-    return layout_config(g, QWEN3_ARCH, QWEN3, _qwen3_keys)[0]
+    return layout_config(g, QWEN3_ARCH, QWEN3, _qwen3_keys)
 
 
 def _qwen3moe_config(g: Any) -> dict[str, Any]:
     n_experts = int(g.key("expert_count", 0) or 0)
     if not n_experts:
         raise ConfigError(f"{g.path}: metadata key 'qwen3moe.expert_count' is missing")
-    hf = layout_config(g, QWEN3MOE_ARCH, QWEN3_MOE, _qwen3_keys)[0]
+    hf = layout_config(g, QWEN3MOE_ARCH, QWEN3_MOE, _qwen3_keys)
     used, renormalise, width = experts_from_gguf(g)
     hf.update({"num_experts": n_experts, "num_experts_per_tok": used, "moe_intermediate_size": width,
                "norm_topk_prob": renormalise, "decoder_sparse_step": 1, "mlp_only_layers": []})
