@@ -26,12 +26,6 @@ from tinyformer.sizing.params import ParamCount, attention_params, ffn_params, n
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "int8": 1, "fp8": 1}
 
 
-def dtype_bytes(dtype: str) -> int:
-    if dtype not in DTYPE_BYTES:
-        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
-    return DTYPE_BYTES[dtype]
-
-
 def count_params(cfg: ModelConfig) -> ParamCount:
     """Exact parameter count of the model ``cfg`` describes, component by component."""
     if cfg.arch == "encoder_decoder":
@@ -75,7 +69,9 @@ def sizing_report(cfg: ModelConfig, seq_len: int | None = None, batch: int = 1, 
     T = seq_len or cfg.max_seq_len
     if T <= 0 or batch <= 0:
         raise ConfigError("--seq-len and --batch must be positive")
-    b = dtype_bytes(dtype)
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    b = DTYPE_BYTES[dtype]
     c = count_params(cfg)
     kv_tok = kv_cache_bytes_per_token(cfg, b)
     kv_tok_mha = 2 * cfg.n_layer * cfg.n_head * cfg.head_dim * b

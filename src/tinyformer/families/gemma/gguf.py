@@ -105,16 +105,11 @@ def _gemma3_problem(cfg: ModelConfig) -> str | None:
     return problem
 
 
-def _softcaps(w: Any, cfg: ModelConfig) -> None:
-    w.add_attn_logit_softcapping(float(cfg.attn_logit_softcap))
-    w.add_final_logit_softcapping(float(cfg.final_logit_softcap))
-
-
 def _arch(name: str, own_keys: Callable[[Any, dict[str, Any]], dict[str, Any]],
-          problem: Callable[[ModelConfig], str | None], **options: Any) -> GGUFArch:
+          problem: Callable[[ModelConfig], str | None]) -> GGUFArch:
     return GGUFArch(name, partial(_gemma_config, name, own_keys), GEMMA_BLOCK, norm_plus_one=True,
-                    sliding_window=True, export_problem=problem, **options)
+                    sliding_window=True, export_problem=problem)
 
 
-ARCHS = {"gemma2": _arch("gemma2", _gemma2_keys, _gemma2_problem, write_metadata=_softcaps),
+ARCHS = {"gemma2": _arch("gemma2", _gemma2_keys, _gemma2_problem),
          "gemma3": _arch("gemma3", _gemma3_keys, _gemma3_problem)}
