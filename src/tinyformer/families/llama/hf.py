@@ -151,13 +151,6 @@ def rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), {"rope_type": kind, **params}
 
 
-BIASES = {  # LayoutType.biases -> (q/k/v, o, mlp) biases of a config.json
-    "qkv": lambda hf: (True, False, False),
-    "none": lambda hf: (False, False, False),
-    "config": lambda hf: (bool(hf.get("attention_bias", False)),) * 2 + (bool(hf.get("mlp_bias", False)),),
-}
-
-
 def imported_as(cfg: ModelConfig) -> str | None:
     """The Hugging Face model_type ``cfg`` was imported from, or None."""
     return (imported_hf_config(cfg) or {}).get("model_type")
@@ -321,7 +314,11 @@ class Layout:
         theta, rope_scaling = rope_from_hf(hf)
         window, layer_types = window_from_hf(hf, kind)
         n_head = hf["num_attention_heads"]
-        qkv_bias, out_bias, mlp_bias = BIASES[kind.biases](hf)
+        if kind.biases == "config":
+            qkv_bias = out_bias = bool(hf.get("attention_bias", False))
+            mlp_bias = bool(hf.get("mlp_bias", False))
+        else:
+            qkv_bias, out_bias, mlp_bias = kind.biases == "qkv", False, False
         return ModelConfig(
             arch="decoder",
             vocab_size=hf["vocab_size"],
