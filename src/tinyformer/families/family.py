@@ -7,7 +7,8 @@ A ``GGUFArch`` is one llama.cpp ``general.architecture`` as data and two small f
 (``interop/gguf.py``) and writer (``interop/gguf_export.py``) do the rest:
 
     config_from_gguf(g) -> dict      the Hugging Face config.json dict the file's metadata states (``g`` is an
-                                     ``interop.gguf.GGUFFile``: ``get``, ``require``, ``tensors``, ``read``, ``path``)
+                                     ``interop.gguf.GGUFFile``: ``key`` (its architecture's metadata), ``get``,
+                                     ``require``, ``tensors``, ``read``, ``path``)
     block_names                      llama.cpp's name of a layer tensor -> its HF module under model.layers.i.
                                      (its inverse, with the router's ``moe[0]``, names them for writing)
     moe                              (router, experts, gate, up, down): the HF names of a mixture's tensors
@@ -18,7 +19,6 @@ A ``GGUFArch`` is one llama.cpp ``general.architecture`` as data and two small f
     longrope                         RoPE scaling is LongRoPE as two factor tensors, and nothing else (Phi-3)
     split_qkv_bias                   q/k/v biases without an output bias are allowed (Qwen2)
     export_problem(cfg)              why llama.cpp's fixed choices for this architecture differ from ``cfg``
-    write_metadata(writer, cfg)      the keys only this architecture has (e.g. Gemma 2's soft-caps)
 """
 
 from __future__ import annotations
@@ -32,10 +32,6 @@ from tinyformer.families.adapter import Adapter
 
 
 def _fits(cfg: ModelConfig) -> str | None:
-    return None
-
-
-def _no_keys(writer: Any, cfg: ModelConfig) -> None:
     return None
 
 
@@ -53,7 +49,6 @@ class GGUFArch:
     longrope: bool = False
     split_qkv_bias: bool = False
     export_problem: Callable[[ModelConfig], str | None] = field(default=_fits)
-    write_metadata: Callable[[Any, ModelConfig], None] = field(default=_no_keys)
 
 
 @dataclass(frozen=True)

@@ -195,6 +195,11 @@ class GGUFFile:
             raise CheckpointError(f"{self.path}: metadata key {key!r} is missing")
         return value
 
+    def key(self, name: str, default: Any = None, required: bool = False) -> Any:
+        """The architecture's metadata value ``<general.architecture>.<name>``."""
+        full = f"{self.get('general.architecture')}.{name}"
+        return self.require(full) if required else self.get(full, default)
+
     def read(self, name: str, index: int | None = None) -> np.ndarray:
         """The tensor as numpy, shape (rows, cols): float tensors as stored, quantized ones dequantized.
         ``index``: only slice ``index`` of a 3-D tensor (one expert of a stack), shape (rows, cols)."""
@@ -234,6 +239,10 @@ def hf_config_from_gguf(g: GGUFFile) -> tuple[GGUFArch, dict[str, Any]]:
     if name not in GGUF_ARCHS:
         raise ConfigError(f"{g.path}: GGUF architecture {name!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
     arch = GGUF_ARCHS[name]
+    n_experts = int(g.key("expert_count", 0) or 0)
+    if n_experts and arch.moe is None:
+        raise ConfigError(f"{g.path}: {name}.expert_count={n_experts}: experts are supported in 'llama' (Mixtral) "
+                          "and 'qwen3moe' files only")
     return arch, arch.config_from_gguf(g)
 
 
@@ -297,12 +306,6 @@ class GGUFSource(TensorSource):
 # --------------------------------------------------------------------------------------------- tokenizer
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    from tinyformer.data.tokenizer import byte_level_decoder
-
-    return {b: c for c, b in byte_level_decoder().items()}
-
-
 def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """SentencePiece BPE stores no merges, only a score per piece (higher = merged earlier). Every split
     of a piece into two pieces of the vocabulary is a merge, ranked by the piece's score -- the rule
@@ -332,6 +335,8 @@ def build_tokenizer(g: GGUFFile) -> tuple[str, dict[str, Any]] | None:
     import tokenizers
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
+    from tinyformer.data.tokenizer import byte_level_decoder
+
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     template = g.get("tokenizer.chat_template")
     if template:
@@ -346,7 +351,7 @@ def build_tokenizer(g: GGUFFile) -> tuple[str, dict[str, Any]] | None:
         tokens: list[str] = g.require("tokenizer.ggml.tokens")
         types: list[int] = g.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         if model_kind == "gpt2":
-            spelling = _bytes_to_unicode()
+            spelling = {b: c for c, b in byte_level_decoder().items()}  # byte -> its byte-level character
             alphabet = set(spelling.values())
             spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
             merges = [tuple(m.split(" ")) for m in (g.get("tokenizer.ggml.merges") or [])]

@@ -208,7 +208,9 @@ def export_gguf(run: str | Path, out: str | Path, qtype: str = "f32", *, force: 
         w.add_vocab_size(cfg.vocab_size)
         if spec.sliding_window:  # llama.cpp's Phi-3 converter writes 0 for no window
             w.add_sliding_window(cfg.sliding_window or 0)
-        spec.write_metadata(w, cfg)
+        if cfg.attn_logit_softcap is not None:  # Gemma 2's (every other architecture's export_problem refuses them)
+            w.add_attn_logit_softcapping(float(cfg.attn_logit_softcap))
+            w.add_final_logit_softcapping(float(cfg.final_logit_softcap))
         if cfg.ffn == "moe":
             w.add_expert_count(cfg.n_experts)
             w.add_expert_used_count(cfg.experts_per_token)

@@ -76,13 +76,14 @@ def export_peft(run: str | Path, out: str | Path, *, dtype: str | None = None, f
     from safetensors.torch import save_file
 
     from tinyformer import run_folder
-    from tinyformer.families.llama.hf import check_llama_compatible
+    from tinyformer.families.llama.hf import layout_problem
 
     lora, base, cfg, tensors = _adapter_run(run)
     if run_folder.is_adapter_run(base):
         raise ConfigError(f"the base run {base} is itself a LoRA run: merge it (--merge-lora) and train the "
                           "adapter on the merged run to export it for PEFT")
-    check_llama_compatible(cfg)
+    if problem := layout_problem(cfg):
+        raise ConfigError(problem)
     dt = DTYPES[dtype] if dtype else next(iter(tensors.values())).dtype
     named = {k: v.to(dt) for k, v in peft_tensors(tensors).items()}
     config = {

@@ -26,12 +26,6 @@ from tinyformer.sizing.params import ParamCount, attention_params, ffn_params, n
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "int8": 1, "fp8": 1}
 
 
-def dtype_bytes(dtype: str) -> int:
-    if dtype not in DTYPE_BYTES:
-        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
-    return DTYPE_BYTES[dtype]
-
-
 def count_params(cfg: ModelConfig) -> ParamCount:
     """Exact parameter count of the model ``cfg`` describes, component by component."""
     if cfg.arch == "encoder_decoder":
@@ -75,7 +69,9 @@ def sizing_report(cfg: ModelConfig, seq_len: int | None = None, batch: int = 1, 
     T = seq_len or cfg.max_seq_len
     if T <= 0 or batch <= 0:
         raise ConfigError("--seq-len and --batch must be positive")
-    b = dtype_bytes(dtype)
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    b = DTYPE_BYTES[dtype]
     c = count_params(cfg)
     kv_tok = kv_cache_bytes_per_token(cfg, b)
     kv_tok_mha = 2 * cfg.n_layer * cfg.n_head * cfg.head_dim * b
@@ -123,15 +119,6 @@ def sizing_report(cfg: ModelConfig, seq_len: int | None = None, batch: int = 1, 
     return report
 
 
-def build_bytes(cfg: ModelConfig, bytes_per_elem: int = 4) -> tuple[int, int]:
-    """(parameter bytes, position-table bytes) that building ``cfg`` allocates at ``bytes_per_elem``:
-    the parameters of :func:`count_params` plus the tables precomputed for every position (RoPE's cos and
-    sin: 2 * max_seq_len * head_dim; a sinusoidal table: max_seq_len * d_model)."""
-    params = count_params(cfg).total
-    tables = {"rope": 2 * cfg.max_seq_len * cfg.head_dim, "sinusoidal": cfg.max_seq_len * cfg.d_model}.get(cfg.pos, 0)
-    return params * bytes_per_elem, tables * bytes_per_elem
-
-
 def machine_memory_bytes() -> int | None:
     """Physical RAM plus the memory of every visible CUDA device (None when the OS does not say)."""
     try:
@@ -150,7 +137,10 @@ def check_buildable(cfg: ModelConfig, bytes_per_elem: int = 4) -> None:
     bytes each) exceed all the memory of this machine (RAM + GPUs): e.g. ``--set model.max_seq_len=10**12``
     would otherwise end in an allocator traceback (or the OOM killer). The message says what would be
     allocated. It is a sanity bound, not a fit test: activations and the optimizer state come on top."""
-    params, tables = build_bytes(cfg, bytes_per_elem)
+    params = count_params(cfg).total * bytes_per_elem
+    # tables precomputed per position: RoPE's cos and sin (2 max_seq_len head_dim), sinusoidal (max_seq_len d_model)
+    tables = {"rope": 2 * cfg.max_seq_len * cfg.head_dim, "sinusoidal": cfg.max_seq_len * cfg.d_model}.get(cfg.pos, 0)
+    tables *= bytes_per_elem
     available = machine_memory_bytes()
     if available is None or params + tables <= available:
         return

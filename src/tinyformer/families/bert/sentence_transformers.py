@@ -27,11 +27,14 @@ def read_sentence_transformers(folder: str | Path, read_json: ReadJson) -> tuple
     sentence-transformers folder; ConfigError naming any module or pooling mode that is not supported.
     ``read_json(path, what, kind=dict)`` reads one JSON file (``interop.tensor_sources.read_json``)."""
     folder = Path(folder)
-    modules = read_json_list(folder / "modules.json", read_json)
+    modules_json = folder / "modules.json"
+    modules = read_json(modules_json, "the module list of a sentence-transformers folder", kind=list)
+    if not all(isinstance(m, dict) for m in modules):
+        raise CheckpointError(f"{modules_json} must hold a list of modules")
     transformer_dir: Path | None = None
     pooling: str | None = None
     normalize = False
-    for module in modules:
+    for module in sorted(modules, key=lambda m: m.get("idx", 0)):
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         path = folder / str(module.get("path", ""))
         if kind == "Transformer":
@@ -41,10 +44,10 @@ def read_sentence_transformers(folder: str | Path, read_json: ReadJson) -> tuple
         elif kind == "Normalize":
             normalize = True
         else:
-            raise ConfigError(f"{folder / 'modules.json'}: module {module.get('type')!r} is not supported "
+            raise ConfigError(f"{modules_json}: module {module.get('type')!r} is not supported "
                               "(supported: Transformer, Pooling, Normalize)")
     if transformer_dir is None:
-        raise CheckpointError(f"{folder / 'modules.json'} lists no Transformer module")
+        raise CheckpointError(f"{modules_json} lists no Transformer module")
     info: dict[str, Any] = {"pooling": pooling or "mean", "normalize": normalize}
     # the truncation length: sentence_bert_config.json (older versions), else the tokenizer's model_max_length
     for name, key in (("sentence_bert_config.json", "max_seq_length"), ("tokenizer_config.json", "model_max_length")):
@@ -54,14 +57,6 @@ def read_sentence_transformers(folder: str | Path, read_json: ReadJson) -> tuple
             info["max_seq_length"] = max_len
             break
     return transformer_dir, info
-
-
-def read_json_list(path: Path, read_json: ReadJson) -> list[dict[str, Any]]:
-    """The modules of a sentence-transformers ``modules.json``, in their ``idx`` order."""
-    data = read_json(path, "the module list of a sentence-transformers folder", kind=list)
-    if not all(isinstance(m, dict) for m in data):
-        raise CheckpointError(f"{path} must hold a list of modules")
-    return sorted(data, key=lambda m: m.get("idx", 0))
 
 
 def pooling_mode(config: Mapping[str, Any]) -> str:

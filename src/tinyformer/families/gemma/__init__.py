@@ -10,11 +10,9 @@ from tinyformer.config import ModelConfig
 from tinyformer.families.family import Family
 from tinyformer.families.gemma import gguf, hf
 
-GGUF_ARCH = {"gemma2": "gemma2", "gemma3_text": "gemma3"}  # HF model_type -> llama.cpp's architecture
-
 
 def gguf_arch_for(cfg: ModelConfig) -> str:
-    return GGUF_ARCH[hf.export_model_type(cfg)]
+    return hf.TYPES[hf.export_model_type(cfg)].gguf_arch
 
 
 FAMILY = Family("gemma", hf.ADAPTER, gguf=tuple(gguf.ARCHS.values()), gguf_arch_for=gguf_arch_for)

@@ -23,31 +23,29 @@ from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
 from tinyformer.families.family import GGUFArch
 from tinyformer.families.gemma.hf import TYPES
-from tinyformer.families.llama.gguf import BLOCK, Key, expert_count, f32, layout_config, metadata
+from tinyformer.families.llama.gguf import BLOCK, f32, layout_config
 
-GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}  # llama.cpp's fixed pattern: every n-th layer global
 GEMMA3_LOCAL_THETA = 10000.0  # llama.cpp's fixed RoPE base of Gemma 3's sliding-window layers
-MODEL_TYPES = {"gemma2": "gemma2", "gemma3": "gemma3_text"}  # GGUF architecture -> HF model_type
+GGUF_TYPES = {t.gguf_arch: t for t in TYPES.values()}  # GGUF architecture -> its HF type (global_every: the pattern)
 # Gemma's four norms per layer
 GEMMA_BLOCK = {**BLOCK, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"}
 
 
-def gemma_from_gguf(g: Any, key: Any, every: int, hf: dict[str, Any], head_dim: int,
-                    window: int | None) -> dict[str, Any]:
+def gemma_from_gguf(g: Any, every: int, hf: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp's Gemma 2 / 3: GELU-tanh; scores scaled by attention.scale, else head_dim^-1/2; every n-th layer
     global (2 / 6, or attention.sliding_window_pattern); Gemma 2's soft-caps; Gemma 3's local RoPE base
     (rope.freq_base_swa, else 10000)."""
     for unused in ("hidden_act", "use_sliding_window"):
         hf.pop(unused, None)
-    scale = key("attention.scale")
-    scalar: float | int = int(head_dim)
+    scale = g.key("attention.scale")
+    scalar: float | int = hf["head_dim"]
     if scale:
         scalar = 1.0 / f32(scale) ** 2
         scalar = round(scalar) if abs(scalar - round(scalar)) < 1e-4 * scalar else scalar
     out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar,
-                           "sliding_window": int(window) if window else None}
-    pattern = key("attention.sliding_window_pattern", every)
+                           "sliding_window": int(g.key("attention.sliding_window") or 0) or None}
+    pattern = g.key("attention.sliding_window_pattern", every)
     if isinstance(pattern, list):  # one flag per layer: true = sliding
         if len(pattern) != hf["num_hidden_layers"]:
             raise ConfigError(f"{g.path}: attention.sliding_window_pattern has {len(pattern)} entries for "
@@ -58,37 +56,29 @@ def gemma_from_gguf(g: Any, key: Any, every: int, hf: dict[str, Any], head_dim: 
     return out
 
 
-def _gemma2_keys(g: Any, key: Key, hf: dict[str, Any]) -> dict[str, Any]:
+def _gemma2_keys(g: Any, hf: dict[str, Any]) -> dict[str, Any]:
     """Gemma 2's soft-caps."""
-    return {name: f32(key(name)) if key(name) else None for name in ("attn_logit_softcapping",
-                                                                     "final_logit_softcapping")}
+    return {name: f32(g.key(name)) if g.key(name) else None for name in ("attn_logit_softcapping",
+                                                                         "final_logit_softcapping")}
 
 
-def _gemma3_keys(g: Any, key: Key, hf: dict[str, Any]) -> dict[str, Any]:
+def _gemma3_keys(g: Any, hf: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3's RoPE per layer type: the local layers' base is rope.freq_base_swa, else llama.cpp's 10000."""
-    local = {"rope_type": "default", "rope_theta": f32(key("rope.freq_base_swa", GEMMA3_LOCAL_THETA))}
+    local = {"rope_type": "default", "rope_theta": f32(g.key("rope.freq_base_swa", GEMMA3_LOCAL_THETA))}
     return {"rope_parameters": {"full_attention": hf["rope_parameters"], "sliding_attention": local}}
 
 
-def _no_keys(g: Any, key: Key, window: int | None) -> dict[str, Any]:
-    return {}
-
-
-def _gemma_config(arch: str, own_keys: Callable[[Any, Key, dict[str, Any]], dict[str, Any]], g: Any
-                  ) -> dict[str, Any]:
-    key = metadata(g, arch)
-    expert_count(g, key, arch, allowed=False)
-    model_type = MODEL_TYPES[arch]
-    hf, head_dim, window = layout_config(g, key, ARCHS[arch], model_type, TYPES[model_type].architecture, _no_keys)
-    hf.update(gemma_from_gguf(g, key, GEMMA_GLOBAL_EVERY[arch], hf, head_dim, window))
-    hf.update(own_keys(g, key, hf))
+def _gemma_config(arch: str, own_keys: Callable[[Any, dict[str, Any]], dict[str, Any]], g: Any) -> dict[str, Any]:
+    hf = layout_config(g, ARCHS[arch], GGUF_TYPES[arch], lambda g, window: {})
+    hf.update(gemma_from_gguf(g, GGUF_TYPES[arch].global_every, hf))
+    hf.update(own_keys(g, hf))
     return hf
 
 
 def gemma_problem(cfg: Any, arch: str) -> str | None:
     """Why llama.cpp's ``arch`` (gemma2 / gemma3) would compute something else than ``cfg``, or None: what both
     fix (each architecture's own choices are checked next, by ``_gemma2_problem`` / ``_gemma3_problem``)."""
-    every = GEMMA_GLOBAL_EVERY[arch]
+    every = GGUF_TYPES[arch].global_every
     if cfg.attn_bias or cfg.attn_out_bias:
         return "llama.cpp's Gemma has no attention biases"
     if cfg.sliding_window is None or [cfg.layer_window(i) is None for i in range(cfg.n_layer)] != [
@@ -115,16 +105,11 @@ def _gemma3_problem(cfg: ModelConfig) -> str | None:
     return problem
 
 
-def _softcaps(w: Any, cfg: ModelConfig) -> None:
-    w.add_attn_logit_softcapping(float(cfg.attn_logit_softcap))
-    w.add_final_logit_softcapping(float(cfg.final_logit_softcap))
-
-
-def _arch(name: str, own_keys: Callable[[Any, Key, dict[str, Any]], dict[str, Any]],
-          problem: Callable[[ModelConfig], str | None], **options: Any) -> GGUFArch:
+def _arch(name: str, own_keys: Callable[[Any, dict[str, Any]], dict[str, Any]],
+          problem: Callable[[ModelConfig], str | None]) -> GGUFArch:
     return GGUFArch(name, partial(_gemma_config, name, own_keys), GEMMA_BLOCK, norm_plus_one=True,
-                    sliding_window=True, export_problem=problem, **options)
+                    sliding_window=True, export_problem=problem)
 
 
-ARCHS = {"gemma2": _arch("gemma2", _gemma2_keys, _gemma2_problem, write_metadata=_softcaps),
+ARCHS = {"gemma2": _arch("gemma2", _gemma2_keys, _gemma2_problem),
          "gemma3": _arch("gemma3", _gemma3_keys, _gemma3_problem)}

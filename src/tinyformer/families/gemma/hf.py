@@ -37,16 +37,18 @@ from tinyformer.families.llama import hf as llama
 @dataclass(frozen=True)
 class GemmaType:
     """One Gemma model type: ``global_every``, the default local/global pattern when layer_types is absent (every
-    n-th layer is global); ``gemma3`` Gemma 3's q/k norms and RoPE per layer type (the local layers' own base)."""
+    n-th layer is global, as llama.cpp fixes it); ``gemma3`` Gemma 3's q/k norms and RoPE per layer type (the local
+    layers' own base); ``gguf_arch`` llama.cpp's architecture."""
 
     model_type: str
     architecture: str
+    gguf_arch: str
     global_every: int
     gemma3: bool
 
 
-TYPES = {t.model_type: t for t in (GemmaType("gemma2", "Gemma2ForCausalLM", 2, gemma3=False),
-                                   GemmaType("gemma3_text", "Gemma3ForCausalLM", 6, gemma3=True))}
+TYPES = {t.model_type: t for t in (GemmaType("gemma2", "Gemma2ForCausalLM", "gemma2", 2, gemma3=False),
+                                   GemmaType("gemma3_text", "Gemma3ForCausalLM", "gemma3", 6, gemma3=True))}
 MODEL_TYPES = tuple(TYPES)
 
 

@@ -39,8 +39,6 @@ from tinyformer.errors import ConfigError
 from tinyformer.families.family import GGUFArch
 from tinyformer.families.llama.hf import LLAMA, MIXTRAL, MIXTRAL_MOE, MoENames
 
-Key = Callable[..., Any]  # key(name, default=None, required=False): the file's "<arch>.<name>" metadata value
-
 TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
        "output.weight": "lm_head.weight"}
 BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -105,26 +103,6 @@ def f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def metadata(g: Any, arch: str) -> Key:
-    """``key(name, default, required)``: the file's ``<arch>.<name>`` value."""
-
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        return g.require(f"{arch}.{name}") if required else g.get(f"{arch}.{name}", default)
-
-    return key
-
-
-def expert_count(g: Any, key: Key, arch: str, *, allowed: bool, required: bool = False) -> int:
-    """``expert_count`` (0: a dense model); ConfigError when the architecture has no experts here, or lacks them."""
-    n_experts = int(key("expert_count", 0) or 0)
-    if n_experts and not allowed:
-        raise ConfigError(f"{g.path}: {arch}.expert_count={n_experts}: experts are supported in 'llama' (Mixtral) "
-                          "and 'qwen3moe' files only")
-    if required and not n_experts:
-        raise ConfigError(f"{g.path}: metadata key {arch + '.expert_count'!r} is missing")
-    return n_experts
-
-
 def llama3_scaling(factors: np.ndarray, head_dim: int, theta: float, path: Any) -> dict[str, Any]:
     """The llama3 ``rope_scaling`` reproducing llama.cpp's ``rope_freqs`` divisors.
 
@@ -161,15 +139,14 @@ def llama3_scaling(factors: np.ndarray, head_dim: int, theta: float, path: Any) 
                       "scalings are not supported")
 
 
-TypeKeys = Callable[[Any, Key, "int | None"], Mapping[str, Any]]
-
-
-def layout_config(g: Any, key: Key, arch: GGUFArch, model_type: str, architecture: str, type_keys: TypeKeys,
-                  longrope: Callable[..., dict[str, Any]] | None = None) -> tuple[dict[str, Any], int, int | None]:
-    """(HF config.json dict, head_dim, sliding window) from the metadata every Llama-layout architecture spells
-    alike: widths, heads, context, norm epsilon, tying, token ids and RoPE (with its scaling). ``type_keys(g, key,
-    window)`` adds the keys of ``model_type`` (biases, window flags), in config.json order; ``longrope(g, key, theta,
-    ctx, head_dim)`` reads LongRoPE factor tensors (Phi-3), refused elsewhere."""
+def layout_config(g: Any, arch: GGUFArch, kind: Any, type_keys: Callable[[Any, int | None], Mapping[str, Any]],
+                  longrope: Callable[..., dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The HF config.json dict of the metadata every Llama-layout architecture spells alike: widths, heads, context,
+    norm epsilon, tying, token ids and RoPE (with its scaling). ``kind`` is the Hugging Face type written (its
+    ``model_type`` and ``architecture``); ``type_keys(g, window)`` adds that type's keys (biases, window flags), in
+    config.json order; ``longrope(g, theta, ctx, head_dim)`` reads LongRoPE factor tensors (Phi-3), refused
+    elsewhere."""
+    key = g.key
     n_head = key("attention.head_count", required=True)
     n_kv = key("attention.head_count_kv", n_head)
     if isinstance(n_kv, list):
@@ -193,8 +170,8 @@ def layout_config(g: Any, key: Key, arch: GGUFArch, model_type: str, architectur
     ctx = key("context_length", required=True)
     theta = f32(key("rope.freq_base", 10000.0))
     hf: dict[str, Any] = {
-        "architectures": [architecture],
-        "model_type": model_type,
+        "architectures": [kind.architecture],
+        "model_type": kind.model_type,
         "vocab_size": int(vocab),
         "hidden_size": int(hidden),
         "intermediate_size": int(key("feed_forward_length") or key("expert_feed_forward_length", required=True)),
@@ -208,7 +185,7 @@ def layout_config(g: Any, key: Key, arch: GGUFArch, model_type: str, architectur
         "tie_word_embeddings": "output.weight" not in g.tensors,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
     }
-    hf.update(type_keys(g, key, window))
+    hf.update(type_keys(g, window))
     for name, k in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                     ("pad_token_id", "padding_token_id")):
         value = g.get(f"tokenizer.ggml.{k}")
@@ -244,13 +221,14 @@ def layout_config(g: Any, key: Key, arch: GGUFArch, model_type: str, architectur
         if longrope is None or kind not in (None, "none"):
             raise ConfigError(f"{g.path}: rope_factors_long/short (LongRoPE) are supported in 'phi3' files without "
                               "another RoPE scaling type")
-        hf["rope_parameters"] = longrope(g, key, theta, int(ctx), head_dim)
-    return hf, int(head_dim), window
+        hf["rope_parameters"] = longrope(g, theta, int(ctx), head_dim)
+    return hf
 
 
-def experts_from_gguf(g: Any, key: Key) -> tuple[int, bool, int]:
+def experts_from_gguf(g: Any) -> tuple[int, bool, int]:
     """(experts per token, renormalised, expert width) of a mixture: llama.cpp's llama (Mixtral) and qwen3moe route
     by softmax, then top k."""
+    key = g.key
     func = key("expert_gating_func")
     if func not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise ConfigError(f"{g.path}: expert_gating_func={func} is not supported (only 1, softmax)")
@@ -266,35 +244,28 @@ def experts_from_gguf(g: Any, key: Key) -> tuple[int, bool, int]:
     return used, renormalise, width
 
 
-def _mixtral_experts(g: Any, key: Key, n_experts: int) -> dict[str, Any]:
-    used, renormalise, width = experts_from_gguf(g, key)
-    if not renormalise:
-        raise ConfigError(f"{g.path}: expert_weights_norm=false is not supported in a 'llama' (Mixtral) file")
-    return {"num_local_experts": n_experts, "num_experts_per_tok": used, "intermediate_size": width}
-
-
 def has_attention_bias(g: Any) -> dict[str, Any]:
     return {"attention_bias": "blk.0.attn_q.bias" in g.tensors}
 
 
-def _llama_keys(g: Any, key: Key, window: int | None) -> dict[str, Any]:
+def _llama_keys(g: Any, window: int | None) -> dict[str, Any]:
     return {**has_attention_bias(g), "mlp_bias": "blk.0.ffn_down.bias" in g.tensors}
 
 
-def window_key(g: Any, key: Key, window: int | None) -> dict[str, Any]:
+def window_key(g: Any, window: int | None) -> dict[str, Any]:
     """``sliding_window`` of every layer (Mixtral, Phi-3)."""
     return {"sliding_window": int(window) if window else None}
 
 
 def config_from_gguf(g: Any) -> dict[str, Any]:
     """A ``llama`` file's config.json: Llama, or Mixtral when it has experts."""
-    key = metadata(g, "llama")
-    n_experts = expert_count(g, key, "llama", allowed=True)
-    kind = MIXTRAL if n_experts else LLAMA
-    hf, _, _ = layout_config(g, key, ARCH, kind.model_type, kind.architecture,
-                             window_key if n_experts else _llama_keys)
+    n_experts = int(g.key("expert_count", 0) or 0)
+    hf = layout_config(g, ARCH, MIXTRAL if n_experts else LLAMA, window_key if n_experts else _llama_keys)
     if n_experts:
-        hf.update(_mixtral_experts(g, key, n_experts))
+        used, renormalise, width = experts_from_gguf(g)
+        if not renormalise:
+            raise ConfigError(f"{g.path}: expert_weights_norm=false is not supported in a 'llama' (Mixtral) file")
+        hf.update({"num_local_experts": n_experts, "num_experts_per_tok": used, "intermediate_size": width})
     return hf
 
 

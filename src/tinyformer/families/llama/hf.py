@@ -151,13 +151,6 @@ def rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), {"rope_type": kind, **params}
 
 
-BIASES = {  # LayoutType.biases -> (q/k/v, o, mlp) biases of a config.json
-    "qkv": lambda hf: (True, False, False),
-    "none": lambda hf: (False, False, False),
-    "config": lambda hf: (bool(hf.get("attention_bias", False)),) * 2 + (bool(hf.get("mlp_bias", False)),),
-}
-
-
 def imported_as(cfg: ModelConfig) -> str | None:
     """The Hugging Face model_type ``cfg`` was imported from, or None."""
     return (imported_hf_config(cfg) or {}).get("model_type")
@@ -189,13 +182,6 @@ def layout_problem(cfg: ModelConfig) -> str | None:
         return ("sliding_window needs Mistral (no biases, every layer sliding) or Qwen2 (q/k/v biases only); "
                 "this model has other biases or a per-layer pattern without q/k/v biases")
     return None
-
-
-def check_llama_compatible(cfg: ModelConfig) -> None:
-    """Raise ConfigError naming the first option the Llama layout (Llama, Mistral, Qwen2, ...) cannot express."""
-    problem = layout_problem(cfg)
-    if problem:
-        raise ConfigError(problem)
 
 
 def original_if_unchanged(cfg: ModelConfig, from_hf: Any, torch_dtype: str) -> dict[str, Any] | None:
@@ -328,7 +314,11 @@ class Layout:
         theta, rope_scaling = rope_from_hf(hf)
         window, layer_types = window_from_hf(hf, kind)
         n_head = hf["num_attention_heads"]
-        qkv_bias, out_bias, mlp_bias = BIASES[kind.biases](hf)
+        if kind.biases == "config":
+            qkv_bias = out_bias = bool(hf.get("attention_bias", False))
+            mlp_bias = bool(hf.get("mlp_bias", False))
+        else:
+            qkv_bias, out_bias, mlp_bias = kind.biases == "qkv", False, False
         return ModelConfig(
             arch="decoder",
             vocab_size=hf["vocab_size"],
@@ -521,10 +511,6 @@ def ignorable_hf_tensor(cfg: ModelConfig, name: str) -> bool:
 # ------------------------------------------------------------------ the llama family's types
 
 
-def _writes_mixtral(cfg: ModelConfig, imported: str | None) -> bool:
-    return cfg.ffn == "moe" and not cfg.qk_norm
-
-
 def _writes_mistral(cfg: ModelConfig, imported: str | None) -> bool:
     """A window without q/k/v biases (Llama has no window), or a model imported from Mistral without biases."""
     if cfg.ffn == "moe" or cfg.qk_norm:
@@ -547,7 +533,8 @@ def _llama_keys(cfg: ModelConfig) -> dict[str, Any]:
 
 MIXTRAL_MOE: MoENames = ("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")
 MIXTRAL = LayoutType("mixtral", "MixtralForCausalLM", "llama", biases="none", window="always",
-                     writes=_writes_mixtral, hf_keys=(window_keys, expert_keys), moe=MIXTRAL_MOE,
+                     writes=lambda cfg, imported: cfg.ffn == "moe" and not cfg.qk_norm,
+                     hf_keys=(window_keys, expert_keys), moe=MIXTRAL_MOE,
                      router_always_renormalises=True)
 MISTRAL = LayoutType("mistral", "MistralForCausalLM", "llama", biases="none", window="always",
                      writes=_writes_mistral, hf_keys=(window_keys,))

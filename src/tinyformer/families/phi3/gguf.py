@@ -17,14 +17,14 @@ from typing import Any
 
 from tinyformer.errors import CheckpointError
 from tinyformer.families.family import GGUFArch
-from tinyformer.families.llama.gguf import BLOCK, expert_count, f32, layout_config, metadata, window_key
+from tinyformer.families.llama.gguf import BLOCK, f32, layout_config, window_key
 from tinyformer.families.phi3.hf import PHI3
 
 # q, k, v fused as attn_qkv; ffn_up holds gate and up stacked (Hugging Face's gate_up_proj)
 PHI3_BLOCK = {**BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
 
-def longrope_from_gguf(g: Any, key: Any, theta: float, ctx: int, head_dim: int) -> dict[str, Any]:
+def longrope_from_gguf(g: Any, theta: float, ctx: int, head_dim: int) -> dict[str, Any]:
     """Phi-3's LongRoPE: the divisor tensors, L0, and the attention factor when it is not the derived one."""
     factors = {}
     for which in ("short", "long"):
@@ -36,10 +36,10 @@ def longrope_from_gguf(g: Any, key: Any, theta: float, ctx: int, head_dim: int) 
         if values.size != head_dim // 2:
             raise CheckpointError(f"{g.path}: {name} has {values.size} factors, not head_dim / 2 = {head_dim // 2}")
         factors[which] = [float(v) for v in values]
-    l0 = int(key("rope.scaling.original_context_length", required=True))
+    l0 = int(g.key("rope.scaling.original_context_length", required=True))
     params: dict[str, Any] = {"rope_type": "longrope", "rope_theta": theta, "short_factor": factors["short"],
                               "long_factor": factors["long"], "original_max_position_embeddings": l0}
-    stored = key("rope.scaling.attn_factor")
+    stored = g.key("rope.scaling.attn_factor")
     f = ctx / l0
     derived = math.sqrt(1 + math.log(f) / math.log(l0)) if f > 1 else 1.0
     if stored is not None and abs(stored - derived) > 1e-6 * derived:
@@ -48,9 +48,7 @@ def longrope_from_gguf(g: Any, key: Any, theta: float, ctx: int, head_dim: int) 
 
 
 def _phi3_config(g: Any) -> dict[str, Any]:
-    key = metadata(g, "phi3")
-    expert_count(g, key, "phi3", allowed=False)
-    return layout_config(g, key, ARCH, PHI3.model_type, PHI3.architecture, window_key, longrope=longrope_from_gguf)[0]
+    return layout_config(g, ARCH, PHI3, window_key, longrope=longrope_from_gguf)
 
 
 ARCH = GGUFArch("phi3", _phi3_config, PHI3_BLOCK, sliding_window=True, longrope=True)

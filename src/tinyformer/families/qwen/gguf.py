@@ -8,44 +8,34 @@ from __future__ import annotations
 
 from typing import Any
 
+from tinyformer.errors import ConfigError
 from tinyformer.families.family import GGUFArch
-from tinyformer.families.llama.gguf import (
-    BLOCK,
-    Key,
-    expert_count,
-    experts_from_gguf,
-    has_attention_bias,
-    layout_config,
-    metadata,
-)
+from tinyformer.families.llama.gguf import BLOCK, experts_from_gguf, has_attention_bias, layout_config
 from tinyformer.families.qwen.hf import QWEN2, QWEN3, QWEN3_MOE, QWEN3_MOE_NAMES
 
 
-def _qwen2_keys(g: Any, key: Key, window: int | None) -> dict[str, Any]:
+def _qwen2_keys(g: Any, window: int | None) -> dict[str, Any]:
     return {"use_sliding_window": False}
 
 
-def _qwen3_keys(g: Any, key: Key, window: int | None) -> dict[str, Any]:
+def _qwen3_keys(g: Any, window: int | None) -> dict[str, Any]:
     return {**has_attention_bias(g), "use_sliding_window": False}
 
 
 def _qwen2_config(g: Any) -> dict[str, Any]:
-    key = metadata(g, "qwen2")
-    expert_count(g, key, "qwen2", allowed=False)
-    return layout_config(g, key, QWEN2_ARCH, QWEN2.model_type, QWEN2.architecture, _qwen2_keys)[0]
+    return layout_config(g, QWEN2_ARCH, QWEN2, _qwen2_keys)
 
 
 def _qwen3_config(g: Any) -> dict[str, Any]:
-    key = metadata(g, "qwen3")
-    expert_count(g, key, "qwen3", allowed=False)
-    return layout_config(g, key, QWEN3_ARCH, QWEN3.model_type, QWEN3.architecture, _qwen3_keys)[0]
+    return layout_config(g, QWEN3_ARCH, QWEN3, _qwen3_keys)
 
 
 def _qwen3moe_config(g: Any) -> dict[str, Any]:
-    key = metadata(g, "qwen3moe")
-    n_experts = expert_count(g, key, "qwen3moe", allowed=True, required=True)
-    hf = layout_config(g, key, QWEN3MOE_ARCH, QWEN3_MOE.model_type, QWEN3_MOE.architecture, _qwen3_keys)[0]
-    used, renormalise, width = experts_from_gguf(g, key)
+    n_experts = int(g.key("expert_count", 0) or 0)
+    if not n_experts:
+        raise ConfigError(f"{g.path}: metadata key 'qwen3moe.expert_count' is missing")
+    hf = layout_config(g, QWEN3MOE_ARCH, QWEN3_MOE, _qwen3_keys)
+    used, renormalise, width = experts_from_gguf(g)
     hf.update({"num_experts": n_experts, "num_experts_per_tok": used, "moe_intermediate_size": width,
                "norm_topk_prob": renormalise, "decoder_sparse_step": 1, "mlp_only_layers": []})
     return hf

@@ -32,14 +32,6 @@ from tinyformer.families.llama.hf import (
 )
 
 
-def _writes_qwen3_moe(cfg: ModelConfig, imported: str | None) -> bool:
-    return cfg.ffn == "moe" and cfg.qk_norm
-
-
-def _writes_qwen3(cfg: ModelConfig, imported: str | None) -> bool:
-    return cfg.ffn != "moe" and cfg.qk_norm
-
-
 def _writes_qwen2(cfg: ModelConfig, imported: str | None) -> bool:
     """A window with q/k/v biases (Mistral has none), or a model imported from Qwen2 with q/k/v biases only."""
     if cfg.ffn == "moe" or cfg.qk_norm:
@@ -64,11 +56,12 @@ def _qwen3_moe_keys(cfg: ModelConfig) -> dict[str, Any]:
 
 QWEN3_MOE_NAMES: MoENames = ("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj")
 QWEN3_MOE = LayoutType("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3moe", biases="config", window="flag",
-                       writes=_writes_qwen3_moe,
+                       writes=lambda cfg, imported: cfg.ffn == "moe" and cfg.qk_norm,
                        hf_keys=(attention_bias_key, window_keys, expert_keys, _qwen3_moe_keys), qk_norm=True,
                        moe=QWEN3_MOE_NAMES, check_hf=_check_qwen3_moe, d_ff_key="moe_intermediate_size")
 QWEN3 = LayoutType("qwen3", "Qwen3ForCausalLM", "qwen3", biases="config", window="flag_per_layer",
-                   writes=_writes_qwen3, hf_keys=(attention_bias_key, window_keys, per_layer_window_keys),
+                   writes=lambda cfg, imported: cfg.ffn != "moe" and cfg.qk_norm,
+                   hf_keys=(attention_bias_key, window_keys, per_layer_window_keys),
                    qk_norm=True, all_four_biases=True)
 QWEN2 = LayoutType("qwen2", "Qwen2ForCausalLM", "qwen2", biases="qkv", window="flag_per_layer",
                    writes=_writes_qwen2, hf_keys=(window_keys, per_layer_window_keys))
