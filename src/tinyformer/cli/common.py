@@ -37,18 +37,26 @@ def format_count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def read_prompt_file(name: str) -> str:
-    """The text of a ``--prompt-file`` (UTF-8, read in text mode); a missing or undecodable file is a
-    one-line GenerationError."""
+def read_prompt(args: Any, stdin: bool = False) -> str:
+    """``--prompt``, or the text of ``--prompt-file`` (UTF-8, read in text mode; with ``stdin``, ``-`` reads
+    standard input); a missing, undecodable or empty prompt is a one-line GenerationError."""
     from tinyformer.errors import GenerationError
 
-    path = Path(name)
-    if not path.is_file():
-        raise GenerationError(f"prompt file {path} does not exist")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise GenerationError(f"prompt file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if args.prompt is not None:
+        text = args.prompt
+    elif stdin and args.prompt_file == "-":
+        text = sys.stdin.read()
+    else:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise GenerationError(f"prompt file {path} does not exist")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise GenerationError(f"prompt file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not text:
+        raise GenerationError("the prompt is empty")
+    return text
 
 
 def add_no_verify_flag(p: Any) -> None:

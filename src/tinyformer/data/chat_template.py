@@ -76,8 +76,7 @@ if TYPE_CHECKING:
 __all__ = ["CHATML_TEMPLATE", "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "ChatTemplate", "format_tool_call",
            "parse_tool_calls", "render_plain", "tools_as_text", "with_chatml"]
 
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-CHATML_TOKENS = (IM_START, IM_END)
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 # The tool list of a system turn (ChatML's and tools_as_text's wording), one JSON object per line between them.
 TOOLS_HEAD = "# Tools\n\nYou may call one or more functions. Their signatures, one JSON object per line:\n<tools>\n"
 TOOLS_TAIL = ("</tools>\n\nTo call a function, answer with one block per call:\n<tool_call>\n"
@@ -301,10 +300,6 @@ class ChatTemplate:
             return self.tokenizer.encode(self.render(messages, True))
         except GenerationError as exc:
             raise DataError(str(exc)) from None
-
-    def encode_reply(self, prompt: Messages, reply: str) -> tuple[list[int], list[int]]:
-        """(token ids, mask) of ``prompt`` answered by the assistant ``reply``; mask = the reply's tokens."""
-        return self.encode_conversation([*prompt, {"role": "assistant", "content": reply}])
 
 
 # ---------------------------------------------------------------------- the limited sandbox

@@ -210,7 +210,7 @@ def encode_pair(pair: PreferencePair, block_size: int, template: ChatTemplate
     cut = False
     for reply in (pair.chosen, pair.rejected):
         try:
-            ids, mask = template.encode_reply(pair.prompt, reply)
+            ids, mask = template.encode_conversation([*pair.prompt, {"role": "assistant", "content": reply}])
         except DataError as exc:
             raise DataError(f"{pair.source}: {exc}") from None
         row, was_cut = reply_row(ids, mask, block_size)
