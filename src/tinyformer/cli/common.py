@@ -101,11 +101,11 @@ def decide_compile(flag: bool | None, model: Any, what: str = "the decode step",
     :class:`~tinyformer.generation.compile_cache.PackageBuild` (a CPU's packaged step, built in the background
     by default). Prints the one-line notices on stderr: why the command decodes eagerly, or that a step is
     being compiled."""
+    import functools
+
     from tinyformer.generation.compile_cache import PackageBuild, resolve_compile, use_compile_cache
 
-    def say(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
+    say = functools.partial(print, file=sys.stderr, flush=True)
     how, notice = resolve_compile(flag, model)
     if notice:
         say(notice)
