@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tinyformer.config import ModelConfig
+from tinyformer.errors import ConfigError
 
 if TYPE_CHECKING:
     from tinyformer.data.dataset import TokenDataset
@@ -59,8 +60,12 @@ class Objective:
     val_loss_key: ClassVar[str] = "val_loss"
     #: what :meth:`num_tokens` counts, for the console and report.md ("tokens trained on: N assistant tokens")
     token_kind: ClassVar[str] = "tokens"
+    #: why ``--task`` does not apply, the end of its error message (None: the objective takes a task)
+    no_task_reason: ClassVar[str | None] = None
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
+        if cfg.task is not None and self.no_task_reason is not None:
+            raise ConfigError(f"--task {cfg.task!r} does not apply to objective {self.name!r} {self.no_task_reason}")
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.dataset = dataset

@@ -115,11 +115,10 @@ class ChatObjective(Objective):
 
     uses_corpus: ClassVar[bool] = False
     uses_block_size: ClassVar[bool] = True
+    no_task_reason: ClassVar[str | None] = "(it reads chat data)"
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
         super().__init__(cfg, tokenizer, dataset)
-        if cfg.task is not None:
-            raise ConfigError(f"--task {cfg.task!r} does not apply to objective {self.name!r} (it reads chat data)")
         from tinyformer.data.chat_template import ChatTemplate
 
         self.template = ChatTemplate(tokenizer)
