@@ -37,18 +37,26 @@ def format_count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def read_prompt_file(name: str) -> str:
-    """The text of a ``--prompt-file`` (UTF-8, read in text mode); a missing or undecodable file is a
-    one-line GenerationError."""
+def read_prompt(args: Any, stdin: bool = False) -> str:
+    """``--prompt``, or the text of ``--prompt-file`` (UTF-8, read in text mode; with ``stdin``, ``-`` reads
+    standard input); a missing, undecodable or empty prompt is a one-line GenerationError."""
     from tinyformer.errors import GenerationError
 
-    path = Path(name)
-    if not path.is_file():
-        raise GenerationError(f"prompt file {path} does not exist")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise GenerationError(f"prompt file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if args.prompt is not None:
+        text = args.prompt
+    elif stdin and args.prompt_file == "-":
+        text = sys.stdin.read()
+    else:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise GenerationError(f"prompt file {path} does not exist")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise GenerationError(f"prompt file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not text:
+        raise GenerationError("the prompt is empty")
+    return text
 
 
 def add_no_verify_flag(p: Any) -> None:
@@ -93,11 +101,11 @@ def decide_compile(flag: bool | None, model: Any, what: str = "the decode step",
     :class:`~tinyformer.generation.compile_cache.PackageBuild` (a CPU's packaged step, built in the background
     by default). Prints the one-line notices on stderr: why the command decodes eagerly, or that a step is
     being compiled."""
+    import functools
+
     from tinyformer.generation.compile_cache import PackageBuild, resolve_compile, use_compile_cache
 
-    def say(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
+    say = functools.partial(print, file=sys.stderr, flush=True)
     how, notice = resolve_compile(flag, model)
     if notice:
         say(notice)

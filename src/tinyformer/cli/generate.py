@@ -30,7 +30,7 @@ from tinyformer.cli.common import (
     add_speculative_args,
     add_template_timeout_flag,
     decide_compile,
-    read_prompt_file,
+    read_prompt,
     speculative_from_args,
     template_timeout,
 )
@@ -220,12 +220,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def read_prompt(args: argparse.Namespace) -> str:
-    if args.prompt is not None:
-        return args.prompt
-    return sys.stdin.read() if args.prompt_file == "-" else read_prompt_file(args.prompt_file)
-
-
 def run(args: argparse.Namespace) -> int:
     use_replacement_on_output()
     if args.num_samples < 1:
@@ -239,9 +233,7 @@ def run(args: argparse.Namespace) -> int:
                               "--draft-model or --num-beams")
     if args.num_beams > 1 and constraint_from_args(args) is not None:
         raise GenerationError("--num-beams does not take --json-schema, --json-object, --regex, --grammar or --choice")
-    prompt = read_prompt(args)
-    if not prompt:
-        raise GenerationError("the prompt is empty")
+    prompt = read_prompt(args, stdin=True)
     # Impossible sampler values are reported before the (slow) model load.
     sampling_params(args, 0 if args.max_new_tokens is None else args.max_new_tokens)
     timeout_s = template_timeout(args)

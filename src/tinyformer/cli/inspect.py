@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tinyformer.cli.common import add_no_verify_flag, read_prompt_file
+from tinyformer.cli.common import add_no_verify_flag, read_prompt
 from tinyformer.errors import ConfigError, GenerationError
 from tinyformer.generation.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P
 
@@ -50,13 +50,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def read_text(args: argparse.Namespace) -> str:
-    text = args.prompt if args.prompt is not None else read_prompt_file(args.prompt_file)
-    if not text:
-        raise GenerationError("the prompt is empty")
-    return text
-
-
 def run(args: argparse.Namespace) -> int:
     from tinyformer.generation.sampling import SamplingParams
     from tinyformer.inspect.next_token import format_table, next_token_distribution
@@ -66,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         if value < 1:
             raise GenerationError(f"{flag} must be >= 1, got {value}")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p).validate()
-    text = read_text(args)
+    text = read_prompt(args)
     out = Path(args.out) if args.out else Path(args.model) / "inspect"
     if not args.no_plots and out.exists() and not out.is_dir():  # checked before the (slow) model load
         raise ConfigError(f"--out {out} is a file; give a folder for the pictures")

@@ -83,8 +83,8 @@ class PreferenceFile:
     skipped: Counter = field(default_factory=Counter)
 
 
-def _rows(path: Path) -> list[tuple[int, Any]]:
-    """(line number, parsed JSON) of every non-blank line."""
+def read_jsonl_rows(path: Path) -> list[tuple[int, Any]]:
+    """(line number, parsed JSON) of every non-blank line of a JSONL data file (chat, preference or prompt rows)."""
     from tinyformer.data.corpus import read_text
 
     if not path.is_file():
@@ -230,7 +230,7 @@ def _format_error(path: Path, lineno: int, row: Any, expected: str | None) -> Da
 def read_chat_file(path: str | Path) -> ChatFile:
     """The conversations of a JSONL chat file (OpenAI, ShareGPT or Alpaca rows, detected from the first row)."""
     p = Path(path)
-    rows = _rows(p)
+    rows = read_jsonl_rows(p)
     fmt = row_format(rows[0][1])
     if fmt == "preference":
         raise DataError(f"{p} holds preference pairs (chosen/rejected); it is data for --objective dpo, not sft")
@@ -256,7 +256,7 @@ def read_chat_file(path: str | Path) -> ChatFile:
 def read_preference_file(path: str | Path) -> PreferenceFile:
     """The pairs of a JSONL preference file; pairs whose two replies are equal are skipped and counted."""
     p = Path(path)
-    rows = _rows(p)
+    rows = read_jsonl_rows(p)
     out = PreferenceFile([])
     for lineno, row in rows:
         where = f"{p}:{lineno}"

@@ -76,8 +76,7 @@ if TYPE_CHECKING:
 __all__ = ["CHATML_TEMPLATE", "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "ChatTemplate", "format_tool_call",
            "parse_tool_calls", "render_plain", "tools_as_text", "with_chatml"]
 
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-CHATML_TOKENS = (IM_START, IM_END)
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 # The tool list of a system turn (ChatML's and tools_as_text's wording), one JSON object per line between them.
 TOOLS_HEAD = "# Tools\n\nYou may call one or more functions. Their signatures, one JSON object per line:\n<tools>\n"
 TOOLS_TAIL = ("</tools>\n\nTo call a function, answer with one block per call:\n<tool_call>\n"
@@ -257,30 +256,23 @@ class ChatTemplate:
             raise GenerationError(f"the chat template failed on this conversation: {exc}") from None
 
     # ------------------------------------------------------------------ training data
-    def assistant_spans(self, messages: Messages, tools: Sequence[dict[str, Any]] | None = None
-                        ) -> tuple[str, list[tuple[int, int]]]:
-        """(the rendered conversation, character spans of its assistant replies, tool calls included), see
-        the module docstring; ``tools`` as for :meth:`render`."""
-        full = self.render(messages, False, tools)
-        spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            before = self.render(messages[:i], True, tools)
-            upto = self.render(messages[: i + 1], False, tools)
-            if not (full.startswith(before) and full.startswith(upto) and upto.startswith(before)):
-                raise DataError("the chat template does not render a conversation's beginning as the beginning "
-                                "of its rendering, so assistant replies cannot be located for the loss mask")
-            spans.append((len(before), len(upto.rstrip())))
-        return full, spans
-
     def encode_conversation(self, messages: Messages, tools: Sequence[dict[str, Any]] | None = None
                             ) -> tuple[list[int], list[int]]:
         """(token ids, mask) of a conversation (with the ``tools`` it may call): mask[t] = 1 when token t
-        belongs to an assistant reply (its tool calls and end-of-turn token included), else 0. Template
-        errors are :class:`DataError`."""
+        belongs to an assistant reply (its tool calls and end-of-turn token included; each reply's span found
+        as the module docstring says), else 0. Template errors are :class:`DataError`."""
         try:
-            text, spans = self.assistant_spans(messages, tools)
+            text = self.render(messages, False, tools)
+            spans = []
+            for i, message in enumerate(messages):
+                if message["role"] != "assistant":
+                    continue
+                before = self.render(messages[:i], True, tools)
+                upto = self.render(messages[: i + 1], False, tools)
+                if not (text.startswith(before) and text.startswith(upto) and upto.startswith(before)):
+                    raise DataError("the chat template does not render a conversation's beginning as the beginning "
+                                    "of its rendering, so assistant replies cannot be located for the loss mask")
+                spans.append((len(before), len(upto.rstrip())))
         except GenerationError as exc:
             raise DataError(str(exc)) from None
         ids: list[int] = []
@@ -301,10 +293,6 @@ class ChatTemplate:
             return self.tokenizer.encode(self.render(messages, True))
         except GenerationError as exc:
             raise DataError(str(exc)) from None
-
-    def encode_reply(self, prompt: Messages, reply: str) -> tuple[list[int], list[int]]:
-        """(token ids, mask) of ``prompt`` answered by the assistant ``reply``; mask = the reply's tokens."""
-        return self.encode_conversation([*prompt, {"role": "assistant", "content": reply}])
 
 
 # ---------------------------------------------------------------------- the limited sandbox

@@ -90,11 +90,9 @@ def contains_reward(prompt: str, completion: str, row: dict) -> float:
 
 
 def json_schema_reward(prompt: str, completion: str, row: dict) -> float:
-    """1.0 when the completion parses as JSON and validates against ``row["schema"]``, else 0.0."""
-    try:
-        import jsonschema
-    except ImportError:
-        raise ImportError("builtin:json-schema needs the jsonschema package: pip install 'tinyformer[rl]'") from None
+    """1.0 when the completion parses as JSON and validates against ``row["schema"]``, else 0.0
+    (:func:`parse_reward` has checked that jsonschema is installed)."""
+    import jsonschema
 
     if "schema" not in row:
         raise KeyError("builtin:json-schema needs a 'schema' field in the data row")

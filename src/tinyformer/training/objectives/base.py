@@ -1,7 +1,7 @@
 """The interface of a training objective: what a batch is and what loss the trainer minimises.
 
 The trainer knows nothing of tokens or targets; it asks its objective for a batch, for the loss
-of a batch and for the model. Every objective (``lm.py``, ``mlm.py``, ``seq2seq.py``, ``sft.py``,
+of a batch and for the model's config. Every objective (``lm.py``, ``mlm.py``, ``seq2seq.py``, ``sft.py``,
 ``dpo.py``) subclasses :class:`Objective`; the registry by name is in ``__init__.py``.
 """
 
@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tinyformer.config import ModelConfig
+from tinyformer.errors import ConfigError
 
 if TYPE_CHECKING:
     from tinyformer.data.dataset import TokenDataset
@@ -59,8 +60,12 @@ class Objective:
     val_loss_key: ClassVar[str] = "val_loss"
     #: what :meth:`num_tokens` counts, for the console and report.md ("tokens trained on: N assistant tokens")
     token_kind: ClassVar[str] = "tokens"
+    #: why ``--task`` does not apply, the end of its error message (None: the objective takes a task)
+    no_task_reason: ClassVar[str | None] = None
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
+        if cfg.task is not None and self.no_task_reason is not None:
+            raise ConfigError(f"--task {cfg.task!r} does not apply to objective {self.name!r} {self.no_task_reason}")
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.dataset = dataset
@@ -100,11 +105,6 @@ class Objective:
     def report(self, model: nn.Module, device: torch.device) -> list[str]:
         """Markdown lines this objective adds to the run's report.md (besides the losses); none by default."""
         return []
-
-    def build_model(self, model_cfg: ModelConfig) -> nn.Module:
-        from tinyformer.models import build_model
-
-        return build_model(model_cfg)
 
     def get_batch(self, split: str, generator: torch.Generator, rank: int = 0, world_size: int = 1) -> Batch:
         """One random micro-batch of ``split`` ("train" or "val") for this rank."""

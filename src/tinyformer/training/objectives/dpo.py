@@ -32,12 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyformer.components.lora import has_lora, lora_disabled
+from tinyformer.data.chat_data import PreferencePair, read_preference_file
 from tinyformer.errors import DataError
 from tinyformer.training.objectives.base import Batch, eval_mode
 from tinyformer.training.objectives.sft import IGNORE, ChatObjective, first_user_text, pad_rows, plain_module, reply_row
 
 if TYPE_CHECKING:
-    from tinyformer.data.chat_data import PreferencePair
     from tinyformer.data.chat_template import ChatTemplate
     from tinyformer.data.dataset import TokenDataset
     from tinyformer.data.tokenizer import Tokenizer
@@ -174,8 +174,6 @@ class DPOObjective(ChatObjective):
 
 def load_pairs(data: str | None) -> tuple[list[PreferencePair], str, dict[str, int]]:
     """The pairs of ``data`` (a preference JSONL file), or the built-in preference set when None."""
-    from tinyformer.data.chat_data import read_preference_file
-
     if data is None:
         from tinyformer.data.instructions import builtin_preferences
 
@@ -210,7 +208,7 @@ def encode_pair(pair: PreferencePair, block_size: int, template: ChatTemplate
     cut = False
     for reply in (pair.chosen, pair.rejected):
         try:
-            ids, mask = template.encode_reply(pair.prompt, reply)
+            ids, mask = template.encode_conversation([*pair.prompt, {"role": "assistant", "content": reply}])
         except DataError as exc:
             raise DataError(f"{pair.source}: {exc}") from None
         row, was_cut = reply_row(ids, mask, block_size)

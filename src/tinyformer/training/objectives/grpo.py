@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from tinyformer.components.lora import has_lora, lora_disabled
+from tinyformer.data.chat_data import describe_skipped, read_jsonl_rows
 from tinyformer.errors import ConfigError, DataError
 from tinyformer.training.objectives.base import Batch, eval_mode
 from tinyformer.training.objectives.sft import IGNORE, ChatObjective, first_user_text, plain_module
@@ -205,26 +206,12 @@ def prompt_messages(row: dict, where: str) -> list[dict[str, str]]:
 
 def load_prompt_rows(data: str | None) -> tuple[list[tuple[dict, str]], str]:
     """((row, source) of every prompt row of ``data``, a JSONL file; the built-in set's when None), the name."""
-    import json
-
     if data is None:
         from tinyformer.data.instructions import builtin_prompts
 
         return [(r, f"built-in:{i}") for i, r in enumerate(builtin_prompts())], "the built-in instruction set"
     path = Path(data)
-    if not path.is_file():
-        raise DataError(f"data file {path} does not exist")
-    rows = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append((json.loads(line), f"{path}:{lineno}"))
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-    if not rows:
-        raise DataError(f"data file {path} holds no rows")
-    return rows, str(path)
+    return [(row, f"{path}:{lineno}") for lineno, row in read_jsonl_rows(path)], str(path)
 
 
 # ------------------------------------------------------------------ the objective
@@ -271,8 +258,6 @@ class GRPOObjective(ChatObjective):
 
     # ------------------------------------------------------------------ set-up
     def describe_data(self) -> str | None:
-        from tinyformer.data.chat_data import describe_skipped
-
         cfg = self.cfg
         parts = [f"data: {len(self.prompts['train']):,} train / {len(self.prompts['val']):,} held-out prompts from "
                  f"{self.source}" + (f" and {cfg.eval_data}" if cfg.eval_data else ""),

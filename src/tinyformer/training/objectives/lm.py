@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -14,11 +13,6 @@ from torch import nn
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
 from tinyformer.training.objectives.base import Batch, Objective
-
-if TYPE_CHECKING:
-    from tinyformer.data.dataset import TokenDataset
-    from tinyformer.data.tokenizer import Tokenizer
-    from tinyformer.training.train_config import TrainConfig
 
 
 class CausalLM(Objective):
@@ -30,12 +24,7 @@ class CausalLM(Objective):
 
     name = "clm"
     scores_builtin_task = True
-
-    def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
-        super().__init__(cfg, tokenizer, dataset)
-        if cfg.task is not None:
-            raise ConfigError(f"--task {cfg.task!r} does not apply to objective 'clm' (language modelling on a "
-                              "corpus); choose an objective that has tasks")
+    no_task_reason = "(language modelling on a corpus); choose an objective that has tasks"
 
     def model_config(self, model_cfg: ModelConfig) -> ModelConfig:
         if model_cfg.arch != "decoder":

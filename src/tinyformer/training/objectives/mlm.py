@@ -88,11 +88,10 @@ class MaskedLM(Objective):
     name = "mlm"
     loss_label = "validation masked-token loss"
     token_kind = "masked tokens"
+    no_task_reason = "(it reads a corpus)"
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
         super().__init__(cfg, tokenizer, dataset)
-        if cfg.task is not None:
-            raise ConfigError(f"--task {cfg.task!r} does not apply to objective 'mlm' (it reads a corpus)")
         found = _find(tokenizer, MASK_NAMES)
         self.mask_id = found if found is not None else tokenizer.vocab_size  # a new row when the vocab has none
         cls_id = _find(tokenizer, CLS_NAMES)

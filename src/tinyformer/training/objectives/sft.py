@@ -36,13 +36,12 @@ import torch
 from torch import nn
 
 from tinyformer.config import ModelConfig
-from tinyformer.data.chat_data import is_heldout
+from tinyformer.data.chat_data import Conversation, describe_skipped, is_heldout, read_chat_file
 from tinyformer.errors import ConfigError, DataError
 from tinyformer.training.objectives.base import Batch, Objective, eval_mode
 from tinyformer.training.objectives.lm import lm_loss
 
 if TYPE_CHECKING:
-    from tinyformer.data.chat_data import Conversation
     from tinyformer.data.chat_template import ChatTemplate
     from tinyformer.data.dataset import TokenDataset
     from tinyformer.data.tokenizer import Tokenizer
@@ -116,11 +115,10 @@ class ChatObjective(Objective):
 
     uses_corpus: ClassVar[bool] = False
     uses_block_size: ClassVar[bool] = True
+    no_task_reason: ClassVar[str | None] = "(it reads chat data)"
 
     def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, dataset: TokenDataset | None) -> None:
         super().__init__(cfg, tokenizer, dataset)
-        if cfg.task is not None:
-            raise ConfigError(f"--task {cfg.task!r} does not apply to objective {self.name!r} (it reads chat data)")
         from tinyformer.data.chat_template import ChatTemplate
 
         self.template = ChatTemplate(tokenizer)
@@ -159,15 +157,11 @@ class ChatObjective(Objective):
 
     def _no_data(self, what: str) -> DataError:
         """The error of a data set left with nothing to train on (``what``), naming what was skipped."""
-        from tinyformer.data.chat_data import describe_skipped
-
         extra = f"; {describe_skipped(self.skipped)}" if self.skipped else ""
         return DataError(f"{self.source} has no {what}{extra}")
 
     def _describe(self, what: str, *extra: str) -> str:
         """The run's note on its data: ``what`` rows per split, how many were cut, ``extra``, what was skipped."""
-        from tinyformer.data.chat_data import describe_skipped
-
         parts = [f"data: {len(self.rows['train']):,} train / {len(self.rows['val']):,} held-out {what} from "
                  f"{self.source}", f"{self.truncated} cut to the {self._block()}-token context", *extra]
         return "; ".join(parts + ([describe_skipped(self.skipped)] if self.skipped else []))
@@ -306,8 +300,6 @@ class SFTObjective(ChatObjective):
 
 def load_conversations(data: str | None) -> tuple[list[Conversation], str, Counter]:
     """The conversations of ``data`` (a chat JSONL file), or of the built-in instruction set when None."""
-    from tinyformer.data.chat_data import read_chat_file
-
     if data is None:
         from tinyformer.data.instructions import builtin_conversations
 
