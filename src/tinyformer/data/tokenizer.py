@@ -70,11 +70,10 @@ def _types(component: dict[str, Any] | None) -> set[str]:
     return found
 
 
-def _training_chunks(docs: Iterable[str], size: int = 1 << 16) -> Iterator[str]:
+def _training_chunks(text: str, size: int = 1 << 16) -> Iterator[str]:
     # Chunks let tokenizers count words in parallel; a split word is rare enough not to matter.
-    for doc in docs:
-        for start in range(0, len(doc), size):
-            yield doc[start : start + size]
+    for start in range(0, len(text), size):
+        yield text[start : start + size]
 
 
 class Tokenizer:
@@ -163,7 +162,8 @@ class Tokenizer:
         backend.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-        backend.train_from_iterator(_training_chunks([text] if isinstance(text, str) else text), trainer=trainer)
+        chunks = _training_chunks(text) if isinstance(text, str) else iter(text)
+        backend.train_from_iterator(chunks, trainer=trainer)
         got = backend.get_vocab_size()
         if got < vocab_size:
             raise DataError(f"bpe vocab_size {vocab_size} is larger than this corpus supports: training stopped at "

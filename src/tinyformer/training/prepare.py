@@ -59,6 +59,12 @@ class _NonEmpty:
             raise
 
 
+def _chunks(docs: Iterable[str], size: int = 1 << 16) -> Iterator[str]:
+    for doc in docs:
+        for start in range(0, len(doc), size):
+            yield doc[start : start + size]
+
+
 def train_tokenizer(cfg: TrainConfig) -> Tokenizer:
     """Train the run's tokenizer on its corpus ("char" or "bpe"), or load one (a tokenizer.json path)."""
     if cfg.tokenizer not in TOKENIZER_KINDS:
@@ -82,7 +88,7 @@ def train_tokenizer(cfg: TrainConfig) -> Tokenizer:
         raise DataError(f"--vocab-size {vocab} is too small for a byte-level BPE: the minimum is {BPE_MIN_VOCAB} "
                         f"(256 byte tokens + {BPE_MIN_VOCAB - 256} special tokens), plus the merges it learns")
     try:
-        tok = Tokenizer.train_bpe(docs, vocab)
+        tok = Tokenizer.train_bpe(_chunks(docs), vocab)
     except Exception:
         if docs.error is not None:
             raise docs.error from None

@@ -52,7 +52,7 @@ from tinyformer.training.train_config import (
     to_yaml,
 )
 from tinyformer.training.trainer import Trainer
-from tinyformer.utils.io import atomic_write_bytes, fsync_dir, remove_stale_temporaries, temporary_prefix
+from tinyformer.utils.io import atomic_write_bytes, fsync_dir
 
 TRAIN_FILE = "train.yaml"
 #: What a run folder holds; ``force`` deletes these and nothing else.
@@ -190,19 +190,32 @@ def _run_file_bytes(model_cfg: ModelConfig, train: TrainConfig, tokenizer: Token
     return files
 
 
+def _remove_stale_staging(run_dir: Path) -> None:
+    """Staging folders of earlier creations of this run folder whose process is gone (killed mid-way)."""
+    for old in run_dir.parent.glob(f".{run_dir.name}.creating-*"):
+        pid = old.name.rsplit("-", 2)[-2] if old.name.count("-") >= 2 else ""
+        try:
+            os.kill(int(pid), 0)
+            continue  # that process still runs
+        except (ValueError, ProcessLookupError):
+            shutil.rmtree(old, ignore_errors=True)
+        except (PermissionError, OSError):
+            continue
+
+
 def _create_run(run_dir: Path, files: dict[str, bytes], force: bool) -> bool:
     """Write a new run's first files; returns True when the folder itself was created (or was empty).
 
     A new or empty folder is built complete in a hidden sibling and renamed into place (atomic); with
     ``force`` the previous run files are deleted and the new ones written one by one, train.yaml last."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(run_dir, ".creating")  # staging folders of earlier creations killed mid-way
+    _remove_stale_staging(run_dir)
     if run_dir.is_dir() and any(run_dir.iterdir()):
         _clear_run(run_dir)
         for name in sorted(files, key=lambda n: n == TRAIN_FILE):
             atomic_write_bytes(run_dir / name, files[name])
         return False
-    staging = Path(tempfile.mkdtemp(prefix=temporary_prefix(run_dir), suffix=".creating", dir=run_dir.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.creating-{os.getpid()}-", dir=run_dir.parent))
     try:
         umask = os.umask(0)
         os.umask(umask)

@@ -16,7 +16,7 @@ Extension points for other training setups (distributed data parallel, other obj
 all but the last micro-step), ``reduce_sum`` (sum evaluation figures over ranks), ``eval_batches`` and
 ``draw_sample`` (evaluation on sharded weights), ``checkpoint_states`` / ``state_loaders`` (consolidated
 checkpoints); training/distributed.py implements them. The objective
-(training/objectives/) owns batches, loss and the model's config.
+(training/objectives/) owns batches, loss and model construction.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from torch import nn
 from tinyformer.config import ModelConfig
 from tinyformer.devices import autocast_dtype, resolve_device
 from tinyformer.errors import CheckpointError, TinyformerError
-from tinyformer.models import build_model
 from tinyformer.run_folder import ADAPTER_WEIGHTS
 from tinyformer.training.checkpoint import (
     MODEL_FILE,
@@ -117,7 +116,7 @@ class Trainer:
         self.device = resolve_device(cfg.device)
         self.amp_dtype = autocast_dtype(cfg.dtype, self.device)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        self.model = build_model(model_cfg).to(self.device)
+        self.model = objective.build_model(model_cfg).to(self.device)
         self.lora = cfg.lora_config()  # LoRA: adapters on a frozen model (components/lora.py)
         if self.lora is not None:
             from tinyformer.components.lora import apply_lora
