@@ -16,7 +16,7 @@ Extension points for other training setups (distributed data parallel, other obj
 all but the last micro-step), ``reduce_sum`` (sum evaluation figures over ranks), ``eval_batches`` and
 ``draw_sample`` (evaluation on sharded weights), ``checkpoint_states`` / ``state_loaders`` (consolidated
 checkpoints); training/distributed.py implements them. The objective
-(training/objectives/) owns batches, loss and model construction.
+(training/objectives/) owns batches, loss and the model's config.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ from torch import nn
 from tinyformer.config import ModelConfig
 from tinyformer.devices import autocast_dtype, resolve_device
 from tinyformer.errors import CheckpointError, TinyformerError
+from tinyformer.models import build_model
 from tinyformer.run_folder import ADAPTER_WEIGHTS
+from tinyformer.sizing import training_flops_per_token
 from tinyformer.training.checkpoint import (
     MODEL_FILE,
     disk_error,
@@ -116,7 +118,7 @@ class Trainer:
         self.device = resolve_device(cfg.device)
         self.amp_dtype = autocast_dtype(cfg.dtype, self.device)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        self.model = objective.build_model(model_cfg).to(self.device)
+        self.model = build_model(model_cfg).to(self.device)
         self.lora = cfg.lora_config()  # LoRA: adapters on a frozen model (components/lora.py)
         if self.lora is not None:
             from tinyformer.components.lora import apply_lora
@@ -148,7 +150,8 @@ class Trainer:
         self.builtin_task_scorer: Callable[[Path, Any, Any], object] | None = None
         # asked to stop (Ctrl-C / SIGTERM, interrupt.py): the loop saves and returns after the current step
         self.stop_request: Any = None
-        self.flops_per_token = self._flops_per_token()
+        self.flops_per_token = (training_flops_per_token(model_cfg, cfg.block_size)
+                                if model_cfg.arch == "decoder" and cfg.block_size is not None else None)
         # MFU's peak: a known GPU's dense bf16/fp16 figure (training/device.py); none on CPU or in float32
         self.peak_flops = cfg.peak_flops or (device_peak_flops(self.device) if self.amp_dtype is not None else None)
         self.metrics = MetricsLogger(self.run_dir, enabled=self.is_main, tensorboard=cfg.tensorboard)
@@ -213,13 +216,6 @@ class Trainer:
         return adapter_state_dict(self.model)
 
     # ------------------------------------------------------------------ helpers
-    def _flops_per_token(self) -> int | None:
-        from tinyformer.sizing import training_flops_per_token
-
-        if self.model_cfg.arch != "decoder" or self.cfg.block_size is None:
-            return None
-        return training_flops_per_token(self.model_cfg, self.cfg.block_size)
-
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.amp_dtype is None:
             return contextlib.nullcontext()

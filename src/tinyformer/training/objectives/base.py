@@ -1,7 +1,7 @@
 """The interface of a training objective: what a batch is and what loss the trainer minimises.
 
 The trainer knows nothing of tokens or targets; it asks its objective for a batch, for the loss
-of a batch and for the model. Every objective (``lm.py``, ``mlm.py``, ``seq2seq.py``, ``sft.py``,
+of a batch and for the model's config. Every objective (``lm.py``, ``mlm.py``, ``seq2seq.py``, ``sft.py``,
 ``dpo.py``) subclasses :class:`Objective`; the registry by name is in ``__init__.py``.
 """
 
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from tinyformer.training.train_config import TrainConfig
 
 Batch = dict[str, torch.Tensor]
+#: the target of a position that carries no loss (cross-entropy's ignore_index)
+IGNORE = -100
 
 
 @contextlib.contextmanager
@@ -105,11 +107,6 @@ class Objective:
     def report(self, model: nn.Module, device: torch.device) -> list[str]:
         """Markdown lines this objective adds to the run's report.md (besides the losses); none by default."""
         return []
-
-    def build_model(self, model_cfg: ModelConfig) -> nn.Module:
-        from tinyformer.models import build_model
-
-        return build_model(model_cfg)
 
     def get_batch(self, split: str, generator: torch.Generator, rank: int = 0, world_size: int = 1) -> Batch:
         """One random micro-batch of ``split`` ("train" or "val") for this rank."""

@@ -56,8 +56,8 @@ from torch import nn
 from tinyformer.components.lora import has_lora, lora_disabled
 from tinyformer.data.chat_data import describe_skipped, read_jsonl_rows
 from tinyformer.errors import ConfigError, DataError
-from tinyformer.training.objectives.base import Batch, eval_mode
-from tinyformer.training.objectives.sft import IGNORE, ChatObjective, first_user_text, plain_module
+from tinyformer.training.objectives.base import IGNORE, Batch, eval_mode
+from tinyformer.training.objectives.sft import ChatObjective, first_user_text, plain_module
 from tinyformer.training.rewards import RewardSet
 
 if TYPE_CHECKING:
@@ -278,9 +278,6 @@ class GRPOObjective(ChatObjective):
 
     def has_split(self, split: str) -> bool:
         return False  # no held-out loss: the held-out figure is the reward (eval_metrics)
-
-    def eval_batches(self, split: str, max_batches: int | None, rank: int = 0, world_size: int = 1):
-        return iter(())
 
     # ------------------------------------------------------------------ the reference
     def _reference_logps(self, batch: Batch) -> torch.Tensor | None:

@@ -28,14 +28,13 @@ from torch import nn
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.training.objectives.base import Batch, Objective
+from tinyformer.training.objectives.base import IGNORE, Batch, Objective
 
 if TYPE_CHECKING:
     from tinyformer.data.dataset import TokenDataset
     from tinyformer.data.tokenizer import Tokenizer
     from tinyformer.training.train_config import TrainConfig
 
-IGNORE = -100
 MASK_NAMES = ("[MASK]", "<mask>", "<|mask|>")
 CLS_NAMES = ("[CLS]", "<s>", "<|cls|>")
 MASK_PROB = 0.15  # the share of ordinary tokens selected for prediction

@@ -24,14 +24,12 @@ from torch import nn
 from tinyformer.config import ModelConfig
 from tinyformer.data.synthetic_tasks import Example, TaskData, get_task, task_tokenizer
 from tinyformer.errors import ConfigError
-from tinyformer.training.objectives.base import Batch, Objective, eval_mode
+from tinyformer.training.objectives.base import IGNORE, Batch, Objective, eval_mode
 
 if TYPE_CHECKING:
     from tinyformer.data.dataset import TokenDataset
     from tinyformer.data.tokenizer import Tokenizer
     from tinyformer.training.train_config import TrainConfig
-
-IGNORE = -100
 
 
 def make_batch(examples: Sequence[Example], tokenizer: Tokenizer) -> Batch:

@@ -38,7 +38,7 @@ from torch import nn
 from tinyformer.config import ModelConfig
 from tinyformer.data.chat_data import Conversation, describe_skipped, is_heldout, read_chat_file
 from tinyformer.errors import ConfigError, DataError
-from tinyformer.training.objectives.base import Batch, Objective, eval_mode
+from tinyformer.training.objectives.base import IGNORE, Batch, Objective, eval_mode
 from tinyformer.training.objectives.lm import lm_loss
 
 if TYPE_CHECKING:
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
     from tinyformer.data.tokenizer import Tokenizer
     from tinyformer.training.train_config import TrainConfig
 
-IGNORE = -100
 Row = tuple[list[int], list[int]]  # (input ids, targets with -100 where there is no loss)
 SAMPLE_QUESTIONS = 3
 SAMPLE_TOKENS = 64
