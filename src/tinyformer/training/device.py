@@ -8,24 +8,8 @@ Model FLOPs utilisation (PaLM, Chowdhery et al. 2022, appendix B):
 with training FLOPs per token = 6 N_matmul + 12 n_layer H d_h T (``sizing.training_flops_per_token``):
 the FLOPs the model needs, not what the hardware happened to execute (recomputation does not count).
 
-The peaks are dense (no 2:4 sparsity) bf16 tensor-core figures with FP32 accumulation, from the vendor
-datasheets; datasheets usually print the sparse figure, twice the dense one:
-
-    H100 SXM / H200 SXM  989.4e12   NVIDIA H100 / H200 Tensor Core GPU datasheets (1,979 "with sparsity")
-    H100 PCIe            756.5e12   NVIDIA H100 datasheet (1,513 with sparsity)
-    H100 NVL / H200 NVL  835.5e12   NVIDIA H100 / H200 datasheets (1,671 with sparsity)
-    A100 (SXM and PCIe)  312e12     NVIDIA A100 datasheet (624 with sparsity)
-    L40S                 362.05e12  NVIDIA L40S datasheet (733 with sparsity)
-    L4                   121e12     NVIDIA L4 datasheet (242 with sparsity)
-    A10                  125e12     NVIDIA A10 datasheet (250 with sparsity)
-    A10G (AWS g5)         70e12     NVIDIA does not publish it; AWS/NVIDIA figures as collected by Baseten
-                                    ("NVIDIA A10 vs A10G for ML model inference") and MosaicML Composer's
-                                    speed monitor. The 125e12 sometimes quoted for it is the A10's.
-    RTX 4090             165.2e12   NVIDIA Ada (AD102) whitepaper: FP16/BF16 with FP32 accumulate (330.3 is
-                                    the FP16-accumulate figure, which training does not use)
-    RTX 3090              71e12     NVIDIA Ampere GA102 whitepaper, FP32 accumulate
-    V100 / T4            125e12 / 65e12  fp16 (these chips have no bf16)
-
+The peaks (:data:`PEAK_FLOPS_TABLE`, each with its source) are dense (no 2:4 sparsity) bf16 tensor-core figures
+with FP32 accumulation, from the vendor datasheets; datasheets usually print the sparse figure, twice the dense one.
 Any other device: pass ``--peak-flops`` (or ``train.peak_flops``), per device.
 """
 
@@ -41,20 +25,24 @@ import torch
 #: (substring of ``torch.cuda.get_device_name()``, dense bf16/fp16 peak FLOP/s); the first match wins,
 #: so the more specific names come first ("H100 PCIe" before "H100", "A100" before "A10").
 PEAK_FLOPS_TABLE: tuple[tuple[str, float], ...] = (
-    ("H200 NVL", 835.5e12),
-    ("H200", 989.4e12),
-    ("H100 PCIe", 756.5e12),
+    ("H200 NVL", 835.5e12),  # H100 NVL / H200 NVL: NVIDIA H100 / H200 datasheets (1,671 with sparsity)
+    ("H200", 989.4e12),  # H200 SXM: NVIDIA H200 Tensor Core GPU datasheet (1,979 "with sparsity")
+    ("H100 PCIe", 756.5e12),  # NVIDIA H100 datasheet (1,513 with sparsity)
     ("H100 NVL", 835.5e12),
-    ("H100", 989.4e12),
+    ("H100", 989.4e12),  # H100 SXM: NVIDIA H100 Tensor Core GPU datasheet (1,979 "with sparsity")
     ("GH200", 989.4e12),
-    ("A100", 312e12),
-    ("L40S", 362.05e12),
-    ("L4", 121e12),
+    ("A100", 312e12),  # SXM and PCIe: NVIDIA A100 datasheet (624 with sparsity)
+    ("L40S", 362.05e12),  # NVIDIA L40S datasheet (733 with sparsity)
+    ("L4", 121e12),  # NVIDIA L4 datasheet (242 with sparsity)
+    # AWS g5: NVIDIA does not publish it; AWS/NVIDIA figures as collected by Baseten ("NVIDIA A10 vs A10G for ML
+    # model inference") and MosaicML Composer's speed monitor. The 125e12 sometimes quoted for it is the A10's.
     ("A10G", 70e12),
-    ("A10", 125e12),
+    ("A10", 125e12),  # NVIDIA A10 datasheet (250 with sparsity)
+    # RTX 4090: NVIDIA Ada (AD102) whitepaper, FP16/BF16 with FP32 accumulate (330.3 is the FP16-accumulate
+    # figure, which training does not use)
     ("4090", 165.2e12),
-    ("3090", 71e12),
-    ("V100", 125e12),
+    ("3090", 71e12),  # RTX 3090: NVIDIA Ampere GA102 whitepaper, FP32 accumulate
+    ("V100", 125e12),  # V100 and T4: fp16 (these chips have no bf16)
     ("T4", 65e12),
 )
 
