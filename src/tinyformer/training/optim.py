@@ -54,7 +54,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> tor
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for update ``step`` (0-based): linear warm-up, then decay to the floor.
+    """Learning rate for update t = ``step`` (0-based): linear warm-up over W = warmup_steps, then decay to the
+    floor = min_lr (default lr / 10) at D = decay_steps (default max_steps).
 
         t < W:        lr (t + 1) / W
         W <= t < D:   floor + (lr - floor) s(p),  p = (t - W) / (D - W)

@@ -58,13 +58,8 @@ class TrainConfig:
 
     The defaults are the run ``tinyformer train`` makes with no arguments: the ``tiny`` preset
     (4.0M parameters) on the built-in corpus with a 4096-token BPE, 400 steps of 16 x 256 tokens,
-    sized to finish within 10 minutes on two CPU cores (configs/default.yaml spells it out).
-
-    Schedule (step t = 0, 1, ... counts optimizer updates; W = warmup_steps, D = decay_steps):
-        lr(t) = lr * (t + 1) / W                                   t < W
-        lr(t) = min_lr + (lr - min_lr) * s((t - W) / (D - W))      W <= t < D
-        lr(t) = min_lr                                             t >= D
-    with s(p) = (1 + cos(pi p)) / 2 (cosine), 1 - p (linear) or 1 (constant).
+    sized to finish within 10 minutes on two CPU cores (configs/default.yaml spells it out). The
+    learning-rate schedule of lr, min_lr, warmup_steps, lr_schedule and decay_steps is ``optim.lr_at``'s.
     """
 
     # data
