@@ -16,7 +16,6 @@ plus backward (x2).
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
@@ -76,7 +75,7 @@ def sizing_report(cfg: ModelConfig, seq_len: int | None = None, batch: int = 1, 
     kv_tok = kv_cache_bytes_per_token(cfg, b)
     kv_tok_mha = 2 * cfg.n_layer * cfg.n_head * cfg.head_dim * b
     naive_layer = batch * cfg.n_head * T * T * b
-    report: dict[str, Any] = {
+    return {
         "total_params": c.total,
         "active_params": c.active,  # per token: differs from the total for MoE
         "non_embedding_params": c.non_embedding,
@@ -116,7 +115,6 @@ def sizing_report(cfg: ModelConfig, seq_len: int | None = None, batch: int = 1, 
             "sdpa_bytes_per_layer": batch * cfg.n_head * T * 4,
         },
     }
-    return report
 
 
 def machine_memory_bytes() -> int | None:
@@ -154,8 +152,8 @@ def check_buildable(cfg: ModelConfig, bytes_per_elem: int = 4) -> None:
 
 
 def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000 or unit == "PB":
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} PB"
