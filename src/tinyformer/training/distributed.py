@@ -123,17 +123,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def broadcast_object(value: Any, src: int = 0) -> Any:
-    """``value`` of rank ``src``, on every rank (identity without a process group)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
 # ---------------------------------------------------------------------------- wrappers
 
 
@@ -426,19 +415,23 @@ def load_full_optimizer_state(trainer: Trainer, state: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- runs and launching
 
 
-def prepare_distributed_run(spec: Any, ctx: DistContext | None = None):  # -> runner.PreparedRun
+def prepare_distributed_run(spec: Any):  # -> runner.PreparedRun
     """``runner.prepare_run`` for every rank of a job (or a single process).
 
     Rank 0 resolves the run folder and prepares it (tokenizer, token cache, train.yaml, config.json) while
     the others wait; they then open it as a resume does (or, for a resume, resolve the same request), so
     every rank trains the same resolved config with the same tokenizer, and nothing is written twice.
     """
+    import torch.distributed as dist
+
     from tinyformer.training.runner import RunSpec, default_run_dir, prepare_run
 
-    ctx = ctx or init_distributed()
+    ctx = init_distributed()
     if ctx.world_size == 1:
         return prepare_run(spec, make_trainer=DistributedTrainer)
-    out = broadcast_object(str(spec.out or default_run_dir()) if ctx.is_main else None)
+    box = [str(spec.out or default_run_dir()) if ctx.is_main else None]
+    dist.broadcast_object_list(box, src=0)  # rank 0's run folder, on every rank
+    out = box[0]
     if ctx.is_main:
         def rank0_trainer(*args: Any, **kwargs: Any) -> DistributedTrainer:
             barrier()  # the run folder is ready: let the other ranks open it
