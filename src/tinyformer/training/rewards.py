@@ -58,8 +58,6 @@ from tinyformer.errors import ConfigError
 __all__ = ["BUILTIN_REWARDS", "Reward", "RewardSet", "parse_reward", "python_import_reward"]
 
 RewardFn = Callable[[str, str, dict], float]
-#: seconds one reward call may take before it scores 0 (counted as a failure)
-DEFAULT_TIMEOUT = 10.0
 #: seconds the child process of builtin:python-import may run
 IMPORT_TIMEOUT = 5.0
 
@@ -281,13 +279,13 @@ class RewardSet:
     is counted in ``failures`` (reward name -> count) with its first error kept in ``first_error``."""
 
     rewards: list[Reward]
-    timeout: float = DEFAULT_TIMEOUT
+    timeout: float  # seconds one reward call may take before it scores 0 (counted as a failure)
     failures: Counter = field(default_factory=Counter)
     first_error: dict[str, str] = field(default_factory=dict)
     calls: int = 0
 
     @classmethod
-    def from_specs(cls, specs: Sequence[str], timeout: float = DEFAULT_TIMEOUT) -> RewardSet:
+    def from_specs(cls, specs: Sequence[str], timeout: float) -> RewardSet:
         if not specs:
             raise ConfigError("give at least one --reward: builtin:exact, builtin:contains, builtin:json-schema, "
                               "builtin:python-import or path/file.py:function")
