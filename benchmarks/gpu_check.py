@@ -205,8 +205,9 @@ def distributed_smoke(device: torch.device, tiny: bool, rows: list[dict[str, Any
     each trained 4 steps straight and 2 + resume + 2 from a consolidated checkpoint (compiled on GPU)."""
     import socket
 
-    from tinyformer.training.distributed import DistributedTrainer, init_distributed, shutdown_distributed
+    from tinyformer.training.distributed import init_distributed, shutdown_distributed
     from tinyformer.training.objectives import Objective
+    from tinyformer.training.trainer import Trainer
 
     class Synthetic(Objective):
         name, uses_corpus = "synthetic", False
@@ -235,7 +236,7 @@ def distributed_smoke(device: torch.device, tiny: bool, rows: list[dict[str, Any
                                      lr=1e-3, warmup_steps=1, sample_tokens=0, progress=False, tensorboard=False,
                                      device=device.type, dtype="bfloat16" if device.type == "cuda" else "float32",
                                      parallel=parallel, compile=device.type == "cuda")
-                    trainer = DistributedTrainer(cfg, tc, Synthetic(tc, None, None), run_dir, rank=0, world_size=1)
+                    trainer = Trainer(cfg, tc, Synthetic(tc, None, None), run_dir, rank=0, world_size=1)
                     if resume:
                         trainer.restore(Path(tmp) / resume)
                     trainer.fit()

@@ -42,13 +42,13 @@ class RandomTokens(Objective):
 
 
 def make_trainer(run_dir: Path, **changes):
-    from tinyformer.training.distributed import DistributedTrainer
+    from tinyformer.training.trainer import Trainer
 
     cfg = TrainConfig(**{**dict(batch_size=B, block_size=T, lr=1e-2, warmup_steps=1, device="cpu", dtype="float32",
                                 threads=1, seed=7, log_interval=1, eval_interval=1000, sample_tokens=0,
                                 tensorboard=False, progress=False, max_steps=3), **changes})
     run_dir.mkdir(parents=True, exist_ok=True)
-    return DistributedTrainer(MODEL, cfg, RandomTokens(cfg), run_dir)
+    return Trainer(MODEL, cfg, RandomTokens(cfg), run_dir)
 
 
 @pytest.fixture

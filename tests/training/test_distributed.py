@@ -72,12 +72,12 @@ def train_config(**changes) -> TrainConfig:
 
 def make_trainer(run_dir: Path, model_cfg: ModelConfig = MODEL, rank: int = 0, world_size: int = 1,
                  objective_args: dict | None = None, **changes):
-    from tinyformer.training.distributed import DistributedTrainer
+    from tinyformer.training.trainer import Trainer
 
     cfg = train_config(**changes)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return DistributedTrainer(model_cfg, cfg, SeededBatches(cfg, **(objective_args or {})), run_dir,
-                              rank=rank, world_size=world_size)
+    return Trainer(model_cfg, cfg, SeededBatches(cfg, **(objective_args or {})), run_dir, rank=rank,
+                   world_size=world_size)
 
 
 # ---------------------------------------------------------------------------- the worker (under torchrun)
@@ -248,8 +248,7 @@ def test_two_processes_equal_one_with_gradient_accumulation_and_checkpoints_cros
 
 
 def test_nproc_launches_a_two_rank_run_that_one_process_resumes(tmp_path: Path, monkeypatch) -> None:
-    from tinyformer.training.distributed import prepare_distributed_run
-    from tinyformer.training.runner import RunSpec
+    from tinyformer.training.runner import RunSpec, prepare_distributed_run
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog;\n" * 300, encoding="utf-8")

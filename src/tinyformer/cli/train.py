@@ -194,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _locked_run(args: argparse.Namespace, spec: Any) -> int:
-    from tinyformer.training.distributed import launch, launched_by_torchrun, prepare_distributed_run
+    from tinyformer.training.distributed import launch, launched_by_torchrun
+    from tinyformer.training.runner import prepare_distributed_run
 
     if args.nproc is not None and args.nproc != 1 and not launched_by_torchrun():
         # a bad value must be one line here, not an error in each of N worker processes

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node N -m tinyformer train ...     N processes ("ranks"), one per device
     tinyformer train --nproc N ...                          the same; the command launches them itself
 
-The model code knows nothing of this: parallelism wraps it from outside (:meth:`DistributedTrainer.wrap_model`).
+The model code knows nothing of this: parallelism wraps it from outside (:meth:`Trainer.wrap_model`).
 With W ranks, each running A micro-steps of B sequences per update, rank r draws its micro-batches from its
 own disjoint slice of the training data (``TokenDataset.get_batch(..., rank=r, world_size=W)``), and
 
@@ -32,8 +32,6 @@ launcher stops the other ranks, and a collective waits at most ``$TINYFORMER_DIS
 from __future__ import annotations
 
 import atexit
-import contextlib
-import dataclasses
 import datetime
 import functools
 import os
@@ -42,13 +40,15 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from tinyformer.errors import ConfigError, TinyformerError
-from tinyformer.training.trainer import Trainer
+
+if TYPE_CHECKING:
+    from tinyformer.training.trainer import Trainer
 
 #: Methods of a model that objectives call instead of ``forward`` (e.g. ``model.loss(x, y)``); the
 #: wrappers treat them as forward passes so gradients still synchronise and shards still gather.
@@ -126,7 +126,7 @@ def barrier() -> None:
 # ---------------------------------------------------------------------------- wrappers
 
 
-class _DDP(nn.parallel.DistributedDataParallel):
+class MethodDDP(nn.parallel.DistributedDataParallel):
     """DDP that also runs the module's :data:`FORWARD_METHODS` as forward passes.
 
     DDP synchronises gradients of what runs through its ``forward``; an objective that calls
@@ -155,7 +155,7 @@ class _DDP(nn.parallel.DistributedDataParallel):
             module.__dict__.pop("forward", None)
 
 
-def _lockstep(batches: Iterable[Any], device: torch.device) -> Iterator[Any]:
+def lockstep(batches: Iterable[Any], device: torch.device) -> Iterator[Any]:
     """Yield ``batches`` while every rank still has one, so that all ranks run the same number of
     forward passes (each forward of a sharded model is a collective; ranks' shards may hold one
     window more or less)."""
@@ -171,181 +171,72 @@ def _lockstep(batches: Iterable[Any], device: torch.device) -> Iterator[Any]:
         yield batch
 
 
-# ---------------------------------------------------------------------------- the trainer
+# ---------------------------------------------------------------------------- what the trainer calls under torchrun
 
 
-class DistributedTrainer(Trainer):
-    """The :class:`Trainer` on one or many ranks, wrapping the model in DDP or FSDP2 (``train.parallel``).
+def fully_shard_model(trainer: Trainer, model: nn.Module) -> nn.Module:
+    """FSDP2: each transformer ``Block`` of the model's layer stacks is one unit of all-gather /
+    reduce-scatter; the root holds the rest (embeddings, final norm, head, and layers that are reached
+    other than through their forward, such as a seq2seq decoder layer's cross-attention projections).
+    Weights are sharded in place: ``model`` becomes the sharded module."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    Without a process group (a plain ``tinyformer train``) it is the single-process trainer plus the GPU
-    set-up (TF32, a compile warm-up outside the timings); under torchrun it adds the wrapping, sums of the
-    logged figures over ranks, consolidated checkpoints and per-rank random streams.
-    """
+    if trainer.amp_dtype == torch.float16:
+        raise ConfigError("train.dtype float16 needs a gradient scaler that FSDP shards do not share; "
+                          "with train.parallel=fsdp use bfloat16 (or float32), or use parallel=ddp")
+    mesh = init_device_mesh(trainer.device.type, (trainer.world_size,))
+    policy = MixedPrecisionPolicy()
+    if trainer.amp_dtype == torch.bfloat16 and trainer.device.type == "cuda":
+        # gather and compute in bf16, average gradients in fp32; the fp32 shards stay the master weights
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    from tinyformer.components.block import Block
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        import torch.distributed as dist
+    layers = [layer for stack in model.children() if isinstance(stack, nn.ModuleList) for layer in stack
+              if isinstance(layer, Block)]
+    for block in layers:
+        if trainer.cfg.compile:
+            block.compile()  # per block, in place: state-dict names are unchanged
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for name in FORWARD_METHODS:
+        if hasattr(model, name):
+            register_fsdp_forward_method(model, name)
+    return model
 
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self._ddp: _DDP | None = None
-        super().__init__(*args, **kwargs)
-        if self.device.type == "cuda":
-            from tinyformer.training.device import enable_tf32
 
-            enable_tf32()
-        if self.distributed and self.world_size != dist.get_world_size():
-            raise ConfigError(f"world_size {self.world_size} does not match the process group's "
-                              f"{dist.get_world_size()}")
+def gather_rank_rng(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every rank's random streams (dropout and the data sampler), gathered on rank 0 (a collective)."""
+    import torch.distributed as dist
 
-    @property
-    def sharded(self) -> bool:
-        return self.distributed and self.cfg.parallel == "fsdp"
+    states = {"torch": torch.get_rng_state(), "data": trainer.data_generator.get_state()}
+    if trainer.device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(trainer.device)
+    gathered: list[Any] = [None] * trainer.world_size
+    dist.all_gather_object(gathered, states)
+    return {f"rng.rank.{rank}.{key}": value.cpu() for rank, states in enumerate(gathered)
+            for key, value in states.items()}
 
-    # ------------------------------------------------------------------ wrapping
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        if not self.distributed:
-            return super().wrap_model(model)
-        if self.cfg.parallel == "fsdp":
-            return self._fully_shard(model)
-        device_ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
-            if self.device.type == "cuda" else None
-        # a decoder LM's loss uses every parameter; others may not (BERT's pooler in masked-LM training),
-        # and DDP must then look for the unused ones after each forward (a graph walk; off where unneeded)
-        self._ddp = _DDP(model, device_ids=device_ids, find_unused_parameters=self.model_cfg.arch != "decoder")
-        # compiling the DDP module lets the compiler split graphs at gradient-bucket boundaries
-        return torch.compile(self._ddp) if self.cfg.compile else self._ddp
 
-    def training_loss(self):  # -> LossFn
-        # under torchrun the wrapped module is what is compiled (wrap_model): the loss calls it as it is
-        return self.objective.loss if self.distributed else super().training_loss()
+def restore_rank_rng(trainer: Trainer, ckpt_dir: Path) -> None:
+    """This rank's own streams when the checkpoint has them for this world size; else derived ones."""
+    from safetensors import safe_open
 
-    def _fully_shard(self, model: nn.Module) -> nn.Module:
-        """FSDP2: each transformer ``Block`` of the model's layer stacks is one unit of all-gather /
-        reduce-scatter; the root holds the rest (embeddings, final norm, head, and layers that are reached
-        other than through their forward, such as a seq2seq decoder layer's cross-attention projections).
-        Weights are sharded in place: ``model`` becomes the sharded module."""
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from tinyformer.training.checkpoint import OPTIM_FILE, read_meta
 
-        if self.amp_dtype == torch.float16:
-            raise ConfigError("train.dtype float16 needs a gradient scaler that FSDP shards do not share; "
-                              "with train.parallel=fsdp use bfloat16 (or float32), or use parallel=ddp")
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
-        policy = MixedPrecisionPolicy()
-        if self.amp_dtype == torch.bfloat16 and self.device.type == "cuda":
-            # gather and compute in bf16, average gradients in fp32; the fp32 shards stay the master weights
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        from tinyformer.components.block import Block
-
-        layers = [layer for stack in model.children() if isinstance(stack, nn.ModuleList) for layer in stack
-                  if isinstance(layer, Block)]
-        for block in layers:
-            if self.cfg.compile:
-                block.compile()  # per block, in place: state-dict names are unchanged
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        for name in FORWARD_METHODS:
-            if hasattr(model, name):
-                register_fsdp_forward_method(model, name)
-        return model
-
-    def sync_context(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
-        if self._ddp is not None and not last_micro_step:
-            return self._ddp.no_sync()  # accumulate locally; all-reduce once, on the last micro-step
-        return contextlib.nullcontext()
-
-    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        if not self.distributed:
-            return value
-        import torch.distributed as dist
-
-        total = value.detach().clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return total
-
-    # ------------------------------------------------------------------ evaluation on sharded weights
-    def eval_batches(self, split: str) -> Iterator[Any]:
-        batches = super().eval_batches(split)
-        return _lockstep(batches, self.device) if self.sharded else batches
-
-    def draw_sample(self) -> str | None:
-        if not self.sharded:
-            return super().draw_sample()
-        # every rank takes part in the forward passes (each gathers shards); the same seed gives
-        # every rank the same tokens, so they stop together; rank 0 keeps the text
-        sample = self.objective.sample(self.model, self.device)
-        return sample if self.is_main else None
-
-    # ------------------------------------------------------------------ checkpoints
-    def checkpoint_states(self) -> dict[str, Any]:
-        """Consolidated weights and optimizer state plus every rank's random streams, gathered on rank 0
-        (a collective: every rank calls it). Without a process group the model is whole: as Trainer does."""
-        if not self.distributed:
-            return super().checkpoint_states()
-        return {"model_state": full_model_state(self.model), "optimizer_state": full_optimizer_state(self),
-                "extra_tensors": self._gather_rank_rng()}
-
-    def state_loaders(self) -> dict[str, Any]:
-        if not self.distributed:
-            return super().state_loaders()
-        return {"assign_weights": functools.partial(load_full_model_state, self.model),
-                "assign_optimizer": functools.partial(load_full_optimizer_state, self)}
-
-    def restore(self, ckpt_dir: Path) -> None:
-        super().restore(ckpt_dir)
-        if self.distributed:
-            self._restore_rank_rng(Path(ckpt_dir))
-
-    def _gather_rank_rng(self) -> dict[str, torch.Tensor]:
-        import torch.distributed as dist
-
-        states = {"torch": torch.get_rng_state(), "data": self.data_generator.get_state()}
-        if self.device.type == "cuda":
-            states["cuda"] = torch.cuda.get_rng_state(self.device)
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, states)
-        return {f"rng.rank.{rank}.{key}": value.cpu() for rank, states in enumerate(gathered)
-                for key, value in states.items()}
-
-    def _restore_rank_rng(self, ckpt_dir: Path) -> None:
-        """This rank's own streams when the checkpoint has them for this world size; else derived ones."""
-        from safetensors import safe_open
-
-        from tinyformer.training.checkpoint import OPTIM_FILE, read_meta
-
-        saved_world = int(read_meta(ckpt_dir)["trainer"].get("world_size", 1))
-        prefix = f"rng.rank.{self.rank}."
-        with safe_open(str(ckpt_dir / OPTIM_FILE), framework="pt") as f:
-            own = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
-        if saved_world == self.world_size and "torch" in own:
-            torch.set_rng_state(own["torch"])
-            self.data_generator.set_state(own["data"])
-            if "cuda" in own and self.device.type == "cuda":
-                torch.cuda.set_rng_state(own["cuda"], self.device)
-            return
-        # Another world size: the data sampler restored from rank 0 is what every rank holds (all
-        # start from one seed and draw in lockstep); dropout gets a fresh stream per (rank, step).
-        torch.manual_seed(self.cfg.seed + self.rank + 1_000_003 * self.step)
-
-    # ------------------------------------------------------------------ the loop
-    def fit(self):  # -> TrainSummary
-        if self.cfg.compile and not self.compile_skipped and self.step < self.cfg.max_steps:
-            self._log(None, f"compiled in {self.warm_up():.1f} s (warm-up, not counted in the timings)")
-        return super().fit()
-
-    def warm_up(self) -> float:
-        """One forward and backward on a throw-away batch, so that compilation happens here and not in the
-        first timed step. Random streams are forked and gradients discarded: training is unchanged."""
-        from tinyformer.training.device import Timer
-
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        with Timer(self.device) as timer, torch.random.fork_rng(devices=devices):
-            batch = self._to_device(self.objective.get_batch("train", torch.Generator().manual_seed(0),
-                                                             self.rank, self.world_size))
-            with self.autocast():
-                loss = self.loss_fn(self.train_model, batch)
-            loss.backward()
-            self.optimizer.zero_grad(set_to_none=True)
-        return timer.seconds
+    saved_world = int(read_meta(ckpt_dir)["trainer"].get("world_size", 1))
+    prefix = f"rng.rank.{trainer.rank}."
+    with safe_open(str(ckpt_dir / OPTIM_FILE), framework="pt") as f:
+        own = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+    if saved_world == trainer.world_size and "torch" in own:
+        torch.set_rng_state(own["torch"])
+        trainer.data_generator.set_state(own["data"])
+        if "cuda" in own and trainer.device.type == "cuda":
+            torch.cuda.set_rng_state(own["cuda"], trainer.device)
+        return
+    # Another world size: the data sampler restored from rank 0 is what every rank holds (all
+    # start from one seed and draw in lockstep); dropout gets a fresh stream per (rank, step).
+    torch.manual_seed(trainer.cfg.seed + trainer.rank + 1_000_003 * trainer.step)
 
 
 # ---------------------------------------------------------------------------- consolidated state
@@ -413,37 +304,6 @@ def load_full_optimizer_state(trainer: Trainer, state: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------- runs and launching
-
-
-def prepare_distributed_run(spec: Any):  # -> runner.PreparedRun
-    """``runner.prepare_run`` for every rank of a job (or a single process).
-
-    Rank 0 resolves the run folder and prepares it (tokenizer, token cache, train.yaml, config.json) while
-    the others wait; they then open it as a resume does (or, for a resume, resolve the same request), so
-    every rank trains the same resolved config with the same tokenizer, and nothing is written twice.
-    """
-    import torch.distributed as dist
-
-    from tinyformer.training.runner import RunSpec, default_run_dir, prepare_run
-
-    ctx = init_distributed()
-    if ctx.world_size == 1:
-        return prepare_run(spec, make_trainer=DistributedTrainer)
-    box = [str(spec.out or default_run_dir()) if ctx.is_main else None]
-    dist.broadcast_object_list(box, src=0)  # rank 0's run folder, on every rank
-    out = box[0]
-    if ctx.is_main:
-        def rank0_trainer(*args: Any, **kwargs: Any) -> DistributedTrainer:
-            barrier()  # the run folder is ready: let the other ranks open it
-            return DistributedTrainer(*args, **kwargs)
-
-        return prepare_run(dataclasses.replace(spec, out=out), rank=0, world_size=ctx.world_size,
-                           make_trainer=rank0_trainer)
-    barrier()
-    # A new run: open what rank 0 wrote. A resume: resolve the same request as rank 0 (which writes the
-    # resolved train.yaml only once its checkpoint has loaded, after this barrier).
-    own = dataclasses.replace(spec, out=out) if spec.resume else RunSpec(out=out, resume=True)
-    return prepare_run(own, rank=ctx.rank, world_size=ctx.world_size, make_trainer=DistributedTrainer)
 
 
 def _run_command(args: Any) -> int:

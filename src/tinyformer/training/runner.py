@@ -18,8 +18,8 @@ Crash safety (every state a ``kill -9`` can leave is either complete or resumabl
     resume        validates everything first (configs, tokenizer, the checkpoint's files and checksums) and
                   writes nothing until then; it then republishes the run folder's files from the latest
                   checkpoint, which stores copies of them (train.yaml, config.json, tokenizer files, weights
-                  and their manifest, loss.png once the run is complete), so files a crash left stale or a
-                  user deleted come back
+                  and their manifest; loss.png and report.md are redrawn once the run is complete), so files
+                  a crash left stale or a user deleted come back
     interrupted   with nothing trained yet (Ctrl-C before the first step), :func:`discard_untrained` removes
                   the files this run created
 """
@@ -27,6 +27,7 @@ Crash safety (every state a ``kill -9`` can leave is either complete or resumabl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -204,10 +205,8 @@ def _remove_stale_staging(run_dir: Path) -> None:
 
 
 def _create_run(run_dir: Path, files: dict[str, bytes], force: bool) -> bool:
-    """Write a new run's first files; returns True when the folder itself was created (or was empty).
-
-    A new or empty folder is built complete in a hidden sibling and renamed into place (atomic); with
-    ``force`` the previous run files are deleted and the new ones written one by one, train.yaml last."""
+    """Write a new run's first files as the module docstring's "creation" says; returns True when the folder
+    itself was created (or was empty)."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(run_dir)
     if run_dir.is_dir() and any(run_dir.iterdir()):
@@ -243,10 +242,8 @@ def discard_untrained(run_dir: Path, created: bool) -> None:
 
 
 def publish_resumed(trainer: Trainer, latest: Path | None, files: dict[str, bytes]) -> None:
-    """Bring the run folder of a resumed run up to its latest checkpoint: every published file (train.yaml,
-    config.json, tokenizer files, weights and manifest, loss.png and report.md when the run is complete) is
-    rewritten if it differs or is missing; logs after the checkpoint's step are dropped. Called only after
-    every check passed."""
+    """Bring the run folder of a resumed run up to its latest checkpoint (the module docstring's "resume"):
+    a published file is rewritten if it differs or is missing; logs after the checkpoint's step are dropped."""
     run_dir = trainer.run_dir
     remove_partial(run_dir)
     if latest is not None:
@@ -271,8 +268,7 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
                 log: Callable[[str], None] = print, make_trainer: Callable[..., Trainer] = Trainer) -> PreparedRun:
     """Resolve configs, set up the run folder, tokenizer and data; return a trainer ready to ``fit()``.
 
-    ``make_trainer`` builds the trainer (called with Trainer's arguments) once the run folder is ready;
-    training/distributed.py passes its DistributedTrainer."""
+    ``make_trainer`` builds the trainer (called with Trainer's arguments) once the run folder is ready."""
     from tinyformer.training.prepare import (
         build_dataset,
         check_sample_prompt,
@@ -411,3 +407,34 @@ def prepare_run(spec: RunSpec, *, rank: int = 0, world_size: int = 1,
         notes.append(f"data: {len(dataset):,} tokens ({n_train:,} train / {n_val:,} val) from {corpus_name(train)}")
     return PreparedRun(trainer, run_dir, tokenizer, latest, notes, created=created, fresh=not spec.resume,
                        schedule_source=schedule_source)
+
+
+def prepare_distributed_run(spec: RunSpec) -> PreparedRun:
+    """:func:`prepare_run` for every rank of a job (or a single process; training/distributed.py).
+
+    Rank 0 resolves the run folder and prepares it (tokenizer, token cache, train.yaml, config.json) while
+    the others wait; they then open it as a resume does (or, for a resume, resolve the same request), so
+    every rank trains the same resolved config with the same tokenizer, and nothing is written twice.
+    """
+    import torch.distributed as dist
+
+    from tinyformer.training.distributed import barrier, init_distributed
+
+    ctx = init_distributed()
+    if ctx.world_size == 1:
+        return prepare_run(spec)
+    box = [str(spec.out or default_run_dir()) if ctx.is_main else None]
+    dist.broadcast_object_list(box, src=0)  # rank 0's run folder, on every rank
+    out = box[0]
+    if ctx.is_main:
+        def rank0_trainer(*args: Any, **kwargs: Any) -> Trainer:
+            barrier()  # the run folder is ready: let the other ranks open it
+            return Trainer(*args, **kwargs)
+
+        return prepare_run(dataclasses.replace(spec, out=out), rank=0, world_size=ctx.world_size,
+                           make_trainer=rank0_trainer)
+    barrier()
+    # A new run: open what rank 0 wrote. A resume: resolve the same request as rank 0 (which writes the
+    # resolved train.yaml only once its checkpoint has loaded, after this barrier).
+    own = dataclasses.replace(spec, out=out) if spec.resume else RunSpec(out=out, resume=True)
+    return prepare_run(own, rank=ctx.rank, world_size=ctx.world_size)

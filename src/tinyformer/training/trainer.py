@@ -11,17 +11,17 @@ One optimizer step (update t) of a run on ``world_size`` ranks:
 
 so each update sees the *global* batch of B * A * world_size sequences. Only rank 0 logs and writes.
 
-Extension points for other training setups (distributed data parallel, other objectives):
-``wrap_model`` (compile / DDP / FSDP wrapping), ``sync_context`` (skip the gradient all-reduce on
-all but the last micro-step), ``reduce_sum`` (sum evaluation figures over ranks), ``eval_batches`` and
-``draw_sample`` (evaluation on sharded weights), ``checkpoint_states`` / ``state_loaders`` (consolidated
-checkpoints); training/distributed.py implements them. The objective
-(training/objectives/) owns batches, loss and the model's config.
+Under torchrun (a process group exists) the same loop runs on every rank with the model wrapped in DDP or
+FSDP2 (``wrap_model``; training/distributed.py): ``sync_context`` skips the gradient all-reduce on all but
+the last micro-step, ``reduce_sum`` sums figures over ranks, ``eval_batches`` and ``draw_sample`` keep the
+ranks of a sharded model in step, ``checkpoint_states`` / ``state_loaders`` consolidate checkpoints. The
+objective (training/objectives/) owns batches, loss and the model's config.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 import shutil
@@ -37,7 +37,7 @@ from torch import nn
 
 from tinyformer.config import ModelConfig
 from tinyformer.devices import autocast_dtype, resolve_device
-from tinyformer.errors import CheckpointError, TinyformerError
+from tinyformer.errors import CheckpointError, ConfigError, TinyformerError
 from tinyformer.models import build_model
 from tinyformer.run_folder import ADAPTER_WEIGHTS
 from tinyformer.sizing import training_flops_per_token
@@ -48,7 +48,7 @@ from tinyformer.training.checkpoint import (
     load_weights,
     save_checkpoint,
 )
-from tinyformer.training.device import device_peak_flops, synchronize
+from tinyformer.training.device import Timer, device_peak_flops, enable_tf32, synchronize
 from tinyformer.training.metrics import MetricsLogger, RunningWindow, read_metrics
 from tinyformer.training.objectives import Objective
 from tinyformer.training.optim import build_optimizer, lr_at
@@ -106,11 +106,15 @@ class Trainer:
     """Trains ``objective``'s model with the settings of ``cfg``, writing into ``run_dir`` (rank 0).
 
     ``model`` is the plain module (what is saved); ``train_model`` is what the loop calls, the
-    result of :meth:`wrap_model` (compiled, or wrapped for distributed training).
+    result of :meth:`wrap_model` (wrapped for distributed training, and compiled).
     """
 
     def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, objective: Objective, run_dir: Path,
                  *, rank: int = 0, world_size: int = 1) -> None:
+        import torch.distributed as dist
+
+        self.distributed = dist.is_available() and dist.is_initialized()  # under torchrun
+        self._ddp: Any = None  # the DDP wrapper (training/distributed.py), under torchrun with parallel=ddp
         self.model_cfg, self.cfg, self.objective, self.run_dir = model_cfg, cfg, objective, Path(run_dir)
         self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
         if cfg.threads:
@@ -150,20 +154,39 @@ class Trainer:
         self.builtin_task_scorer: Callable[[Path, Any, Any], object] | None = None
         # asked to stop (Ctrl-C / SIGTERM, interrupt.py): the loop saves and returns after the current step
         self.stop_request: Any = None
-        self.flops_per_token = (training_flops_per_token(model_cfg, cfg.block_size)
-                                if model_cfg.arch == "decoder" and cfg.block_size is not None else None)
+        self.flops_per_token = self._flops_per_token()
         # MFU's peak: a known GPU's dense bf16/fp16 figure (training/device.py); none on CPU or in float32
         self.peak_flops = cfg.peak_flops or (device_peak_flops(self.device) if self.amp_dtype is not None else None)
         self.metrics = MetricsLogger(self.run_dir, enabled=self.is_main, tensorboard=cfg.tensorboard)
         objective.attach(self.model)
+        if self.device.type == "cuda":
+            enable_tf32()
+        if self.distributed and self.world_size != dist.get_world_size():
+            raise ConfigError(f"world_size {self.world_size} does not match the process group's "
+                              f"{dist.get_world_size()}")
 
-    # ------------------------------------------------------------------ extension points
+    # ------------------------------------------------------------------ one process or many
+    @property
+    def sharded(self) -> bool:
+        return self.distributed and self.cfg.parallel == "fsdp"
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        """The module the training loop calls; override to wrap for DDP/FSDP.
+        """The module the training loop calls: under torchrun wrapped in DDP or sharded by FSDP2
+        (``train.parallel``); on one process the model as it is, ``compile`` compiling the training loss
+        instead (:meth:`training_loss`)."""
+        if not self.distributed:
+            return model
+        from tinyformer.training.distributed import MethodDDP, fully_shard_model
 
-        On one process the model is called as it is; ``compile`` compiles the training loss instead
-        (:meth:`training_loss`)."""
-        return model
+        if self.cfg.parallel == "fsdp":
+            return fully_shard_model(self, model)
+        device_ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
+            if self.device.type == "cuda" else None
+        # a decoder LM's loss uses every parameter; others may not (BERT's pooler in masked-LM training),
+        # and DDP must then look for the unused ones after each forward (a graph walk; off where unneeded)
+        self._ddp = MethodDDP(model, device_ids=device_ids, find_unused_parameters=self.model_cfg.arch != "decoder")
+        # compiling the DDP module lets the compiler split graphs at gradient-bucket boundaries
+        return torch.compile(self._ddp) if self.cfg.compile else self._ddp
 
     def training_loss(self) -> LossFn:
         """What a micro-step calls: ``objective.loss(train_model, batch)``.
@@ -172,8 +195,9 @@ class Trainer:
         one forward graph and one backward graph, so that the compiler fuses the elementwise passes between
         the matrix products (norms, RoPE, the SwiGLU gate, residual adds, the log-softmax) across layers.
         On a CPU with windows of at most ``MATH_ATTENTION_MAX_LEN`` tokens, attention inside it is SDPA's math
-        backend (:func:`compiled_loss`). Evaluation stays eager."""
-        if not self.cfg.compile:
+        backend (:func:`compiled_loss`). Evaluation stays eager. Under torchrun the wrapped module is what
+        is compiled (:meth:`wrap_model`): the loss calls it as it is."""
+        if not self.cfg.compile or self.distributed:
             return self.objective.loss
         from tinyformer.generation.engine import cpp_compiler
 
@@ -185,29 +209,58 @@ class Trainer:
         return compiled_loss(self.objective.loss, math_attention=self.device.type == "cpu" and short)
 
     def sync_context(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
-        """Context of one micro-step's backward; DDP returns ``no_sync()`` unless it is the last one."""
+        """Context of one micro-step's backward: DDP's ``no_sync()`` unless it is the last one."""
+        if self._ddp is not None and not last_micro_step:
+            return self._ddp.no_sync()  # accumulate locally; all-reduce once, on the last micro-step
         return contextlib.nullcontext()
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum of ``value`` over ranks (identity on one rank)."""
-        return value
+        """Sum of ``value`` over ranks (identity on one process)."""
+        if not self.distributed:
+            return value
+        import torch.distributed as dist
+
+        total = value.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total
 
     def eval_batches(self, split: str) -> Iterator[dict[str, Any]]:
-        """This rank's evaluation batches of ``split`` (a sharded model needs as many on every rank)."""
-        return self.objective.eval_batches(split, self.cfg.eval_iters or None, self.rank, self.world_size)
+        """This rank's evaluation batches of ``split`` (a sharded model runs as many on every rank)."""
+        batches = self.objective.eval_batches(split, self.cfg.eval_iters or None, self.rank, self.world_size)
+        if not self.sharded:
+            return batches
+        from tinyformer.training.distributed import lockstep
+
+        return lockstep(batches, self.device)
 
     def draw_sample(self) -> str | None:
-        """The sample text written at an evaluation, on rank 0 (a sharded model needs every rank to draw it)."""
-        return self.objective.sample(self.model, self.device) if self.is_main else None
+        """The sample text written at an evaluation, on rank 0. With a sharded model every rank takes part in the
+        forward passes (each gathers shards); the same seed gives every rank the same tokens, so they stop together."""
+        if not (self.is_main or self.sharded):
+            return None
+        sample = self.objective.sample(self.model, self.device)
+        return sample if self.is_main else None
 
     def checkpoint_states(self) -> dict[str, Any]:
-        """Keyword arguments for ``save_checkpoint``, computed on every rank before rank 0 writes (a sharded
-        model gathers its consolidated state here); for a model held whole, none (a LoRA model: its adapters)."""
+        """Keyword arguments for ``save_checkpoint``, computed on every rank before rank 0 writes: under torchrun
+        the consolidated weights and optimizer state plus every rank's random streams, gathered on rank 0 (a
+        collective); for a model held whole, none (a LoRA model: its adapters)."""
+        if self.distributed:
+            from tinyformer.training.distributed import full_model_state, full_optimizer_state, gather_rank_rng
+
+            return {"model_state": full_model_state(self.model), "optimizer_state": full_optimizer_state(self),
+                    "extra_tensors": gather_rank_rng(self)}
         return {"model_state": self._adapters()} if self.lora is not None else {}
 
     def state_loaders(self) -> dict[str, Any]:
-        """Keyword arguments for ``load_checkpoint`` (``assign_weights``, ``assign_optimizer``, ``own_weights``);
-        for a model held whole, none (a LoRA model: its adapters are what a checkpoint holds)."""
+        """Keyword arguments for ``load_checkpoint``: under torchrun ``assign_weights`` / ``assign_optimizer``,
+        which re-shard the consolidated state; for a model held whole, none (a LoRA model: ``own_weights``, its
+        adapters are what a checkpoint holds)."""
+        if self.distributed:
+            from tinyformer.training.distributed import load_full_model_state, load_full_optimizer_state
+
+            return {"assign_weights": functools.partial(load_full_model_state, self.model),
+                    "assign_optimizer": functools.partial(load_full_optimizer_state, self)}
         return {"own_weights": self._adapters()} if self.lora is not None else {}
 
     def _adapters(self) -> dict[str, torch.Tensor]:
@@ -216,6 +269,11 @@ class Trainer:
         return adapter_state_dict(self.model)
 
     # ------------------------------------------------------------------ helpers
+    def _flops_per_token(self) -> int | None:
+        if self.model_cfg.arch != "decoder" or self.cfg.block_size is None:
+            return None
+        return training_flops_per_token(self.model_cfg, self.cfg.block_size)
+
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.amp_dtype is None:
             return contextlib.nullcontext()
@@ -243,6 +301,10 @@ class Trainer:
         self.window = RunningWindow.from_dict(state.get("window"))
         self.objective.load_state(state.get("objective"))
         self.last_checkpoint = ckpt_dir
+        if self.distributed:
+            from tinyformer.training.distributed import restore_rank_rng
+
+            restore_rank_rng(self, Path(ckpt_dir))
 
     def forget_after(self, step: int) -> None:
         """Drop metrics and samples logged after ``step`` by an interrupted run (they will be redone)."""
@@ -376,10 +438,12 @@ class Trainer:
         """Train until ``max_steps``: log every ``log_interval``, evaluate (val loss, sample) every
         ``eval_interval``, checkpoint every ``checkpoint_interval`` and at the end. When ``stop_request`` is
         set (Ctrl-C, training/interrupt.py) it checkpoints the current step and returns early, the summary's
-        ``interrupted`` naming the signal."""
+        ``interrupted`` naming the signal. With ``compile``, a warm-up step compiles first (:meth:`warm_up`)."""
         from tqdm.auto import tqdm
 
         cfg = self.cfg
+        if cfg.compile and not self.compile_skipped and self.step < cfg.max_steps:
+            self._log(None, f"compiled in {self.warm_up():.1f} s (warm-up, not counted in the timings)")
         self.model.train()
         pbar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                     disable=not (self.is_main and cfg.progress))
@@ -412,6 +476,19 @@ class Trainer:
         losses = [r["loss"] for r in records if r.get("kind") == "train"]
         return TrainSummary(self.step, self.tokens_seen, self.train_seconds, losses[-1] if losses else None, val_loss,
                             sample, plot_note, interrupted)
+
+    def warm_up(self) -> float:
+        """One forward and backward on a throw-away batch, so that compilation happens here and not in the
+        first timed step. Random streams are forked and gradients discarded: training is unchanged."""
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with Timer(self.device) as timer, torch.random.fork_rng(devices=devices):
+            batch = self._to_device(self.objective.get_batch("train", torch.Generator().manual_seed(0),
+                                                             self.rank, self.world_size))
+            with self.autocast():
+                loss = self.loss_fn(self.train_model, batch)
+            loss.backward()
+            self.optimizer.zero_grad(set_to_none=True)
+        return timer.seconds
 
     def advance(self, pbar: Any = None) -> None:
         """One step of :meth:`fit`'s loop without its evaluations and checkpoints: the update, the running
