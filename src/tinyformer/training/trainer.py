@@ -12,10 +12,8 @@ One optimizer step (update t) of a run on ``world_size`` ranks:
 so each update sees the *global* batch of B * A * world_size sequences. Only rank 0 logs and writes.
 
 Under torchrun (a process group exists) the same loop runs on every rank with the model wrapped in DDP or
-FSDP2 (``wrap_model``; training/distributed.py): ``sync_context`` skips the gradient all-reduce on all but
-the last micro-step, ``reduce_sum`` sums figures over ranks, ``eval_batches`` and ``draw_sample`` keep the
-ranks of a sharded model in step, ``checkpoint_states`` / ``state_loaders`` consolidate checkpoints. The
-objective (training/objectives/) owns batches, loss and the model's config.
+FSDP2 (training/distributed.py); the methods under "one process or many" are where the two cases differ.
+The objective (training/objectives/) owns batches, loss and the model's config.
 """
 
 from __future__ import annotations
