@@ -16,7 +16,7 @@ time, so the event loop keeps answering.
 
 An encoder run is served by :func:`create_encoder_app`: these routes, the playground (its
 sentence-similarity view), ``/props``, ``/v1/models`` and ``/health``,
-behind the same guard and error shapes as the decoder app (:func:`install_common`, which also answers
+behind the same guard and error shapes as the decoder app (:func:`new_app`, which also answers
 ``GET /v1/models`` with the context length); the generation routes answer 400 there.
 """
 
@@ -42,7 +42,7 @@ from tinyformer.serve.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard, is_loop
 from tinyformer.serve.protocol import APIError
 from tinyformer.serve.server import Server, check_token_ids
 
-__all__ = ["EncoderServer", "add_token_routes", "create_encoder_app", "install_common"]
+__all__ = ["EncoderServer", "add_token_routes", "create_encoder_app", "new_app"]
 
 log = logging.getLogger("tinyformer.serve")
 
@@ -56,11 +56,14 @@ def _static(name: str) -> str:
     return resources.files("tinyformer.serve").joinpath("static", name).read_text(encoding="utf-8")
 
 
-def install_common(app: FastAPI, server: Server, *, max_body_bytes: int, bind_host: str,
-                   allowed_origins: tuple[str, ...], body_timeout: float | None = DEFAULT_HEADER_TIMEOUT) -> None:
-    """What every served app has: the request guard, the OpenAI-shaped error answers, the playground
-    (GET /, /static/<name>, and GET /props, what it reads of the server) and GET /v1/models (the one model
-    served, with its context length)."""
+def new_app(server: Server, *, max_body_bytes: int, bind_host: str, allowed_origins: tuple[str, ...],
+            body_timeout: float | None = DEFAULT_HEADER_TIMEOUT, lifespan: Any = None) -> FastAPI:
+    """The FastAPI app of ``server`` (``app.state.server``) with what every served run has: the request guard,
+    the OpenAI-shaped error answers, the playground (GET /, /static/<name>, and GET /props, what it reads of
+    the server), GET /v1/models (the one model served, with its context length), GET /health (with the
+    scheduler's counters where there is one) and the token routes (:func:`add_token_routes`)."""
+    app = FastAPI(title="tinyformer", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app.state.server = server
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, local_only=server.api_key is None,
                        bound_to_loopback=is_loopback_host(bind_host), allowed_origins=allowed_origins,
                        body_timeout=body_timeout)
@@ -118,6 +121,14 @@ def install_common(app: FastAPI, server: Server, *, max_body_bytes: int, bind_ho
         server.authorize(request)
         server.check_model(model_id)
         return P.model_card(server.model_name, server.created, server.context)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        stats = {} if isinstance(server, EncoderServer) else server.scheduler.stats()
+        return {"status": "ok", "model": server.model_name, **stats}
+
+    add_token_routes(app, server)
+    return app
 
 
 class EncoderServer(Server):
@@ -221,13 +232,7 @@ def create_encoder_app(model: Any, tokenizer: Any, *, model_name: str, api_key: 
     ``max_len`` caps the tokens a text keeps (default: the model's limit); ``app.state.server`` is the
     :class:`EncoderServer`."""
     server = EncoderServer(model, tokenizer, model_name=model_name, api_key=api_key, max_len=max_len)
-    app = FastAPI(title="tinyformer", version="0.1.0", docs_url="/docs", redoc_url=None)
-    app.state.server = server
-    install_common(app, server, max_body_bytes=max_body_bytes, bind_host=bind_host, allowed_origins=allowed_origins)
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": server.model_name}
+    app = new_app(server, max_body_bytes=max_body_bytes, bind_host=bind_host, allowed_origins=allowed_origins)
 
     @app.post("/v1/completions")
     @app.post("/v1/chat/completions")
@@ -236,5 +241,4 @@ def create_encoder_app(model: Any, tokenizer: Any, *, model_name: str, api_key: 
         raise APIError(400, f"'{server.model_name}' is an encoder: it embeds text and does not generate it; "
                             "use POST /v1/embeddings")
 
-    add_token_routes(app, server)
     return app
