@@ -45,7 +45,7 @@ from tinyformer.serve.structured import (
     response_grammar,
     tool_setup,
 )
-from tinyformer.serve.tokens_embeddings import create_encoder_app, new_app
+from tinyformer.serve.tokens_embeddings import EncoderServer, new_app
 
 __all__ = ["Server", "create_app"]
 
@@ -101,7 +101,9 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
                template_timeout: float = DEFAULT_TIMEOUT_S,
                body_timeout: float | None = DEFAULT_HEADER_TIMEOUT,
                speculative: Any = None, draft_model: Any = None) -> FastAPI:
-    """The FastAPI app serving ``model`` (a decoder LM, eval mode) with ``tokenizer``.
+    """The FastAPI app serving ``model`` (a decoder LM, eval mode) with ``tokenizer``; an encoder's app
+    (:class:`~tinyformer.serve.tokens_embeddings.EncoderServer`) embeds and tokenizes, ``max_len`` capping the
+    tokens a text keeps (default: the model's limit).
 
     The scheduler thread starts with the app (lifespan) and stops with it. ``app.state.server`` is the
     :class:`Server` (its ``scheduler`` has the slot counters). Every request passes
@@ -115,8 +117,17 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
     default, which a request's ``"speculative"`` field overrides; ``draft_model`` serves method "draft".
     """
     if model.cfg.arch == "encoder":  # embeddings and tokens, no generation
-        return create_encoder_app(model, tokenizer, model_name=model_name, api_key=api_key, max_len=max_len,
-                                  max_body_bytes=max_body_bytes, bind_host=bind_host, allowed_origins=allowed_origins)
+        encoder = EncoderServer(model, tokenizer, model_name=model_name, api_key=api_key, max_len=max_len)
+        app = new_app(encoder, max_body_bytes=max_body_bytes, bind_host=bind_host, allowed_origins=allowed_origins)
+
+        @app.post("/v1/completions")
+        @app.post("/v1/chat/completions")
+        async def no_generation(request: Request) -> None:
+            encoder.authorize(request)
+            raise APIError(400, f"'{encoder.model_name}' is an encoder: it embeds text and does not generate it; "
+                                "use POST /v1/embeddings")
+
+        return app
     server = Server(model, tokenizer, model_name=model_name, max_batch=max_batch, max_queue=max_queue,
                     request_timeout=request_timeout, api_key=api_key, max_len=max_len, compile=compile,
                     prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb, template_timeout=template_timeout,
