@@ -118,7 +118,8 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
     """
     if model.cfg.arch == "encoder":  # embeddings and tokens, no generation
         encoder = EncoderServer(model, tokenizer, model_name=model_name, api_key=api_key, max_len=max_len)
-        app = new_app(encoder, max_body_bytes=max_body_bytes, bind_host=bind_host, allowed_origins=allowed_origins)
+        app = new_app(encoder, max_body_bytes=max_body_bytes, bind_host=bind_host, allowed_origins=allowed_origins,
+                      body_timeout=body_timeout)
 
         @app.post("/v1/completions")
         @app.post("/v1/chat/completions")
