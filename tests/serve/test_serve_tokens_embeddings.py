@@ -234,3 +234,12 @@ def test_serve_refuses_compile_for_an_encoder_run_in_one_line(encoder_run, capsy
     assert main(["serve", "--model", str(encoder_run), "--compile", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "an encoder run does not decode" in err
+
+
+def test_an_encoder_app_keeps_the_body_timeout_it_is_given(encoder_run):
+    """``serve --header-timeout`` limits each part of a request body on an encoder run too."""
+    from tinyformer.serve.guard import RequestGuard
+
+    app = create_app(load_model(encoder_run), load_tokenizer(encoder_run), model_name="enc", body_timeout=0.5)
+    guard = next(m for m in app.user_middleware if m.cls is RequestGuard)
+    assert guard.kwargs["body_timeout"] == 0.5

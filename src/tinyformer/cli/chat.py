@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tinyformer.cli.common import add_template_timeout_flag, template_timeout
+from tinyformer.cli.common import template_timeout
 from tinyformer.cli.generate import (
     add_model_args,
     add_sampling_args,
@@ -43,7 +43,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=64, metavar="MB",
                    help="keep the conversation's keys/values between turns in a prefix cache of this size, so each "
                         "turn prefills only what is new (default 64; 0: off)")
-    add_template_timeout_flag(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
 

@@ -81,20 +81,43 @@ def compile_notice(what: str) -> str:
             f"cached in {cache}, so later runs start faster) ...")
 
 
-def add_compile_flag(p: Any, what: str) -> None:
-    """``--compile`` / ``--no-compile`` of the commands that decode (generate, chat, serve); by default the
-    compiled step where one is built, and a background build of it otherwise (see
-    :mod:`tinyformer.generation.compile_cache`)."""
+def add_decoding_args(p: Any, compile_what: str) -> None:
+    """The flags of every command that decodes with a run's model (generate, chat, serve): the run and how it
+    is loaded, ``--compile`` / ``--no-compile`` (by default the compiled step where one is built, and a
+    background build of it otherwise, see :mod:`tinyformer.generation.compile_cache`; ``compile_what``: what
+    is compiled), the chat template's ``--template-timeout`` and speculative decoding
+    (``generation/speculative.py``)."""
+    from tinyformer.data.chat_template import DEFAULT_MAX_CHARS, DEFAULT_TIMEOUT_S
+    from tinyformer.generation.speculative import DEFAULT_DRAFT_TOKENS, METHODS
+
+    p.add_argument("--model", required=True, metavar="RUN", help="run folder (config.json, weights, tokenizer.json)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations (default: float32 on CPU, bfloat16 on GPU, float16 where the GPU "
+                        "has no bfloat16)")
+    add_no_verify_flag(p)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"decode with {what}, compiled now where it is missing (on a CPU it needs a C++ compiler; a "
-                        "model's first compile takes minutes, later runs load it in milliseconds); --no-compile "
-                        "decodes eagerly (the code as written). Default: the compiled step where it was built "
-                        "before, otherwise eagerly while a background process builds it for the next run; "
+                   help=f"decode with {compile_what}, compiled now where it is missing (on a CPU it needs a C++ "
+                        "compiler; a model's first compile takes minutes, later runs load it in milliseconds); "
+                        "--no-compile decodes eagerly (the code as written). Default: the compiled step where it was "
+                        "built before, otherwise eagerly while a background process builds it for the next run; "
                         "TINYFORMER_COMPILE=0 makes eager the default, =1 --compile")
+    p.add_argument("--template-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help=f"stop rendering the model's chat template after this long (default {DEFAULT_TIMEOUT_S:g}; "
+                        f"its output is limited to {DEFAULT_MAX_CHARS:,} characters)")
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative", choices=METHODS, default=None,
+                   help="propose tokens and verify them in one forward: 'ngram' looks them up in the prompt and "
+                        "output (prompt lookup), 'draft' asks --draft-model; greedy output stays the same, sampled "
+                        "output follows the same distribution (default: off)")
+    g.add_argument("--draft-model", default=None, metavar="RUN",
+                   help="run folder of a smaller model with the same tokenizer (implies --speculative draft)")
+    g.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                   help=f"tokens proposed per step at most (default {DEFAULT_DRAFT_TOKENS})")
 
 
 def decide_compile(flag: bool | None, model: Any, what: str = "the decode step", *,
-                   run_dir: Any = None, dtype: Any = None) -> Any:  # -> bool | PackageBuild
+                   run_dir: Any, dtype: Any) -> Any:  # -> bool | PackageBuild
     """Resolve ``--compile`` for ``model`` loaded from ``run_dir`` in ``dtype``
     (:func:`~tinyformer.generation.compile_cache.resolve_compile`) into the ``compile`` argument of
     ``Generator`` and ``Scheduler``: False (eager), True (the ``torch.compile``-d step of a GPU) or a
@@ -113,25 +136,13 @@ def decide_compile(flag: bool | None, model: Any, what: str = "the decode step",
         return False
     if next(model.parameters()).device.type == "cpu":
         if how == "background":
-            if run_dir is None:  # a model the builder could not load again: eager, as before
-                return False
-            return PackageBuild(notice=say, background_run=str(run_dir),
-                                dtype=str(dtype or next(model.parameters()).dtype).removeprefix("torch."))
+            return PackageBuild(notice=say, background_run=str(run_dir), dtype=str(dtype).removeprefix("torch."))
         return PackageBuild(notice=say)
     folder, seen = use_compile_cache(model)
     if not seen:
         say(f"tinyformer: compiling {what} for this model, once (tens of seconds to minutes; the kernels are "
             f"cached in {folder} for later runs; --no-compile skips this) ...")
     return True
-
-
-def add_template_timeout_flag(p: Any) -> None:
-    """``--template-timeout`` of every command that renders a chat template (chat, generate, serve)."""
-    from tinyformer.data.chat_template import DEFAULT_MAX_CHARS, DEFAULT_TIMEOUT_S
-
-    p.add_argument("--template-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                   help=f"stop rendering the model's chat template after this long (default {DEFAULT_TIMEOUT_S:g}; "
-                        f"its output is limited to {DEFAULT_MAX_CHARS:,} characters)")
 
 
 def template_timeout(args: Any) -> float:
@@ -143,22 +154,6 @@ def template_timeout(args: Any) -> float:
 
         raise ConfigError(f"--template-timeout must be a positive number of seconds, got {args.template_timeout}")
     return float(args.template_timeout)
-
-
-def add_speculative_args(p: Any) -> None:
-    """``--speculative``, ``--draft-model``, ``--draft-tokens`` of generate, chat and serve
-    (``generation/speculative.py``)."""
-    from tinyformer.generation.speculative import DEFAULT_DRAFT_TOKENS, METHODS
-
-    g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculative", choices=METHODS, default=None,
-                   help="propose tokens and verify them in one forward: 'ngram' looks them up in the prompt and "
-                        "output (prompt lookup), 'draft' asks --draft-model; greedy output stays the same, sampled "
-                        "output follows the same distribution (default: off)")
-    g.add_argument("--draft-model", default=None, metavar="RUN",
-                   help="run folder of a smaller model with the same tokenizer (implies --speculative draft)")
-    g.add_argument("--draft-tokens", type=int, default=None, metavar="K",
-                   help=f"tokens proposed per step at most (default {DEFAULT_DRAFT_TOKENS})")
 
 
 def speculative_from_args(args: Any) -> Any:

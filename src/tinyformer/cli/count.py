@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from tinyformer.cli.common import format_count, load_model_config
-from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
 from tinyformer.presets import get_preset, preset_names
 from tinyformer.sizing import sizing_report
@@ -28,28 +28,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def meta_param_count(cfg: ModelConfig) -> int:
-    """sum(p.numel()) of the real model built on the meta device (shapes only, no memory)."""
-    from tinyformer.models import meta_model
-
-    model = meta_model(cfg)
-    return sum(p.numel() for p in model.parameters())
-
-
-def stored_weights(config: str) -> tuple[dict, int] | None:
-    """(quantization spec, bytes of the stored tensors) when ``config`` is a quantized run folder, else None."""
-    from pathlib import Path
-
-    if not Path(config).is_dir():
-        return None
-    from tinyformer.run_folder import load_config, quant_spec, tensor_bytes
-
-    spec = quant_spec(load_config(config))
-    if spec is None:
-        return None
-    return spec.to_dict(), tensor_bytes(config)
-
-
 def _bytes(n: float) -> str:
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
@@ -62,15 +40,19 @@ def run(args: argparse.Namespace) -> int:
     if args.seq_len is not None and args.seq_len <= 0:
         raise ConfigError("--seq-len must be positive")
     report = sizing_report(cfg, seq_len=args.seq_len, batch=args.batch, dtype=args.dtype)
-    if not args.no_verify:
-        actual = meta_param_count(cfg)
-        report["verified_on_meta_device"] = actual == report["total_params"]
+    if not args.no_verify:  # the real model built on the meta device (shapes only, no memory)
+        from tinyformer.models import meta_model
+
+        actual = sum(p.numel() for p in meta_model(cfg).parameters())
         if actual != report["total_params"]:  # a bug in the formulas, not a user error
             raise AssertionError(f"formula gives {report['total_params']} but the model has {actual} parameters")
+        report["verified_on_meta_device"] = True
     report["name"] = args.preset or str(args.config)
-    stored = stored_weights(args.config) if args.config else None
-    if stored is not None:  # a quantized run: what its files and memory really hold
-        report["quantization"], report["stored_weights_bytes"] = stored
+    from tinyformer.run_folder import load_config, quant_spec, tensor_bytes
+
+    spec = quant_spec(load_config(args.config)) if args.config and Path(args.config).is_dir() else None
+    if spec is not None:  # a quantized run: what its files and memory really hold
+        report["quantization"], report["stored_weights_bytes"] = spec.to_dict(), tensor_bytes(args.config)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -106,13 +88,10 @@ def run(args: argparse.Namespace) -> int:
         f"{_bytes(att['naive_scores_bytes_all_layers'])} kept for backward over all layers",
         f"  SDPA (flash) extra   {_bytes(att['sdpa_bytes_per_layer']):>18} per layer",
     ]
-    if stored is not None:
-        q = stored[0]
-        lines.append(f"  stored weights       {_bytes(stored[1]):>18}  ({q['type']}, group_size {q['group_size']}: "
-                     "the quantized run's tensors)")
-    if "verified_on_meta_device" in report:
-        lines.append("")
-        lines.append("total checked against the model built on the meta device: "
-                     + ("equal" if report["verified_on_meta_device"] else "DIFFERENT"))
+    if spec is not None:
+        lines.append(f"  stored weights       {_bytes(report['stored_weights_bytes']):>18}  ({spec.type}, group_size "
+                     f"{spec.group_size}: the quantized run's tensors)")
+    if not args.no_verify:
+        lines += ["", "total checked against the model built on the meta device: equal"]
     print("\n".join(lines))
     return 0

@@ -25,10 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tinyformer.cli.common import (
-    add_compile_flag,
-    add_no_verify_flag,
-    add_speculative_args,
-    add_template_timeout_flag,
+    add_decoding_args,
     decide_compile,
     read_prompt,
     speculative_from_args,
@@ -49,18 +46,12 @@ DEFAULT_MAX_NEW_TOKENS = 256
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, metavar="RUN", help="run folder (config.json, weights, tokenizer.json)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations (default: float32 on CPU, bfloat16 on GPU)")
+    add_decoding_args(p, "a torch.compile-d step")
     p.add_argument("--context-policy", default="error", choices=CONTEXT_POLICIES,
                    help="when prompt + new tokens exceed the model's context: 'error' refuses; 'slide' keeps "
                         "the last tokens (--slide-keep) and prefills them again (default: error)")
     p.add_argument("--slide-keep", type=int, default=None, metavar="N",
                    help="tokens kept when the context slides (default: 3/4 of the context)")
-    add_no_verify_flag(p)
-    add_compile_flag(p, "a torch.compile-d step")
-    add_speculative_args(p)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -86,12 +77,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop before this text (repeatable; \\n and \\t are understood)")
     g.add_argument("--seed", type=int, default=None, help="random seed: the same seed gives the same output")
-    add_structured_args(p)
-
-
-def add_structured_args(p: argparse.ArgumentParser) -> None:
-    """The structured-output flags (generation/constraint.py): at most one; the output is then built token by
-    token to belong to the language (needs the [structured] extra)."""
+    # structured output (generation/constraint.py): the output is built token by token to belong to the language
     g = p.add_argument_group("structured output (one of; needs pip install 'tinyformer[structured]')")
     x = g.add_mutually_exclusive_group()
     x.add_argument("--json-schema", metavar="FILE|JSON",
@@ -207,7 +193,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true",
                    help="the prompt is one user message: render it with the model's chat template (as `chat` "
                         "does) and stop at the end of the assistant's turn")
-    add_template_timeout_flag(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per sample and line: text, token_ids (generated), logprobs, "
                         "timings (prompt_tokens, prefill_ms, completion_tokens, decode_tokens_per_s; with "

@@ -9,15 +9,7 @@ import socket
 import sys
 from pathlib import Path
 
-from tinyformer.cli.common import (
-    add_compile_flag,
-    add_no_verify_flag,
-    add_speculative_args,
-    add_template_timeout_flag,
-    decide_compile,
-    speculative_from_args,
-    template_timeout,
-)
+from tinyformer.cli.common import add_decoding_args, decide_compile, speculative_from_args, template_timeout
 from tinyformer.errors import CheckpointError, ConfigError, TinyformerError
 from tinyformer.serve import (
     DEFAULT_HEADER_TIMEOUT,
@@ -36,7 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "the cosine similarities of sentences); an encoder run serves /v1/embeddings. "
                     "Requests that arrive together are decoded together (continuous batching). "
                     "Needs the 'serve' extra: pip install 'tinyformer[serve]'.")
-    p.add_argument("--model", required=True, metavar="RUN", help="run folder (config.json, weights, tokenizer.json)")
+    add_decoding_args(p, "torch.compile-d steps, one per bucket of 1, 2, 4, ... --max-batch requests, all compiled "
+                         "at start-up before the server answers")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--model-name", default=None, help="model id clients must send (default: the folder name)")
@@ -66,12 +59,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="a web origin (e.g. http://localhost:3000) whose pages may call the API without a key "
                         "(repeatable)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights dtype; auto (default) = float32 on cpu, bfloat16 on cuda (float16 where the GPU "
-                        "has no bfloat16), as generate and chat")
-    add_compile_flag(p, "torch.compile-d steps, one per bucket of 1, 2, 4, ... --max-batch requests, all compiled "
-                        "at start-up before the server answers")
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens a request feeds per step at most, so long prompts interleave with the "
                         "decoding of running requests (default 256)")
@@ -81,10 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the cores not busy at start, less one for the HTTP event loop; "
                         "see utils/threads.py)")
-    add_template_timeout_flag(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    add_speculative_args(p)
-    add_no_verify_flag(p)
     p.set_defaults(func=run)
 
 
@@ -139,8 +123,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} must be a number of seconds > 0, got {value}")
     timeout_s = template_timeout(args)
     speculative = speculative_from_args(args)
-    device = resolve_device(args.device or "auto")
-    dtype = resolve_dtype(args.dtype or "auto", device)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     dtype_name = str(dtype).removeprefix("torch.")
 
     run_dir = Path(args.model)

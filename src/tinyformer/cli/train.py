@@ -184,32 +184,24 @@ def _fit(prepared: Any):  # -> TrainSummary | None
 
 
 def run(args: argparse.Namespace) -> int:
-    from tinyformer.training.distributed import launched_by_torchrun
+    from tinyformer.training.distributed import launch, launched_by_torchrun
+    from tinyformer.training.runner import discard_untrained, prepare_distributed_run
     from tinyformer.utils.io import folder_lock
 
     spec = build_spec(args)
     # one writer per run folder (the launcher holds it for its ranks; runs/<time> needs none)
     with folder_lock(spec.out) if spec.out and not launched_by_torchrun() else contextlib.nullcontext():
-        return _locked_run(args, spec)
-
-
-def _locked_run(args: argparse.Namespace, spec: Any) -> int:
-    from tinyformer.training.distributed import launch, launched_by_torchrun
-    from tinyformer.training.runner import prepare_distributed_run
-
-    if args.nproc is not None and args.nproc != 1 and not launched_by_torchrun():
-        # a bad value must be one line here, not an error in each of N worker processes
-        TrainConfig.from_dict({**spec.sections.get("train", {}), **spec.train_overrides})
-        return launch(args.nproc, args)  # each process runs this function again, as a rank
-    prepared = prepare_distributed_run(spec)
-    try:
-        return _train(prepared)
-    except KeyboardInterrupt:  # before the loop took over the signals: a new run leaves nothing behind
-        from tinyformer.training.runner import discard_untrained
-
-        if prepared.fresh and prepared.trainer.step == 0 and prepared.trainer.is_main:
-            discard_untrained(prepared.run_dir, prepared.created)
-        raise
+        if args.nproc is not None and args.nproc != 1 and not launched_by_torchrun():
+            # a bad value must be one line here, not an error in each of N worker processes
+            TrainConfig.from_dict({**spec.sections.get("train", {}), **spec.train_overrides})
+            return launch(args.nproc, args)  # each process runs this function again, as a rank
+        prepared = prepare_distributed_run(spec)
+        try:
+            return _train(prepared)
+        except KeyboardInterrupt:  # before the loop took over the signals: a new run leaves nothing behind
+            if prepared.fresh and prepared.trainer.step == 0 and prepared.trainer.is_main:
+                discard_untrained(prepared.run_dir, prepared.created)
+            raise
 
 
 def _train(prepared: Any) -> int:

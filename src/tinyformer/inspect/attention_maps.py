@@ -24,7 +24,6 @@ from torch import nn
 
 from tinyformer.components.attention import SelfAttention, safe_softmax
 from tinyformer.components.kv_cache import WHOLE_SEQUENCE
-from tinyformer.components.rope import apply_rope
 from tinyformer.inspect.plotting import pyplot, save_figure, token_label
 
 CELL_INCHES = 2.0  # each head's heat-map is a CELL_INCHES square
@@ -40,13 +39,10 @@ def attention_probs_of(attn: SelfAttention, x: torch.Tensor, rope: tuple[torch.T
     ``mask`` (True = may attend) when one is given, exactly as ``reference_attention`` applies them.
     """
     B, T, _ = x.shape
-    q, k, _v = attn.qkv(x).split((attn.q_size, attn.kv_size, attn.kv_size), dim=-1)
-    q = q.view(B, T, attn.n_head, attn.head_dim).transpose(1, 2)  # (B, H, T, d_head)
-    k = k.view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2)  # (B, H_kv, T, d_head)
-    if attn.q_norm is not None and attn.k_norm is not None:  # QK-norm, before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    if rope is not None:
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    H, H_kv = attn.n_head, attn.n_kv_head
+    qkv = attn.qkv(x).view(B, T, H + 2 * H_kv, attn.head_dim).transpose(1, 2)  # (B, H + 2 H_kv, T, d_head)
+    # the module's own QK-norm (if any) and RoPE (if any), as its forward applies them
+    q, k = attn.rotate(attn._norm_qk(qkv[:, : H + H_kv]), rope).split((H, H_kv), dim=1)
     k = k.repeat_interleave(attn.n_head // attn.n_kv_head, dim=1)  # GQA: one K head per group of Q heads
     scale = attn.scale if attn.scale is not None else 1 / math.sqrt(attn.head_dim)
     scores = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, H, T, T)

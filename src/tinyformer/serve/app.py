@@ -20,9 +20,10 @@ N most probable next tokens of every step, which the playground shows as a proba
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -33,7 +34,7 @@ from tinyformer.serve import DEFAULT_HEADER_TIMEOUT
 from tinyformer.serve import protocol as P
 from tinyformer.serve.guard import DEFAULT_MAX_BODY_BYTES
 from tinyformer.serve.protocol import APIError
-from tinyformer.serve.scheduler import TokenInfo
+from tinyformer.serve.scheduler import GenerationRequest, TokenInfo
 from tinyformer.serve.server import Choice, Server, check_token_ids, collect
 from tinyformer.serve.sse import EventStream, stream_choices
 from tinyformer.serve.structured import (
@@ -44,7 +45,7 @@ from tinyformer.serve.structured import (
     response_grammar,
     tool_setup,
 )
-from tinyformer.serve.tokens_embeddings import add_token_routes, create_encoder_app, install_common
+from tinyformer.serve.tokens_embeddings import EncoderServer, new_app
 
 __all__ = ["Server", "create_app"]
 
@@ -67,8 +68,29 @@ def _chat_logprobs(server: Server, tokens: list[TokenInfo]) -> dict[str, Any]:
                         for t in tokens]}
 
 
-def _total_usage(choices: list[Choice], prompt_lengths: list[int]) -> dict[str, int]:
-    return P.usage(sum(prompt_lengths), sum(c.completion_tokens for c in choices))
+async def _respond(request: Request, server: Server, req: Any, reqs: list[GenerationRequest], inbox: asyncio.Queue,
+                   body: Callable[..., dict[str, Any]], choices: dict[int, Choice], opening: list[dict[str, Any]],
+                   chunk: Callable[..., dict[str, Any] | None], every_step: bool,
+                   final: Callable[[int, Choice], dict[str, Any]]) -> Any:
+    """Submit ``reqs`` (the choices of one API request) and answer: streamed, ``opening``, then ``chunk`` per
+    event into ``choices`` (:func:`~tinyformer.serve.sse.stream_choices`) and the usage chunk when
+    ``stream_options.include_usage`` asks for it; else ``final(index, choice)`` of every finished choice. Each
+    prompt counts once in ``usage``, not once per choice."""
+    prompt_tokens = sum(len(r.prompt_ids) for r in reqs[:: req.n])
+
+    def usage(done: Iterable[Choice]) -> dict[str, int]:
+        return P.usage(prompt_tokens, sum(c.completion_tokens for c in done))
+
+    server.submit(reqs)
+    if req.stream:
+        def usage_chunk() -> dict[str, Any]:
+            return body([], usage(choices.values()), chunk=True)
+
+        wanted = req.stream_options is not None and req.stream_options.include_usage
+        events = stream_choices(inbox, choices, opening, chunk, usage_chunk if wanted else None, every_step)
+        return EventStream(events, on_close=lambda: server.cancel(reqs))
+    done = await collect(request, server, reqs, inbox)
+    return body([final(i, c) for i, c in enumerate(done)], usage(done))
 
 
 def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 16, max_queue: int = 64,
@@ -79,7 +101,9 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
                template_timeout: float = DEFAULT_TIMEOUT_S,
                body_timeout: float | None = DEFAULT_HEADER_TIMEOUT,
                speculative: Any = None, draft_model: Any = None) -> FastAPI:
-    """The FastAPI app serving ``model`` (a decoder LM, eval mode) with ``tokenizer``.
+    """The FastAPI app serving ``model`` (a decoder LM, eval mode) with ``tokenizer``; an encoder's app
+    (:class:`~tinyformer.serve.tokens_embeddings.EncoderServer`) embeds and tokenizes, ``max_len`` capping the
+    tokens a text keeps (default: the model's limit).
 
     The scheduler thread starts with the app (lifespan) and stops with it. ``app.state.server`` is the
     :class:`Server` (its ``scheduler`` has the slot counters). Every request passes
@@ -93,8 +117,18 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
     default, which a request's ``"speculative"`` field overrides; ``draft_model`` serves method "draft".
     """
     if model.cfg.arch == "encoder":  # embeddings and tokens, no generation
-        return create_encoder_app(model, tokenizer, model_name=model_name, api_key=api_key, max_len=max_len,
-                                  max_body_bytes=max_body_bytes, bind_host=bind_host, allowed_origins=allowed_origins)
+        encoder = EncoderServer(model, tokenizer, model_name=model_name, api_key=api_key, max_len=max_len)
+        app = new_app(encoder, max_body_bytes=max_body_bytes, bind_host=bind_host, allowed_origins=allowed_origins,
+                      body_timeout=body_timeout)
+
+        @app.post("/v1/completions")
+        @app.post("/v1/chat/completions")
+        async def no_generation(request: Request) -> None:
+            encoder.authorize(request)
+            raise APIError(400, f"'{encoder.model_name}' is an encoder: it embeds text and does not generate it; "
+                                "use POST /v1/embeddings")
+
+        return app
     server = Server(model, tokenizer, model_name=model_name, max_batch=max_batch, max_queue=max_queue,
                     request_timeout=request_timeout, api_key=api_key, max_len=max_len, compile=compile,
                     prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb, template_timeout=template_timeout,
@@ -109,15 +143,8 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
             server.scheduler.stop()
             server.template_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="tinyformer", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
-    app.state.server = server
-    install_common(app, server, max_body_bytes=max_body_bytes, bind_host=bind_host,  # and GET /v1/models
-                   allowed_origins=allowed_origins, body_timeout=body_timeout)
-    add_token_routes(app, server)  # /tokenize, /detokenize, /v1/embeddings (serve/tokens_embeddings.py)
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": server.model_name, **server.scheduler.stats()}
+    app = new_app(server, max_body_bytes=max_body_bytes, bind_host=bind_host, allowed_origins=allowed_origins,
+                  body_timeout=body_timeout, lifespan=lifespan)
 
     @app.post("/apply-template")
     async def apply_template(request: Request) -> dict[str, Any]:
@@ -135,49 +162,28 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
         server.check_model(req.model)
         grammar = response_grammar(req.response_format)
         texts, prompts = _completion_prompts(server, req.prompt)
-        top = req.logprobs or 0
-        reqs, inbox = server.build(req, prompts, req.max_tokens, DEFAULT_COMPLETION_TOKENS, top,
-                                   logprobs=req.logprobs is not None, grammar=grammar)
-        prompt_lengths = [len(r.prompt_ids) for r in reqs[:: req.n]]  # the prompt counts once, not per choice
-        body = functools.partial(P.completion_body, P.new_id("cmpl"), P.now(), req.model)
         want_logprobs = req.logprobs is not None
-        server.submit(reqs)
+        reqs, inbox = server.build(req, prompts, req.max_tokens, DEFAULT_COMPLETION_TOKENS, req.logprobs or 0,
+                                   logprobs=want_logprobs, grammar=grammar)
+        echoes = [texts[r.index // req.n] if req.echo else "" for r in reqs]  # by index: reqs[i].index == i
+        body = functools.partial(P.completion_body, False, P.new_id("cmpl"), P.now(), req.model)
+        opening = [body([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}], None, chunk=True)
+                   for i, echo in enumerate(echoes) if echo]
 
-        def echo_of(index: int) -> str:
-            return texts[index // req.n] if req.echo else ""
+        def chunk(event: Any, c: Choice, start: int) -> dict[str, Any]:
+            lp = _completion_logprobs(server, c.tokens[start:], c.offsets[start:]) if want_logprobs else None
+            choice = {"index": event.index, "text": event.text, "logprobs": lp,
+                      "finish_reason": event.finish_reason, **incomplete_details(grammar, event.complete)}
+            return body([choice], None, chunk=True)
 
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        def final(index: int, c: Choice) -> dict[str, Any]:
+            offsets = [o + len(echoes[index]) for o in c.offsets]
+            return {"index": index, "text": echoes[index] + "".join(c.text),
+                    "logprobs": _completion_logprobs(server, c.tokens, offsets) if want_logprobs else None,
+                    "finish_reason": c.finish_reason, **incomplete_details(grammar, c.complete)}
 
-            choices = {r.index: Choice() for r in reqs}
-            opening = []
-            for r in reqs:
-                if echo_of(r.index):
-                    choices[r.index].length = len(echo_of(r.index))
-                    opening.append(body([{"index": r.index, "text": echo_of(r.index), "logprobs": None,
-                                          "finish_reason": None}], None, chunk=True))
-
-            def chunk(event: Any, c: Choice, start: int) -> dict[str, Any]:
-                lp = _completion_logprobs(server, c.tokens[start:], c.offsets[start:]) if want_logprobs else None
-                choice = {"index": event.index, "text": event.text, "logprobs": lp,
-                          "finish_reason": event.finish_reason, **incomplete_details(grammar, event.complete)}
-                return body([choice], None, chunk=True)
-
-            def usage() -> dict[str, Any]:
-                return body([], _total_usage(list(choices.values()), prompt_lengths), chunk=True)
-
-            events = stream_choices(inbox, choices, opening, chunk, usage if include_usage else None, want_logprobs)
-            return EventStream(events, on_close=lambda: server.cancel(reqs))
-
-        choices = await collect(request, server, reqs, inbox)
-        out = []
-        for index, c in enumerate(choices):
-            echo = echo_of(index)
-            offsets = [o + len(echo) for o in c.offsets]
-            out.append({"index": index, "text": echo + "".join(c.text),
-                        "logprobs": _completion_logprobs(server, c.tokens, offsets) if want_logprobs else None,
-                        "finish_reason": c.finish_reason, **incomplete_details(grammar, c.complete)})
-        return body(out, _total_usage(choices, prompt_lengths))
+        choices = {i: Choice(length=len(echo)) for i, echo in enumerate(echoes)}
+        return await _respond(request, server, req, reqs, inbox, body, choices, opening, chunk, want_logprobs, final)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -193,57 +199,43 @@ def create_app(model: Any, tokenizer: Any, *, model_name: str, max_batch: int = 
                                 "either tool calls or the formatted answer)", param="response_format")
         grammar = grammar or tool_grammar
         tools_on = tool_grammar is not None
-        messages = chat_messages(req.messages)
-        ids = server.encode(await server.render_chat(messages, tools), "messages")
+        ids = server.encode(await server.render_chat(chat_messages(req.messages), tools), "messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else 0
         reqs, inbox = server.build(req, [ids], max_tokens, None, top, extra_stop=server.template.stop_strings,
                                    extra_stop_ids=server.template.stop_token_ids,
                                    logprobs=bool(req.logprobs), grammar=grammar)
-        prompt_lengths = [len(reqs[0].prompt_ids)]
-        body = functools.partial(P.chat_body, P.new_id("chatcmpl"), P.now(), req.model)
-        server.submit(reqs)
+        body = functools.partial(P.completion_body, True, P.new_id("chatcmpl"), P.now(), req.model)
+        deltas = {r.index: ToolCallDeltas() for r in reqs} if tools_on else {}
+        opening = [body([{"index": r.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}], None, chunk=True) for r in reqs]
 
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        def chunk(event: Any, c: Choice, start: int) -> dict[str, Any] | None:
+            lp = _chat_logprobs(server, event.tokens) if req.logprobs else None
+            finish = event.finish_reason
+            if tools_on:
+                d = deltas[event.index]
+                parts = d.feed(event.text) + (d.close() if finish is not None else [])
+                delta = _merge_deltas(parts)
+                if finish == "stop" and d.calls:
+                    finish = "tool_calls"
+                if not delta and finish is None and lp is None:
+                    return None  # held back: part of a tool call's head
+            else:
+                delta = {"content": event.text} if event.text else {}
+            choice = {"index": event.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
+                      **incomplete_details(grammar, event.complete)}
+            return body([choice], None, chunk=True)
 
-            choices = {r.index: Choice() for r in reqs}
-            deltas = {r.index: ToolCallDeltas() for r in reqs} if tools_on else {}
-            opening = [body([{"index": r.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}], None, chunk=True) for r in reqs]
-
-            def chunk(event: Any, c: Choice, start: int) -> dict[str, Any] | None:
-                lp = _chat_logprobs(server, event.tokens) if req.logprobs else None
-                finish = event.finish_reason
-                if tools_on:
-                    d = deltas[event.index]
-                    parts = d.feed(event.text) + (d.close() if finish is not None else [])
-                    delta = _merge_deltas(parts)
-                    if finish == "stop" and d.calls:
-                        finish = "tool_calls"
-                    if not delta and finish is None and lp is None:
-                        return None  # held back: part of a tool call's head
-                else:
-                    delta = {"content": event.text} if event.text else {}
-                choice = {"index": event.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
-                          **incomplete_details(grammar, event.complete)}
-                return body([choice], None, chunk=True)
-
-            def usage() -> dict[str, Any]:
-                return body([], _total_usage(list(choices.values()), prompt_lengths), chunk=True)
-
-            events = stream_choices(inbox, choices, opening, chunk, usage if include_usage else None,
-                                    bool(req.logprobs))
-            return EventStream(events, on_close=lambda: server.cancel(reqs))
-
-        choices = await collect(request, server, reqs, inbox)
-        out = []
-        for i, c in enumerate(choices):
+        def final(index: int, c: Choice) -> dict[str, Any]:
             message, finish = reply_message("".join(c.text), c.finish_reason, tools_on)
-            out.append({"index": i, "message": message,
-                        "logprobs": _chat_logprobs(server, c.tokens) if req.logprobs else None,
-                        "finish_reason": finish, **incomplete_details(grammar, c.complete)})
-        return body(out, _total_usage(choices, prompt_lengths))
+            return {"index": index, "message": message,
+                    "logprobs": _chat_logprobs(server, c.tokens) if req.logprobs else None,
+                    "finish_reason": finish, **incomplete_details(grammar, c.complete)}
+
+        choices = {r.index: Choice() for r in reqs}
+        return await _respond(request, server, req, reqs, inbox, body, choices, opening, chunk, bool(req.logprobs),
+                              final)
 
     return app
 

@@ -255,19 +255,13 @@ def model_card(model_id: str, created: int, context_length: int | None = None) -
     return card
 
 
-def completion_body(rid: str, created: int, model: str, choices: list[dict[str, Any]],
+def completion_body(chat: bool, rid: str, created: int, model: str, choices: list[dict[str, Any]],
                     usage_: dict[str, int] | None, chunk: bool = False) -> dict[str, Any]:
-    body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                            "choices": choices}
-    if usage_ is not None or not chunk:
-        body["usage"] = usage_
-    return body
-
-
-def chat_body(rid: str, created: int, model: str, choices: list[dict[str, Any]],
-              usage_: dict[str, int] | None, chunk: bool = False) -> dict[str, Any]:
-    body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chunk else "chat.completion",
-                            "created": created, "model": model, "system_fingerprint": None, "choices": choices}
+    """A (chat) completion or one chunk of its stream; a chunk carries ``usage`` only when given one."""
+    body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    if chat:
+        body.update(object="chat.completion.chunk" if chunk else "chat.completion", system_fingerprint=None)
+    body["choices"] = choices
     if usage_ is not None or not chunk:
         body["usage"] = usage_
     return body

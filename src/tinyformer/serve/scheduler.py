@@ -125,8 +125,6 @@ class Scheduler:
                  max_queue: int = 64, max_len: int | None = None, compile: bool | PackageBuild = False,
                  prefill_chunk: int | None = 256, prefix_cache_mb: float = 0, max_draft_tokens: int = 0,
                  draft_model: nn.Module | None = None) -> None:
-        if max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         if compile:
             check_compilable(model)
         self.model = model
@@ -234,12 +232,19 @@ class Scheduler:
 
     def _shut_down(self, running: bool) -> None:
         """End the queued requests (and, with ``running``, those holding a slot) with a final error event."""
-        with self._cond:
-            waiting, self._waiting = list(self._waiting), deque()
+        waiting = self._take_waiting(lambda req: True)
         for row in list(self._running.values()) if running else []:
             self._finish(row, _event(row, "", [], "shutdown", SHUTTING_DOWN))
         for req in waiting:
             self._end_queued(req, "shutdown", SHUTTING_DOWN)
+
+    def _take_waiting(self, which: Callable[[GenerationRequest], bool]) -> list[GenerationRequest]:
+        """Remove the queued requests ``which`` selects, and return them."""
+        with self._cond:
+            taken = [r for r in self._waiting if which(r)]
+            if taken:
+                self._waiting = deque(r for r in self._waiting if not which(r))
+        return taken
 
     def _end_queued(self, req: GenerationRequest, reason: str, error: str) -> None:
         """The final event of a request that never held a slot (no tokens generated)."""
@@ -270,22 +275,14 @@ class Scheduler:
             if row is not None:
                 self._release(row)
                 self.cancelled += 1
-        with self._cond:
-            kept = [r for r in self._waiting if r.id not in ids]
-            self.cancelled += len(self._waiting) - len(kept)
-            self._waiting = deque(kept)
+        self.cancelled += len(self._take_waiting(lambda req: req.id in ids))
 
     def _expire(self) -> None:
         now = time.monotonic()
         for row in list(self._running.values()):
             if row.tag.deadline is not None and now > row.tag.deadline:
                 self._finish(row, _event(row, "", [], "timeout", "the request timed out"))
-        with self._cond:
-            late = [r for r in self._waiting if r.deadline is not None and now > r.deadline]
-            if late:
-                late_ids = {r.id for r in late}
-                self._waiting = deque(r for r in self._waiting if r.id not in late_ids)
-        for req in late:
+        for req in self._take_waiting(lambda req: req.deadline is not None and now > req.deadline):
             self.finished += 1
             self._end_queued(req, "timeout", "the request timed out while queued")
 

@@ -13,6 +13,7 @@ one of those threads until its limit and the loop keeps answering everything els
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import threading
 import time
@@ -184,11 +185,10 @@ class Server:
             raise APIError(400, f"this request asks for {n_total} sequences; the server takes at most "
                                 f"{self.scheduler.max_batch + self.scheduler.max_queue} at once", param="n")
         inbox: asyncio.Queue[StepEvent] = asyncio.Queue()
-        mailbox = self._mailbox()
-
-        def sink(event: StepEvent) -> None:
-            mailbox.post(inbox, event)
-
+        loop = asyncio.get_running_loop()
+        if self._box is None or self._box.loop is not loop:
+            self._box = _Mailbox(loop)
+        sink = functools.partial(self._box.post, inbox)
         deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
         speculative = self.speculative_of(req)
         out = []
@@ -228,12 +228,6 @@ class Server:
                                              deadline=deadline, logprobs=logprobs, speculative=speculative,
                                              constraint=matcher))
         return out, inbox
-
-    def _mailbox(self) -> _Mailbox:
-        loop = asyncio.get_running_loop()
-        if self._box is None or self._box.loop is not loop:
-            self._box = _Mailbox(loop)
-        return self._box
 
     def submit(self, reqs: list[GenerationRequest]) -> None:
         try:

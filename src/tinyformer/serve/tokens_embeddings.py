@@ -14,9 +14,9 @@ what ``tinyformer embed`` prints: the run's pooling, L2-normalised (unit vectors
 base64 of its little-endian float32 bytes. The forward passes run in a worker thread, one request at a
 time, so the event loop keeps answering.
 
-An encoder run is served by :func:`create_encoder_app`: these routes, the playground (its
+An encoder run's app (:func:`~tinyformer.serve.app.create_app`) has these routes, the playground (its
 sentence-similarity view), ``/props``, ``/v1/models`` and ``/health``,
-behind the same guard and error shapes as the decoder app (:func:`install_common`, which also answers
+behind the same guard and error shapes as the decoder app (:func:`new_app`, which also answers
 ``GET /v1/models`` with the context length); the generation routes answer 400 there.
 """
 
@@ -38,11 +38,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tinyformer.generation.token_pieces import token_pieces
 from tinyformer.serve import DEFAULT_HEADER_TIMEOUT
 from tinyformer.serve import protocol as P
-from tinyformer.serve.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard, is_loopback_host
+from tinyformer.serve.guard import RequestGuard, is_loopback_host
 from tinyformer.serve.protocol import APIError
 from tinyformer.serve.server import Server, check_token_ids
 
-__all__ = ["EncoderServer", "add_token_routes", "create_encoder_app", "install_common"]
+__all__ = ["EncoderServer", "add_token_routes", "new_app"]
 
 log = logging.getLogger("tinyformer.serve")
 
@@ -56,11 +56,14 @@ def _static(name: str) -> str:
     return resources.files("tinyformer.serve").joinpath("static", name).read_text(encoding="utf-8")
 
 
-def install_common(app: FastAPI, server: Server, *, max_body_bytes: int, bind_host: str,
-                   allowed_origins: tuple[str, ...], body_timeout: float | None = DEFAULT_HEADER_TIMEOUT) -> None:
-    """What every served app has: the request guard, the OpenAI-shaped error answers, the playground
-    (GET /, /static/<name>, and GET /props, what it reads of the server) and GET /v1/models (the one model
-    served, with its context length)."""
+def new_app(server: Server, *, max_body_bytes: int, bind_host: str, allowed_origins: tuple[str, ...],
+            body_timeout: float | None = DEFAULT_HEADER_TIMEOUT, lifespan: Any = None) -> FastAPI:
+    """The FastAPI app of ``server`` (``app.state.server``) with what every served run has: the request guard,
+    the OpenAI-shaped error answers, the playground (GET /, /static/<name>, and GET /props, what it reads of
+    the server), GET /v1/models (the one model served, with its context length), GET /health (with the
+    scheduler's counters where there is one) and the token routes (:func:`add_token_routes`)."""
+    app = FastAPI(title="tinyformer", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app.state.server = server
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, local_only=server.api_key is None,
                        bound_to_loopback=is_loopback_host(bind_host), allowed_origins=allowed_origins,
                        body_timeout=body_timeout)
@@ -118,6 +121,14 @@ def install_common(app: FastAPI, server: Server, *, max_body_bytes: int, bind_ho
         server.authorize(request)
         server.check_model(model_id)
         return P.model_card(server.model_name, server.created, server.context)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        stats = {} if isinstance(server, EncoderServer) else server.scheduler.stats()
+        return {"status": "ok", "model": server.model_name, **stats}
+
+    add_token_routes(app, server)
+    return app
 
 
 class EncoderServer(Server):
@@ -212,29 +223,3 @@ def add_token_routes(app: FastAPI, server: Server) -> None:
         vectors = await asyncio.to_thread(server.embed, rows)
         return P.embedding_body(server.model_name, [_vector(v, req.encoding_format) for v in vectors],
                                 sum(map(len, rows)))
-
-
-def create_encoder_app(model: Any, tokenizer: Any, *, model_name: str, api_key: str | None = None,
-                       max_len: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                       bind_host: str = "127.0.0.1", allowed_origins: tuple[str, ...] = ()) -> FastAPI:
-    """The FastAPI app serving an encoder ``model`` (eval mode): embeddings, tokens, /v1/models, /health.
-    ``max_len`` caps the tokens a text keeps (default: the model's limit); ``app.state.server`` is the
-    :class:`EncoderServer`."""
-    server = EncoderServer(model, tokenizer, model_name=model_name, api_key=api_key, max_len=max_len)
-    app = FastAPI(title="tinyformer", version="0.1.0", docs_url="/docs", redoc_url=None)
-    app.state.server = server
-    install_common(app, server, max_body_bytes=max_body_bytes, bind_host=bind_host, allowed_origins=allowed_origins)
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": server.model_name}
-
-    @app.post("/v1/completions")
-    @app.post("/v1/chat/completions")
-    async def no_generation(request: Request) -> None:
-        server.authorize(request)
-        raise APIError(400, f"'{server.model_name}' is an encoder: it embeds text and does not generate it; "
-                            "use POST /v1/embeddings")
-
-    add_token_routes(app, server)
-    return app
