@@ -134,7 +134,8 @@ def read_task_file(path: str | Path) -> list[MultipleChoice | ExactAnswer]:
 @functools.lru_cache(maxsize=2)
 def _class_owners(stdlib_dir: str | None) -> dict[str, list[str]]:
     """Public top-level class name -> the public modules that define it, in path order."""
-    from tinyformer.data.stdlib_names import public_modules, stdlib_root
+    from tinyformer.data.corpus import stdlib_root
+    from tinyformer.data.stdlib_names import public_modules
 
     owners: dict[str, list[str]] = {}
     for module, tree in public_modules(stdlib_root(stdlib_dir)):
