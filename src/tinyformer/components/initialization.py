@@ -18,7 +18,8 @@ from tinyformer.components.positions import LearnedPositions
 
 def init_weights(model: nn.Module, std: float, residual_branches: int) -> None:
     """N(0, std) for matrices and embeddings, zero biases (norm gains keep their constructors' 1): the
-    initialisation of every model here (DecoderLM, the encoder and the encoder-decoder, each with its count of branches).
+    initialisation of every model here (DecoderLM, the encoder and the encoder-decoder, each with its count
+    of branches).
 
     The output projections of the residual branches (``attn.out``, ``cross_attn.out``, ``ffn.down``)
     get std / sqrt(``residual_branches``): each adds to the residual stream, whose variance would
