@@ -71,7 +71,6 @@ def environment_error_message(exc: OSError) -> str | None:
         if blocker is not None:
             return f"cannot create a folder at {path}: {blocker} is a file, not a folder"
     verb = "write" if name in ("ENOSPC", "EDQUOT", "EROFS", "EFBIG", "EIO") else "access"
-    hint = {"ENOSPC": "; free some space and run the command again (what was on disk is unchanged)",
-            "EDQUOT": "; free some space and run the command again (what was on disk is unchanged)",
-            "EROFS": " (the disk or folder is mounted read-only)"}.get(name, "")
+    full = "; free some space and run the command again (what was on disk is unchanged)"
+    hint = {"ENOSPC": full, "EDQUOT": full, "EROFS": " (the disk or folder is mounted read-only)"}.get(name, "")
     return f"cannot {verb}{where}: {exc.strerror or exc} ({name}){hint}"

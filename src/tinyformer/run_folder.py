@@ -116,29 +116,25 @@ def save_tensors(run_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]
     return names
 
 
-def weight_files(run_dir: str | Path) -> list[Path]:
-    run = Path(run_dir)
-    if (run / INDEX).is_file():
-        try:
-            index = json.loads((run / INDEX).read_text(encoding="utf-8"))
-            files = checked_shard_names(run / INDEX, index["weight_map"].values())
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-            raise CheckpointError(f"{run / INDEX} is not a valid safetensors index: {exc}") from None
-        return [run / f for f in files]
-    if (run / WEIGHTS).is_file():
-        return [run / WEIGHTS]
-    raise CheckpointError(f"no {WEIGHTS} (or {INDEX}) in {run}")
-
-
 def checked_weight_files(run_dir: str | Path, verify: bool = True) -> list[Path]:
-    """The run's weight files, each present and (with ``verify``) matching its manifest entry; the index
-    file, when there is one, is checked too."""
-    paths = weight_files(run_dir)
+    """The run's weight files (the index's shards, else model.safetensors), each present and (with ``verify``)
+    matching its manifest entry; the index file, when there is one, is checked too."""
+    run = Path(run_dir)
+    index = run / INDEX
+    if index.is_file():
+        try:
+            files = checked_shard_names(index, json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from None
+        paths = [run / f for f in files]
+    elif (run / WEIGHTS).is_file():
+        paths = [run / WEIGHTS]
+    else:
+        raise CheckpointError(f"no {WEIGHTS} (or {INDEX}) in {run}")
     for path in paths:
         if not path.is_file():
             raise CheckpointError(f"weight file {path} is missing")
     if verify:
-        index = Path(run_dir) / INDEX
         verify_files(run_dir, [*paths, index] if index.is_file() else paths)
     return paths
 

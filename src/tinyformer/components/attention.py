@@ -163,7 +163,6 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self.causal, self.layer = causal, layer
-        self.impl = cfg.attn_impl
         self.dropout_p = cfg.attn_dropout
         self.scale, self.softcap = cfg.attn_scale, cfg.attn_logit_softcap
         self.q_size = cfg.n_head * cfg.head_dim

@@ -3,7 +3,8 @@
     W ~ N(0, std)                          every nn.Linear and nn.Embedding (biases zero)
     W_out ~ N(0, std / sqrt(branches))     residual output projections: attn.out, cross_attn.out, ffn.down
     P ~ N(0, std / 2)                      learned position tables
-    gains 1, biases 0                      RMSNorm / LayerNorm (gain stored as 1 - offset where it has one)
+    gains 1, biases 0                      RMSNorm / LayerNorm, as their constructors make them (gain stored
+                                           as 1 - offset where it has one)
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from tinyformer.components.positions import LearnedPositions
 
 
 def init_weights(model: nn.Module, std: float, residual_branches: int) -> None:
-    """N(0, std) for matrices and embeddings, zero biases, unit norm gains: the initialisation of every
-    model here (DecoderLM, the encoder and the encoder-decoder, each with its count of branches).
+    """N(0, std) for matrices and embeddings, zero biases (norm gains keep their constructors' 1): the
+    initialisation of every model here (DecoderLM, the encoder and the encoder-decoder, each with its count
+    of branches).
 
     The output projections of the residual branches (``attn.out``, ``cross_attn.out``, ``ffn.down``)
     get std / sqrt(``residual_branches``): each adds to the residual stream, whose variance would
@@ -35,8 +37,3 @@ def init_weights(model: nn.Module, std: float, residual_branches: int) -> None:
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, LearnedPositions):
             nn.init.normal_(module.weight, mean=0.0, std=std / 2)
-    for module in model.modules():
-        if module.__class__.__name__ in ("RMSNorm", "LayerNorm") and hasattr(module, "weight"):
-            nn.init.constant_(module.weight, 1.0 - getattr(module, "offset", 0.0))  # an effective gain of 1
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)

@@ -19,7 +19,7 @@ output rows) is compiled at first use with ``torch.utils.cpp_extension.load`` (a
 (``int8_linear_reference`` / ``int4_linear_reference``) and one line on stderr says so.
 
 Not weight-only (``act8_gemm``, on weights packed once by ``pack_act8``, the form ``cpp_act8`` layers hold;
-its formula on the portable layout is ``int8_linear_act8_reference`` / ``int4_linear_act8_reference``): the
+its formula on the portable layout is ``act8_gemm_reference``): the
 activations are rounded to 8 bits per block of 32 columns first, as llama.cpp does for its Q8_0 / Q4_0
 products (``round_activations``: x_i ~ d_b xq_i, d_b = max_b |x| / 127, |error| <= d_b / 2), and the
 products are integer dot products (AVX-512 VNNI ``vpdpbusd``; on AVX2 ``vpmaddubsw`` + ``vpmaddwd``, with
@@ -258,25 +258,6 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tens
     return int4_linear_reference(x, q, s, z)
 
 
-def int8_linear_act8_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """y = round_activations(x) dequant(W)^T for int8 W: the act8 GEMM's formula in PyTorch (on the portable
-    layout)."""
-    return int8_linear_reference(round_activations(x).to(x.dtype), q, s)
-
-
-def int4_linear_act8_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """y = round_activations(x) (s (u - 8))^T plus the zero points' terms on the exact x (z - 8 s times the exact
-    group sums of x): the act8 GEMM's int4 formula in PyTorch (on the portable layout)."""
-    xr = round_activations(x)
-    n = q.shape[0]
-    g = q.shape[1] * 2 // s.shape[1]
-    u = unpack_int4(q).float()
-    zs = z.float() - 8 * s.float()
-    y = xr @ (u.reshape(n, -1, g) * s.float()[..., None]).reshape(n, -1).t()
-    y = y + x.float().reshape(x.shape[0], -1, g).sum(-1) @ zs.t()
-    return y.to(x.dtype)
-
-
 # ---------------------------------------------------------------- the 8-bit-activation GEMM's packed weights
 
 # the C++ op's ``path`` argument: "auto" takes VNNI > AVX2 + FMA > plain C++ by the CPU's features
@@ -333,7 +314,7 @@ def pack_act8(t: dict[str, torch.Tensor], quant_type: str) -> dict[str, torch.Te
 def act8_gemm(x: torch.Tensor, packed: dict[str, torch.Tensor], n: int, group: int, quant_type: str,
               path: str = "auto") -> torch.Tensor:
     """y (M, N) = round_activations(x) dequant(W)^T (int4: the zero points times the exact x, as
-    ``int4_linear_act8_reference``) from ``pack_act8``'s layout: integer dot products over register tiles of
+    ``act8_gemm_reference``) from ``pack_act8``'s layout: integer dot products over register tiles of
     4 rows x 48 output channels (AVX-512 VNNI), of 2 rows x 16 channels (AVX2, the layout read in 32-byte halves), or
     the same sums in plain C++; ``path`` (``GEMM_PATHS``) forces one, "auto" takes VNNI > AVX2 > plain by
     the CPU's features; without the compiled kernels, ``act8_gemm_reference``."""
@@ -375,8 +356,15 @@ def act8_embedding(packed: dict[str, torch.Tensor], ids: torch.Tensor, group: in
 
 def act8_gemm_reference(x: torch.Tensor, packed: dict[str, torch.Tensor], n: int, group: int,
                         quant_type: str) -> torch.Tensor:
-    """``act8_gemm``'s formula in PyTorch (the fallback without a compiler)."""
+    """``act8_gemm``'s formula in PyTorch on the portable layout (the fallback without a compiler): int8
+    y = round_activations(x) dequant(W)^T; int4 y = round_activations(x) (s (u - 8))^T plus the zero points'
+    terms on the exact x (z - 8 s times the exact group sums of x)."""
     t = unpack_act8(packed, n, quant_type)
+    xr = round_activations(x)
     if quant_type == "int8":
-        return int8_linear_act8_reference(x, t["qweight"], t["scales"])
-    return int4_linear_act8_reference(x, t["qweight"], t["scales"], t["zeros"])
+        return int8_linear_reference(xr.to(x.dtype), t["qweight"], t["scales"])
+    u, s = unpack_int4(t["qweight"]).float(), t["scales"].float()
+    g = u.shape[1] // s.shape[1]
+    y = xr @ (u.reshape(n, -1, g) * s[..., None]).reshape(n, -1).t()
+    y = y + x.float().reshape(x.shape[0], -1, g).sum(-1) @ (t["zeros"].float() - 8 * s).t()
+    return y.to(x.dtype)

@@ -156,15 +156,11 @@ def fbgemm_reduce_range() -> bool:
     return not flags & {"avx512_vnni", "avx_vnni"}
 
 
-def int4_kernel_applies(out_features: int, group: int, device: torch.device) -> bool:
-    return device.type == "cpu" and out_features % 16 == 0 and group in INT4_KERNEL_GROUPS
-
-
 def resolve_kernel(spec: QuantSpec, out_features: int, in_features: int, device: torch.device) -> str:
     """The kernel one layer uses: the spec's, or for ``auto`` the fastest measured that applies."""
     g = spec.groups(in_features)
     aten_applies = (spec.type == "int8" and spec.group_size == 0) or (
-        spec.type == "int4" and int4_kernel_applies(out_features, g, device))
+        spec.type == "int4" and device.type == "cpu" and out_features % 16 == 0 and g in INT4_KERNEL_GROUPS)
     kernel = spec.kernel
     if kernel == "auto":
         if device.type != "cpu":
@@ -249,22 +245,21 @@ class QuantizedLinear(nn.Module):
         if self.kernel == "fbgemm":
             w, _ = torch.ops.quantized.linear_unpack(self._fbgemm)
             return w.dequantize().to(self.dtype)
-        eye = torch.eye(self.in_features, dtype=self.dtype, device=self._device())
+        t = getattr(self, "qweight", None)
+        device = t.device if isinstance(t, torch.Tensor) else torch.device("cpu")
+        eye = torch.eye(self.in_features, dtype=self.dtype, device=device)
         bias, self.bias = self.bias, None
         try:
             return self(eye).t().contiguous()
         finally:
             self.bias = bias
 
-    def _device(self) -> torch.device:
-        t = getattr(self, "qweight", None)
-        return t.device if isinstance(t, torch.Tensor) else torch.device("cpu")
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.kernel == "cpp_act8":
-            y = self._act8(x2)
+            y = quant_kernels.act8_gemm(x2, {"wp": self.wp, "sp": self.sp, "aux": self.aux}, self.out_features,
+                                        self.group, self.spec.type, self.gemm_path)
         elif self.kernel == "cpp" and x2.shape[0] <= CPP_MAX_ROWS:  # the C++ kernels (components/quant_kernels.py)
             op = quant_kernels.int8_linear if self.spec.type == "int8" else quant_kernels.int4_linear
             y = op(x2, *self._portable().values())  # (x, q, s[, z])
@@ -288,10 +283,6 @@ class QuantizedLinear(nn.Module):
         if self.spec.type == "int4":
             parts["zeros"] = self.zeros
         return parts
-
-    def _act8(self, x2: torch.Tensor) -> torch.Tensor:
-        packed = {"wp": self.wp, "sp": self.sp, "aux": self.aux}
-        return quant_kernels.act8_gemm(x2, packed, self.out_features, self.group, self.spec.type, self.gemm_path)
 
     def _tiled_dequant_linear(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 dequant(W)^T for many rows, widening W a tile of output rows at a time (at most

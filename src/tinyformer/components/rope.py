@@ -138,7 +138,7 @@ class RotaryEmbedding(nn.Module):
 
     ``tables(positions)`` gives (cos, sin) for positions (B|1, T), each (B|1, 1, T, head_dim), ready to
     broadcast over the heads; ``forward(start, length)`` the rows of positions start .. start + length - 1,
-    each (length, head_dim), or with per-row ``position_ids`` (B, T) each (B, T, head_dim). The tables repeat
+    each (length, head_dim). The tables repeat
     each frequency twice, [theta_0 .. theta_{d/2-1}, theta_0 .. theta_{d/2-1}], which is the half-split layout.
 
     The RoPE variants whose tables depend on the sequence length (dynamic NTK, LongRoPE) are subclasses that
@@ -184,13 +184,10 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.for_length(seen, positions)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
-    def forward(self, start: int, length: int,
-                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for positions start .. start+length-1, or for explicit ``position_ids`` (B, T)."""
-        cos, sin = self.for_length(start + length if position_ids is None else None, position_ids)
-        if position_ids is None:  # contiguous positions: a slice, no gather (the common case)
-            return cos[start : start + length], sin[start : start + length]
-        return cos[position_ids], sin[position_ids]
+    def forward(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions start .. start+length-1: a slice of the tables, no gather."""
+        cos, sin = self.for_length(start + length, None)
+        return cos[start : start + length], sin[start : start + length]
 
 
 def _seen(seen: int | None, positions: torch.Tensor | None) -> int:
@@ -232,8 +229,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin. x: (B, H, T, d); cos/sin broadcastable to it: (T, d) or (B|1, 1, T, d)
-    (``RotaryEmbedding.tables``); per-row tables (B, T, d) from ``forward`` need ``unsqueeze(1)`` first."""
+    """x * cos + rotate_half(x) * sin. x: (B, H, T, d); cos/sin broadcastable to it: (T, d) from ``forward`` or
+    (B|1, 1, T, d) from ``RotaryEmbedding.tables``."""
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 

@@ -135,17 +135,30 @@ def _text(value: Any, where: str, what: str) -> str:
     return value
 
 
-def _messages(items: Any, where: str, role_key: str, text_key: str, roles: dict[str, str]) -> list[Message]:
+def _messages(items: Any, where: str, role_key: str, text_key: str, roles: dict[str, str],
+              tools: bool = False) -> list[Message]:
+    """The messages of a row, roles renamed by ``roles``; with ``tools`` (OpenAI rows) an assistant's
+    ``tool_calls`` (its content may then be null) and a tool result's ``tool_call_id`` too."""
     if not isinstance(items, list):
         raise DataError(f"{where}: expected a list of messages, got {type(items).__name__}")
     out = []
     for i, item in enumerate(items):
-        if not isinstance(item, dict) or role_key not in item or text_key not in item:
+        calls = item.get("tool_calls") if tools and isinstance(item, dict) else None
+        if not isinstance(item, dict) or role_key not in item or (text_key not in item and not calls):
             raise DataError(f"{where}: message {i} must be an object with {role_key!r} and {text_key!r}")
         role = item[role_key]
         if role not in roles:
             raise DataError(f"{where}: message {i} has {role_key} {role!r}; known: {', '.join(roles)}")
-        out.append({"role": roles[role], "content": _text(item[text_key], where, f"message {i} {text_key!r}")})
+        content = item.get(text_key)
+        text = "" if content is None and calls else _text(content, where, f"message {i} {text_key!r}")
+        message: Message = {"role": roles[role], "content": text}
+        if calls:
+            if role != "assistant":
+                raise DataError(f"{where}: message {i}: only assistant messages have 'tool_calls'")
+            message["tool_calls"] = _tool_calls(calls, where, i)
+        if tools and role == "tool" and item.get("tool_call_id") is not None:
+            message["tool_call_id"] = str(item["tool_call_id"])
+        out.append(message)
     return out
 
 
@@ -171,35 +184,10 @@ def _tool_calls(calls: Any, where: str, i: int) -> list[dict[str, Any]]:
     return out
 
 
-def _openai_messages(items: Any, where: str) -> list[Message]:
-    """OpenAI messages, tool calls and tool results included."""
-    if not isinstance(items, list):
-        raise DataError(f"{where}: expected a list of messages, got {type(items).__name__}")
-    out: list[Message] = []
-    for i, item in enumerate(items):
-        calls = item.get("tool_calls") if isinstance(item, dict) else None
-        if not isinstance(item, dict) or "role" not in item or ("content" not in item and not calls):
-            raise DataError(f"{where}: message {i} must be an object with 'role' and 'content'")
-        role = item["role"]
-        if role not in OPENAI_ROLES:
-            raise DataError(f"{where}: message {i} has role {role!r}; known: {', '.join(OPENAI_ROLES)}")
-        content = item.get("content")
-        text = "" if content is None and calls else _text(content, where, f"message {i} 'content'")
-        message: Message = {"role": role, "content": text}
-        if calls:
-            if role != "assistant":
-                raise DataError(f"{where}: message {i}: only assistant messages have 'tool_calls'")
-            message["tool_calls"] = _tool_calls(calls, where, i)
-        if role == "tool" and item.get("tool_call_id") is not None:
-            message["tool_call_id"] = str(item["tool_call_id"])
-        out.append(message)
-    return out
-
-
 def parse_conversation(row: dict[str, Any], fmt: str, where: str) -> list[Message]:
     """The messages of a row of format ``fmt`` (malformed content is a DataError naming ``where``)."""
     if fmt == "openai":
-        return _openai_messages(row["messages"], where)
+        return _messages(row["messages"], where, "role", "content", {r: r for r in OPENAI_ROLES}, tools=True)
     if fmt == "sharegpt":
         return _messages(row["conversations"], where, "from", "value", SHAREGPT_ROLES)
     instruction = _text(row["instruction"], where, "'instruction'")

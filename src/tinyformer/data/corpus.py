@@ -33,8 +33,9 @@ _SKIP_DIRS = frozenset({"test", "tests", "idle_test", "lib2to3", "site-packages"
 _DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
-def _stdlib_dir() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
+def stdlib_root(stdlib_dir: str | os.PathLike[str] | None = None) -> Path:
+    """``stdlib_dir`` resolved, or this Python's standard library folder."""
+    return Path(stdlib_dir).resolve() if stdlib_dir is not None else Path(sysconfig.get_paths()["stdlib"])
 
 
 def stdlib_source_files(stdlib_dir: str | os.PathLike[str] | None = None) -> list[Path]:
@@ -43,7 +44,7 @@ def stdlib_source_files(stdlib_dir: str | os.PathLike[str] | None = None) -> lis
     Test suites, ``lib2to3``, ``pydoc_data`` (read separately) and installed packages are skipped.
     The list is sorted by path relative to ``stdlib_dir`` so the corpus is the same on every run.
     """
-    root = Path(stdlib_dir) if stdlib_dir is not None else _stdlib_dir()
+    root = Path(stdlib_dir) if stdlib_dir is not None else stdlib_root()
     found: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
@@ -119,8 +120,7 @@ def builtin_corpus(stdlib_dir: str | os.PathLike[str] | None = None) -> str:
     missing (e.g. an install without ``.py`` sources) are skipped; if nothing is found a
     :class:`DataError` is raised. The result is memoised in memory for the process, never on disk.
     """
-    root = Path(stdlib_dir) if stdlib_dir is not None else _stdlib_dir()
-    return _builtin_corpus(root.resolve())
+    return _builtin_corpus(stdlib_root(stdlib_dir).resolve())
 
 
 def iter_corpus_files(path: str | os.PathLike[str]) -> list[Path]:

@@ -82,13 +82,6 @@ def _cache_key(tokenizer: Tokenizer, text: str | None, files: list[Path], text_f
     return h.hexdigest()
 
 
-def _chunk_stream(documents: Iterable[str], chunk_chars: int) -> Iterator[tuple[bool, str]]:
-    """(starts_new_document, chunk) pairs; the first document is not marked as new."""
-    for i, doc in enumerate(documents):
-        for j, chunk in enumerate(split_for_encoding(doc, chunk_chars)):
-            yield (i > 0 and j == 0), chunk
-
-
 def encode_to_memmap(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], tokenizer: Tokenizer,
                      cache_dir: str | os.PathLike[str], *, text_field: str = "text",
                      chunk_chars: int = CHUNK_CHARS) -> Path:
@@ -127,7 +120,9 @@ def encode_to_memmap(source: str | os.PathLike[str] | Sequence[str | os.PathLike
 
             batch: list[tuple[bool, str]] = []
             size = 0
-            for item in _chunk_stream(documents, chunk_chars):
+            # (starts a new document, chunk) pairs; the first document is not marked as new
+            for item in ((i > 0 and j == 0, chunk) for i, doc in enumerate(documents)
+                         for j, chunk in enumerate(split_for_encoding(doc, chunk_chars))):
                 batch.append(item)
                 size += len(item[1])
                 if size >= _BATCH_CHARS:

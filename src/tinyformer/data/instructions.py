@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tinyformer.data.stdlib_names import public_modules, stdlib_root
+from tinyformer.data.corpus import stdlib_root
+from tinyformer.data.stdlib_names import public_modules
 
 if TYPE_CHECKING:
     from tinyformer.data.chat_data import Conversation, PreferencePair

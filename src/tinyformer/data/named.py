@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,14 +80,12 @@ def fetch_named(name: str) -> Path:
 
     try:
         with urllib.request.urlopen(spec.url, timeout=DOWNLOAD_TIMEOUT_S) as response, atomic_path(target) as tmp:
-            digest = hashlib.sha256()
             with open(tmp, "wb") as f:
-                for block in iter(lambda: response.read(1 << 16), b""):
-                    digest.update(block)
-                    f.write(block)
-            if digest.hexdigest() != spec.sha256:  # leaving the block by an error discards the temporary file
+                shutil.copyfileobj(response, f)
+            got = _sha256(tmp)
+            if got != spec.sha256:  # leaving the block by an error discards the temporary file
                 raise DataError(f"the download of {name} from {spec.url} does not match its recorded sha256 "
-                                f"({digest.hexdigest()[:12]}... instead of {spec.sha256[:12]}...); nothing was kept")
+                                f"({got[:12]}... instead of {spec.sha256[:12]}...); nothing was kept")
     except (urllib.error.URLError, OSError, TimeoutError) as exc:
         reason = getattr(exc, "reason", None) or exc
         raise DataError(f"cannot download the {name} data set from {spec.url} ({reason}); on a machine without "

@@ -13,12 +13,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-from tinyformer.data.corpus import _stdlib_dir, parse_source, stdlib_source_files
-
-
-def stdlib_root(stdlib_dir: str | Path | None = None) -> Path:
-    """``stdlib_dir`` resolved, or this Python's standard library folder."""
-    return Path(stdlib_dir).resolve() if stdlib_dir is not None else _stdlib_dir()
+from tinyformer.data.corpus import parse_source, stdlib_source_files
 
 
 def public_module_name(path: Path, root: Path) -> str | None:

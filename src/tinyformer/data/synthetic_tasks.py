@@ -126,7 +126,7 @@ class TaskData:
         self.task = task
         g = torch.Generator().manual_seed(10_000 + seed)
         self.heldout: list[Example] = [task.example(g) for _ in range(n_heldout)]
-        self._excluded = {s for s, _ in self.heldout if _digits(s) >= self.MIN_EXCLUDED_DIGITS}
+        self._excluded = {s for s, _ in self.heldout if sum(c.isdigit() for c in s) >= self.MIN_EXCLUDED_DIGITS}
 
     def train_examples(self, n: int, generator: torch.Generator) -> list[Example]:
         out: list[Example] = []
@@ -135,7 +135,3 @@ class TaskData:
             if ex[0] not in self._excluded:
                 out.append(ex)
         return out
-
-
-def _digits(source: str) -> int:
-    return sum(c.isdigit() for c in source)

@@ -20,7 +20,7 @@ import functools
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,12 +68,6 @@ def _types(component: dict[str, Any] | None) -> set[str]:
         for child in component.get(key) or []:
             found |= _types(child)
     return found
-
-
-def _training_chunks(text: str, size: int = 1 << 16) -> Iterator[str]:
-    # Chunks let tokenizers count words in parallel; a split word is rare enough not to matter.
-    for start in range(0, len(text), size):
-        yield text[start : start + size]
 
 
 class Tokenizer:
@@ -162,7 +156,8 @@ class Tokenizer:
         backend.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-        chunks = _training_chunks(text) if isinstance(text, str) else iter(text)
+        # chunks of 64K characters let tokenizers count words in parallel; a split word is rare enough not to matter
+        chunks = (text[i : i + 65536] for i in range(0, len(text), 65536)) if isinstance(text, str) else iter(text)
         backend.train_from_iterator(chunks, trainer=trainer)
         got = backend.get_vocab_size()
         if got < vocab_size:
@@ -201,8 +196,9 @@ class Tokenizer:
             # only an explicit argument that is missing is an error.
             if explicit is not None:
                 return explicit
-            name = _token_name(config.get(field))
-            return name if name is not None and backend.token_to_id(name) is not None else None
+            name = config.get(field)  # a string or an AddedToken dict {"content": ...}
+            name = name.get("content") if isinstance(name, dict) else name
+            return name if isinstance(name, str) and backend.token_to_id(name) is not None else None
 
         return cls(backend, bos_token=configured("bos_token", bos_token), eos_token=configured("eos_token", eos_token),
                    pad_token=configured("pad_token", pad_token),
@@ -341,13 +337,6 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id}, "
                 f"pad={self.pad_id})")
-
-
-def _token_name(value: Any) -> str | None:
-    """A special token from tokenizer_config.json: a string or an AddedToken dict ``{"content": ...}``."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -12,8 +12,10 @@ every conversation.
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,36 +25,38 @@ from tinyformer.errors import DataError
 from tinyformer.training.objectives.dpo import encode_pair, score_pairs
 from tinyformer.training.objectives.sft import IGNORE, conversation_row, pad_rows
 
-if TYPE_CHECKING:
-    from tinyformer.data.chat_template import ChatTemplate
 
-
-def _load(run: Path, device: str) -> tuple[nn.Module, ChatTemplate, int, torch.device]:
-    """The run's model, its chat template, the padding id and the device."""
+def _load(run: Path, device: str, data: str, read: Callable[[str], Any], field: str, encode: Callable[..., Any],
+          reason: str, what: str) -> tuple[nn.Module, list[Any], Counter, int, torch.device]:
+    """The run's model, the rows ``encode(item, max_seq_len, chat template)`` makes of the items in
+    ``read(data).field`` (an item it makes None of is skipped, counted under ``reason``), the skip counts, the
+    padding id and the device; a DataError naming ``what`` when no row is left."""
+    from tinyformer.data.chat_data import describe_skipped
     from tinyformer.data.chat_template import ChatTemplate
     from tinyformer.devices import resolve_device
     from tinyformer.run_folder import load_model, load_tokenizer
 
     dev = resolve_device(device)
     model, tokenizer = load_model(run, device=dev), load_tokenizer(run)
-    return model, ChatTemplate(tokenizer), tokenizer.pad_id if tokenizer.pad_id is not None else 0, dev
+    template, file, rows = ChatTemplate(tokenizer), read(data), []
+    skipped = file.skipped
+    for item in getattr(file, field):
+        row, _ = encode(item, model.cfg.max_seq_len, template)
+        if row is None:
+            skipped[reason] += 1
+        else:
+            rows.append(row)
+    if not rows:
+        raise DataError(f"{data} has no usable {what}; {describe_skipped(skipped) or 'it is empty'}")
+    return model, rows, skipped, tokenizer.pad_id if tokenizer.pad_id is not None else 0, dev
 
 
 def evaluate_preferences(run: Path, data: str, *, batch_size: int = 8, device: str = "auto") -> dict[str, Any]:
     """Preference accuracy and mean log-prob margin of the model in ``run`` on a preference JSONL file."""
-    from tinyformer.data.chat_data import describe_skipped, read_preference_file
+    from tinyformer.data.chat_data import read_preference_file
 
-    model, template, pad, dev = _load(run, device)
-    prefs = read_preference_file(data)
-    rows, skipped = [], prefs.skipped.copy()
-    for pair in prefs.pairs:
-        encoded, _ = encode_pair(pair, model.cfg.max_seq_len, template)
-        if encoded is None:
-            skipped["prompt longer than the context"] += 1
-        else:
-            rows.append(encoded)
-    if not rows:
-        raise DataError(f"{data} has no usable preference pair; {describe_skipped(skipped) or 'it is empty'}")
+    model, rows, skipped, pad, dev = _load(run, device, data, read_preference_file, "pairs", encode_pair,
+                                           "prompt longer than the context", "preference pair")
     chosen, rejected = score_pairs(model, rows, pad, batch_size, dev)
     margin = (chosen - rejected).double()
     return {"model": str(run), "data": str(data), "pairs": len(rows), "skipped": sum(skipped.values()),
@@ -62,19 +66,10 @@ def evaluate_preferences(run: Path, data: str, *, batch_size: int = 8, device: s
 @torch.no_grad()
 def evaluate_chat(run: Path, data: str, *, batch_size: int = 8, device: str = "auto") -> dict[str, Any]:
     """Assistant-token loss (and perplexity) of the model in ``run`` on a chat JSONL file."""
-    from tinyformer.data.chat_data import describe_skipped, read_chat_file
+    from tinyformer.data.chat_data import read_chat_file
 
-    model, template, pad, dev = _load(run, device)
-    chat = read_chat_file(data)
-    rows, skipped = [], chat.skipped.copy()
-    for conv in chat.conversations:
-        row, _ = conversation_row(conv, model.cfg.max_seq_len, template)
-        if row is None:
-            skipped["no assistant token within the context"] += 1
-        else:
-            rows.append(row)
-    if not rows:
-        raise DataError(f"{data} has no usable conversation; {describe_skipped(skipped) or 'it is empty'}")
+    model, rows, skipped, pad, dev = _load(run, device, data, read_chat_file, "conversations", conversation_row,
+                                           "no assistant token within the context", "conversation")
     nll, count = 0.0, 0
     for start in range(0, len(rows), batch_size):
         batch = pad_rows(rows[start : start + batch_size], pad)

@@ -69,11 +69,7 @@ def score_continuations(model: nn.Module, requests: Sequence[tuple[Sequence[int]
     no forward pass holds more than ``batch_size`` rows."""
     from tqdm.auto import tqdm
 
-    if batch_size < 1:
-        raise ConfigError(f"batch size must be positive, got {batch_size}")
-    L = max_length or model.cfg.max_seq_len
-    if not 1 <= L <= model.cfg.max_seq_len and model.cfg.rope_type != "dynamic":
-        raise ConfigError(f"max length {L} must be in [1, max_seq_len={model.cfg.max_seq_len}]")
+    L = max_length or model.cfg.max_seq_len  # batch_size and max_length checked by the callers' flags
     conts = [tuple(int(t) for t in k) for _, k in requests]
     by_ctx: dict[tuple[int, ...], list[int]] = {}
     for i, (ctx, _) in enumerate(requests):

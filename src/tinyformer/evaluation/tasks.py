@@ -134,7 +134,8 @@ def read_task_file(path: str | Path) -> list[MultipleChoice | ExactAnswer]:
 @functools.lru_cache(maxsize=2)
 def _class_owners(stdlib_dir: str | None) -> dict[str, list[str]]:
     """Public top-level class name -> the public modules that define it, in path order."""
-    from tinyformer.data.stdlib_names import public_modules, stdlib_root
+    from tinyformer.data.corpus import stdlib_root
+    from tinyformer.data.stdlib_names import public_modules
 
     owners: dict[str, list[str]] = {}
     for module, tree in public_modules(stdlib_root(stdlib_dir)):
@@ -189,10 +190,6 @@ def _mean_stderr(values: Sequence[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
-def _argmax(values: Sequence[float]) -> int:
-    return max(range(len(values)), key=lambda i: (values[i], -i))
-
-
 def evaluate_items(model: Any, tokenizer: Any, items: Sequence[MultipleChoice | ExactAnswer], *,
                    batch_size: int = 8, max_new_tokens: int = 32, progress: bool = False) -> dict[str, Any]:
     """Score ``items`` with a decoder LM: acc / acc_norm / acc_bytes over the multiple-choice rows and
@@ -224,7 +221,8 @@ def evaluate_items(model: Any, tokenizer: Any, items: Sequence[MultipleChoice | 
             lls = [next(scores).logprob for _ in it.choices]
             for name, length in lengths.items():
                 normed = lls if length is None else [ll / length(c) for ll, c in zip(lls, it.choices)]
-                hits[name].append(float(_argmax(normed) == it.answer))
+                best = max(range(len(normed)), key=lambda i: (normed[i], -i))  # the first maximum wins ties
+                hits[name].append(float(best == it.answer))
         result["multiple_choice"] = {"n": len(mc)}
         for name, values in hits.items():
             mean, err = _mean_stderr(values)

@@ -94,9 +94,7 @@ def evaluate_text(run: Path, data: str, options: TextEvalOptions = TextEvalOptio
         n_batches = min(n_batches, opts.max_batches)
     nll, count, n_bytes = 0.0, 0, 0
     token_losses: list[dict] = []
-    ctx = torch.autocast(device_type=dev.type, dtype=amp) if amp is not None else torch.autocast(dev.type,
-                                                                                                  enabled=False)
-    with torch.no_grad(), ctx:
+    with torch.no_grad(), torch.autocast(dev.type, dtype=amp, enabled=amp is not None):
         batches = dataset.iter_eval_batches("train", opts.batch_size, T, max_batches=opts.max_batches)
         for x, y in tqdm(batches, total=n_batches, desc="eval", unit="batch", disable=not opts.progress):
             logits = model(x.to(dev))

@@ -34,7 +34,7 @@ from tinyformer.components.initialization import init_weights
 from tinyformer.components.kv_cache import KVCache, NoCache, RowCalls
 from tinyformer.components.loss import drop_ignored, linear_cross_entropy
 from tinyformer.components.norm import build_norm
-from tinyformer.components.positions import LearnedPositions, build_positions
+from tinyformer.components.positions import build_positions
 from tinyformer.components.rope import RotaryEmbedding
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
@@ -91,13 +91,8 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         self.logit_cap = SoftCap(cfg.final_logit_softcap) if cfg.final_logit_softcap is not None else nn.Identity()
         self.uncached = NoCache(cfg)
-        self.reset_parameters()
-
-    # ------------------------------------------------------------------ initialisation
-    def reset_parameters(self) -> None:
-        """N(0, init_std) for matrices and embeddings; each block adds two residual branches (attention,
-        feed-forward), so their output projections get init_std / sqrt(2 n_layer): see ``init_weights``."""
-        init_weights(self, self.cfg.init_std, 2 * self.cfg.n_layer)
+        # each block adds two residual branches (attention, feed-forward): output projections get std / sqrt(2 L)
+        init_weights(self, cfg.init_std, 2 * cfg.n_layer)
 
     # ------------------------------------------------------------------ forward
     def hidden_states(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
@@ -180,12 +175,6 @@ class DecoderLM(nn.Module):
         return KVCache(self.cfg, batch_size, max_len or self.cfg.max_seq_len, p.device, dtype or p.dtype,
                        rolling=rolling, spare_slots=spare_slots, row_kernel=quant_kernels.uses_kernels(self))
 
-    def num_params(self, non_embedding: bool = False) -> int:
-        """Parameter count (shared tensors once); ``non_embedding`` leaves out token and position tables
-        (and the head when it is tied to the token table)."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.tok_emb.weight.numel()
-            if isinstance(self.pos_emb, LearnedPositions):
-                n -= self.pos_emb.weight.numel()
-        return n
+    def num_params(self) -> int:
+        """Parameter count (shared tensors once)."""
+        return sum(p.numel() for p in self.parameters())
