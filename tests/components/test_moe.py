@@ -260,3 +260,30 @@ def test_native_moe_exports_to_transformers(fields, tmp_path):
     with torch.no_grad():
         ours = model(ids, attention_mask=mask)
     torch.testing.assert_close(ours[mask.bool()], hf_logits(hf, ids, mask)[mask.bool()], atol=1e-4, rtol=1e-4)
+
+
+class _Wrapper(torch.nn.Module):
+    """Stands for a wrapper that calls the module it holds under ``attr`` (DDP: ``module``; a compiled
+    module: ``_orig_mod``)."""
+
+    def __init__(self, inner: torch.nn.Module, attr: str) -> None:
+        super().__init__()
+        setattr(self, attr, inner)
+        self.attr = attr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.attr)(x)
+
+
+def test_a_moe_loss_through_a_compiled_ddp_wrapper_keeps_the_router_losses():
+    """torchrun with --compile trains compiled(DDP(model)): the loss must still add the balancing and z
+    losses that DecoderLM.loss adds (the model found through both wrappers, not only the outer one)."""
+    from tinyformer.models.decoder import DecoderLM
+    from tinyformer.training.objectives.lm import lm_loss
+
+    torch.manual_seed(0)
+    model = DecoderLM(moe_cfg(router_aux_loss_coef=0.5, router_z_loss_coef=0.1)).train()
+    ids = torch.randint(0, 64, (2, 12))
+    targets = torch.randint(0, 64, (2, 12))
+    wrapped = _Wrapper(_Wrapper(model, "module"), "_orig_mod")
+    assert lm_loss(wrapped, ids, targets).item() == pytest.approx(model.loss(ids, targets).item(), rel=1e-6)

@@ -38,6 +38,12 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
         model.train(was_training)
 
 
+def plain_module(model: nn.Module) -> nn.Module:
+    """The module inside a compiled (``_orig_mod``) or data-parallel (``module``) wrapper."""
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model)
+
+
 class Objective:
     """Base class of a training objective.
 

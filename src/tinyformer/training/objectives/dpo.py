@@ -34,8 +34,8 @@ from torch import nn
 from tinyformer.components.lora import has_lora, lora_disabled
 from tinyformer.data.chat_data import PreferencePair, read_preference_file
 from tinyformer.errors import DataError
-from tinyformer.training.objectives.base import IGNORE, Batch, eval_mode
-from tinyformer.training.objectives.sft import ChatObjective, Row, first_user_text, pad_rows, plain_module, reply_row
+from tinyformer.training.objectives.base import IGNORE, Batch, eval_mode, plain_module
+from tinyformer.training.objectives.sft import ChatObjective, Row, first_user_text, pad_rows, reply_row
 
 if TYPE_CHECKING:
     from tinyformer.data.chat_template import ChatTemplate

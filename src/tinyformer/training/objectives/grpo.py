@@ -56,8 +56,8 @@ from torch import nn
 from tinyformer.components.lora import has_lora, lora_disabled
 from tinyformer.data.chat_data import describe_skipped, read_jsonl_rows
 from tinyformer.errors import ConfigError, DataError
-from tinyformer.training.objectives.base import IGNORE, Batch, eval_mode
-from tinyformer.training.objectives.sft import ChatObjective, first_user_text, plain_module
+from tinyformer.training.objectives.base import IGNORE, Batch, eval_mode, plain_module
+from tinyformer.training.objectives.sft import ChatObjective, first_user_text
 from tinyformer.training.rewards import RewardSet
 
 if TYPE_CHECKING:

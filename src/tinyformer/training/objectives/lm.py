@@ -12,7 +12,7 @@ from torch import nn
 
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.training.objectives.base import Batch, Objective
+from tinyformer.training.objectives.base import Batch, Objective, plain_module
 
 
 class CausalLM(Objective):
@@ -61,7 +61,7 @@ def lm_loss(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) ->
         return model.loss(input_ids, targets)
     logits = model(input_ids)  # a wrapper (compiled, DDP) must be called through forward
     loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-    inner = getattr(model, "_orig_mod", getattr(model, "module", model))
+    inner = plain_module(model)  # under torchrun with compile: compiled(DDP(model))
     if isinstance(inner, DecoderLM) and inner.training and inner.cfg.ffn == "moe":
         loss = loss + inner.router_loss()  # the MoE balancing / z-losses, as DecoderLM.loss adds them
     return loss

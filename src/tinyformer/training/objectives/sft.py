@@ -102,12 +102,6 @@ def conversation_row(conv: Conversation, block_size: int, template: ChatTemplate
     return reply_row(ids, mask, block_size)
 
 
-def plain_module(model: nn.Module) -> nn.Module:
-    """The module inside a compiled (``_orig_mod``) or data-parallel (``module``) wrapper."""
-    model = getattr(model, "_orig_mod", model)
-    return getattr(model, "module", model)
-
-
 class ChatObjective(Objective):
     """What SFT and DPO share: a decoder fine-tuned from ``--init-from``, its tokenizer given a chat
     template, embeddings grown for the template's tokens, answers to held-out prompts as the sample."""
