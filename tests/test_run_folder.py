@@ -22,6 +22,12 @@ def test_save_then_load_gives_identical_logits(tmp_path, tied):
         assert again.lm_head.weight is again.tok_emb.weight
 
 
+def test_saving_a_module_without_a_config_fails_before_writing_a_file(tmp_path):
+    with pytest.raises(AttributeError):
+        save_model(tmp_path / "run", torch.nn.Linear(4, 4))
+    assert not (tmp_path / "run").exists()
+
+
 def test_sharded_save_writes_index_and_loads(tmp_path):
     cfg = ModelConfig(vocab_size=40, d_model=32, n_layer=3, n_head=4, max_seq_len=16, pos="learned",
                       norm="layernorm")

@@ -181,8 +181,9 @@ def iter_tensors(run_dir: str | Path, device: str = "cpu", verify: bool = True,
 def save_model(run_dir: str | Path, model: nn.Module, cfg: ModelConfig | None = None,
                max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None) -> None:
     """Write config.json and the weights of ``model`` into ``run_dir``."""
+    cfg = cfg or model.cfg  # before any file is written: a model without a config fails here
     save_tensors(run_dir, _cast(state_dict_for_saving(model).items(), dtype), max_shard_bytes)
-    (cfg or model.cfg).save(Path(run_dir) / "config.json")
+    cfg.save(Path(run_dir) / "config.json")
 
 
 def _cast(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:

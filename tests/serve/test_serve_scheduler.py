@@ -80,6 +80,13 @@ def run_all(sched: Scheduler, sinks: list[Collector], timeout: float = 30) -> No
         assert s.done.wait(timeout), "a request did not finish"
 
 
+@pytest.mark.parametrize(("kw", "message"), [({"max_batch": 0, "max_queue": -1}, "max_batch must be >= 1, got 0"),
+                                             ({"max_queue": -1}, "max_queue must be >= 0, got -1")])
+def test_a_scheduler_refuses_no_slots_or_a_negative_queue_before_it_prepares_anything(model, kw, message):
+    with pytest.raises(ValueError, match=message):
+        Scheduler(model, token_bytes, compile=True, **kw)
+
+
 def test_continuous_batching_equals_each_sequence_decoded_alone(model):
     """Requests of different prompt lengths and budgets, more than there are slots, so some wait
     and join a batch already in flight in a reused slot: each gets exactly its solo greedy tokens."""

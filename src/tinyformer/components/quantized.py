@@ -261,8 +261,10 @@ class QuantizedLinear(nn.Module):
             y = quant_kernels.act8_gemm(x2, {"wp": self.wp, "sp": self.sp, "aux": self.aux}, self.out_features,
                                         self.group, self.spec.type, self.gemm_path)
         elif self.kernel == "cpp" and x2.shape[0] <= CPP_MAX_ROWS:  # the C++ kernels (components/quant_kernels.py)
-            op = quant_kernels.int8_linear if self.spec.type == "int8" else quant_kernels.int4_linear
-            y = op(x2, *self._portable().values())  # (x, q, s[, z])
+            if self.spec.type == "int8":
+                y = quant_kernels.int8_linear(x2, self.qweight, self.scales)
+            else:
+                y = quant_kernels.int4_linear(x2, self.qweight, self.scales, self.zeros)
         elif self.kernel == "fbgemm":
             y = torch.ops.quantized.linear_dynamic(x2.float(), self._fbgemm, fbgemm_reduce_range()).to(x.dtype)
         elif self.kernel == "aten" and self.spec.type == "int8":

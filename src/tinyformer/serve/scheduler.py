@@ -125,6 +125,10 @@ class Scheduler:
                  max_queue: int = 64, max_len: int | None = None, compile: bool | PackageBuild = False,
                  prefill_chunk: int | None = 256, prefix_cache_mb: float = 0, max_draft_tokens: int = 0,
                  draft_model: nn.Module | None = None) -> None:
+        if max_batch < 1:  # the API's own checks, before a compiled step is prepared (the CLI checks its flags)
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         if compile:
             check_compilable(model)
         self.model = model
