@@ -99,3 +99,12 @@ def test_parse_tool_calls_reads_back_what_format_tool_call_writes():
     assert [(n, json.loads(a)) for n, a in calls] == [("a", {"x": [1, "é"]}), ("b", {})]
     assert parse_tool_calls("no calls <tool_call>\n{broken\n</tool_call>") == (
         "no calls <tool_call>\n{broken\n</tool_call>", [])
+
+
+def test_a_data_file_that_is_not_utf8_is_one_data_error_naming_it_a_data_file(tmp_path):
+    from tinyformer.errors import DataError
+
+    path = tmp_path / "chat.jsonl"
+    path.write_bytes('{"messages": [{"role": "user", "content": "café"}]}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match=r"^data file .*chat\.jsonl is not UTF-8: byte 0xe9"):
+        read_chat_file(path)

@@ -90,7 +90,7 @@ def read_jsonl_rows(path: Path) -> list[tuple[int, Any]]:
     if not path.is_file():
         raise DataError(f"data file {path} does not exist")
     rows = []
-    for lineno, line in enumerate(read_text(path).splitlines(), start=1):
+    for lineno, line in enumerate(read_text(path, "data file").splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -152,16 +152,17 @@ def iter_corpus_files(path: str | os.PathLike[str]) -> list[Path]:
                     f"named data set ({', '.join(NAMED_DATASETS)})")
 
 
-def read_text(path: Path) -> str:
-    """Read a UTF-8 text file (a leading byte-order mark is dropped), with a useful decode error."""
+def read_text(path: Path, what: str = "corpus file") -> str:
+    """Read a UTF-8 text file (a leading byte-order mark is dropped), with a useful decode error naming
+    the file as ``what``."""
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise DataError(f"cannot read corpus file {path}: {e.strerror or e}") from e
+        raise DataError(f"cannot read {what} {path}: {e.strerror or e}") from e
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"corpus file {path} is not UTF-8: byte 0x{data[e.start]:02x} at byte offset {e.start} "
+        raise DataError(f"{what} {path} is not UTF-8: byte 0x{data[e.start]:02x} at byte offset {e.start} "
                         f"({e.reason}); re-encode it to UTF-8, e.g. `iconv -f latin1 -t utf-8 {path.name} > "
                         "out.txt`") from e
     return text.removeprefix("\ufeff")
