@@ -591,10 +591,9 @@ class Sampler:
     """How rows with equal settings choose their next token: the processor chain of a
     :class:`SamplingParams` (:func:`build_processors`) and whether the choice is the argmax.
 
-    ``key`` groups rows in :func:`sample`: ``greedy`` and the ``key`` of every processor (its class and all
-    its attributes), so rows share processors exactly when their processors are interchangeable, whatever
-    fields a processor gains later. ``penalised``: a penalty looks at the row's history. The sampling fields
-    of ``params`` are all it reads; ``max_new_tokens``, ``seed`` and the stops are no part of it.
+    ``key`` groups rows in :func:`sample`: ``greedy`` and the ``key`` of every processor (``_Processor.key``).
+    ``penalised``: a penalty looks at the row's history. The sampling fields of ``params`` are all it reads;
+    ``max_new_tokens``, ``seed`` and the stops are no part of it.
     """
 
     __slots__ = ("greedy", "key", "penalised", "processors")
