@@ -126,9 +126,6 @@ class TextStream(Iterator[str]):
         self._pieces = pieces
         self._row = row
 
-    def __iter__(self) -> TextStream:
-        return self
-
     def __next__(self) -> str:
         return next(self._pieces)
 
