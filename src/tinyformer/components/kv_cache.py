@@ -50,12 +50,6 @@ from tinyformer.errors import GenerationError
 AttentionKernel = Callable[..., Tensor]
 
 
-def positions_from_mask(attention_mask: Tensor) -> Tensor:
-    """Position of each token counted over real tokens only: cumsum(mask) - 1, padding at 0.
-    With left padding this gives every row positions 0, 1, 2, ... from its first real token."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-
-
 def build_attention_mask(attention_mask: Tensor, T: int, start: int, window: int | None = None) -> Tensor:
     """Causal boolean (B, 1, T, S) mask, True = may attend, for T queries at positions start .. start+T-1
     over S = start + T keys. ``attention_mask`` (B, S) marks real tokens with 1 and padding with 0.
@@ -72,20 +66,6 @@ def build_attention_mask(attention_mask: Tensor, T: int, start: int, window: int
     if window is not None:
         allowed = allowed & (k_pos > q_pos - window)
     return allowed | (k_pos == q_pos)
-
-
-def causal_mask(T: int, start: int, window: int | None, attention_mask: Tensor | None,
-                device: torch.device) -> Tensor | None:
-    """The (B|1, 1, T, start + T) mask of a block call: query i (at position start + i) sees key j iff
-    j <= start + i, start + i - W < j (window W) and key j is a token. None where that is plain causal
-    attention from position 0, or one query that sees every key: the kernel's own causal mode then."""
-    if attention_mask is not None:
-        return build_attention_mask(attention_mask, T, start, window=window)
-    if (start == 0 or T == 1) and (window is None or start + T <= window):
-        return None
-    q_pos = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
-    k_pos = torch.arange(start + T, device=device)[None, :]  # (1, S)
-    return ((k_pos <= q_pos) & (k_pos > q_pos - (window or start + T)))[None, None]
 
 
 def ring_mask(attention_mask: Tensor | None, T: int, start: int, window: int, device: torch.device,
@@ -112,10 +92,11 @@ def ring_mask(attention_mask: Tensor | None, T: int, start: int, window: int, de
 def token_positions(T: int, start: int, device: torch.device, attention_mask: Tensor | None,
                     position_ids: Tensor | None, limit: float) -> tuple[Tensor, int]:
     """The positions (B|1, T) of a block call's tokens, and the sequence length they imply (max + 1):
-    ``position_ids`` as given, else counted over the tokens of ``attention_mask``, else start .. start + T - 1.
+    ``position_ids`` as given, else counted over the tokens of ``attention_mask`` (cumsum(mask) - 1, padding
+    at 0: with left padding every row counts 0, 1, 2, ... from its first token), else start .. start + T - 1.
     GenerationError when a position is at or beyond ``limit`` (the model's context, ``context_limit``)."""
     if position_ids is None and attention_mask is not None:
-        position_ids = positions_from_mask(attention_mask)[:, start : start + T]
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, start : start + T]
     if position_ids is None:  # contiguous: the length needs no read-back from the device
         position_ids, seen = torch.arange(start, start + T, device=device)[None], start + T
     else:
@@ -259,7 +240,17 @@ class DenseKV:
         return self.k[:, :, :kv_len], self.v[:, :, :kv_len]
 
     def block_mask(self, T: int, start: int, attention_mask: Tensor | None, device: torch.device) -> Tensor | None:
-        return causal_mask(T, start, self.window, attention_mask, device)
+        """The (B|1, 1, T, start + T) mask of a block call: query i (at position start + i) sees key j iff
+        j <= start + i, start + i - W < j (window W) and key j is a token. None where that is plain causal
+        attention from position 0, or one query that sees every key: the kernel's own causal mode then."""
+        window = self.window
+        if attention_mask is not None:
+            return build_attention_mask(attention_mask, T, start, window=window)
+        if (start == 0 or T == 1) and (window is None or start + T <= window):
+            return None
+        q_pos = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
+        k_pos = torch.arange(start + T, device=device)[None, :]  # (1, S)
+        return ((k_pos <= q_pos) & (k_pos > q_pos - (window or start + T)))[None, None]
 
     def rows_mask(self, positions: Tensor, kv_len: int) -> Tensor:
         """(B, 1, T, kv_len): query t of row b (at positions[b, t]) sees slot j <= its position (and within W)."""

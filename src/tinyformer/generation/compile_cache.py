@@ -221,14 +221,10 @@ class PackageBuild:
 
 class PackagedStep(CompiledStep):
     """The compiled decode step kept as AOTInductor packages (``torch._inductor.aoti_compile_and_package``)
-    in ``folder``: the first process to meet a step shape exports it (``torch.export``, the cache length and
-    the attended span symbolic) and compiles it to a shared library; every later process loads that library
-    in milliseconds, without importing torch's compiler, where the ``torch.compile``-d step traced the whole
-    model again (18 s for SmolLM2-135M). The package holds no weights: the model's own tensors are handed to
-    it at load, so it costs no second copy.
-
-    A speculative verification (:meth:`verifier`: T = 2 .. K + 1 tokens per row, K the engine's draft budget)
-    is a package too, its T symbolic like the span, so one package serves every number of drafts.
+    in ``folder``, built and loaded as the module docstring says, where the ``torch.compile``-d step traced
+    the whole model again in every process (18 s for SmolLM2-135M). The package holds no weights, so it costs
+    no second copy. A verification (:meth:`verifier`) takes T = 2 .. K + 1 tokens per row (K the engine's
+    draft budget), T symbolic like the span, so one package serves every number of drafts.
 
     A package's name digests what its code depends on: tinyformer's source (:func:`source_digest`), the
     model (:func:`model_key`, with every tensor's strides), the rows, whether it returns greedy ids, the

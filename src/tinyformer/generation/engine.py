@@ -683,13 +683,10 @@ class BatchEngine:
         return [TokenInfo(t, lps[i], tops.get(i, [])) for i, t in enumerate(tokens)]
 
     def _prefill(self, rows: list[EngineRow]) -> list[RowOutput]:
-        """Feed at most ``prefill_chunk`` prompt tokens in all (None: every pending one), to the rows in the
-        order they were added; rows at the same position in neighbouring slots share a forward call.
-
-        Only the first row in line may feed part of its prompt (a prompt longer than the budget goes in
-        chunks); the next ones join only with all they have left. Starting a prompt that cannot finish this
-        step delays the first token of every prompt behind it: 16 prompts of 200 tokens with a budget of
-        256 reached their median first token 1.3-1.5x later when each step also fed 56 tokens of the next."""
+        """One prefill round, as the module docstring says. Only the first row in line may feed part of its
+        prompt, as starting a prompt that cannot finish this step delays the first token of every prompt behind
+        it: 16 prompts of 200 tokens with a budget of 256 reached their median first token 1.3-1.5x later when
+        each step also fed 56 tokens of the next."""
         budget = self.prefill_chunk
         take: dict[int, int] = {}
         for r in rows:

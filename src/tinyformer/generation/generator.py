@@ -126,9 +126,6 @@ class TextStream(Iterator[str]):
         self._pieces = pieces
         self._row = row
 
-    def __iter__(self) -> TextStream:
-        return self
-
     def __next__(self) -> str:
         return next(self._pieces)
 
@@ -328,7 +325,7 @@ class Generator:
             raise GenerationError("speculative decoding does not apply to beam search: drop --speculative or "
                                   "--num-beams")
         ids = self.encode(prompt)
-        SamplingParams(max_new_tokens=max_new_tokens).validate()
+        params = SamplingParams(max_new_tokens=max_new_tokens).validate()
         validate_beam_args(num_beams, length_penalty, early_stopping, num_return_sequences)
         self._check_fits(len(ids), max_new_tokens)
         ends = self._ends(stop_token_ids)
@@ -336,7 +333,6 @@ class Generator:
             return []
         # K rows of the prompt, prefilled once (BatchEngine.add_group), whose tokens the search picks
         search = new_search(1, num_beams, max_new_tokens, sorted(ends), length_penalty, early_stopping)
-        params = SamplingParams(max_new_tokens=max_new_tokens)
         rows = [EngineRow(ids, params, TextState(self.token_bytes, ends), search=search) for _ in range(num_beams)]
         for _ in self._decode(rows):
             pass

@@ -522,11 +522,8 @@ class SamplingParams:
         """Raise :class:`GenerationError` naming the first invalid field; return ``self`` if all are valid."""
         _check_temperature(self.temperature, allow_zero=True)
         _check_top_k(self.top_k)
-        _check("top_p", self.top_p)
-        _check("min_p", self.min_p)
-        _check("repetition_penalty", self.repetition_penalty)
-        _check("frequency_penalty", self.frequency_penalty)
-        _check("presence_penalty", self.presence_penalty)
+        for name in _RANGES:  # top_p, min_p, then the penalties
+            _check(name, getattr(self, name))
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
@@ -594,10 +591,9 @@ class Sampler:
     """How rows with equal settings choose their next token: the processor chain of a
     :class:`SamplingParams` (:func:`build_processors`) and whether the choice is the argmax.
 
-    ``key`` groups rows in :func:`sample`: ``greedy`` and the ``key`` of every processor (its class and all
-    its attributes), so rows share processors exactly when their processors are interchangeable, whatever
-    fields a processor gains later. ``penalised``: a penalty looks at the row's history. The sampling fields
-    of ``params`` are all it reads; ``max_new_tokens``, ``seed`` and the stops are no part of it.
+    ``key`` groups rows in :func:`sample`: ``greedy`` and the ``key`` of every processor (``_Processor.key``).
+    ``penalised``: a penalty looks at the row's history. The sampling fields of ``params`` are all it reads;
+    ``max_new_tokens``, ``seed`` and the stops are no part of it.
     """
 
     __slots__ = ("greedy", "key", "penalised", "processors")

@@ -102,27 +102,22 @@ class Utf8StreamDecoder:
     """
 
     def __init__(self) -> None:
-        self._pending = b""
+        self.pending = b""  # bytes held back because they may still complete a character
 
     def push(self, data: bytes | bytearray | memoryview) -> str:
         """Feed the bytes of one token; return the text that is now complete (possibly ``""``)."""
-        buf = self._pending + bytes(data)
+        buf = self.pending + bytes(data)
         hold = _incomplete_tail(buf)
         cut = len(buf) - hold
-        self._pending = buf[cut:]
+        self.pending = buf[cut:]
         # The part before `cut` ends on a sequence boundary (or on bytes that are invalid whatever
         # follows), so decoding it on its own gives exactly what decoding the whole stream would.
         return buf[:cut].decode("utf-8", errors="replace")
 
     def flush(self) -> str:
         """End of stream: a held incomplete sequence becomes one U+FFFD. Resets the decoder."""
-        rest, self._pending = self._pending, b""
+        rest, self.pending = self.pending, b""
         return rest.decode("utf-8", errors="replace")
-
-    @property
-    def pending(self) -> bytes:
-        """Bytes held back because they may still complete a character."""
-        return self._pending
 
 
 class StopStringMatcher:
@@ -146,38 +141,28 @@ class StopStringMatcher:
         # Every proper prefix of every stop string: the suffixes worth holding back.
         self._prefixes = {s[:i] for s in stops for i in range(1, len(s))}
         self._max_hold = max((len(s) - 1 for s in stops), default=0)
-        self._held = ""
-        self._stopped = False
-
-    @property
-    def stopped(self) -> bool:
-        """True once a stop string has been seen."""
-        return self._stopped
+        self.held = ""  # text held back because it may be the start of a stop string
+        self.stopped = False  # a stop string has been seen
 
     def push(self, text: str) -> tuple[str, bool]:
         """Feed a piece of text; return ``(text safe to show, whether a stop string completed)``."""
-        if self._stopped:
+        if self.stopped:
             return "", True
-        buf = self._held + text
+        buf = self.held + text
         # (end, start) of each stop string's first occurrence, which is also its earliest end
         found = [(start + len(s), start) for s in self.stop_strings if (start := buf.find(s)) >= 0]
         if found:
-            self._stopped = True
-            self._held = ""
+            self.stopped = True
+            self.held = ""
             return buf[: min(found)[1]], True
         hold = next((n for n in range(min(self._max_hold, len(buf)), 0, -1) if buf[-n:] in self._prefixes), 0)
-        self._held = buf[len(buf) - hold :]
+        self.held = buf[len(buf) - hold :]
         return buf[: len(buf) - hold], False
 
     def flush(self) -> str:
         """End of stream without a stop: return the held-back text (``""`` after a stop)."""
-        rest, self._held = self._held, ""
-        return "" if self._stopped else rest
-
-    @property
-    def held(self) -> str:
-        """Text held back because it may be the start of a stop string."""
-        return self._held
+        rest, self.held = self.held, ""
+        return "" if self.stopped else rest
 
 
 class TextState:

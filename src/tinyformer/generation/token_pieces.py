@@ -21,13 +21,15 @@ from dataclasses import dataclass
 
 from tinyformer.generation.streaming import TokenBytes
 
-__all__ = ["Piece", "piece_text", "token_pieces"]
+__all__ = ["Piece", "token_pieces"]
 
 
 @dataclass(frozen=True)
 class Piece:
-    """One token: ``raw`` its bytes (empty for a special token), ``text`` its piece as a string (see
-    :func:`piece_text`), ``chars`` the characters it completes, ``special`` whether it is a control token."""
+    """One token: ``raw`` its bytes (empty for a special token), ``text`` its piece as a string (the text when
+    the bytes are whole UTF-8, else with the bytes that are not written ``\\xNN``: ``b'\\xe6\\xb3'``, part of a
+    character, becomes the 8 characters ``\\xe6\\xb3``), ``chars`` the characters it completes, ``special``
+    whether it is a control token."""
 
     id: int
     raw: bytes
@@ -45,12 +47,6 @@ class Piece:
         return True
 
 
-def piece_text(raw: bytes) -> str:
-    """A token's bytes as a string: the text when they are whole UTF-8, else with the bytes that are not
-    written ``\\xNN`` (part of a character: ``b'\\xe6\\xb3'`` becomes the 8 characters ``\\xe6\\xb3``)."""
-    return raw.decode("utf-8", errors="backslashreplace")
-
-
 def token_pieces(tokenizer: object, ids: Sequence[int]) -> list[Piece]:
     """The :class:`Piece` of each id, in order (ids the tokenizer lacks have no bytes)."""
     token_bytes = TokenBytes(tokenizer)
@@ -62,5 +58,6 @@ def token_pieces(tokenizer: object, ids: Sequence[int]) -> list[Piece]:
             out.append(Piece(token_id, b"", name, 0, True))
             continue
         raw = token_bytes.raw(token_id)
-        out.append(Piece(token_id, raw, piece_text(raw), len(decoder.decode(raw)), False))
+        out.append(Piece(token_id, raw, raw.decode("utf-8", errors="backslashreplace"),
+                         len(decoder.decode(raw)), False))
     return out
