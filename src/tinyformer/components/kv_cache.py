@@ -177,9 +177,9 @@ class BlockStep(Step):
 
 @dataclass
 class RowStep(Step):
-    """A row call: row b's new keys and values go to positions start[b] .. start[b] + T - 1 (``positions``
-    (B, T); ``rows`` (B, 1) indexes the rows alongside); attention runs over slots [0, kv_len) (a ring: its R
-    slots), masked per row."""
+    """A row call: row b's new keys and values go to its own positions ``positions[b]`` (B, T), each row at
+    its own length (``rows`` (B, 1) indexes the rows alongside); attention runs over slots [0, kv_len) (a
+    ring: its R slots), masked per row."""
 
     cache: KVCache | None = None
     kv_len: int = 0

@@ -170,9 +170,10 @@ def _prob_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _token_counts(logits: Tensor, generated: Tensor) -> Tensor:
+def _token_counts(logits: Tensor, generated: Tensor, counted: bool = True) -> Tensor:
     """``count[b, v]``: how often token ``v`` occurs in ``generated[b]`` (``[B, t]``, or ``[t]`` for every row)
-    (float, at least float32).
+    (float, at least float32); with ``counted=False`` only whether it occurs (bool: one scatter of True, no
+    float buffer, 1.5-3x faster at V = 49k, which is all the repetition and presence penalties need).
 
     Every id outside ``[0, V)`` (padding such as -100) is mapped to ``V``: scattering into a ``V + 1`` wide
     buffer and dropping the last column then ignores those ids without a data-dependent filter (which would
@@ -181,6 +182,8 @@ def _token_counts(logits: Tensor, generated: Tensor) -> Tensor:
     b, v = logits.shape
     ids = torch.atleast_2d(generated.to(torch.long))
     ids = ids.masked_fill((ids < 0) | (ids >= v), v).expand(b, -1)
+    if not counted:
+        return torch.zeros(b, v + 1, dtype=torch.bool, device=logits.device).scatter_(1, ids, True)[:, :v]
     dtype = _prob_dtype(logits.dtype)  # float32 counts are exact up to 2**24 occurrences
     counts = torch.zeros(b, v + 1, dtype=dtype, device=logits.device)
     counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=dtype, device=logits.device))
@@ -381,10 +384,11 @@ class MinP(_Processor):
 
 class Penalty(_Processor):
     """Base of the penalties: :meth:`apply` to the counts of the ids the penalty sees (prompt + generated
-    with ``with_prompt``, the generated ones without; all of a plain tensor); the logits as they are when it
-    sees none or its ``penalty`` is ``off``."""
+    with ``with_prompt``, the generated ones without; all of a plain tensor), or to whether each occurs where
+    the penalty is not ``counted``; the logits as they are when it sees none or its ``penalty`` is ``off``."""
 
     with_prompt = False
+    counted = False
     off = 0.0
     penalty: float
 
@@ -393,10 +397,11 @@ class Penalty(_Processor):
             generated = generated.repetition_ids() if self.with_prompt else generated.generated
         if self.penalty == self.off or generated is None or generated.numel() == 0:
             return logits
-        return self.apply(logits, _token_counts(logits, generated))
+        return self.apply(logits, _token_counts(logits, generated, self.counted))
 
     def apply(self, logits: Tensor, counts: Tensor) -> Tensor:
-        """The penalised ``logits`` [B, V], given ``counts[b, v]``: how often row b has seen token v."""
+        """The penalised ``logits`` [B, V], given ``counts[b, v]``: how often row b has seen token v (bool:
+        whether it has, where not ``counted``)."""
         raise NotImplementedError
 
 
@@ -418,9 +423,9 @@ class RepetitionPenalty(Penalty):
     def __init__(self, penalty: float) -> None:
         self.penalty = _check("repetition_penalty", penalty)
 
-    def apply(self, logits: Tensor, counts: Tensor) -> Tensor:
+    def apply(self, logits: Tensor, seen: Tensor) -> Tensor:
         penalised = torch.where(logits > 0, logits / self.penalty, logits * self.penalty)
-        return torch.where(counts > 0, penalised, logits)
+        return torch.where(seen, penalised, logits)
 
 
 class FrequencyPenalty(Penalty):
@@ -430,6 +435,8 @@ class FrequencyPenalty(Penalty):
 
     ``f = 0`` disables it; negative ``f`` encourages repetition. Ids outside ``[0, V)`` are ignored.
     """
+
+    counted = True
 
     def __init__(self, penalty: float) -> None:
         self.penalty = _check("frequency_penalty", penalty)
@@ -449,8 +456,8 @@ class PresencePenalty(Penalty):
     def __init__(self, penalty: float) -> None:
         self.penalty = _check("presence_penalty", penalty)
 
-    def apply(self, logits: Tensor, counts: Tensor) -> Tensor:
-        return logits - (counts > 0).to(logits.dtype) * self.penalty
+    def apply(self, logits: Tensor, seen: Tensor) -> Tensor:
+        return logits - seen.to(logits.dtype) * self.penalty
 
 
 class TokenMask:
@@ -669,8 +676,8 @@ def sample(logits: Tensor, how: SamplingParams | Sampler | Sequence[SamplingPara
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
     raw = logits if logits.dtype == torch.float64 else logits.float()
     masked = raw if allowed is None else TokenMask(allowed)(raw)
-    if isinstance(how, (SamplingParams, Sampler)):
-        how = [_sampler(how)] * raw.shape[0]
+    if isinstance(how, (SamplingParams, Sampler)):  # one for every row: no per-row keys to group by
+        return _finish(raw, *_choose(_sampler(how), masked, history, generator), want_logprobs, sampled_logprobs)
     samplers = [_sampler(h) for h in how]
     if len(samplers) != raw.shape[0]:
         raise ValueError(f"one sampler per row: got {len(samplers)} for {raw.shape[0]} rows")
@@ -685,6 +692,12 @@ def sample(logits: Tensor, how: SamplingParams | Sampler | Sequence[SamplingPara
             tokens[rows], processed[rows] = _choose(
                 samplers[idx[0]], masked[rows], _history_rows(history, rows),
                 [generator[i] for i in idx] if isinstance(generator, Sequence) else generator)
+    return _finish(raw, tokens, processed, want_logprobs, sampled_logprobs)
+
+
+def _finish(raw: Tensor, tokens: Tensor, processed: Tensor, want_logprobs: bool,
+            sampled_logprobs: bool | Sequence[bool]) -> tuple[Tensor, Tensor | None]:
+    """:func:`sample`'s result: the tokens and, if wanted, their log-probabilities (raw or as drawn)."""
     if not want_logprobs:
         return tokens, None
     logprobs = _token_logprobs(raw, tokens)
