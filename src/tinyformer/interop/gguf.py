@@ -16,14 +16,8 @@ Architectures. What differs between llama.cpp's architectures -- the metadata th
 the layer tensors' names, which RoPE rotation the file uses, Gemma's 1 + g norm gains -- is the family's
 (``families/<family>/gguf.py``, a ``GGUFArch`` found in ``families.GGUF_ARCHS`` by ``general.architecture``).
 
-RoPE. llama.cpp rotates adjacent pairs (2i, 2i+1) for the ``llama`` architecture (``rope_interleaved``), so its
-converter permutes each head's rows of W_q and W_k (and their biases) from Hugging Face's half-split order:
-
-    gguf = hf.reshape(n_head, 2, d_head / 2, d_in).swapaxes(1, 2).reshape(rows, d_in)
-
-Reading undoes it here, at the file boundary (``unpermute_rows``):
-``hf = gguf.reshape(n_head, d_head / 2, 2, d_in).swapaxes(1, 2).reshape(rows, d_in)`` (n_head = the key/value head
-count for W_k). The other architectures rotate half-split, as tinyformer does, and are not permuted.
+RoPE. Where llama.cpp rotates adjacent pairs (``rope_interleaved``: the ``llama`` architecture, see
+``families/llama/gguf.py``), reading undoes its q/k row permutation here, at the file boundary (``unpermute_rows``).
 
 Mixtures of experts. The experts' matrices are stacked, ``ffn_{gate,up,down}_exps`` of shape (E, rows, cols), or
 (older files) one tensor per expert, ``ffn_{gate,up,down}.e``; each expert is read as its own slice (dequantized
@@ -72,7 +66,9 @@ def supported_types() -> dict[Any, torch.dtype]:
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation: per head, interleaved pairs back to two halves."""
+    """Undo llama.cpp's q/k row permutation (weights and biases): per head, interleaved pairs back to two halves,
+    ``hf = gguf.reshape(n_head, d_head / 2, 2, d_in).swapaxes(1, 2).reshape(rows, d_in)`` (n_head: the key/value
+    head count for W_k)."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 

@@ -1,7 +1,5 @@
 """The gemma family's Hugging Face adapter: Gemma 2 and Gemma 3 (text) <-> tinyformer.
 
-RoPE: half-split pairs in Hugging Face, in llama.cpp's gemma2 / gemma3 and in tinyformer: q/k rows are never permuted.
-
 Gemma is a Llama-layout decoder with these options (each a ModelConfig field):
   RMSNorm gain (1 + g)                           norm_gain_offset = 1
   FFN down(gelu_tanh(gate x) * up x)             ffn = "geglu_tanh"
@@ -58,10 +56,7 @@ def _layer_types(hf: Mapping[str, Any], kind: GemmaType) -> list[str]:
     if not hf_types:
         every = int(hf.get("sliding_window_pattern") or kind.global_every)
         hf_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
-    unknown = sorted(set(hf_types) - set(llama.HF_LAYER_TYPES))
-    if unknown:
-        raise ConfigError(f"layer_types {', '.join(unknown)} are not supported")
-    return [llama.HF_LAYER_TYPES[t] for t in hf_types]
+    return llama.hf_layer_types(hf_types)
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
@@ -161,13 +156,12 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
     if kept is not None:
         return kept
     model_type = export_model_type(cfg)
-    rope_parameters, max_positions = llama.rope_to_hf(cfg)
+    hf = llama.shape_to_hf(cfg, model_type, TYPES[model_type].architecture, torch_dtype)
     if TYPES[model_type].gemma3:  # a RoPE per layer type
         local = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
-        rope_parameters = {"full_attention": rope_parameters,
-                           "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+        hf["rope_parameters"] = {"full_attention": hf["rope_parameters"],
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": local}}
     scalar = (cfg.attn_scale or cfg.head_dim**-0.5) ** -2
-    hf = llama.shape_to_hf(cfg, model_type, TYPES[model_type].architecture, rope_parameters, max_positions, torch_dtype)
     hf.update({
         "hidden_activation": "gelu_pytorch_tanh",
         "attention_bias": cfg.attn_bias,

@@ -1,9 +1,8 @@
 """The Llama layout, shared by the llama, qwen and phi3 families (and, for its names, gemma), and the llama family's
 Hugging Face model types: Llama 1/2/3, Mistral and the mixture of experts Mixtral.
 
-RoPE convention: both sides use the half-split pairing (dimension i rotates with i + d_head/2),
-so q/k rows are copied unpermuted. (Meta's original checkpoints and GGUF files pair adjacent
-dimensions; the GGUF reader and writer permute W_q and W_k rows at the file boundary, see ``interop/gguf.py``.)
+RoPE convention: both sides use the half-split pairing (dimension i rotates with i + d_head/2), so q/k rows are
+copied unpermuted (GGUF files pair adjacent dimensions: see ``families/llama/gguf.py``).
 
 Name mapping, per layer i (HF  ->  tinyformer):
   model.embed_tokens.weight                        tok_emb.weight
@@ -15,25 +14,17 @@ Name mapping, per layer i (HF  ->  tinyformer):
   model.layers.i.post_attention_layernorm.weight   blocks.i.ffn_norm.weight
   model.layers.i.mlp.{gate,up}_proj.weight         blocks.i.ffn.gate_up.weight (rows: gate, then up)
   model.layers.i.mlp.down_proj.weight              blocks.i.ffn.down.weight
-MoE layers (ffn="moe"; E experts stacked along the first dimension):
-  Mixtral:   model.layers.i.block_sparse_moe.gate.weight                blocks.i.ffn.router.weight
-             model.layers.i.block_sparse_moe.experts.e.{w1,w3}.weight   blocks.i.ffn.gate_up[e] (rows: w1, then w3)
-             model.layers.i.block_sparse_moe.experts.e.w2.weight        blocks.i.ffn.down[e]
-  Qwen3-MoE: model.layers.i.mlp.gate.weight, mlp.experts.e.{gate,up,down}_proj.weight, likewise
-Phi-3 stores q/k/v and gate/up fused already, in tinyformer's row order:
-  model.layers.i.self_attn.qkv_proj.weight         blocks.i.attn.qkv.weight
-  model.layers.i.mlp.gate_up_proj.weight           blocks.i.ffn.gate_up.weight
   model.norm.weight                                norm.weight
   lm_head.weight                                   lm_head.weight (absent when tied)
+Mixtral's MoE layers (ffn="moe"; E experts stacked along the first dimension; Qwen3-MoE's names: ``qwen/hf.py``):
+  model.layers.i.block_sparse_moe.gate.weight                blocks.i.ffn.router.weight
+  model.layers.i.block_sparse_moe.experts.e.{w1,w3}.weight   blocks.i.ffn.gate_up[e] (rows: w1, then w3)
+  model.layers.i.block_sparse_moe.experts.e.w2.weight        blocks.i.ffn.down[e]
+Phi-3 stores q/k/v and gate/up fused already (``phi3/hf.py``).
 
-The architectures differ in their biases: Llama and Qwen3 have ``attention_bias`` (q, k, v *and* o)
-and Llama ``mlp_bias``; Qwen2 always has q/k/v biases and nothing else; Mistral has none. Qwen3 adds a
-per-head RMSNorm of q and k (``qk_norm``) and states ``head_dim`` explicitly. Sliding-window attention maps
-to ``sliding_window`` and ``layer_types``: every Mistral layer slides when ``sliding_window`` is set; Qwen2/3
-slide only with ``use_sliding_window``, in the layers ``layer_types`` marks "sliding_attention" (by default
-the layers from ``max_window_layers`` on). The context stays ``max_position_embeddings``.
-Mixtral is Mistral with routed experts (softmax, top k, renormalised); Qwen3-MoE is Qwen3 with routed experts
-of width ``moe_intermediate_size`` (renormalised when ``norm_topk_prob``) in every layer.
+Llama has ``attention_bias`` (q, k, v *and* o) and ``mlp_bias``; Mistral has no biases and slides in every layer
+when ``sliding_window`` is set; Mixtral is Mistral with routed experts (softmax, top k, renormalised). The context
+stays ``max_position_embeddings``.
 
 Each Hugging Face model type of the layout is a ``LayoutType``: what its config.json states (biases, sliding window,
 q/k norms, experts), how its tensors are stored (fused or not, the experts' names), and ``writes(cfg, imported_as)``,
@@ -49,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -63,7 +55,6 @@ from tinyformer.families.adapter import (
     imported_hf_config,
 )
 
-HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 MoENames = tuple[str, str, str, str, str]  # (router, expert prefix, gate, up, down) under model.layers.i.
 
 
@@ -94,11 +85,16 @@ class LayoutType:
     d_ff_key: str = "intermediate_size"
 
 
+def hf_layer_types(hf_types: list[str]) -> list[str]:
+    """HF ``layer_types`` as tinyformer's: "sliding_attention" -> "sliding", "full_attention" -> "full"."""
+    unknown = sorted(set(hf_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ConfigError(f"layer_types {', '.join(unknown)} are not supported")
+    return [t.removesuffix("_attention") for t in hf_types]
+
+
 def window_from_hf(hf: Mapping[str, Any], kind: LayoutType) -> tuple[int | None, list[str] | None]:
-    """(sliding_window, layer_types) from a HF config, as transformers' config classes decide: Mistral and
-    Mixtral slide in every layer whenever ``sliding_window`` is set; Qwen2/3/3-MoE only with
-    ``use_sliding_window``, Qwen3-MoE then in every layer, Qwen2/3 in the layers ``layer_types`` names
-    "sliding_attention" (by default those from ``max_window_layers`` on)."""
+    """(sliding_window, layer_types) from a HF config, as transformers' config classes decide (``kind.window``)."""
     window = hf.get("sliding_window")
     if kind.window == "none" or window is None or (kind.window != "always" and not hf.get("use_sliding_window")):
         return None, None
@@ -107,10 +103,7 @@ def window_from_hf(hf: Mapping[str, Any], kind: LayoutType) -> tuple[int | None,
     if kind.window != "flag_per_layer":
         types = ["sliding"] * n
     elif hf_types:
-        unknown = sorted(set(hf_types) - set(HF_LAYER_TYPES))
-        if unknown:
-            raise ConfigError(f"layer_types {', '.join(unknown)} are not supported")
-        types = [HF_LAYER_TYPES[t] for t in hf_types]
+        types = hf_layer_types(hf_types)
     else:
         first = int(hf.get("max_window_layers", n))
         types = ["sliding" if i >= first else "full" for i in range(n)]
@@ -202,8 +195,9 @@ def original_if_unchanged(cfg: ModelConfig, from_hf: Any, torch_dtype: str) -> d
     return hf
 
 
-def rope_to_hf(cfg: ModelConfig) -> tuple[dict[str, Any], int]:
-    """(HF rope_parameters, max_position_embeddings) for ``cfg``'s rope_theta and rope_scaling."""
+def shape_to_hf(cfg: ModelConfig, model_type: str, architecture: str, torch_dtype: str) -> dict[str, Any]:
+    """The config.json keys every Llama-layout family spells alike: sizes, RoPE (``rope_parameters``: theta and
+    scaling), norm epsilon, tying, dtype, and the special-token ids (those of an imported model are kept)."""
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     max_positions = cfg.max_seq_len
     if cfg.rope_scaling:
@@ -213,13 +207,6 @@ def rope_to_hf(cfg: ModelConfig) -> tuple[dict[str, Any], int]:
         if cfg.rope_type == "dynamic":
             # transformers scales dynamic NTK from max_position_embeddings: make that the original length
             max_positions = int(rope_parameters.pop("original_max_position_embeddings", None) or cfg.max_seq_len)
-    return rope_parameters, max_positions
-
-
-def shape_to_hf(cfg: ModelConfig, model_type: str, architecture: str, rope_parameters: dict[str, Any],
-                max_positions: int, torch_dtype: str) -> dict[str, Any]:
-    """The config.json keys every Llama-layout family spells alike: sizes, RoPE, norm epsilon, tying, dtype,
-    and the special-token ids (those of an imported model are kept)."""
     hf: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": model_type,
@@ -374,11 +361,10 @@ class Layout:
         if kept is not None:
             return kept
         kind = self.tensor_type(cfg)
-        rope_parameters, max_positions = rope_to_hf(cfg)
-        hf = shape_to_hf(cfg, kind.model_type, kind.architecture, rope_parameters, max_positions, torch_dtype)
+        hf = shape_to_hf(cfg, kind.model_type, kind.architecture, torch_dtype)
         hf.update({"hidden_act": "silu", "rope_theta": cfg.rope_theta})
         if cfg.rope_scaling:
-            hf["rope_scaling"] = dict(rope_parameters)  # the transformers 4 spelling, for older readers
+            hf["rope_scaling"] = dict(hf["rope_parameters"])  # the transformers 4 spelling, for older readers
         for keys in kind.hf_keys:
             hf.update(keys(cfg))
         return hf
@@ -452,9 +438,7 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor], *, fus
     Raises ConfigError naming a missing tensor. Callers check that every HF tensor was consumed.
     At most one layer's q/k/v (or gate/up) tensors exist twice at any time (the concatenation)."""
 
-    def get(name: str) -> torch.Tensor:
-        return checkpoint_tensor(hf_sd, name)
-
+    get = partial(checkpoint_tensor, hf_sd)
     for ours, names in tensor_names(cfg, fused=fused, ffn_norm=ffn_norm):
         if names is not None:
             yield ours, get(names[0]) if len(names) == 1 else torch.cat([get(n) for n in names])

@@ -1,7 +1,7 @@
 """The qwen family's llama.cpp architectures: ``qwen2``, ``qwen3`` (q/k norms ``attn_q_norm`` / ``attn_k_norm``) and
 ``qwen3moe`` (Qwen3 with experts of width ``expert_feed_forward_length``, renormalised unless ``expert_weights_norm``
-is false). The names and shared keys are the Llama layout's (``families/llama/gguf.py``). RoPE: llama.cpp rotates
-these half-split ("neox"), as tinyformer does: q/k rows are not permuted. llama.cpp has no sliding window for them.
+is false). The names and shared keys are the Llama layout's (``families/llama/gguf.py``). llama.cpp has no sliding
+window for them.
 """
 
 from __future__ import annotations

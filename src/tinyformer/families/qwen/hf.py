@@ -1,9 +1,6 @@
 """The qwen family's Hugging Face model types on the Llama layout (``families/llama/hf.py``): Qwen2, Qwen3 and the
 mixture of experts Qwen3-MoE.
 
-RoPE: half-split pairs (dimension i rotates with i + d_head/2) in Hugging Face, in llama.cpp's qwen2 / qwen3 /
-qwen3moe ("neox" rotation) and in tinyformer: q/k rows are never permuted.
-
 Qwen2 always has q/k/v biases and nothing else. Qwen3 adds a per-head RMSNorm of q and k (``qk_norm``:
 ``model.layers.i.self_attn.{q,k}_norm.weight``), states ``head_dim`` and has ``attention_bias`` (q, k, v and o).
 Qwen2/3 slide only with ``use_sliding_window``, in the layers ``layer_types`` marks "sliding_attention" (by default
