@@ -46,8 +46,5 @@ def longrope_from_gguf(g: Any, theta: float, ctx: int, head_dim: int) -> dict[st
     return params
 
 
-def _phi3_config(g: Any) -> dict[str, Any]:
-    return layout_config(g, ARCH, PHI3, window_key, longrope=longrope_from_gguf)
-
-
-ARCH = GGUFArch("phi3", _phi3_config, PHI3_BLOCK, sliding_window=True, longrope=True)
+ARCH = GGUFArch("phi3", lambda g: layout_config(g, ARCH, PHI3, window_key, longrope=longrope_from_gguf), PHI3_BLOCK,
+                sliding_window=True, longrope=True)

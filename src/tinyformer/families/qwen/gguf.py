@@ -22,14 +22,6 @@ def _qwen3_keys(g: Any, window: int | None) -> dict[str, Any]:
     return {**has_attention_bias(g), "use_sliding_window": False}
 
 
-def _qwen2_config(g: Any) -> dict[str, Any]:
-    return layout_config(g, QWEN2_ARCH, QWEN2, _qwen2_keys)
-
-
-def _qwen3_config(g: Any) -> dict[str, Any]:
-    return layout_config(g, QWEN3_ARCH, QWEN3, _qwen3_keys)
-
-
 def _qwen3moe_config(g: Any) -> dict[str, Any]:
     n_experts = int(g.key("expert_count", 0) or 0)
     if not n_experts:
@@ -41,6 +33,6 @@ def _qwen3moe_config(g: Any) -> dict[str, Any]:
     return hf
 
 
-QWEN2_ARCH = GGUFArch("qwen2", _qwen2_config, BLOCK, split_qkv_bias=True)
-QWEN3_ARCH = GGUFArch("qwen3", _qwen3_config, BLOCK)
+QWEN2_ARCH = GGUFArch("qwen2", lambda g: layout_config(g, QWEN2_ARCH, QWEN2, _qwen2_keys), BLOCK, split_qkv_bias=True)
+QWEN3_ARCH = GGUFArch("qwen3", lambda g: layout_config(g, QWEN3_ARCH, QWEN3, _qwen3_keys), BLOCK)
 QWEN3MOE_ARCH = GGUFArch("qwen3moe", _qwen3moe_config, BLOCK, moe=QWEN3_MOE_NAMES)
