@@ -98,10 +98,12 @@ def updated_hf_config(cfg: ModelConfig, export_problem: Callable[[ModelConfig], 
 
 
 def fixed_field_problem(cfg: ModelConfig, wanted: Mapping[str, Any], target: str) -> str | None:
-    """The first config field that differs from the value a format fixes, as a message naming both
-    (``target`` is the format, e.g. "GPT-2"); None when every field matches."""
+    """The first config field that differs from the value a format fixes (a tuple: the values it allows), as a
+    message naming both (``target`` is the format, e.g. "GPT-2"); None when every field matches."""
     for key, value in wanted.items():
-        if getattr(cfg, key) != value:
-            return f"{key}={getattr(cfg, key)!r} cannot be exported as {target} (needs {value!r})"
+        have = getattr(cfg, key)
+        if have not in value if isinstance(value, tuple) else have != value:
+            needs = f"one of {', '.join(value)}" if isinstance(value, tuple) else repr(value)
+            return f"{key}={have!r} cannot be exported as {target} (needs {needs})"
     return None
 

@@ -67,8 +67,6 @@ def align_config(hf: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
 
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """A tinyformer ModelConfig from a Hugging Face GPT-2 ``config.json`` dict."""
-    if hf.get("model_type", "gpt2") != "gpt2":
-        raise ConfigError(f"model_type {hf.get('model_type')!r} is not supported by the GPT-2 adapter")
     archs = hf.get("architectures") or ["GPT2LMHeadModel"]
     if archs[0] not in ("GPT2LMHeadModel", "GPT2Model"):
         raise ConfigError(f"{archs[0]} is not supported: the GPT-2 adapter imports GPT2LMHeadModel and GPT2Model")
@@ -108,11 +106,10 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
 def export_problem(cfg: ModelConfig) -> str | None:
     """Why ``cfg`` cannot be written as GPT-2, or None when it can."""
     wanted = {"arch": "decoder", "norm": "layernorm", "norm_bias": True, "norm_placement": "pre", "pos": "learned",
-              "final_norm": True, "embed_scale": False, "attn_bias": True, "attn_out_bias": True, "mlp_bias": True}
+              "final_norm": True, "embed_scale": False, "attn_bias": True, "attn_out_bias": True, "mlp_bias": True,
+              "ffn": tuple(EXPORT_ACTIVATIONS)}
     if problem := fixed_field_problem(cfg, wanted, "GPT-2"):
         return problem
-    if cfg.ffn not in EXPORT_ACTIVATIONS:
-        return f"ffn={cfg.ffn!r} cannot be exported as GPT-2 (needs one of {', '.join(EXPORT_ACTIVATIONS)})"
     if cfg.n_kv_head != cfg.n_head or cfg.head_dim * cfg.n_head != cfg.d_model:
         return "GPT-2 has n_kv_head = n_head and head_dim = d_model / n_head"
     return None
