@@ -62,12 +62,13 @@ MoENames = tuple[str, str, str, str, str]  # (router, expert prefix, gate, up, d
 class LayoutType:
     """One Hugging Face model type of the Llama layout.
 
-    biases: "config" (``attention_bias`` for q/k/v and o, ``mlp_bias``), "qkv" (q/k/v always, nothing else),
-    "none". window: "none" (never slides), "always" (every layer slides when ``sliding_window`` is set), "flag"
-    (every layer, only with ``use_sliding_window``), "flag_per_layer" (with ``use_sliding_window``, the layers
-    ``layer_types`` / ``max_window_layers`` mark). ``hf_keys``: the config.json keys of this type, in order, after
-    the ones every type spells alike. ``writes(cfg, imported_as)``: whether a model that the layout can express
-    is written as this type (``imported_as``: the model_type it was imported from, or None)."""
+    biases: "config" (``attention_bias`` for q/k/v and o, the missing ones written as zeros; ``mlp_bias``), "qkv"
+    (q/k/v always, nothing else), "none". window: "none" (never slides), "always" (every layer slides when
+    ``sliding_window`` is set), "flag" (every layer, only with ``use_sliding_window``), "flag_per_layer" (with
+    ``use_sliding_window``, the layers ``layer_types`` / ``max_window_layers`` mark). ``hf_keys``: the config.json
+    keys of this type, in order, after the ones every type spells alike. ``writes(cfg, imported_as)``: whether a
+    model that the layout can express is written as this type (``imported_as``: the model_type it was imported from,
+    or None)."""
 
     model_type: str
     architecture: str
@@ -81,7 +82,6 @@ class LayoutType:
     router_always_renormalises: bool = False
     check_hf: Callable[[Mapping[str, Any]], None] | None = None
     fused: bool = False
-    all_four_biases: bool = False
     d_ff_key: str = "intermediate_size"
 
 
@@ -377,7 +377,7 @@ class Layout:
     def tinyformer_to_hf(self, cfg: ModelConfig, sd: Mapping[str, torch.Tensor]
                          ) -> Iterator[tuple[str, torch.Tensor]]:
         kind = self.tensor_type(cfg)
-        return tinyformer_to_hf(cfg, sd, fused=kind.fused, moe=kind.moe, all_four_biases=kind.all_four_biases)
+        return tinyformer_to_hf(cfg, sd, fused=kind.fused, moe=kind.moe, all_four_biases=kind.biases == "config")
 
     def adapter(self) -> Adapter:
         return Adapter(name=self.name, model_types=tuple(self.types), config_from_hf=self.config_from_hf,
@@ -523,7 +523,7 @@ MIXTRAL = LayoutType("mixtral", "MixtralForCausalLM", "llama", biases="none", wi
 MISTRAL = LayoutType("mistral", "MistralForCausalLM", "llama", biases="none", window="always",
                      writes=_writes_mistral, hf_keys=(window_keys,))
 LLAMA = LayoutType("llama", "LlamaForCausalLM", "llama", biases="config", window="none", writes=_writes_llama,
-                   hf_keys=(_llama_keys,), all_four_biases=True)
+                   hf_keys=(_llama_keys,))
 LAYOUT = Layout("llama", (MIXTRAL, MISTRAL, LLAMA),
                 unclaimed="Llama, Mistral and Mixtral have no q/k norms (qk_norm) and no sliding window with q/k/v "
                           "biases (Qwen2/Qwen3 have)")

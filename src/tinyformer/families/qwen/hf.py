@@ -59,7 +59,7 @@ QWEN3_MOE = LayoutType("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3moe", biases="c
 QWEN3 = LayoutType("qwen3", "Qwen3ForCausalLM", "qwen3", biases="config", window="flag_per_layer",
                    writes=lambda cfg, imported: cfg.ffn != "moe" and cfg.qk_norm,
                    hf_keys=(attention_bias_key, window_keys, per_layer_window_keys),
-                   qk_norm=True, all_four_biases=True)
+                   qk_norm=True)
 QWEN2 = LayoutType("qwen2", "Qwen2ForCausalLM", "qwen2", biases="qkv", window="flag_per_layer",
                    writes=_writes_qwen2, hf_keys=(window_keys, per_layer_window_keys))
 LAYOUT = Layout("qwen", (QWEN3_MOE, QWEN3, QWEN2),
