@@ -29,7 +29,7 @@ from your own code.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,14 +39,6 @@ from tinyformer.errors import ConfigError
 
 TensorMap = Mapping[str, torch.Tensor]
 TensorStream = Iterator[tuple[str, torch.Tensor]]
-
-
-def _never(cfg: ModelConfig, name: str) -> bool:
-    return False
-
-
-def _as_is(hf_config: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
-    return dict(hf_config)
 
 
 @dataclass(frozen=True)
@@ -60,8 +52,8 @@ class Adapter:
     hf_to_tinyformer: Callable[[ModelConfig, TensorMap], TensorStream]
     tinyformer_to_hf: Callable[[ModelConfig, TensorMap], TensorStream]
     export_problem: Callable[[ModelConfig], str | None]
-    ignorable_hf_tensor: Callable[[ModelConfig, str], bool] = field(default=_never)
-    align_config: Callable[[Mapping[str, Any], Iterable[str]], dict[str, Any]] = field(default=_as_is)
+    ignorable_hf_tensor: Callable[[ModelConfig, str], bool] = lambda cfg, name: False
+    align_config: Callable[[Mapping[str, Any], Iterable[str]], dict[str, Any]] = lambda hf, names: dict(hf)
 
 
 def imported_hf_config(cfg: ModelConfig) -> dict[str, Any] | None:

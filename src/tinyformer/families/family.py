@@ -31,10 +31,6 @@ from tinyformer.config import ModelConfig
 from tinyformer.families.adapter import Adapter
 
 
-def _fits(cfg: ModelConfig) -> str | None:
-    return None
-
-
 @dataclass(frozen=True)
 class GGUFArch:
     """One llama.cpp architecture of a family (see the module docstring)."""
@@ -48,7 +44,7 @@ class GGUFArch:
     sliding_window: bool = False
     longrope: bool = False
     split_qkv_bias: bool = False
-    export_problem: Callable[[ModelConfig], str | None] = field(default=_fits)
+    export_problem: Callable[[ModelConfig], str | None] = lambda cfg: None
 
 
 @dataclass(frozen=True)
