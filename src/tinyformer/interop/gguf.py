@@ -104,31 +104,25 @@ def check_declared_sizes(path: Path) -> None:
                 raise CheckpointError(f"{path} is not a readable GGUF file: {what} needs {n:,} bytes, "
                                       f"only {max(size - pos, 0):,} remain (corrupt or hostile)")
 
-        def u(fmt: str, what: str) -> int:
+        def skip(n: int, what: str) -> None:
             nonlocal pos
-            n = struct.calcsize(fmt)
             need(n, what)
             pos += n
+
+        def u(fmt: str, what: str) -> int:
+            n = struct.calcsize(fmt)
+            skip(n, what)
             return struct.unpack_from(order + fmt, f, pos - n)[0]
 
-        def skip_string(what: str) -> None:
-            nonlocal pos
-            length = u("Q", what)
-            need(length, what)
-            pos += length
-
         def skip_value(kind: int, what: str, depth: int = 0) -> None:
-            nonlocal pos
             if kind in _GGUF_SCALAR_BYTES:
-                need(_GGUF_SCALAR_BYTES[kind], what)
-                pos += _GGUF_SCALAR_BYTES[kind]
+                skip(_GGUF_SCALAR_BYTES[kind], what)
             elif kind == _GGUF_STRING:
-                skip_string(what)
+                skip(u("Q", what), what)
             elif kind == _GGUF_ARRAY and depth < 8:
                 item, count = u("I", what), u("Q", what)
                 if item in _GGUF_SCALAR_BYTES:
-                    need(count * _GGUF_SCALAR_BYTES[item], f"{what} ({count:,} items)")
-                    pos += count * _GGUF_SCALAR_BYTES[item]
+                    skip(count * _GGUF_SCALAR_BYTES[item], f"{what} ({count:,} items)")
                     return
                 need(count * 8, f"{what} ({count:,} items)")  # strings and arrays take at least 8 bytes each
                 for _ in range(count):
@@ -139,14 +133,13 @@ def check_declared_sizes(path: Path) -> None:
         n_tensors, n_kv = struct.unpack(order + "QQ", data[8:24])
         need(n_kv * 12, f"the metadata ({n_kv:,} entries)")  # key length u64 + value type u32 at least
         for i in range(n_kv):
-            skip_string(f"metadata key {i}")
+            skip_value(_GGUF_STRING, f"metadata key {i}")
             skip_value(u("I", f"metadata entry {i}"), f"metadata entry {i}")
         need(n_tensors * 24, f"the tensor directory ({n_tensors:,} tensors)")
         for i in range(n_tensors):
-            skip_string(f"tensor {i}'s name")
+            skip_value(_GGUF_STRING, f"tensor {i}'s name")
             n_dims = u("I", f"tensor {i}")
-            need(n_dims * 8 + 12, f"tensor {i}'s {n_dims:,} dimensions")
-            pos += n_dims * 8 + 12
+            skip(n_dims * 8 + 12, f"tensor {i}'s {n_dims:,} dimensions")
 
 
 class GGUFFile:
@@ -168,11 +161,11 @@ class GGUFFile:
             raise CheckpointError(f"{self.path} is not a readable GGUF file (corrupt or truncated: "
                                   f"{type(exc).__name__}: {exc})") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
-        types = supported_types()
+        self.dtypes = supported_types()  # GGML type -> the dtype it is read as
         for t in self.reader.tensors:
-            if t.tensor_type not in types:
+            if t.tensor_type not in self.dtypes:
                 raise CheckpointError(f"{self.path}: tensor {t.name!r} uses GGML type {t.tensor_type.name}, which "
-                                      f"is not supported (supported: {', '.join(q.name for q in types)})")
+                                      f"is not supported (supported: {', '.join(q.name for q in self.dtypes)})")
             if t.data_offset + t.n_bytes > self.path.stat().st_size:
                 raise CheckpointError(f"{self.path} is truncated inside tensor {t.name!r}")
 
@@ -272,7 +265,6 @@ class GGUFSource(TensorSource):
                     self._permute[name] = n_head
                 elif ".self_attn.k_proj." in name:
                     self._permute[name] = n_kv
-        self._dtypes = supported_types()
 
     def names(self) -> list[str]:
         return list(self._gguf_name)
@@ -282,12 +274,12 @@ class GGUFSource(TensorSource):
         shape = [int(d) for d in reversed(t.shape.tolist())]
         if name in self._expert:
             shape = shape[1:]
-        return torch.empty(shape, dtype=self._dtypes[t.tensor_type], device="meta")
+        return torch.empty(shape, dtype=self.g.dtypes[t.tensor_type], device="meta")
 
     def read(self, name: str) -> torch.Tensor:
         t = self.g.tensors[self._gguf_name[name]]
         array = self.g.read(self._gguf_name[name], self._expert.get(name))
-        tensor = torch.from_numpy(array).to(self._dtypes[t.tensor_type])
+        tensor = torch.from_numpy(array).to(self.g.dtypes[t.tensor_type])
         if self._norm_shift and name.endswith("norm.weight"):  # llama.cpp's 1 + g back to Gemma's g
             tensor = tensor - 1
         if name in self._permute:
