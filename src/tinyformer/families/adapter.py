@@ -4,7 +4,7 @@
 An adapter is four pure functions plus two predicates; it knows names and layouts, never files:
 
     config_from_hf(hf_config: dict) -> ModelConfig          raises ConfigError naming what it cannot express
-    config_to_hf(cfg: ModelConfig) -> dict                  the config.json to write
+    config_to_hf(cfg: ModelConfig) -> dict                  the config.json to write (its dtype: the export's)
     hf_to_tinyformer(cfg, hf_tensors: Mapping) -> Iterator[(tinyformer name, tensor)]
     tinyformer_to_hf(cfg, tensors: Mapping) -> Iterator[(HF name, tensor)]
     export_problem(cfg) -> str | None                       why cfg cannot be written in this format (None: it can)
@@ -77,13 +77,13 @@ def checkpoint_tensor(hf_sd: TensorMap, name: str, why: str = "") -> torch.Tenso
 
 
 def updated_hf_config(cfg: ModelConfig, export_problem: Callable[[ModelConfig], str | None],
-                      keys: Mapping[str, Any], torch_dtype: str) -> dict[str, Any]:
-    """The imported HF config (or a new one) updated with ``keys``, tying, dtype and the padding id; ConfigError
-    naming ``export_problem(cfg)`` when there is one."""
+                      keys: Mapping[str, Any]) -> dict[str, Any]:
+    """The imported HF config (or a new one) updated with ``keys``, tying and the padding id; ConfigError naming
+    ``export_problem(cfg)`` when there is one."""
     if problem := export_problem(cfg):
         raise ConfigError(problem)
     hf = dict(imported_hf_config(cfg) or {})
-    hf.update({**keys, "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": torch_dtype, "dtype": torch_dtype})
+    hf.update({**keys, "tie_word_embeddings": cfg.tie_embeddings})
     if cfg.pad_token_id is not None:
         hf["pad_token_id"] = cfg.pad_token_id
     return hf

@@ -151,7 +151,7 @@ def _export_architecture(cfg: ModelConfig) -> str:
     return "BertModel"
 
 
-def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """A Hugging Face BERT config dict (the imported original, updated, when there is one)."""
     return updated_hf_config(cfg, export_problem, {
         "architectures": [_export_architecture(cfg)],
@@ -168,7 +168,7 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         "hidden_dropout_prob": cfg.dropout,
         "attention_probs_dropout_prob": cfg.attn_dropout,
         "position_embedding_type": "absolute",
-    }, torch_dtype)
+    })
 
 
 _LAYER = (  # (HF name under encoder.layer.i., tinyformer name under blocks.i.)

@@ -148,15 +148,15 @@ def export_problem(cfg: ModelConfig) -> str | None:
     return None
 
 
-def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The imported config when the model is unchanged, else a fresh Gemma 2 / Gemma 3 text config."""
     if problem := export_problem(cfg):
         raise ConfigError(problem)
-    kept = llama.original_if_unchanged(cfg, config_from_hf, torch_dtype)
+    kept = llama.original_if_unchanged(cfg, config_from_hf)
     if kept is not None:
         return kept
     model_type = export_model_type(cfg)
-    hf = llama.shape_to_hf(cfg, model_type, TYPES[model_type].architecture, torch_dtype)
+    hf = llama.shape_to_hf(cfg, model_type, TYPES[model_type].architecture)
     if TYPES[model_type].gemma3:  # a RoPE per layer type
         local = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
         hf["rope_parameters"] = {"full_attention": hf["rope_parameters"],

@@ -115,7 +115,7 @@ def export_problem(cfg: ModelConfig) -> str | None:
     return None
 
 
-def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """A Hugging Face GPT-2 config dict (the imported original, updated, when there is one)."""
     hf = updated_hf_config(cfg, export_problem, {
         "architectures": ["GPT2LMHeadModel"] if _prefix(cfg) else ["GPT2Model"],
@@ -134,7 +134,7 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
-    }, torch_dtype)
+    })
     hf.pop("n_ctx", None)
     return hf
 

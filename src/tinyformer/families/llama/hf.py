@@ -177,9 +177,9 @@ def layout_problem(cfg: ModelConfig) -> str | None:
     return None
 
 
-def original_if_unchanged(cfg: ModelConfig, from_hf: Any, torch_dtype: str) -> dict[str, Any] | None:
-    """The imported HF config (``extra["hf_config"]``) with the new dtype when ``from_hf`` of it still gives
-    ``cfg``'s fields, so that an import/export round trip writes the original back; None otherwise."""
+def original_if_unchanged(cfg: ModelConfig, from_hf: Any) -> dict[str, Any] | None:
+    """The imported HF config (``extra["hf_config"]``) when ``from_hf`` of it still gives ``cfg``'s fields, so that
+    an import/export round trip writes the original back; None otherwise."""
     original = imported_hf_config(cfg)
     if original is None:
         return None
@@ -188,16 +188,12 @@ def original_if_unchanged(cfg: ModelConfig, from_hf: Any, torch_dtype: str) -> d
             return None
     except ConfigError:
         return None
-    hf = dict(original)
-    if "torch_dtype" in hf or "dtype" not in hf:
-        hf["torch_dtype"] = torch_dtype
-    hf["dtype"] = torch_dtype
-    return hf
+    return dict(original)
 
 
-def shape_to_hf(cfg: ModelConfig, model_type: str, architecture: str, torch_dtype: str) -> dict[str, Any]:
+def shape_to_hf(cfg: ModelConfig, model_type: str, architecture: str) -> dict[str, Any]:
     """The config.json keys every Llama-layout family spells alike: sizes, RoPE (``rope_parameters``: theta and
-    scaling), norm epsilon, tying, dtype, and the special-token ids (those of an imported model are kept)."""
+    scaling), norm epsilon, tying, and the special-token ids (those of an imported model are kept)."""
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     max_positions = cfg.max_seq_len
     if cfg.rope_scaling:
@@ -222,8 +218,6 @@ def shape_to_hf(cfg: ModelConfig, model_type: str, architecture: str, torch_dtyp
         "rope_parameters": rope_parameters,
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_dropout": cfg.attn_dropout,
-        "torch_dtype": torch_dtype,
-        "dtype": torch_dtype,
     }
     if (original := imported_hf_config(cfg)) is not None:
         for key in ("bos_token_id", "eos_token_id"):
@@ -352,16 +346,16 @@ class Layout:
         """Why ``cfg`` cannot be written as one of the layout's types, or None when it can."""
         return layout_problem(cfg) or (None if self.written_type(cfg) else self.unclaimed)
 
-    def config_to_hf(self, cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
         """A Hugging Face config dict: the imported original when the model is unchanged, else a fresh one for
         the type ``written_type`` picks."""
         if problem := self.export_problem(cfg):
             raise ConfigError(problem)
-        kept = original_if_unchanged(cfg, self.config_from_hf, torch_dtype)
+        kept = original_if_unchanged(cfg, self.config_from_hf)
         if kept is not None:
             return kept
         kind = self.tensor_type(cfg)
-        hf = shape_to_hf(cfg, kind.model_type, kind.architecture, torch_dtype)
+        hf = shape_to_hf(cfg, kind.model_type, kind.architecture)
         hf.update({"hidden_act": "silu", "rope_theta": cfg.rope_theta})
         if cfg.rope_scaling:
             hf["rope_scaling"] = dict(hf["rope_parameters"])  # the transformers 4 spelling, for older readers
