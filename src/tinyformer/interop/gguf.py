@@ -41,7 +41,7 @@ import torch
 
 from tinyformer.devices import parse_dtype
 from tinyformer.errors import CheckpointError, ConfigError
-from tinyformer.families import GGUF_ARCHS
+from tinyformer.families import GGUF_ARCHS, adapter_for_hf
 from tinyformer.families.family import GGUFArch
 from tinyformer.families.llama.gguf import expert_names, hf_name
 from tinyformer.interop.convert_pipeline import DEFAULT_SHARD_BYTES, ConvertReport, import_checkpoint, write_json
@@ -484,7 +484,6 @@ def import_gguf_keep_quant(path: str | Path, out: str | Path, *, max_shard_bytes
     from collections import Counter
 
     from tinyformer.components.quantized import QuantSpec, quantize_weight
-    from tinyformer.families import adapter_for_hf
     from tinyformer.interop.convert_pipeline import staged_output
     from tinyformer.models import meta_model
     from tinyformer.run_folder import QUANT_KEY, iter_tensors, linear_names, save_tensors, side_files

@@ -35,8 +35,7 @@ def gemma_from_gguf(g: Any, every: int, hf: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp's Gemma 2 / 3: GELU-tanh; scores scaled by attention.scale, else head_dim^-1/2; every n-th layer
     global (2 / 6, or attention.sliding_window_pattern); Gemma 2's soft-caps; Gemma 3's local RoPE base
     (rope.freq_base_swa, else 10000)."""
-    for unused in ("hidden_act", "use_sliding_window"):
-        hf.pop(unused, None)
+    hf.pop("hidden_act")  # Gemma's is hidden_activation
     scale = g.key("attention.scale")
     scalar: float | int = hf["head_dim"]
     if scale:
