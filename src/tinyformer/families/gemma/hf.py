@@ -20,15 +20,13 @@ Names are the Llama ones (see ``families/llama/hf.py``) except the norms of a la
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.families.adapter import Adapter, checkpoint_tensor, fixed_field_problem, hf_pad_token_id
+from tinyformer.families.adapter import Adapter, fixed_field_problem, hf_pad_token_id
 from tinyformer.families.llama import hf as llama
 
 
@@ -174,24 +172,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return hf
 
 
-def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The Llama mapping, with Gemma's pre-FFN norm where Llama has its post-attention one, then the two
-    post-sub-block norms."""
-    yield from llama.hf_to_tinyformer(cfg, hf_sd, ffn_norm="pre_feedforward_layernorm")
-    for i in range(cfg.n_layer):
-        for ours, theirs in (("attn_post_norm", "post_attention_layernorm"),
-                             ("ffn_post_norm", "post_feedforward_layernorm")):
-            yield f"blocks.{i}.{ours}.weight", checkpoint_tensor(hf_sd, f"model.layers.{i}.{theirs}.weight")
-
-
-def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The inverse of ``hf_to_tinyformer``."""
-    yield from llama.tinyformer_to_hf(cfg, sd, ffn_norm="pre_feedforward_layernorm")
-    for i in range(cfg.n_layer):
-        yield f"model.layers.{i}.post_attention_layernorm.weight", sd[f"blocks.{i}.attn_post_norm.weight"]
-        yield f"model.layers.{i}.post_feedforward_layernorm.weight", sd[f"blocks.{i}.ffn_post_norm.weight"]
-
-
+# the Llama names, with the sandwich norms (llama.tensor_names)
 ADAPTER = Adapter(name="gemma", model_types=MODEL_TYPES, config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-                  hf_to_tinyformer=hf_to_tinyformer, tinyformer_to_hf=tinyformer_to_hf, export_problem=export_problem,
-                  ignorable_hf_tensor=llama.ignorable_hf_tensor)
+                  hf_to_tinyformer=llama.hf_to_tinyformer, tinyformer_to_hf=llama.tinyformer_to_hf,
+                  export_problem=export_problem, ignorable_hf_tensor=llama.ignorable_hf_tensor)

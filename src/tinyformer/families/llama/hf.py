@@ -384,13 +384,15 @@ class Layout:
         return self.tensor_type(cfg).gguf_arch
 
 
-def tensor_names(cfg: ModelConfig, *, fused: bool = False, zero_biases: bool = False,
-                 ffn_norm: str = "post_attention_layernorm") -> Iterator[tuple[str, list[str] | None]]:
+def tensor_names(cfg: ModelConfig, *, fused: bool = False, zero_biases: bool = False
+                 ) -> Iterator[tuple[str, list[str] | None]]:
     """(tinyformer name, the HF tensors whose rows it stacks, in order) of every tensor, in checkpoint order; a
     mixture of experts' layer gives (``blocks.i.ffn``, None) where its router and experts go.
     ``fused``: q/k/v and gate/up stored as one matrix each (Phi-3); ``zero_biases``: q/k/v and o biases listed
-    when the model has either (the export writes those it lacks as zeros); ``ffn_norm``: the HF name of the norm
-    before the FFN (Gemma's is pre_feedforward_layernorm)."""
+    when the model has either (the export writes those it lacks as zeros). Sandwich norms (Gemma): the norm before
+    the FFN is pre_feedforward_layernorm, and the norms after attention and after the FFN come last."""
+    sandwich = cfg.norm_placement == "sandwich"
+    ffn_norm = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
     attn_bias = cfg.attn_bias or (zero_biases and cfg.attn_out_bias)
     out_bias = cfg.attn_out_bias or (zero_biases and cfg.attn_bias)
     yield "tok_emb.weight", ["model.embed_tokens.weight"]
@@ -421,19 +423,21 @@ def tensor_names(cfg: ModelConfig, *, fused: bool = False, zero_biases: bool = F
     yield "norm.weight", ["model.norm.weight"]
     if not cfg.tie_embeddings:
         yield "lm_head.weight", ["lm_head.weight"]
+    for i in range(cfg.n_layer if sandwich else 0):
+        yield f"blocks.{i}.attn_post_norm.weight", [f"model.layers.{i}.post_attention_layernorm.weight"]
+        yield f"blocks.{i}.ffn_post_norm.weight", [f"model.layers.{i}.post_feedforward_layernorm.weight"]
 
 
 def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor], *, fused: bool = False,
-                     moe: MoENames | None = None, ffn_norm: str = "post_attention_layernorm"
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+                     moe: MoENames | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (tinyformer name, tensor), one tensor at a time, from a HF state dict (or lazy mapping).
-    ``fused`` and ``ffn_norm`` as in ``tensor_names``; ``moe``: the experts' names.
+    ``fused`` as in ``tensor_names``; ``moe``: the experts' names.
 
     Raises ConfigError naming a missing tensor. Callers check that every HF tensor was consumed.
     At most one layer's q/k/v (or gate/up) tensors exist twice at any time (the concatenation)."""
 
     get = partial(checkpoint_tensor, hf_sd)
-    for ours, names in tensor_names(cfg, fused=fused, ffn_norm=ffn_norm):
+    for ours, names in tensor_names(cfg, fused=fused):
         if names is not None:
             yield ours, get(names[0]) if len(names) == 1 else torch.cat([get(n) for n in names])
             continue
@@ -448,14 +452,13 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor], *, fus
 
 
 def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *, fused: bool = False,
-                     moe: MoENames | None = None, all_four_biases: bool = False,
-                     ffn_norm: str = "post_attention_layernorm") -> Iterator[tuple[str, torch.Tensor]]:
+                     moe: MoENames | None = None, all_four_biases: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) from a tinyformer state dict; the inverse of ``hf_to_tinyformer``.
 
     With ``all_four_biases`` (Llama's ``attention_bias``: q, k, v and o biases, or none), a model with only some of
     them gets the others as zeros (adding zero changes nothing)."""
     q, kv, f = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.d_ff
-    for ours, names in tensor_names(cfg, fused=fused, zero_biases=all_four_biases, ffn_norm=ffn_norm):
+    for ours, names in tensor_names(cfg, fused=fused, zero_biases=all_four_biases):
         if names is None:
             assert moe is not None, "a mixture of experts needs its tensor names"
             router, experts, gate_name, up_name, down_name = moe
