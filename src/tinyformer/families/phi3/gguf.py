@@ -46,5 +46,5 @@ def longrope_from_gguf(g: Any, theta: float, ctx: int, head_dim: int) -> dict[st
     return params
 
 
-ARCH = GGUFArch("phi3", lambda g: layout_config(g, ARCH, PHI3, window_key, longrope=longrope_from_gguf), PHI3_BLOCK,
-                sliding_window=True, longrope=True)
+ARCH = GGUFArch("phi3", lambda g: layout_config(g, ARCH, PHI3, window_key), PHI3_BLOCK, sliding_window=True,
+                longrope=longrope_from_gguf)
