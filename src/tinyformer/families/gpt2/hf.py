@@ -145,12 +145,10 @@ def _pairs(cfg: ModelConfig) -> Iterator[tuple[str, str, bool]]:
     yield "wpe.weight", "pos_emb.weight", False
     for i in range(cfg.n_layer):
         p, a = f"h.{i}.", f"blocks.{i}."
-        for hf_name, ours in (("ln_1", "attn_norm"), ("ln_2", "ffn_norm")):
-            yield p + hf_name + ".weight", a + ours + ".weight", False
-            yield p + hf_name + ".bias", a + ours + ".bias", False
-        for hf_name, ours in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.out"), ("mlp.c_fc", "ffn.up"),
-                              ("mlp.c_proj", "ffn.down")):
-            yield p + hf_name + ".weight", a + ours + ".weight", True  # Conv1D (in, out)
+        for hf_name, ours, conv1d in (("ln_1", "attn_norm", False), ("ln_2", "ffn_norm", False),
+                                      ("attn.c_attn", "attn.qkv", True), ("attn.c_proj", "attn.out", True),
+                                      ("mlp.c_fc", "ffn.up", True), ("mlp.c_proj", "ffn.down", True)):
+            yield p + hf_name + ".weight", a + ours + ".weight", conv1d  # Conv1D weights are stored (in, out)
             yield p + hf_name + ".bias", a + ours + ".bias", False
     yield "ln_f.weight", "norm.weight", False
     yield "ln_f.bias", "norm.bias", False
