@@ -26,10 +26,8 @@ Llama has ``attention_bias`` (q, k, v *and* o) and ``mlp_bias``; Mistral has no 
 when ``sliding_window`` is set; Mixtral is Mistral with routed experts (softmax, top k, renormalised). The context
 stays ``max_position_embeddings``.
 
-Each Hugging Face model type of the layout is a ``LayoutType``: what its config.json states (biases, sliding window,
-q/k norms, experts), how its tensors are stored (fused or not, the experts' names), and ``writes(cfg, imported_as)``,
-whether a model is written as that type. A family's ``Layout`` is its types in export-preference order; the registry
-(``families/__init__.py``) prefers the family a model was imported with, then the first whose layout writes it.
+Each Hugging Face model type of the layout is a ``LayoutType``; a family's ``Layout`` is its types in
+export-preference order (the registry, ``families/__init__.py``, chooses among the families).
 
 An imported config remembers the Hugging Face ``config.json`` it came from (``extra["hf_config"]``).
 Exporting a model whose shape still equals that config writes the original back unchanged, so an
