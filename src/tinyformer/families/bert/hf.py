@@ -55,14 +55,6 @@ ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "ge
 EXPORT_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 
 
-def _architecture(hf: Mapping[str, Any]) -> str:
-    arch = (hf.get("architectures") or ["BertModel"])[0]
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"{arch} is not supported: the BERT adapter imports {', '.join(ARCHITECTURES)} "
-                          "(task heads such as classifiers are not part of tinyformer's encoder)")
-    return arch
-
-
 def _prefix(cfg: ModelConfig) -> str:
     hf = imported_hf_config(cfg)
     if hf and hf.get("architectures"):
@@ -87,7 +79,11 @@ def align_config(hf: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
 
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """A tinyformer ModelConfig from a Hugging Face BERT ``config.json`` dict."""
-    _, pooler, mlm = ARCHITECTURES[_architecture(hf)]
+    arch = (hf.get("architectures") or ["BertModel"])[0]
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"{arch} is not supported: the BERT adapter imports {', '.join(ARCHITECTURES)} "
+                          "(task heads such as classifiers are not part of tinyformer's encoder)")
+    _, pooler, mlm = ARCHITECTURES[arch]
     act = hf.get("hidden_act", "gelu")
     if act not in ACTIVATIONS:
         raise ConfigError(f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
@@ -145,16 +141,11 @@ def export_problem(cfg: ModelConfig) -> str | None:
     return None
 
 
-def _export_architecture(cfg: ModelConfig) -> str:
-    if cfg.mlm_head:
-        return "BertForPreTraining" if cfg.pooler else "BertForMaskedLM"
-    return "BertModel"
-
-
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """A Hugging Face BERT config dict (the imported original, updated, when there is one)."""
+    arch = ("BertForPreTraining" if cfg.pooler else "BertForMaskedLM") if cfg.mlm_head else "BertModel"
     return updated_hf_config(cfg, export_problem, {
-        "architectures": [_export_architecture(cfg)],
+        "architectures": [arch],
         "model_type": "bert",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
