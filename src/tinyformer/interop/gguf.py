@@ -58,13 +58,6 @@ def _gguf():
     return gguf
 
 
-def supported_types() -> dict[Any, torch.dtype]:
-    """GGML tensor types this importer reads, and the dtype each becomes."""
-    Q = _gguf().GGMLQuantizationType
-    blocks = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-    return {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16, **{Q[n]: torch.float32 for n in blocks}}
-
-
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation (weights and biases): per head, interleaved pairs back to two halves,
     ``hf = gguf.reshape(n_head, d_head / 2, 2, d_in).swapaxes(1, 2).reshape(rows, d_in)`` (n_head: the key/value
@@ -161,7 +154,10 @@ class GGUFFile:
             raise CheckpointError(f"{self.path} is not a readable GGUF file (corrupt or truncated: "
                                   f"{type(exc).__name__}: {exc})") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
-        self.dtypes = supported_types()  # GGML type -> the dtype it is read as
+        Q = gguf.GGMLQuantizationType  # the GGML types this importer reads -> the dtype each is read as
+        blocks = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+        self.dtypes = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16,
+                       **{Q[n]: torch.float32 for n in blocks}}
         for t in self.reader.tensors:
             if t.tensor_type not in self.dtypes:
                 raise CheckpointError(f"{self.path}: tensor {t.name!r} uses GGML type {t.tensor_type.name}, which "

@@ -48,15 +48,6 @@ TYPES = {t.model_type: t for t in (GemmaType("gemma2", "Gemma2ForCausalLM", "gem
 MODEL_TYPES = tuple(TYPES)
 
 
-def _layer_types(hf: Mapping[str, Any], kind: GemmaType) -> list[str]:
-    n = int(hf["num_hidden_layers"])
-    hf_types = hf.get("layer_types")
-    if not hf_types:
-        every = int(hf.get("sliding_window_pattern") or kind.global_every)
-        hf_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
-    return llama.hf_layer_types(hf_types)
-
-
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """A ModelConfig from a Gemma 2 / Gemma 3 text ``config.json`` dict; ConfigError names what does not fit."""
     model_type = hf.get("model_type")
@@ -85,7 +76,12 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         local_theta = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
     else:
         theta, rope_scaling = llama.rope_from_hf(hf)
-    types = _layer_types(hf, TYPES[model_type])
+    hf_types = hf.get("layer_types")
+    if not hf_types:  # every n-th layer global
+        every = int(hf.get("sliding_window_pattern") or TYPES[model_type].global_every)
+        hf_types = ["sliding_attention" if (i + 1) % every else "full_attention"
+                    for i in range(int(hf["num_hidden_layers"]))]
+    types = llama.hf_layer_types(hf_types)
     window = hf.get("sliding_window") if "sliding" in types else None
     if window is None:
         types, local_theta = ["full"] * len(types), None
