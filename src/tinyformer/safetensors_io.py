@@ -104,9 +104,6 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self._entries)
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
     def spec(self, name: str) -> TensorSpec:
         dtype, shape, _, _ = self._entries[name]
         return TensorSpec(name, shape, dtype)

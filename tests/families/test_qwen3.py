@@ -98,3 +98,26 @@ def test_qk_norm_in_one_call_is_the_per_head_formula(offset):
         torch.testing.assert_close(attn._norm_qk(qk), want, rtol=1e-12, atol=1e-12)
         half = attn.to(torch.bfloat16)._norm_qk(qk.to(torch.bfloat16))
     torch.testing.assert_close(half.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_moe_with_qkv_biases_only_is_written_as_qwen3_moe_with_a_zero_output_bias(tmp_path):
+    """Qwen3-MoE's attention_bias means q, k, v *and* o biases: a model with only q/k/v biases is written with an
+    all-zero o_proj bias (adding zero changes nothing), as Llama and Qwen3 are, so that transformers and the import
+    find every tensor the config.json implies."""
+    transformers = pytest.importorskip("transformers")
+    from tinyformer.interop.hf_folder import export_hf, import_hf
+    from tinyformer.run_folder import save_model
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layer=1, n_head=4, n_kv_head=2, head_dim=8, d_ff=16, max_seq_len=32,
+                      norm="rmsnorm", pos="rope", ffn="moe", n_experts=4, experts_per_token=2, router_norm_topk=True,
+                      qk_norm=True, attn_bias=True, tie_embeddings=False)
+    model = DecoderLM(cfg).eval()
+    save_model(tmp_path / "run", model, cfg)
+    export_hf(tmp_path / "run", tmp_path / "hf")
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert hf.config.model_type == "qwen3_moe" and not info["missing_keys"]
+    assert torch.equal(hf.model.layers[0].self_attn.o_proj.bias, torch.zeros(32))
+    import_hf(tmp_path / "hf", tmp_path / "back")
+    ids = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(tmp_path / "back")(ids), model(ids))

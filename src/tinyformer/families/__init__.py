@@ -101,9 +101,9 @@ def family_presets() -> dict[str, dict[str, Any]]:
     return {name: dict(values) for f in FAMILIES for name, values in f.presets.items()}
 
 
-def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The Hugging Face config.json of ``cfg``, written by the family ``adapter_for_model`` picks."""
-    return adapter_for_model(cfg).config_to_hf(cfg, torch_dtype)
+    return adapter_for_model(cfg).config_to_hf(cfg)
 
 
 def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:

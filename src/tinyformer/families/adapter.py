@@ -4,7 +4,7 @@
 An adapter is four pure functions plus two predicates; it knows names and layouts, never files:
 
     config_from_hf(hf_config: dict) -> ModelConfig          raises ConfigError naming what it cannot express
-    config_to_hf(cfg: ModelConfig) -> dict                  the config.json to write
+    config_to_hf(cfg: ModelConfig) -> dict                  the config.json to write (its dtype: the export's)
     hf_to_tinyformer(cfg, hf_tensors: Mapping) -> Iterator[(tinyformer name, tensor)]
     tinyformer_to_hf(cfg, tensors: Mapping) -> Iterator[(HF name, tensor)]
     export_problem(cfg) -> str | None                       why cfg cannot be written in this format (None: it can)
@@ -29,7 +29,7 @@ from your own code.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,14 +39,6 @@ from tinyformer.errors import ConfigError
 
 TensorMap = Mapping[str, torch.Tensor]
 TensorStream = Iterator[tuple[str, torch.Tensor]]
-
-
-def _never(cfg: ModelConfig, name: str) -> bool:
-    return False
-
-
-def _as_is(hf_config: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
-    return dict(hf_config)
 
 
 @dataclass(frozen=True)
@@ -60,8 +52,8 @@ class Adapter:
     hf_to_tinyformer: Callable[[ModelConfig, TensorMap], TensorStream]
     tinyformer_to_hf: Callable[[ModelConfig, TensorMap], TensorStream]
     export_problem: Callable[[ModelConfig], str | None]
-    ignorable_hf_tensor: Callable[[ModelConfig, str], bool] = field(default=_never)
-    align_config: Callable[[Mapping[str, Any], Iterable[str]], dict[str, Any]] = field(default=_as_is)
+    ignorable_hf_tensor: Callable[[ModelConfig, str], bool] = lambda cfg, name: False
+    align_config: Callable[[Mapping[str, Any], Iterable[str]], dict[str, Any]] = lambda hf, names: dict(hf)
 
 
 def imported_hf_config(cfg: ModelConfig) -> dict[str, Any] | None:
@@ -85,23 +77,25 @@ def checkpoint_tensor(hf_sd: TensorMap, name: str, why: str = "") -> torch.Tenso
 
 
 def updated_hf_config(cfg: ModelConfig, export_problem: Callable[[ModelConfig], str | None],
-                      keys: Mapping[str, Any], torch_dtype: str) -> dict[str, Any]:
-    """The imported HF config (or a new one) updated with ``keys``, tying, dtype and the padding id; ConfigError
-    naming ``export_problem(cfg)`` when there is one."""
+                      keys: Mapping[str, Any]) -> dict[str, Any]:
+    """The imported HF config (or a new one) updated with ``keys``, tying and the padding id; ConfigError naming
+    ``export_problem(cfg)`` when there is one."""
     if problem := export_problem(cfg):
         raise ConfigError(problem)
     hf = dict(imported_hf_config(cfg) or {})
-    hf.update({**keys, "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": torch_dtype, "dtype": torch_dtype})
+    hf.update({**keys, "tie_word_embeddings": cfg.tie_embeddings})
     if cfg.pad_token_id is not None:
         hf["pad_token_id"] = cfg.pad_token_id
     return hf
 
 
 def fixed_field_problem(cfg: ModelConfig, wanted: Mapping[str, Any], target: str) -> str | None:
-    """The first config field that differs from the value a format fixes, as a message naming both
-    (``target`` is the format, e.g. "GPT-2"); None when every field matches."""
+    """The first config field that differs from the value a format fixes (a tuple: the values it allows), as a
+    message naming both (``target`` is the format, e.g. "GPT-2"); None when every field matches."""
     for key, value in wanted.items():
-        if getattr(cfg, key) != value:
-            return f"{key}={getattr(cfg, key)!r} cannot be exported as {target} (needs {value!r})"
+        have = getattr(cfg, key)
+        if have not in value if isinstance(value, tuple) else have != value:
+            needs = f"one of {', '.join(value)}" if isinstance(value, tuple) else repr(value)
+            return f"{key}={have!r} cannot be exported as {target} (needs {needs})"
     return None
 

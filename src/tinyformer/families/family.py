@@ -3,7 +3,7 @@ its presets.
 
     Family(name, adapter, gguf=(GGUFArch, ...), gguf_arch_for=cfg -> arch name, presets={name: field values})
 
-A ``GGUFArch`` is one llama.cpp ``general.architecture`` as data and two small functions; the generic reader
+A ``GGUFArch`` is one llama.cpp ``general.architecture`` as data and small functions; the generic reader
 (``interop/gguf.py``) and writer (``interop/gguf_export.py``) do the rest:
 
     config_from_gguf(g) -> dict      the Hugging Face config.json dict the file's metadata states (``g`` is an
@@ -16,7 +16,8 @@ A ``GGUFArch`` is one llama.cpp ``general.architecture`` as data and two small f
                                      W_k rows are permuted on the way in and out (tinyformer rotates half-split)
     norm_plus_one                    norm gains are stored as 1 + g (Gemma)
     sliding_window                   llama.cpp's writer of this architecture sets ``attention.sliding_window``
-    longrope                         RoPE scaling is LongRoPE as two factor tensors, and nothing else (Phi-3)
+    longrope(g, theta, ctx, head_dim)  the rope_parameters of LongRoPE factor tensors, the only RoPE scaling
+                                       such files have (Phi-3; None: refused)
     split_qkv_bias                   q/k/v biases without an output bias are allowed (Qwen2)
     export_problem(cfg)              why llama.cpp's fixed choices for this architecture differ from ``cfg``
 """
@@ -31,10 +32,6 @@ from tinyformer.config import ModelConfig
 from tinyformer.families.adapter import Adapter
 
 
-def _fits(cfg: ModelConfig) -> str | None:
-    return None
-
-
 @dataclass(frozen=True)
 class GGUFArch:
     """One llama.cpp architecture of a family (see the module docstring)."""
@@ -46,9 +43,9 @@ class GGUFArch:
     rope_interleaved: bool = False
     norm_plus_one: bool = False
     sliding_window: bool = False
-    longrope: bool = False
+    longrope: Callable[..., dict[str, Any]] | None = None
     split_qkv_bias: bool = False
-    export_problem: Callable[[ModelConfig], str | None] = field(default=_fits)
+    export_problem: Callable[[ModelConfig], str | None] = lambda cfg: None
 
 
 @dataclass(frozen=True)

@@ -99,12 +99,6 @@ def plan_and_stream(produce: Callable[[Mapping[str, torch.Tensor]], Iterator[tup
     return specs, lambda: _cast(produce(TensorView(source, meta=False)), dtype)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 #: What a conversion writes (an HF export or a run folder import): ``--force`` replaces a folder holding
 #: only these, and refuses one holding anything else (it would be deleted with the folder).
 CONVERT_OUTPUTS = frozenset({
@@ -149,7 +143,9 @@ def staged_output(out: str | Path, force: bool = False, inputs: tuple[Path, ...]
     remove_stale_temporaries(out, ".partial")  # left by a conversion that was killed
     staging = Path(tempfile.mkdtemp(prefix=temporary_prefix(out), suffix=".partial", dir=out.parent))
     try:
-        os.chmod(staging, 0o777 & ~_umask())
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(staging, 0o777 & ~mask)  # mkdtemp's folder is private; the output folder is not
         yield staging
         if out.exists():
             old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
@@ -208,11 +204,10 @@ def import_checkpoint(hf_config: Mapping[str, Any], source: TensorSource, out: s
     if got != want:  # the adapter disagrees with the model code: a bug, not a user error
         raise RuntimeError(f"adapter {adapter.name} produced {sorted(set(got) ^ set(want)) or 'other shapes'}")
     with staged_output(out, force, inputs) as staging:
-        write_planned(staging, specs, stream(), max_shard_bytes)
+        weights = write_planned(staging, specs, stream(), max_shard_bytes)
         cfg.save(staging / "config.json")
         notes = write_tokenizer(staging)
-        weights = [p.name for p in staging.iterdir() if p.name.endswith(".safetensors")]
-        index = ["model.safetensors.index.json"] if (staging / "model.safetensors.index.json").is_file() else []
+        index = ["model.safetensors.index.json"] if len(weights) > 1 else []  # write_planned's, with the shards
         write_manifest(staging, [*weights, *index])
         files = sorted(p.name for p in staging.iterdir())
     n_params = sum(torch.Size(s.shape).numel() for s in specs)

@@ -16,14 +16,8 @@ Architectures. What differs between llama.cpp's architectures -- the metadata th
 the layer tensors' names, which RoPE rotation the file uses, Gemma's 1 + g norm gains -- is the family's
 (``families/<family>/gguf.py``, a ``GGUFArch`` found in ``families.GGUF_ARCHS`` by ``general.architecture``).
 
-RoPE. llama.cpp rotates adjacent pairs (2i, 2i+1) for the ``llama`` architecture (``rope_interleaved``), so its
-converter permutes each head's rows of W_q and W_k (and their biases) from Hugging Face's half-split order:
-
-    gguf = hf.reshape(n_head, 2, d_head / 2, d_in).swapaxes(1, 2).reshape(rows, d_in)
-
-Reading undoes it here, at the file boundary (``unpermute_rows``):
-``hf = gguf.reshape(n_head, d_head / 2, 2, d_in).swapaxes(1, 2).reshape(rows, d_in)`` (n_head = the key/value head
-count for W_k). The other architectures rotate half-split, as tinyformer does, and are not permuted.
+RoPE. Where llama.cpp rotates adjacent pairs (``rope_interleaved``: the ``llama`` architecture, see
+``families/llama/gguf.py``), reading undoes its q/k row permutation here, at the file boundary (``unpermute_rows``).
 
 Mixtures of experts. The experts' matrices are stacked, ``ffn_{gate,up,down}_exps`` of shape (E, rows, cols), or
 (older files) one tensor per expert, ``ffn_{gate,up,down}.e``; each expert is read as its own slice (dequantized
@@ -47,7 +41,7 @@ import torch
 
 from tinyformer.devices import parse_dtype
 from tinyformer.errors import CheckpointError, ConfigError
-from tinyformer.families import GGUF_ARCHS
+from tinyformer.families import GGUF_ARCHS, adapter_for_hf
 from tinyformer.families.family import GGUFArch
 from tinyformer.families.llama.gguf import expert_names, hf_name
 from tinyformer.interop.convert_pipeline import DEFAULT_SHARD_BYTES, ConvertReport, import_checkpoint, write_json
@@ -64,15 +58,10 @@ def _gguf():
     return gguf
 
 
-def supported_types() -> dict[Any, torch.dtype]:
-    """GGML tensor types this importer reads, and the dtype each becomes."""
-    Q = _gguf().GGMLQuantizationType
-    blocks = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-    return {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16, **{Q[n]: torch.float32 for n in blocks}}
-
-
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation: per head, interleaved pairs back to two halves."""
+    """Undo llama.cpp's q/k row permutation (weights and biases): per head, interleaved pairs back to two halves,
+    ``hf = gguf.reshape(n_head, d_head / 2, 2, d_in).swapaxes(1, 2).reshape(rows, d_in)`` (n_head: the key/value
+    head count for W_k)."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
@@ -108,31 +97,25 @@ def check_declared_sizes(path: Path) -> None:
                 raise CheckpointError(f"{path} is not a readable GGUF file: {what} needs {n:,} bytes, "
                                       f"only {max(size - pos, 0):,} remain (corrupt or hostile)")
 
-        def u(fmt: str, what: str) -> int:
+        def skip(n: int, what: str) -> None:
             nonlocal pos
-            n = struct.calcsize(fmt)
             need(n, what)
             pos += n
+
+        def u(fmt: str, what: str) -> int:
+            n = struct.calcsize(fmt)
+            skip(n, what)
             return struct.unpack_from(order + fmt, f, pos - n)[0]
 
-        def skip_string(what: str) -> None:
-            nonlocal pos
-            length = u("Q", what)
-            need(length, what)
-            pos += length
-
         def skip_value(kind: int, what: str, depth: int = 0) -> None:
-            nonlocal pos
             if kind in _GGUF_SCALAR_BYTES:
-                need(_GGUF_SCALAR_BYTES[kind], what)
-                pos += _GGUF_SCALAR_BYTES[kind]
+                skip(_GGUF_SCALAR_BYTES[kind], what)
             elif kind == _GGUF_STRING:
-                skip_string(what)
+                skip(u("Q", what), what)
             elif kind == _GGUF_ARRAY and depth < 8:
                 item, count = u("I", what), u("Q", what)
                 if item in _GGUF_SCALAR_BYTES:
-                    need(count * _GGUF_SCALAR_BYTES[item], f"{what} ({count:,} items)")
-                    pos += count * _GGUF_SCALAR_BYTES[item]
+                    skip(count * _GGUF_SCALAR_BYTES[item], f"{what} ({count:,} items)")
                     return
                 need(count * 8, f"{what} ({count:,} items)")  # strings and arrays take at least 8 bytes each
                 for _ in range(count):
@@ -143,14 +126,13 @@ def check_declared_sizes(path: Path) -> None:
         n_tensors, n_kv = struct.unpack(order + "QQ", data[8:24])
         need(n_kv * 12, f"the metadata ({n_kv:,} entries)")  # key length u64 + value type u32 at least
         for i in range(n_kv):
-            skip_string(f"metadata key {i}")
+            skip_value(_GGUF_STRING, f"metadata key {i}")
             skip_value(u("I", f"metadata entry {i}"), f"metadata entry {i}")
         need(n_tensors * 24, f"the tensor directory ({n_tensors:,} tensors)")
         for i in range(n_tensors):
-            skip_string(f"tensor {i}'s name")
+            skip_value(_GGUF_STRING, f"tensor {i}'s name")
             n_dims = u("I", f"tensor {i}")
-            need(n_dims * 8 + 12, f"tensor {i}'s {n_dims:,} dimensions")
-            pos += n_dims * 8 + 12
+            skip(n_dims * 8 + 12, f"tensor {i}'s {n_dims:,} dimensions")
 
 
 class GGUFFile:
@@ -172,11 +154,14 @@ class GGUFFile:
             raise CheckpointError(f"{self.path} is not a readable GGUF file (corrupt or truncated: "
                                   f"{type(exc).__name__}: {exc})") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
-        types = supported_types()
+        Q = gguf.GGMLQuantizationType  # the GGML types this importer reads -> the dtype each is read as
+        blocks = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+        self.dtypes = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16,
+                       **{Q[n]: torch.float32 for n in blocks}}
         for t in self.reader.tensors:
-            if t.tensor_type not in types:
+            if t.tensor_type not in self.dtypes:
                 raise CheckpointError(f"{self.path}: tensor {t.name!r} uses GGML type {t.tensor_type.name}, which "
-                                      f"is not supported (supported: {', '.join(q.name for q in types)})")
+                                      f"is not supported (supported: {', '.join(q.name for q in self.dtypes)})")
             if t.data_offset + t.n_bytes > self.path.stat().st_size:
                 raise CheckpointError(f"{self.path} is truncated inside tensor {t.name!r}")
 
@@ -276,7 +261,6 @@ class GGUFSource(TensorSource):
                     self._permute[name] = n_head
                 elif ".self_attn.k_proj." in name:
                     self._permute[name] = n_kv
-        self._dtypes = supported_types()
 
     def names(self) -> list[str]:
         return list(self._gguf_name)
@@ -286,12 +270,12 @@ class GGUFSource(TensorSource):
         shape = [int(d) for d in reversed(t.shape.tolist())]
         if name in self._expert:
             shape = shape[1:]
-        return torch.empty(shape, dtype=self._dtypes[t.tensor_type], device="meta")
+        return torch.empty(shape, dtype=self.g.dtypes[t.tensor_type], device="meta")
 
     def read(self, name: str) -> torch.Tensor:
         t = self.g.tensors[self._gguf_name[name]]
         array = self.g.read(self._gguf_name[name], self._expert.get(name))
-        tensor = torch.from_numpy(array).to(self._dtypes[t.tensor_type])
+        tensor = torch.from_numpy(array).to(self.g.dtypes[t.tensor_type])
         if self._norm_shift and name.endswith("norm.weight"):  # llama.cpp's 1 + g back to Gemma's g
             tensor = tensor - 1
         if name in self._permute:
@@ -496,7 +480,6 @@ def import_gguf_keep_quant(path: str | Path, out: str | Path, *, max_shard_bytes
     from collections import Counter
 
     from tinyformer.components.quantized import QuantSpec, quantize_weight
-    from tinyformer.families import adapter_for_hf
     from tinyformer.interop.convert_pipeline import staged_output
     from tinyformer.models import meta_model
     from tinyformer.run_folder import QUANT_KEY, iter_tensors, linear_names, save_tensors, side_files

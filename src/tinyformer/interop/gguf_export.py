@@ -15,13 +15,9 @@ A mixture's experts are stacked per layer into ``ffn_{gate,up,down}_exps`` (E, r
 biases: models that need otherwise are refused, and so are models that differ from an architecture's fixed choices
 (``GGUFArch.export_problem``, e.g. Gemma's layer pattern).
 
-RoPE. tinyformer (and Hugging Face) rotate the half-split pairs (i, i + d_head/2); llama.cpp's ``llama``
-architecture rotates adjacent pairs (2i, 2i+1) (``rope_interleaved``). So, as llama.cpp's own converter does, each
-head's rows of W_q and W_k (and their biases) are permuted here, at the file boundary:
-
-    gguf = w.reshape(n_head, 2, d_head / 2, d_in).swapaxes(1, 2).reshape(rows, d_in)
-
-Gemma's norm gains are stored as 1 + g (``norm_plus_one``: ggml multiplies by the stored gain).
+RoPE. Where llama.cpp rotates adjacent pairs (``rope_interleaved``, see ``families/llama/gguf.py``), W_q / W_k rows
+(and biases) are permuted here, at the file boundary, as llama.cpp's own converter does (``permute_rows``). Gemma's
+norm gains are stored as 1 + g (``norm_plus_one``: ggml multiplies by the stored gain).
 
 Weights. 2-D matrices are stored in ``--type``; norms and biases stay F32 (as llama.cpp does). Q8_0 and
 Q4_0 are computed with ``gguf.quants.quantize`` (the reference of ggml's formats: Q8_0 x = d q per 32
@@ -52,9 +48,9 @@ from tinyformer.families.llama.gguf import gguf_name
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
 def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Half-split RoPE rows -> llama.cpp's adjacent-pair order, per head (weights and biases)."""
-    rows = w.shape[0]
-    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    """Half-split RoPE rows -> llama.cpp's adjacent-pair order, per head (weights and biases):
+    ``gguf = w.reshape(n_head, 2, d_head / 2, d_in).swapaxes(1, 2).reshape(rows, d_in)``."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def float_state_dict(run: Path, cfg: Any) -> dict[str, torch.Tensor]:

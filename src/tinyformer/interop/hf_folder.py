@@ -135,7 +135,7 @@ def export_hf(run: str | Path, out: str | Path, *, dtype: str | torch.dtype | No
     check_tensors(source, expected, lambda n: False, "config.json")
     dt = parse_dtype(dtype) or source.main_float_dtype()
     hf = adapter.config_to_hf(cfg)
-    for key in ("torch_dtype", "dtype"):
+    for key in ("torch_dtype", "dtype"):  # transformers 4's and 5's name of the weights' dtype
         hf[key] = DTYPE_NAMES[dt]
     specs, stream = plan_and_stream(lambda m: adapter.tinyformer_to_hf(cfg, m), source, dt)
     with staged_output(out, force, (run,)) as staging:

@@ -99,9 +99,7 @@ class TorchBinSource(DictSource):
     def __init__(self, files: list[Path], description: str) -> None:
         self.description = description
         self.sd: dict[str, torch.Tensor] = {}
-        for path in files:
-            if not path.is_file():
-                raise CheckpointError(f"{description}: weight file {path} is missing")
+        for path in files:  # open_hf_weights has checked that each exists
             try:
                 try:
                     sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

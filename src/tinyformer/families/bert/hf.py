@@ -55,14 +55,6 @@ ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "ge
 EXPORT_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 
 
-def _architecture(hf: Mapping[str, Any]) -> str:
-    arch = (hf.get("architectures") or ["BertModel"])[0]
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"{arch} is not supported: the BERT adapter imports {', '.join(ARCHITECTURES)} "
-                          "(task heads such as classifiers are not part of tinyformer's encoder)")
-    return arch
-
-
 def _prefix(cfg: ModelConfig) -> str:
     hf = imported_hf_config(cfg)
     if hf and hf.get("architectures"):
@@ -87,9 +79,11 @@ def align_config(hf: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
 
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """A tinyformer ModelConfig from a Hugging Face BERT ``config.json`` dict."""
-    if hf.get("model_type", "bert") != "bert":
-        raise ConfigError(f"model_type {hf.get('model_type')!r} is not supported by the BERT adapter")
-    _, pooler, mlm = ARCHITECTURES[_architecture(hf)]
+    arch = (hf.get("architectures") or ["BertModel"])[0]
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"{arch} is not supported: the BERT adapter imports {', '.join(ARCHITECTURES)} "
+                          "(task heads such as classifiers are not part of tinyformer's encoder)")
+    _, pooler, mlm = ARCHITECTURES[arch]
     act = hf.get("hidden_act", "gelu")
     if act not in ACTIVATIONS:
         raise ConfigError(f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
@@ -133,11 +127,9 @@ def export_problem(cfg: ModelConfig) -> str | None:
     """Why ``cfg`` cannot be written as BERT, or None when it can."""
     wanted = {"arch": "encoder", "norm": "layernorm", "norm_bias": True, "norm_placement": "post",
               "final_norm": False, "pos": "learned", "embed_scale": False, "embed_norm": True, "attn_bias": True,
-              "attn_out_bias": True, "mlp_bias": True}
+              "attn_out_bias": True, "mlp_bias": True, "ffn": tuple(EXPORT_ACTIVATIONS)}
     if problem := fixed_field_problem(cfg, wanted, "BERT"):
         return problem
-    if cfg.ffn not in EXPORT_ACTIVATIONS:
-        return f"ffn={cfg.ffn!r} cannot be exported as BERT (needs one of {', '.join(EXPORT_ACTIVATIONS)})"
     if cfg.type_vocab_size < 1:
         return "BERT needs token-type embeddings (type_vocab_size >= 1)"
     if cfg.n_kv_head != cfg.n_head or cfg.head_dim * cfg.n_head != cfg.d_model:
@@ -149,16 +141,11 @@ def export_problem(cfg: ModelConfig) -> str | None:
     return None
 
 
-def _export_architecture(cfg: ModelConfig) -> str:
-    if cfg.mlm_head:
-        return "BertForPreTraining" if cfg.pooler else "BertForMaskedLM"
-    return "BertModel"
-
-
-def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """A Hugging Face BERT config dict (the imported original, updated, when there is one)."""
+    arch = ("BertForPreTraining" if cfg.pooler else "BertForMaskedLM") if cfg.mlm_head else "BertModel"
     return updated_hf_config(cfg, export_problem, {
-        "architectures": [_export_architecture(cfg)],
+        "architectures": [arch],
         "model_type": "bert",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
@@ -172,7 +159,7 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         "hidden_dropout_prob": cfg.dropout,
         "attention_probs_dropout_prob": cfg.attn_dropout,
         "position_embedding_type": "absolute",
-    }, torch_dtype)
+    })
 
 
 _LAYER = (  # (HF name under encoder.layer.i., tinyformer name under blocks.i.)

@@ -2,15 +2,14 @@
 
 Files store every norm gain as 1 + g (ggml's RMSNorm multiplies by the stored gain), which the reader turns back
 into Gemma's g and the writer forward (``norm_plus_one``); a layer's four norms are ``attn_norm``,
-``post_attention_norm``, ``ffn_norm`` and ``post_ffw_norm``. RoPE: half-split in llama.cpp's Gemma too, so q/k rows
-are not permuted. llama.cpp fixes Gemma 3's layer pattern (every 6th layer global), the local layers' RoPE base
-(10000) and the score scale (head_dim^-1/2), so the import does too; ``gemma2`` files are stored alike, with the
-soft-caps as ``attn_logit_softcapping`` / ``final_logit_softcapping`` and every 2nd layer global. Where the file
-states them, ``attention.scale`` (the score scale s, read as query_pre_attn_scalar = s^-2),
-``attention.sliding_window_pattern`` (every n-th layer global, or one flag per layer) and ``rope.freq_base_swa`` (the
-local layers' base) override those fixed values. Written files must match llama.cpp's fixed choices
-(``gemma_problem``): no biases, the fixed layer pattern, scores scaled by head_dim^-1/2, Gemma 2 tied and soft-capped
-(llama.cpp caps at 50 / 30 otherwise), Gemma 3 uncapped with its local layers at RoPE base 10000.
+``post_attention_norm``, ``ffn_norm`` and ``post_ffw_norm``. llama.cpp fixes Gemma 3's layer pattern (every 6th layer
+global), the local layers' RoPE base (10000) and the score scale (head_dim^-1/2), so the import does too; ``gemma2``
+files are stored alike, with the soft-caps as ``attn_logit_softcapping`` / ``final_logit_softcapping`` and every 2nd
+layer global. Where the file states them, ``attention.scale`` (the score scale s, read as query_pre_attn_scalar =
+s^-2), ``attention.sliding_window_pattern`` (every n-th layer global, or one flag per layer) and
+``rope.freq_base_swa`` (the local layers' base) override those fixed values. Written files must match llama.cpp's
+fixed choices (``gemma_problem``): no biases, the fixed layer pattern, scores scaled by head_dim^-1/2, Gemma 2 tied
+and soft-capped (llama.cpp caps at 50 / 30 otherwise), Gemma 3 uncapped with its local layers at RoPE base 10000.
 """
 
 from __future__ import annotations
@@ -36,8 +35,7 @@ def gemma_from_gguf(g: Any, every: int, hf: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp's Gemma 2 / 3: GELU-tanh; scores scaled by attention.scale, else head_dim^-1/2; every n-th layer
     global (2 / 6, or attention.sliding_window_pattern); Gemma 2's soft-caps; Gemma 3's local RoPE base
     (rope.freq_base_swa, else 10000)."""
-    for unused in ("hidden_act", "use_sliding_window"):
-        hf.pop(unused, None)
+    hf.pop("hidden_act")  # Gemma's is hidden_activation
     scale = g.key("attention.scale")
     scalar: float | int = hf["head_dim"]
     if scale:

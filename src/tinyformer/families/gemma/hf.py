@@ -1,7 +1,5 @@
 """The gemma family's Hugging Face adapter: Gemma 2 and Gemma 3 (text) <-> tinyformer.
 
-RoPE: half-split pairs in Hugging Face, in llama.cpp's gemma2 / gemma3 and in tinyformer: q/k rows are never permuted.
-
 Gemma is a Llama-layout decoder with these options (each a ModelConfig field):
   RMSNorm gain (1 + g)                           norm_gain_offset = 1
   FFN down(gelu_tanh(gate x) * up x)             ffn = "geglu_tanh"
@@ -22,15 +20,13 @@ Names are the Llama ones (see ``families/llama/hf.py``) except the norms of a la
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from tinyformer.config import ModelConfig
 from tinyformer.errors import ConfigError
-from tinyformer.families.adapter import Adapter, checkpoint_tensor, fixed_field_problem, hf_pad_token_id
+from tinyformer.families.adapter import Adapter, fixed_field_problem, hf_pad_token_id
 from tinyformer.families.llama import hf as llama
 
 
@@ -50,18 +46,6 @@ class GemmaType:
 TYPES = {t.model_type: t for t in (GemmaType("gemma2", "Gemma2ForCausalLM", "gemma2", 2, gemma3=False),
                                    GemmaType("gemma3_text", "Gemma3ForCausalLM", "gemma3", 6, gemma3=True))}
 MODEL_TYPES = tuple(TYPES)
-
-
-def _layer_types(hf: Mapping[str, Any], kind: GemmaType) -> list[str]:
-    n = int(hf["num_hidden_layers"])
-    hf_types = hf.get("layer_types")
-    if not hf_types:
-        every = int(hf.get("sliding_window_pattern") or kind.global_every)
-        hf_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
-    unknown = sorted(set(hf_types) - set(llama.HF_LAYER_TYPES))
-    if unknown:
-        raise ConfigError(f"layer_types {', '.join(unknown)} are not supported")
-    return [llama.HF_LAYER_TYPES[t] for t in hf_types]
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
@@ -92,7 +76,12 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         local_theta = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
     else:
         theta, rope_scaling = llama.rope_from_hf(hf)
-    types = _layer_types(hf, TYPES[model_type])
+    hf_types = hf.get("layer_types")
+    if not hf_types:  # every n-th layer global
+        every = int(hf.get("sliding_window_pattern") or TYPES[model_type].global_every)
+        hf_types = ["sliding_attention" if (i + 1) % every else "full_attention"
+                    for i in range(int(hf["num_hidden_layers"]))]
+    types = llama.hf_layer_types(hf_types)
     window = hf.get("sliding_window") if "sliding" in types else None
     if window is None:
         types, local_theta = ["full"] * len(types), None
@@ -153,21 +142,20 @@ def export_problem(cfg: ModelConfig) -> str | None:
     return None
 
 
-def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The imported config when the model is unchanged, else a fresh Gemma 2 / Gemma 3 text config."""
     if problem := export_problem(cfg):
         raise ConfigError(problem)
-    kept = llama.original_if_unchanged(cfg, config_from_hf, torch_dtype)
+    kept = llama.original_if_unchanged(cfg, config_from_hf)
     if kept is not None:
         return kept
     model_type = export_model_type(cfg)
-    rope_parameters, max_positions = llama.rope_to_hf(cfg)
+    hf = llama.shape_to_hf(cfg, model_type, TYPES[model_type].architecture)
     if TYPES[model_type].gemma3:  # a RoPE per layer type
         local = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
-        rope_parameters = {"full_attention": rope_parameters,
-                           "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+        hf["rope_parameters"] = {"full_attention": hf["rope_parameters"],
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": local}}
     scalar = (cfg.attn_scale or cfg.head_dim**-0.5) ** -2
-    hf = llama.shape_to_hf(cfg, model_type, TYPES[model_type].architecture, rope_parameters, max_positions, torch_dtype)
     hf.update({
         "hidden_activation": "gelu_pytorch_tanh",
         "attention_bias": cfg.attn_bias,
@@ -180,24 +168,7 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
     return hf
 
 
-def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The Llama mapping, with Gemma's pre-FFN norm where Llama has its post-attention one, then the two
-    post-sub-block norms."""
-    yield from llama.hf_to_tinyformer(cfg, hf_sd, ffn_norm="pre_feedforward_layernorm")
-    for i in range(cfg.n_layer):
-        for ours, theirs in (("attn_post_norm", "post_attention_layernorm"),
-                             ("ffn_post_norm", "post_feedforward_layernorm")):
-            yield f"blocks.{i}.{ours}.weight", checkpoint_tensor(hf_sd, f"model.layers.{i}.{theirs}.weight")
-
-
-def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The inverse of ``hf_to_tinyformer``."""
-    yield from llama.tinyformer_to_hf(cfg, sd, ffn_norm="pre_feedforward_layernorm")
-    for i in range(cfg.n_layer):
-        yield f"model.layers.{i}.post_attention_layernorm.weight", sd[f"blocks.{i}.attn_post_norm.weight"]
-        yield f"model.layers.{i}.post_feedforward_layernorm.weight", sd[f"blocks.{i}.ffn_post_norm.weight"]
-
-
+# the Llama names, with the sandwich norms (llama.tensor_names)
 ADAPTER = Adapter(name="gemma", model_types=MODEL_TYPES, config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-                  hf_to_tinyformer=hf_to_tinyformer, tinyformer_to_hf=tinyformer_to_hf, export_problem=export_problem,
-                  ignorable_hf_tensor=llama.ignorable_hf_tensor)
+                  hf_to_tinyformer=llama.hf_to_tinyformer, tinyformer_to_hf=llama.tinyformer_to_hf,
+                  export_problem=export_problem, ignorable_hf_tensor=llama.ignorable_hf_tensor)

@@ -67,8 +67,6 @@ def align_config(hf: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
 
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """A tinyformer ModelConfig from a Hugging Face GPT-2 ``config.json`` dict."""
-    if hf.get("model_type", "gpt2") != "gpt2":
-        raise ConfigError(f"model_type {hf.get('model_type')!r} is not supported by the GPT-2 adapter")
     archs = hf.get("architectures") or ["GPT2LMHeadModel"]
     if archs[0] not in ("GPT2LMHeadModel", "GPT2Model"):
         raise ConfigError(f"{archs[0]} is not supported: the GPT-2 adapter imports GPT2LMHeadModel and GPT2Model")
@@ -108,17 +106,16 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
 def export_problem(cfg: ModelConfig) -> str | None:
     """Why ``cfg`` cannot be written as GPT-2, or None when it can."""
     wanted = {"arch": "decoder", "norm": "layernorm", "norm_bias": True, "norm_placement": "pre", "pos": "learned",
-              "final_norm": True, "embed_scale": False, "attn_bias": True, "attn_out_bias": True, "mlp_bias": True}
+              "final_norm": True, "embed_scale": False, "attn_bias": True, "attn_out_bias": True, "mlp_bias": True,
+              "ffn": tuple(EXPORT_ACTIVATIONS)}
     if problem := fixed_field_problem(cfg, wanted, "GPT-2"):
         return problem
-    if cfg.ffn not in EXPORT_ACTIVATIONS:
-        return f"ffn={cfg.ffn!r} cannot be exported as GPT-2 (needs one of {', '.join(EXPORT_ACTIVATIONS)})"
     if cfg.n_kv_head != cfg.n_head or cfg.head_dim * cfg.n_head != cfg.d_model:
         return "GPT-2 has n_kv_head = n_head and head_dim = d_model / n_head"
     return None
 
 
-def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """A Hugging Face GPT-2 config dict (the imported original, updated, when there is one)."""
     hf = updated_hf_config(cfg, export_problem, {
         "architectures": ["GPT2LMHeadModel"] if _prefix(cfg) else ["GPT2Model"],
@@ -137,7 +134,7 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
-    }, torch_dtype)
+    })
     hf.pop("n_ctx", None)
     return hf
 
@@ -148,12 +145,10 @@ def _pairs(cfg: ModelConfig) -> Iterator[tuple[str, str, bool]]:
     yield "wpe.weight", "pos_emb.weight", False
     for i in range(cfg.n_layer):
         p, a = f"h.{i}.", f"blocks.{i}."
-        for hf_name, ours in (("ln_1", "attn_norm"), ("ln_2", "ffn_norm")):
-            yield p + hf_name + ".weight", a + ours + ".weight", False
-            yield p + hf_name + ".bias", a + ours + ".bias", False
-        for hf_name, ours in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.out"), ("mlp.c_fc", "ffn.up"),
-                              ("mlp.c_proj", "ffn.down")):
-            yield p + hf_name + ".weight", a + ours + ".weight", True  # Conv1D (in, out)
+        for hf_name, ours, conv1d in (("ln_1", "attn_norm", False), ("ln_2", "ffn_norm", False),
+                                      ("attn.c_attn", "attn.qkv", True), ("attn.c_proj", "attn.out", True),
+                                      ("mlp.c_fc", "ffn.up", True), ("mlp.c_proj", "ffn.down", True)):
+            yield p + hf_name + ".weight", a + ours + ".weight", conv1d  # Conv1D weights are stored (in, out)
             yield p + hf_name + ".bias", a + ours + ".bias", False
     yield "ln_f.weight", "norm.weight", False
     yield "ln_f.bias", "norm.bias", False

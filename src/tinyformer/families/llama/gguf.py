@@ -139,13 +139,12 @@ def llama3_scaling(factors: np.ndarray, head_dim: int, theta: float, path: Any) 
                       "scalings are not supported")
 
 
-def layout_config(g: Any, arch: GGUFArch, kind: Any, type_keys: Callable[[Any, int | None], Mapping[str, Any]],
-                  longrope: Callable[..., dict[str, Any]] | None = None) -> dict[str, Any]:
+def layout_config(g: Any, arch: GGUFArch, kind: Any, type_keys: Callable[[Any, int | None], Mapping[str, Any]]
+                  ) -> dict[str, Any]:
     """The HF config.json dict of the metadata every Llama-layout architecture spells alike: widths, heads, context,
-    norm epsilon, tying, token ids and RoPE (with its scaling). ``kind`` is the Hugging Face type written (its
-    ``model_type`` and ``architecture``); ``type_keys(g, window)`` adds that type's keys (biases, window flags), in
-    config.json order; ``longrope(g, theta, ctx, head_dim)`` reads LongRoPE factor tensors (Phi-3), refused
-    elsewhere."""
+    norm epsilon, tying, token ids and RoPE (with its scaling; LongRoPE factor tensors by ``arch.longrope``, refused
+    without). ``kind`` is the Hugging Face type written (its ``model_type`` and ``architecture``); ``type_keys(g,
+    window)`` adds that type's keys (biases, window flags), in config.json order."""
     key = g.key
     n_head = key("attention.head_count", required=True)
     n_kv = key("attention.head_count_kv", n_head)
@@ -218,10 +217,10 @@ def layout_config(g: Any, arch: GGUFArch, kind: Any, type_keys: Callable[[Any, i
         raise ConfigError(f"{g.path}: RoPE scaling type {kind!r} is not supported (supported: none, linear, yarn, "
                           "and llama3 as a rope_freqs tensor)")
     if {"rope_factors_long.weight", "rope_factors_short.weight"} & set(g.tensors):
-        if longrope is None or kind not in (None, "none"):
+        if arch.longrope is None or kind not in (None, "none"):
             raise ConfigError(f"{g.path}: rope_factors_long/short (LongRoPE) are supported in 'phi3' files without "
                               "another RoPE scaling type")
-        hf["rope_parameters"] = longrope(g, theta, int(ctx), head_dim)
+        hf["rope_parameters"] = arch.longrope(g, theta, int(ctx), head_dim)
     return hf
 
 

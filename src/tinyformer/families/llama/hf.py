@@ -1,9 +1,8 @@
 """The Llama layout, shared by the llama, qwen and phi3 families (and, for its names, gemma), and the llama family's
 Hugging Face model types: Llama 1/2/3, Mistral and the mixture of experts Mixtral.
 
-RoPE convention: both sides use the half-split pairing (dimension i rotates with i + d_head/2),
-so q/k rows are copied unpermuted. (Meta's original checkpoints and GGUF files pair adjacent
-dimensions; the GGUF reader and writer permute W_q and W_k rows at the file boundary, see ``interop/gguf.py``.)
+RoPE convention: both sides use the half-split pairing (dimension i rotates with i + d_head/2), so q/k rows are
+copied unpermuted (GGUF files pair adjacent dimensions: see ``families/llama/gguf.py``).
 
 Name mapping, per layer i (HF  ->  tinyformer):
   model.embed_tokens.weight                        tok_emb.weight
@@ -15,30 +14,20 @@ Name mapping, per layer i (HF  ->  tinyformer):
   model.layers.i.post_attention_layernorm.weight   blocks.i.ffn_norm.weight
   model.layers.i.mlp.{gate,up}_proj.weight         blocks.i.ffn.gate_up.weight (rows: gate, then up)
   model.layers.i.mlp.down_proj.weight              blocks.i.ffn.down.weight
-MoE layers (ffn="moe"; E experts stacked along the first dimension):
-  Mixtral:   model.layers.i.block_sparse_moe.gate.weight                blocks.i.ffn.router.weight
-             model.layers.i.block_sparse_moe.experts.e.{w1,w3}.weight   blocks.i.ffn.gate_up[e] (rows: w1, then w3)
-             model.layers.i.block_sparse_moe.experts.e.w2.weight        blocks.i.ffn.down[e]
-  Qwen3-MoE: model.layers.i.mlp.gate.weight, mlp.experts.e.{gate,up,down}_proj.weight, likewise
-Phi-3 stores q/k/v and gate/up fused already, in tinyformer's row order:
-  model.layers.i.self_attn.qkv_proj.weight         blocks.i.attn.qkv.weight
-  model.layers.i.mlp.gate_up_proj.weight           blocks.i.ffn.gate_up.weight
   model.norm.weight                                norm.weight
   lm_head.weight                                   lm_head.weight (absent when tied)
+Mixtral's MoE layers (ffn="moe"; E experts stacked along the first dimension; Qwen3-MoE's names: ``qwen/hf.py``):
+  model.layers.i.block_sparse_moe.gate.weight                blocks.i.ffn.router.weight
+  model.layers.i.block_sparse_moe.experts.e.{w1,w3}.weight   blocks.i.ffn.gate_up[e] (rows: w1, then w3)
+  model.layers.i.block_sparse_moe.experts.e.w2.weight        blocks.i.ffn.down[e]
+Phi-3 stores q/k/v and gate/up fused already (``phi3/hf.py``).
 
-The architectures differ in their biases: Llama and Qwen3 have ``attention_bias`` (q, k, v *and* o)
-and Llama ``mlp_bias``; Qwen2 always has q/k/v biases and nothing else; Mistral has none. Qwen3 adds a
-per-head RMSNorm of q and k (``qk_norm``) and states ``head_dim`` explicitly. Sliding-window attention maps
-to ``sliding_window`` and ``layer_types``: every Mistral layer slides when ``sliding_window`` is set; Qwen2/3
-slide only with ``use_sliding_window``, in the layers ``layer_types`` marks "sliding_attention" (by default
-the layers from ``max_window_layers`` on). The context stays ``max_position_embeddings``.
-Mixtral is Mistral with routed experts (softmax, top k, renormalised); Qwen3-MoE is Qwen3 with routed experts
-of width ``moe_intermediate_size`` (renormalised when ``norm_topk_prob``) in every layer.
+Llama has ``attention_bias`` (q, k, v *and* o) and ``mlp_bias``; Mistral has no biases and slides in every layer
+when ``sliding_window`` is set; Mixtral is Mistral with routed experts (softmax, top k, renormalised). The context
+stays ``max_position_embeddings``.
 
-Each Hugging Face model type of the layout is a ``LayoutType``: what its config.json states (biases, sliding window,
-q/k norms, experts), how its tensors are stored (fused or not, the experts' names), and ``writes(cfg, imported_as)``,
-whether a model is written as that type. A family's ``Layout`` is its types in export-preference order; the registry
-(``families/__init__.py``) prefers the family a model was imported with, then the first whose layout writes it.
+Each Hugging Face model type of the layout is a ``LayoutType``; a family's ``Layout`` is its types in
+export-preference order (the registry, ``families/__init__.py``, chooses among the families).
 
 An imported config remembers the Hugging Face ``config.json`` it came from (``extra["hf_config"]``).
 Exporting a model whose shape still equals that config writes the original back unchanged, so an
@@ -49,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -63,7 +53,6 @@ from tinyformer.families.adapter import (
     imported_hf_config,
 )
 
-HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 MoENames = tuple[str, str, str, str, str]  # (router, expert prefix, gate, up, down) under model.layers.i.
 
 
@@ -71,12 +60,13 @@ MoENames = tuple[str, str, str, str, str]  # (router, expert prefix, gate, up, d
 class LayoutType:
     """One Hugging Face model type of the Llama layout.
 
-    biases: "config" (``attention_bias`` for q/k/v and o, ``mlp_bias``), "qkv" (q/k/v always, nothing else),
-    "none". window: "none" (never slides), "always" (every layer slides when ``sliding_window`` is set), "flag"
-    (every layer, only with ``use_sliding_window``), "flag_per_layer" (with ``use_sliding_window``, the layers
-    ``layer_types`` / ``max_window_layers`` mark). ``hf_keys``: the config.json keys of this type, in order, after
-    the ones every type spells alike. ``writes(cfg, imported_as)``: whether a model that the layout can express
-    is written as this type (``imported_as``: the model_type it was imported from, or None)."""
+    biases: "config" (``attention_bias`` for q/k/v and o, the missing ones written as zeros; ``mlp_bias``), "qkv"
+    (q/k/v always, nothing else), "none". window: "none" (never slides), "always" (every layer slides when
+    ``sliding_window`` is set), "flag" (every layer, only with ``use_sliding_window``), "flag_per_layer" (with
+    ``use_sliding_window``, the layers ``layer_types`` / ``max_window_layers`` mark). ``hf_keys``: the config.json
+    keys of this type, in order, after the ones every type spells alike. ``writes(cfg, imported_as)``: whether a
+    model that the layout can express is written as this type (``imported_as``: the model_type it was imported from,
+    or None)."""
 
     model_type: str
     architecture: str
@@ -90,15 +80,19 @@ class LayoutType:
     router_always_renormalises: bool = False
     check_hf: Callable[[Mapping[str, Any]], None] | None = None
     fused: bool = False
-    all_four_biases: bool = False
     d_ff_key: str = "intermediate_size"
 
 
+def hf_layer_types(hf_types: list[str]) -> list[str]:
+    """HF ``layer_types`` as tinyformer's: "sliding_attention" -> "sliding", "full_attention" -> "full"."""
+    unknown = sorted(set(hf_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ConfigError(f"layer_types {', '.join(unknown)} are not supported")
+    return [t.removesuffix("_attention") for t in hf_types]
+
+
 def window_from_hf(hf: Mapping[str, Any], kind: LayoutType) -> tuple[int | None, list[str] | None]:
-    """(sliding_window, layer_types) from a HF config, as transformers' config classes decide: Mistral and
-    Mixtral slide in every layer whenever ``sliding_window`` is set; Qwen2/3/3-MoE only with
-    ``use_sliding_window``, Qwen3-MoE then in every layer, Qwen2/3 in the layers ``layer_types`` names
-    "sliding_attention" (by default those from ``max_window_layers`` on)."""
+    """(sliding_window, layer_types) from a HF config, as transformers' config classes decide (``kind.window``)."""
     window = hf.get("sliding_window")
     if kind.window == "none" or window is None or (kind.window != "always" and not hf.get("use_sliding_window")):
         return None, None
@@ -107,10 +101,7 @@ def window_from_hf(hf: Mapping[str, Any], kind: LayoutType) -> tuple[int | None,
     if kind.window != "flag_per_layer":
         types = ["sliding"] * n
     elif hf_types:
-        unknown = sorted(set(hf_types) - set(HF_LAYER_TYPES))
-        if unknown:
-            raise ConfigError(f"layer_types {', '.join(unknown)} are not supported")
-        types = [HF_LAYER_TYPES[t] for t in hf_types]
+        types = hf_layer_types(hf_types)
     else:
         first = int(hf.get("max_window_layers", n))
         types = ["sliding" if i >= first else "full" for i in range(n)]
@@ -184,9 +175,9 @@ def layout_problem(cfg: ModelConfig) -> str | None:
     return None
 
 
-def original_if_unchanged(cfg: ModelConfig, from_hf: Any, torch_dtype: str) -> dict[str, Any] | None:
-    """The imported HF config (``extra["hf_config"]``) with the new dtype when ``from_hf`` of it still gives
-    ``cfg``'s fields, so that an import/export round trip writes the original back; None otherwise."""
+def original_if_unchanged(cfg: ModelConfig, from_hf: Any) -> dict[str, Any] | None:
+    """The imported HF config (``extra["hf_config"]``) when ``from_hf`` of it still gives ``cfg``'s fields, so that
+    an import/export round trip writes the original back; None otherwise."""
     original = imported_hf_config(cfg)
     if original is None:
         return None
@@ -195,15 +186,12 @@ def original_if_unchanged(cfg: ModelConfig, from_hf: Any, torch_dtype: str) -> d
             return None
     except ConfigError:
         return None
-    hf = dict(original)
-    if "torch_dtype" in hf or "dtype" not in hf:
-        hf["torch_dtype"] = torch_dtype
-    hf["dtype"] = torch_dtype
-    return hf
+    return dict(original)
 
 
-def rope_to_hf(cfg: ModelConfig) -> tuple[dict[str, Any], int]:
-    """(HF rope_parameters, max_position_embeddings) for ``cfg``'s rope_theta and rope_scaling."""
+def shape_to_hf(cfg: ModelConfig, model_type: str, architecture: str) -> dict[str, Any]:
+    """The config.json keys every Llama-layout family spells alike: sizes, RoPE (``rope_parameters``: theta and
+    scaling), norm epsilon, tying, and the special-token ids (those of an imported model are kept)."""
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     max_positions = cfg.max_seq_len
     if cfg.rope_scaling:
@@ -213,13 +201,6 @@ def rope_to_hf(cfg: ModelConfig) -> tuple[dict[str, Any], int]:
         if cfg.rope_type == "dynamic":
             # transformers scales dynamic NTK from max_position_embeddings: make that the original length
             max_positions = int(rope_parameters.pop("original_max_position_embeddings", None) or cfg.max_seq_len)
-    return rope_parameters, max_positions
-
-
-def shape_to_hf(cfg: ModelConfig, model_type: str, architecture: str, rope_parameters: dict[str, Any],
-                max_positions: int, torch_dtype: str) -> dict[str, Any]:
-    """The config.json keys every Llama-layout family spells alike: sizes, RoPE, norm epsilon, tying, dtype,
-    and the special-token ids (those of an imported model are kept)."""
     hf: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": model_type,
@@ -235,8 +216,6 @@ def shape_to_hf(cfg: ModelConfig, model_type: str, architecture: str, rope_param
         "rope_parameters": rope_parameters,
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_dropout": cfg.attn_dropout,
-        "torch_dtype": torch_dtype,
-        "dtype": torch_dtype,
     }
     if (original := imported_hf_config(cfg)) is not None:
         for key in ("bos_token_id", "eos_token_id"):
@@ -365,20 +344,19 @@ class Layout:
         """Why ``cfg`` cannot be written as one of the layout's types, or None when it can."""
         return layout_problem(cfg) or (None if self.written_type(cfg) else self.unclaimed)
 
-    def config_to_hf(self, cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
         """A Hugging Face config dict: the imported original when the model is unchanged, else a fresh one for
         the type ``written_type`` picks."""
         if problem := self.export_problem(cfg):
             raise ConfigError(problem)
-        kept = original_if_unchanged(cfg, self.config_from_hf, torch_dtype)
+        kept = original_if_unchanged(cfg, self.config_from_hf)
         if kept is not None:
             return kept
         kind = self.tensor_type(cfg)
-        rope_parameters, max_positions = rope_to_hf(cfg)
-        hf = shape_to_hf(cfg, kind.model_type, kind.architecture, rope_parameters, max_positions, torch_dtype)
+        hf = shape_to_hf(cfg, kind.model_type, kind.architecture)
         hf.update({"hidden_act": "silu", "rope_theta": cfg.rope_theta})
         if cfg.rope_scaling:
-            hf["rope_scaling"] = dict(rope_parameters)  # the transformers 4 spelling, for older readers
+            hf["rope_scaling"] = dict(hf["rope_parameters"])  # the transformers 4 spelling, for older readers
         for keys in kind.hf_keys:
             hf.update(keys(cfg))
         return hf
@@ -391,7 +369,7 @@ class Layout:
     def tinyformer_to_hf(self, cfg: ModelConfig, sd: Mapping[str, torch.Tensor]
                          ) -> Iterator[tuple[str, torch.Tensor]]:
         kind = self.tensor_type(cfg)
-        return tinyformer_to_hf(cfg, sd, fused=kind.fused, moe=kind.moe, all_four_biases=kind.all_four_biases)
+        return tinyformer_to_hf(cfg, sd, fused=kind.fused, moe=kind.moe, all_four_biases=kind.biases == "config")
 
     def adapter(self) -> Adapter:
         return Adapter(name=self.name, model_types=tuple(self.types), config_from_hf=self.config_from_hf,
@@ -404,13 +382,15 @@ class Layout:
         return self.tensor_type(cfg).gguf_arch
 
 
-def tensor_names(cfg: ModelConfig, *, fused: bool = False, zero_biases: bool = False,
-                 ffn_norm: str = "post_attention_layernorm") -> Iterator[tuple[str, list[str] | None]]:
+def tensor_names(cfg: ModelConfig, *, fused: bool = False, zero_biases: bool = False
+                 ) -> Iterator[tuple[str, list[str] | None]]:
     """(tinyformer name, the HF tensors whose rows it stacks, in order) of every tensor, in checkpoint order; a
     mixture of experts' layer gives (``blocks.i.ffn``, None) where its router and experts go.
     ``fused``: q/k/v and gate/up stored as one matrix each (Phi-3); ``zero_biases``: q/k/v and o biases listed
-    when the model has either (the export writes those it lacks as zeros); ``ffn_norm``: the HF name of the norm
-    before the FFN (Gemma's is pre_feedforward_layernorm)."""
+    when the model has either (the export writes those it lacks as zeros). Sandwich norms (Gemma): the norm before
+    the FFN is pre_feedforward_layernorm, and the norms after attention and after the FFN come last."""
+    sandwich = cfg.norm_placement == "sandwich"
+    ffn_norm = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
     attn_bias = cfg.attn_bias or (zero_biases and cfg.attn_out_bias)
     out_bias = cfg.attn_out_bias or (zero_biases and cfg.attn_bias)
     yield "tok_emb.weight", ["model.embed_tokens.weight"]
@@ -441,21 +421,21 @@ def tensor_names(cfg: ModelConfig, *, fused: bool = False, zero_biases: bool = F
     yield "norm.weight", ["model.norm.weight"]
     if not cfg.tie_embeddings:
         yield "lm_head.weight", ["lm_head.weight"]
+    for i in range(cfg.n_layer if sandwich else 0):
+        yield f"blocks.{i}.attn_post_norm.weight", [f"model.layers.{i}.post_attention_layernorm.weight"]
+        yield f"blocks.{i}.ffn_post_norm.weight", [f"model.layers.{i}.post_feedforward_layernorm.weight"]
 
 
 def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor], *, fused: bool = False,
-                     moe: MoENames | None = None, ffn_norm: str = "post_attention_layernorm"
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+                     moe: MoENames | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (tinyformer name, tensor), one tensor at a time, from a HF state dict (or lazy mapping).
-    ``fused`` and ``ffn_norm`` as in ``tensor_names``; ``moe``: the experts' names.
+    ``fused`` as in ``tensor_names``; ``moe``: the experts' names.
 
     Raises ConfigError naming a missing tensor. Callers check that every HF tensor was consumed.
     At most one layer's q/k/v (or gate/up) tensors exist twice at any time (the concatenation)."""
 
-    def get(name: str) -> torch.Tensor:
-        return checkpoint_tensor(hf_sd, name)
-
-    for ours, names in tensor_names(cfg, fused=fused, ffn_norm=ffn_norm):
+    get = partial(checkpoint_tensor, hf_sd)
+    for ours, names in tensor_names(cfg, fused=fused):
         if names is not None:
             yield ours, get(names[0]) if len(names) == 1 else torch.cat([get(n) for n in names])
             continue
@@ -470,14 +450,13 @@ def hf_to_tinyformer(cfg: ModelConfig, hf_sd: Mapping[str, torch.Tensor], *, fus
 
 
 def tinyformer_to_hf(cfg: ModelConfig, sd: Mapping[str, torch.Tensor], *, fused: bool = False,
-                     moe: MoENames | None = None, all_four_biases: bool = False,
-                     ffn_norm: str = "post_attention_layernorm") -> Iterator[tuple[str, torch.Tensor]]:
+                     moe: MoENames | None = None, all_four_biases: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) from a tinyformer state dict; the inverse of ``hf_to_tinyformer``.
 
     With ``all_four_biases`` (Llama's ``attention_bias``: q, k, v and o biases, or none), a model with only some of
     them gets the others as zeros (adding zero changes nothing)."""
     q, kv, f = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.d_ff
-    for ours, names in tensor_names(cfg, fused=fused, zero_biases=all_four_biases, ffn_norm=ffn_norm):
+    for ours, names in tensor_names(cfg, fused=fused, zero_biases=all_four_biases):
         if names is None:
             assert moe is not None, "a mixture of experts needs its tensor names"
             router, experts, gate_name, up_name, down_name = moe
@@ -539,7 +518,7 @@ MIXTRAL = LayoutType("mixtral", "MixtralForCausalLM", "llama", biases="none", wi
 MISTRAL = LayoutType("mistral", "MistralForCausalLM", "llama", biases="none", window="always",
                      writes=_writes_mistral, hf_keys=(window_keys,))
 LLAMA = LayoutType("llama", "LlamaForCausalLM", "llama", biases="config", window="none", writes=_writes_llama,
-                   hf_keys=(_llama_keys,), all_four_biases=True)
+                   hf_keys=(_llama_keys,))
 LAYOUT = Layout("llama", (MIXTRAL, MISTRAL, LLAMA),
                 unclaimed="Llama, Mistral and Mixtral have no q/k norms (qk_norm) and no sliding window with q/k/v "
                           "biases (Qwen2/Qwen3 have)")

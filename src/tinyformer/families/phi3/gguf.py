@@ -1,12 +1,11 @@
 """The phi3 family's llama.cpp architecture ``phi3``.
 
 Q, K, V are one matrix ``attn_qkv`` and ``ffn_up`` holds gate and up stacked (rows: gate, then up): the same fused
-layouts as Hugging Face's ``qkv_proj`` / ``gate_up_proj`` and tinyformer's own. RoPE: half-split in llama.cpp's phi3
-too, so q/k rows are not permuted. LongRoPE is stored as two tensors of per-frequency divisors,
-``rope_factors_short`` / ``rope_factors_long``, with ``rope.scaling.original_context_length`` (L0) and
-``rope.scaling.attn_factor`` (the cos/sin scale): they become ``rope_scaling = {"rope_type": "longrope", ...}``
-(attention_factor only when it differs from sqrt(1 + ln(f) / ln(L0)), f = context / L0, the value Hugging Face
-derives). ``attention.sliding_window`` (0 = none) gives every layer the window, as Hugging Face's Phi-3 does
+layouts as Hugging Face's ``qkv_proj`` / ``gate_up_proj`` and tinyformer's own. LongRoPE is stored as two tensors
+of per-frequency divisors, ``rope_factors_short`` / ``rope_factors_long``, with ``rope.scaling.original_context_length``
+(L0) and ``rope.scaling.attn_factor`` (the cos/sin scale): they become ``rope_scaling = {"rope_type": "longrope",
+...}`` (attention_factor only when it differs from sqrt(1 + ln(f) / ln(L0)), f = context / L0, the value Hugging
+Face derives). ``attention.sliding_window`` (0 = none) gives every layer the window, as Hugging Face's Phi-3 does
 (llama.cpp currently ignores it for Phi-3).
 """
 
@@ -47,8 +46,5 @@ def longrope_from_gguf(g: Any, theta: float, ctx: int, head_dim: int) -> dict[st
     return params
 
 
-def _phi3_config(g: Any) -> dict[str, Any]:
-    return layout_config(g, ARCH, PHI3, window_key, longrope=longrope_from_gguf)
-
-
-ARCH = GGUFArch("phi3", _phi3_config, PHI3_BLOCK, sliding_window=True, longrope=True)
+ARCH = GGUFArch("phi3", lambda g: layout_config(g, ARCH, PHI3, window_key), PHI3_BLOCK, sliding_window=True,
+                longrope=longrope_from_gguf)

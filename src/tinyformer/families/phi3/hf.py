@@ -3,9 +3,8 @@
 Phi-3 stores q/k/v and gate/up fused already, in tinyformer's row order:
   model.layers.i.self_attn.qkv_proj.weight         blocks.i.attn.qkv.weight
   model.layers.i.mlp.gate_up_proj.weight           blocks.i.ffn.gate_up.weight
-every other name as Llama. RoPE: half-split pairs on both sides (and in llama.cpp's phi3): q/k rows are copied
-unpermuted; LongRoPE (``rope_type`` "longrope", first called "su") maps to ``rope_scaling``. Every layer slides when
-``sliding_window`` is set.
+every other name as Llama. LongRoPE (``rope_type`` "longrope", first called "su") maps to ``rope_scaling``. Every
+layer slides when ``sliding_window`` is set.
 
 A model is written as Phi-3 only when it was imported from Phi-3 and has none of what Phi-3 lacks (biases, q/k norms,
 a per-layer window pattern); any other Phi-3-shaped model is written as Llama or Mistral, which load everywhere.

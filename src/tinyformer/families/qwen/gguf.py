@@ -1,7 +1,7 @@
 """The qwen family's llama.cpp architectures: ``qwen2``, ``qwen3`` (q/k norms ``attn_q_norm`` / ``attn_k_norm``) and
 ``qwen3moe`` (Qwen3 with experts of width ``expert_feed_forward_length``, renormalised unless ``expert_weights_norm``
-is false). The names and shared keys are the Llama layout's (``families/llama/gguf.py``). RoPE: llama.cpp rotates
-these half-split ("neox"), as tinyformer does: q/k rows are not permuted. llama.cpp has no sliding window for them.
+is false). The names and shared keys are the Llama layout's (``families/llama/gguf.py``). llama.cpp has no sliding
+window for them.
 """
 
 from __future__ import annotations
@@ -22,14 +22,6 @@ def _qwen3_keys(g: Any, window: int | None) -> dict[str, Any]:
     return {**has_attention_bias(g), "use_sliding_window": False}
 
 
-def _qwen2_config(g: Any) -> dict[str, Any]:
-    return layout_config(g, QWEN2_ARCH, QWEN2, _qwen2_keys)
-
-
-def _qwen3_config(g: Any) -> dict[str, Any]:
-    return layout_config(g, QWEN3_ARCH, QWEN3, _qwen3_keys)
-
-
 def _qwen3moe_config(g: Any) -> dict[str, Any]:
     n_experts = int(g.key("expert_count", 0) or 0)
     if not n_experts:
@@ -41,6 +33,6 @@ def _qwen3moe_config(g: Any) -> dict[str, Any]:
     return hf
 
 
-QWEN2_ARCH = GGUFArch("qwen2", _qwen2_config, BLOCK, split_qkv_bias=True)
-QWEN3_ARCH = GGUFArch("qwen3", _qwen3_config, BLOCK)
+QWEN2_ARCH = GGUFArch("qwen2", lambda g: layout_config(g, QWEN2_ARCH, QWEN2, _qwen2_keys), BLOCK, split_qkv_bias=True)
+QWEN3_ARCH = GGUFArch("qwen3", lambda g: layout_config(g, QWEN3_ARCH, QWEN3, _qwen3_keys), BLOCK)
 QWEN3MOE_ARCH = GGUFArch("qwen3moe", _qwen3moe_config, BLOCK, moe=QWEN3_MOE_NAMES)

@@ -1,9 +1,6 @@
 """The qwen family's Hugging Face model types on the Llama layout (``families/llama/hf.py``): Qwen2, Qwen3 and the
 mixture of experts Qwen3-MoE.
 
-RoPE: half-split pairs (dimension i rotates with i + d_head/2) in Hugging Face, in llama.cpp's qwen2 / qwen3 /
-qwen3moe ("neox" rotation) and in tinyformer: q/k rows are never permuted.
-
 Qwen2 always has q/k/v biases and nothing else. Qwen3 adds a per-head RMSNorm of q and k (``qk_norm``:
 ``model.layers.i.self_attn.{q,k}_norm.weight``), states ``head_dim`` and has ``attention_bias`` (q, k, v and o).
 Qwen2/3 slide only with ``use_sliding_window``, in the layers ``layer_types`` marks "sliding_attention" (by default
@@ -62,7 +59,7 @@ QWEN3_MOE = LayoutType("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3moe", biases="c
 QWEN3 = LayoutType("qwen3", "Qwen3ForCausalLM", "qwen3", biases="config", window="flag_per_layer",
                    writes=lambda cfg, imported: cfg.ffn != "moe" and cfg.qk_norm,
                    hf_keys=(attention_bias_key, window_keys, per_layer_window_keys),
-                   qk_norm=True, all_four_biases=True)
+                   qk_norm=True)
 QWEN2 = LayoutType("qwen2", "Qwen2ForCausalLM", "qwen2", biases="qkv", window="flag_per_layer",
                    writes=_writes_qwen2, hf_keys=(window_keys, per_layer_window_keys))
 LAYOUT = Layout("qwen", (QWEN3_MOE, QWEN3, QWEN2),
