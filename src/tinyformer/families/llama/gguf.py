@@ -190,15 +190,15 @@ def layout_config(g: Any, arch: GGUFArch, kind: Any, type_keys: Callable[[Any, i
         value = g.get(f"tokenizer.ggml.{k}")
         if value is not None:
             hf[name] = int(value)
-    kind = key("rope.scaling.type")
-    if kind in (None, "none"):
+    scaling = key("rope.scaling.type")
+    if scaling in (None, "none"):
         if "rope_freqs.weight" in g.tensors:
             factors = g.read("rope_freqs.weight").reshape(-1)
             hf["rope_parameters"] = {**llama3_scaling(factors, head_dim, theta, g.path), "rope_theta": theta}
-    elif kind == "linear":
+    elif scaling == "linear":
         hf["rope_parameters"] = {"rope_type": "linear", "factor": f32(key("rope.scaling.factor", required=True)),
                                  "rope_theta": theta}
-    elif kind == "yarn":
+    elif scaling == "yarn":
         for unsupported in ("rope.scaling.yarn_log_multiplier", "rope.scaling.attn_factor",
                             "rope.scaling.yarn_attn_factor"):
             value = key(unsupported)
@@ -214,10 +214,10 @@ def layout_config(g: Any, arch: GGUFArch, kind: Any, type_keys: Callable[[Any, i
                 params[hf_key] = f32(key(gguf_key))
         hf["rope_parameters"] = params
     else:
-        raise ConfigError(f"{g.path}: RoPE scaling type {kind!r} is not supported (supported: none, linear, yarn, "
+        raise ConfigError(f"{g.path}: RoPE scaling type {scaling!r} is not supported (supported: none, linear, yarn, "
                           "and llama3 as a rope_freqs tensor)")
     if {"rope_factors_long.weight", "rope_factors_short.weight"} & set(g.tensors):
-        if arch.longrope is None or kind not in (None, "none"):
+        if arch.longrope is None or scaling not in (None, "none"):
             raise ConfigError(f"{g.path}: rope_factors_long/short (LongRoPE) are supported in 'phi3' files without "
                               "another RoPE scaling type")
         hf["rope_parameters"] = arch.longrope(g, theta, int(ctx), head_dim)
