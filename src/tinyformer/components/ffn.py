@@ -57,9 +57,7 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 class SwiGLU(nn.Module):
-    """The gated FFN with silu (SwiGLU); ``GeGLU`` is its GELU-tanh sibling (``activation`` names which)."""
-
-    activation = "silu"
+    """The gated FFN with silu (SwiGLU); ``GeGLU`` is its GELU-tanh sibling."""
 
     def __init__(self, d_model: int, d_ff: int, bias: bool = False) -> None:
         super().__init__()
@@ -78,8 +76,6 @@ class SwiGLU(nn.Module):
 
 class GeGLU(SwiGLU):
     """The gated FFN with GELU's tanh approximation (Gemma): W_down (gelu_tanh(W_gate x) * (W_up x))."""
-
-    activation = "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.d_ff, dim=-1)  # (B, T, d_ff) each

@@ -162,12 +162,10 @@ class EncoderModel(nn.Module):
 
     @torch.no_grad()
     def sentence_embedding(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                           token_type_ids: torch.Tensor | None = None, mode: str = "mean",
-                           normalize: bool = True) -> torch.Tensor:
-        """Pooled (B, d) sentence vectors, L2-normalised by default (see the module docstring)."""
-        h = self(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
-        e = pool(h, attention_mask, mode)
-        return F.normalize(e, dim=-1) if normalize else e
+                           mode: str = "mean") -> torch.Tensor:
+        """Pooled (B, d) sentence vectors, L2-normalised (see the module docstring)."""
+        h = self(input_ids, attention_mask=attention_mask)
+        return F.normalize(pool(h, attention_mask, mode), dim=-1)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -52,11 +52,12 @@ def encode_texts(model, tokenizer, texts: Sequence[str], max_length: int) -> lis
 
 
 @torch.no_grad()
-def embed_ids(model, ids: Sequence[Sequence[int]], pad_id: int, pooling: str | None = None,
+def embed_ids(model, ids: Sequence[Sequence[int]], pad_id: int | None, pooling: str | None = None,
               batch_size: int = 32) -> torch.Tensor:
     """(N, d) L2-normalised embeddings of token-id rows, ``batch_size`` rows per forward pass (right-padded
-    with ``pad_id`` under an attention mask)."""
+    with ``pad_id``, 0 when None, under an attention mask)."""
     pooling = pooling or _sentence_transformers(model).get("pooling", "mean")
+    pad_id = 0 if pad_id is None else pad_id
     device = next(model.parameters()).device
     vectors = []
     for i in range(0, len(ids), batch_size):
@@ -72,5 +73,4 @@ def embed(model, tokenizer, texts: Sequence[str], pooling: str | None = None, ma
           batch_size: int = 32) -> torch.Tensor:
     """(N, d) L2-normalised sentence embeddings of ``texts``."""
     ids = encode_texts(model, tokenizer, texts, embedding_limit(model, max_length))
-    pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    return embed_ids(model, ids, pad, pooling, batch_size)
+    return embed_ids(model, ids, tokenizer.pad_id, pooling, batch_size)

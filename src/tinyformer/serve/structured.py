@@ -144,7 +144,6 @@ def incomplete_details(grammar: Grammar | None, complete: bool | None) -> dict[s
                    "incomplete prefix, not valid output"}}
 
 
-_OPEN = TOOL_CALL_OPEN
 _HEAD = '{"name": '
 _ARGS = ', "arguments": '
 _TAIL = "}" + TOOL_CALL_CLOSE
@@ -167,15 +166,15 @@ class ToolCallDeltas:
         out: list[dict[str, Any]] = []
         while True:
             if self.state in ("text", "between"):
-                at = self.buf.find(_OPEN)
+                at = self.buf.find(TOOL_CALL_OPEN)
                 if at >= 0:
                     if self.state == "text" and self.buf[:at]:
                         out.append({"content": self.buf[:at]})
-                    self.buf, self.state = self.buf[at + len(_OPEN):], "head"
+                    self.buf, self.state = self.buf[at + len(TOOL_CALL_OPEN):], "head"
                     continue
                 if self.state == "text":
-                    keep = next((k for k in range(min(len(_OPEN) - 1, len(self.buf)), 0, -1)
-                                 if _OPEN.startswith(self.buf[-k:])), 0)
+                    keep = next((k for k in range(min(len(TOOL_CALL_OPEN) - 1, len(self.buf)), 0, -1)
+                                 if TOOL_CALL_OPEN.startswith(self.buf[-k:])), 0)
                     if len(self.buf) > keep:
                         out.append({"content": self.buf[: len(self.buf) - keep]})
                         self.buf = self.buf[len(self.buf) - keep:]

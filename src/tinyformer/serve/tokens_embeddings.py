@@ -147,9 +147,8 @@ class EncoderServer(Server):
     def embed(self, rows: list[list[int]]) -> Any:
         from tinyformer.models.sentence_embeddings import embed_ids
 
-        pad = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else 0
         with self._forward:
-            return embed_ids(self.model, rows, pad)
+            return embed_ids(self.model, rows, self.tokenizer.pad_id)
 
 
 def _vector(values: Any, encoding_format: str) -> Any:
