@@ -85,18 +85,11 @@ class PreferenceFile:
 
 def read_jsonl_rows(path: Path) -> list[tuple[int, Any]]:
     """(line number, parsed JSON) of every non-blank line of a JSONL data file (chat, preference or prompt rows)."""
-    from tinyformer.data.corpus import read_text
+    from tinyformer.data.corpus import jsonl_rows
 
     if not path.is_file():
         raise DataError(f"data file {path} does not exist")
-    rows = []
-    for lineno, line in enumerate(read_text(path, "data file").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append((lineno, json.loads(line)))
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+    rows = list(jsonl_rows(path, "data file"))
     if not rows:
         raise DataError(f"data file {path} holds no rows")
     return rows

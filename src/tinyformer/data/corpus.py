@@ -17,6 +17,7 @@ import sysconfig
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from tinyformer.errors import DataError
 
@@ -168,15 +169,20 @@ def read_text(path: Path, what: str = "corpus file") -> str:
     return text.removeprefix("\ufeff")
 
 
+def jsonl_rows(path: Path, what: str, hint: str = "") -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) of every non-blank line of a JSONL file (read as ``what``, see
+    :func:`read_text`); a line that is not JSON is a DataError naming it, followed by ``hint``."""
+    for lineno, line in enumerate(read_text(path, what).splitlines(), start=1):
+        if line.strip():
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}){hint}") from None
+
+
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
-    for lineno, line in enumerate(read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one object like "
-                            f'{{"{text_field}": "..."}}') from e
+    hint = f'; each line must be one object like {{"{text_field}": "..."}}'
+    for lineno, record in jsonl_rows(path, "corpus file", hint):
         if not isinstance(record, dict) or text_field not in record:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise DataError(f"{path}:{lineno}: no field {text_field!r} (found {keys}); set the text field to one "
