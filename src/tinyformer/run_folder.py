@@ -39,16 +39,14 @@ from torch import nn
 from tinyformer.config import ModelConfig
 from tinyformer.errors import CheckpointError
 from tinyformer.integrity import MANIFEST, checked_shard_names, verify_files, write_manifest
+from tinyformer.safetensors_io import DEFAULT_SHARD_BYTES, INDEX, WEIGHTS, SafetensorsFile, shard_names, write_index
 from tinyformer.utils.io import atomic_write_text, atomic_write_with
 
 if TYPE_CHECKING:
     from tinyformer.components.quantized import QuantSpec
 
-WEIGHTS = "model.safetensors"
 ADAPTER_WEIGHTS = "adapter.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-INDEX = "model.safetensors.index.json"
-DEFAULT_SHARD_BYTES = 2 * 2**30
 
 
 def state_dict_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -73,8 +71,6 @@ def save_tensors(run_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]
     """Write (name, tensor) pairs as one safetensors file, or shards plus an index when larger than
     ``max_shard_bytes``. Tensors are consumed one by one: only one shard is held in memory."""
     from safetensors.torch import save_file
-
-    from tinyformer.safetensors_io import shard_names
 
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
@@ -109,8 +105,7 @@ def save_tensors(run_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]
     for (tmp, keys), final in zip(written, names):
         (run / tmp).replace(run / final)
         weight_map.update({k: final for k in keys})
-    atomic_write_text(run / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                              indent=2))
+    write_index(run, weight_map, total)
     (run / WEIGHTS).unlink(missing_ok=True)
     write_manifest(run, [*names, INDEX])
     return names
@@ -142,8 +137,6 @@ def checked_weight_files(run_dir: str | Path, verify: bool = True) -> list[Path]
 def tensor_bytes(run_dir: str | Path, verify: bool = True) -> int:
     """Bytes of the tensors in the run's safetensors file(s), summed from their headers (no tensor is read;
     with ``verify`` the files are checked against the manifest first)."""
-    from tinyformer.safetensors_io import SafetensorsFile
-
     total = 0
     for path in checked_weight_files(run_dir, verify):
         f = SafetensorsFile(path)
@@ -161,8 +154,6 @@ def iter_tensors(run_dir: str | Path, device: str = "cpu", verify: bool = True,
     caller that keeps few of the tensors as they are (it packs or transposes the rest) reads them with
     ``mapped=False`` instead: each into its own memory, freed with the tensor."""
     from safetensors import SafetensorError, safe_open
-
-    from tinyformer.safetensors_io import SafetensorsFile
 
     for path in checked_weight_files(run_dir, verify):
         if not mapped:
@@ -182,13 +173,15 @@ def save_model(run_dir: str | Path, model: nn.Module, cfg: ModelConfig | None = 
                max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None) -> None:
     """Write config.json and the weights of ``model`` into ``run_dir``."""
     cfg = cfg or model.cfg  # before any file is written: a model without a config fails here
-    save_tensors(run_dir, _cast(state_dict_for_saving(model).items(), dtype), max_shard_bytes)
+    save_tensors(run_dir, cast_floats(state_dict_for_saving(model).items(), dtype), max_shard_bytes)
     cfg.save(Path(run_dir) / "config.json")
 
 
-def _cast(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs with the floating-point tensors cast to ``dtype`` (None: as they are)."""
-    return ((k, v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in tensors)
+def cast_floats(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs, contiguous, with the floating-point ones cast to ``dtype`` (None: as they are)."""
+    for name, t in tensors:
+        yield name, (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
 
 
 def load_config(run_dir: str | Path) -> ModelConfig:
@@ -256,7 +249,7 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: t
         stored = dict(tensors)
         load_quantized(model, spec, stored, str(run_dir), dtype or torch.float32)
         tensors = iter(stored.items())
-    load_state_into(model, _cast(tensors, dtype), str(run_dir))
+    load_state_into(model, cast_floats(tensors, dtype), str(run_dir))
     rebuild_buffers(model, device)
     return model.eval()
 

@@ -36,7 +36,7 @@ from torch import nn
 from tinyformer.errors import CheckpointError
 from tinyformer.integrity import bytes_checksum, file_checksum
 from tinyformer.run_folder import state_dict_for_saving
-from tinyformer.utils.io import fsync_dir
+from tinyformer.utils.io import fsync_dir, replace_folder
 
 STATE_DIR = "state"
 MODEL_FILE = "model.safetensors"
@@ -266,11 +266,8 @@ def save_checkpoint(
         }
         _write_file(tmp / TRAINER_FILE, (json.dumps(meta, indent=1) + "\n").encode())
         fsync_dir(tmp)
-        old = state_dir / f".old-step-{step:06d}-{os.getpid()}"
-        if final.exists():  # the same step saved again (e.g. the last step): swap it out
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
+        # the same step saved again (e.g. the last step) is swapped out
+        replace_folder(tmp, final, state_dir / f".old-step-{step:06d}-{os.getpid()}")
         fsync_dir(state_dir)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
