@@ -36,11 +36,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tinyformer import safetensors_io
 from tinyformer.config import ModelConfig
 from tinyformer.errors import CheckpointError
 from tinyformer.integrity import MANIFEST, checked_shard_names, verify_files, write_manifest
-from tinyformer.safetensors_io import DEFAULT_SHARD_BYTES, INDEX, WEIGHTS, SafetensorsFile, shard_names, write_index
-from tinyformer.utils.io import atomic_write_text, atomic_write_with
+from tinyformer.safetensors_io import DEFAULT_SHARD_BYTES, INDEX, WEIGHTS
+from tinyformer.utils.io import atomic_path, atomic_write_text
 
 if TYPE_CHECKING:
     from tinyformer.components.quantized import QuantSpec
@@ -58,6 +59,25 @@ def state_dict_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous() for k, v in sd.items()}
 
 
+def save_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """``tensors`` as one safetensors file, written atomically (``utils.io.atomic_path``)."""
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+
+
+def load_safetensors(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """All the tensors of a safetensors file; a CheckpointError for a file that is not one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device=device)
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
+
+
 def side_files(run_dir: str | Path) -> list[Path]:
     """The top-level files of a run folder other than its weights (shards, index, manifest) and config.json:
     the tokenizer and training files that a rewrite of the weights (quantize, ``--keep-quant``) carries over.
@@ -70,42 +90,28 @@ def save_tensors(run_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]
                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
     """Write (name, tensor) pairs as one safetensors file, or shards plus an index when larger than
     ``max_shard_bytes``. Tensors are consumed one by one: only one shard is held in memory."""
-    from safetensors.torch import save_file
-
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
-    shard: dict[str, torch.Tensor] = {}
     written: list[tuple[str, list[str]]] = []  # (temporary name, tensor names) per shard
-    size = total = 0
-
-    def flush() -> None:
-        nonlocal shard, size
-        if shard:
-            name, part = f"shard-{len(written):05d}.tmp.safetensors", shard
-            atomic_write_with(run / name, lambda p: save_file(part, str(p), metadata={"format": "pt"}))
-            written.append((name, list(part)))
-        shard, size = {}, 0
-
-    for key, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if size and size + nbytes > max_shard_bytes:
-            flush()
-        shard[key] = tensor.detach().contiguous()
-        size += nbytes
-        total += nbytes
-    flush()
+    total = 0
+    pairs = ((key, tensor.detach().contiguous()) for key, tensor in tensors)
+    for shard in safetensors_io.split_shards(pairs, lambda pair: pair[1].nbytes, max_shard_bytes):
+        name = f"shard-{len(written):05d}.tmp.safetensors"
+        save_safetensors(run / name, dict(shard))
+        written.append((name, [key for key, _ in shard]))
+        total += sum(tensor.nbytes for _, tensor in shard)
     # rename the shards into place only once all of them are complete
     if len(written) == 1:
         (run / written[0][0]).replace(run / WEIGHTS)
         (run / INDEX).unlink(missing_ok=True)
         write_manifest(run, [WEIGHTS])
         return [WEIGHTS]
-    names = shard_names(len(written))
+    names = safetensors_io.shard_names(len(written))
     weight_map: dict[str, str] = {}
     for (tmp, keys), final in zip(written, names):
         (run / tmp).replace(run / final)
         weight_map.update({k: final for k in keys})
-    write_index(run, weight_map, total)
+    safetensors_io.write_index(run, weight_map, total)
     (run / WEIGHTS).unlink(missing_ok=True)
     write_manifest(run, [*names, INDEX])
     return names
@@ -139,7 +145,7 @@ def tensor_bytes(run_dir: str | Path, verify: bool = True) -> int:
     with ``verify`` the files are checked against the manifest first)."""
     total = 0
     for path in checked_weight_files(run_dir, verify):
-        f = SafetensorsFile(path)
+        f = safetensors_io.SafetensorsFile(path)
         total += sum(f.spec(name).nbytes for name in f.keys())
     return total
 
@@ -157,7 +163,7 @@ def iter_tensors(run_dir: str | Path, device: str = "cpu", verify: bool = True,
 
     for path in checked_weight_files(run_dir, verify):
         if not mapped:
-            file = SafetensorsFile(path)
+            file = safetensors_io.SafetensorsFile(path)
             for key in file.keys():
                 yield key, file.read(key).to(device)
             continue
@@ -305,14 +311,11 @@ def save_adapter_run(run_dir: str | Path, model: nn.Module, base_run: str | Path
     adapter.safetensors, adapter_config.json and the base run's tokenizer files."""
     import shutil
 
-    from safetensors.torch import save_file
-
     from tinyformer.components.lora import adapter_state_dict
 
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous() for k, v in adapter_state_dict(model).items()}
-    atomic_write_with(run / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    save_safetensors(run / ADAPTER_WEIGHTS, {k: v.detach().contiguous() for k, v in adapter_state_dict(model).items()})
     write_adapter_config(run, model.lora_config.to_dict(), base_run)
     model.cfg.save(run / "config.json")
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -324,19 +327,13 @@ def load_adapter_run(run_dir: str | Path, device: str | torch.device = "cpu",
                      dtype: torch.dtype | None = None, verify: bool = True, mapped: bool = True) -> nn.Module:
     """The base run's model with the LoRA run's adapter merged in (W + (alpha/r) B A), as a plain model
     (``mapped``: the base's weights, as in :func:`load_model`)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     from tinyformer.components.lora import adapter_state_dict, apply_lora, merge_lora
 
     lora, base = read_adapter_config(run_dir)
     path = Path(run_dir) / ADAPTER_WEIGHTS
     if not path.is_file():
         raise CheckpointError(f"LoRA run {run_dir} has no {ADAPTER_WEIGHTS} yet (it writes one at each checkpoint)")
-    try:
-        tensors = load_file(str(path), device=str(device))
-    except SafetensorError as exc:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
+    tensors = load_safetensors(path, str(device))
     model = load_model(base, device=device, dtype=dtype, verify=verify, mapped=mapped)
     with torch.random.fork_rng(devices=[]):  # the adapters' random init is overwritten: leave the RNG alone
         apply_lora(model, lora)

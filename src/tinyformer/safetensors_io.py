@@ -24,9 +24,10 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -38,6 +39,7 @@ DTYPES: dict[str, torch.dtype] = {"F64": torch.float64, "F32": torch.float32, "F
                                   "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
                                   "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+T = TypeVar("T")
 MAX_HEADER_BYTES = 100 * 2**20  # the reference implementation's limit
 DEFAULT_SHARD_BYTES = 2 * 2**30
 WEIGHTS = "model.safetensors"
@@ -129,17 +131,19 @@ class SafetensorsFile:
         return buf.view(dtype).reshape(shape)
 
 
-def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
-    """Greedy split into shards of at most ``max_shard_bytes`` (a tensor larger than that gets its own)."""
-    shards: list[list[TensorSpec]] = [[]]
+def split_shards(items: Iterable[T], nbytes: Callable[[T], int], max_shard_bytes: int) -> Iterator[list[T]]:
+    """Greedy split, in order, into shards of at most ``max_shard_bytes`` (an item larger than that gets its own);
+    lazy: only the shard being filled is held."""
+    shard: list[T] = []
     size = 0
-    for spec in specs:
-        if shards[-1] and size + spec.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(spec)
-        size += spec.nbytes
-    return shards
+    for item in items:
+        if shard and size + nbytes(item) > max_shard_bytes:
+            yield shard
+            shard, size = [], 0
+        shard.append(item)
+        size += nbytes(item)
+    if shard:
+        yield shard
 
 
 def shard_names(n: int) -> list[str]:
@@ -171,7 +175,7 @@ def write_planned(folder: str | Path, specs: list[TensorSpec], tensors: Iterable
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    shards = plan_shards(specs, max_shard_bytes)
+    shards = list(split_shards(specs, lambda spec: spec.nbytes, max_shard_bytes)) or [[]]
     names = shard_names(len(shards))
     stream: Iterator[tuple[str, torch.Tensor]] = iter(tensors)
     for shard, fname in zip(shards, names):

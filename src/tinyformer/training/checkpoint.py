@@ -35,7 +35,7 @@ from torch import nn
 
 from tinyformer.errors import CheckpointError
 from tinyformer.integrity import bytes_checksum, file_checksum
-from tinyformer.run_folder import state_dict_for_saving
+from tinyformer.run_folder import load_safetensors, state_dict_for_saving
 from tinyformer.utils.io import fsync_dir, replace_folder
 
 STATE_DIR = "state"
@@ -139,18 +139,12 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
 
 def read_tensors(path: Path, checksum: str | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a checkpoint file, its CRC-32 compared with ``checksum`` first when one was recorded."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing")
     if checksum is not None and file_checksum(path) != checksum:
         raise CheckpointError(f"{path} does not match the checksum recorded when it was written: the checkpoint "
                               f"is corrupt; {_older(path.parent)}")
-    try:
-        return load_file(str(path))
-    except SafetensorError as exc:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
+    return load_safetensors(path)
 
 
 def step_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:

@@ -169,12 +169,6 @@ def atomic_write_text(target: str | Path, text: str) -> None:
     atomic_write_bytes(target, text.encode("utf-8"))
 
 
-def atomic_write_with(target: str | Path, writer: Callable[[Path], None]) -> None:
-    """Let ``writer(tmp_path)`` produce the file (e.g. safetensors.save_file), then commit it."""
-    with atomic_path(target) as tmp:
-        writer(tmp)
-
-
 def read_utf8(path: str | Path, error: type[TinyformerError] = DataError, what: str = "") -> str:
     """The text of a UTF-8 file (a leading byte-order mark dropped). A file that cannot be read, or that is
     not UTF-8 text (binary, Latin-1), raises ``error`` naming it, so that the command line prints one line
