@@ -92,10 +92,6 @@ CONVERT_OUTPUTS = frozenset({
 })
 
 
-def _written_by_convert(name: str) -> bool:
-    return name in CONVERT_OUTPUTS or (name.startswith("model-") and name.endswith(".safetensors"))
-
-
 @contextlib.contextmanager
 def staged_output(out: str | Path, force: bool = False, inputs: tuple[Path, ...] = (),
                   also_written: frozenset[str] = frozenset()) -> Iterator[Path]:
@@ -118,8 +114,9 @@ def staged_output(out: str | Path, force: bool = False, inputs: tuple[Path, ...]
     if out.is_dir() and any(out.iterdir()):
         if not force:
             raise CheckpointError(f"output folder {out} is not empty; pass --force to replace it")
-        foreign = sorted(p.name for p in out.iterdir()
-                         if not (_written_by_convert(p.name) or p.name in also_written) or not p.is_file())
+        ours = CONVERT_OUTPUTS | also_written  # and the shards, model-*.safetensors
+        foreign = sorted(p.name for p in out.iterdir() if not p.is_file() or not (
+            p.name in ours or (p.name.startswith("model-") and p.name.endswith(".safetensors"))))
         if foreign:
             raise CheckpointError(f"output folder {out} holds {name_list(foreign, 3)}, which convert did not write; "
                                   "--force only replaces a previous conversion's output: move those away or "
