@@ -36,19 +36,18 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tinyformer import safetensors_io
 from tinyformer.config import ModelConfig
 from tinyformer.errors import CheckpointError
 from tinyformer.integrity import MANIFEST, checked_shard_names, verify_files, write_manifest
-from tinyformer.utils.io import atomic_write_text, atomic_write_with
+from tinyformer.safetensors_io import DEFAULT_SHARD_BYTES, INDEX, WEIGHTS
+from tinyformer.utils.io import atomic_path, atomic_write_text
 
 if TYPE_CHECKING:
     from tinyformer.components.quantized import QuantSpec
 
-WEIGHTS = "model.safetensors"
 ADAPTER_WEIGHTS = "adapter.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-INDEX = "model.safetensors.index.json"
-DEFAULT_SHARD_BYTES = 2 * 2**30
 
 
 def state_dict_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -58,6 +57,25 @@ def state_dict_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
     if cfg is not None and cfg.tie_embeddings and "lm_head.weight" in sd and "tok_emb.weight" in sd:
         sd.pop("lm_head.weight")
     return {k: v.detach().contiguous() for k, v in sd.items()}
+
+
+def save_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """``tensors`` as one safetensors file, written atomically (``utils.io.atomic_path``)."""
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+
+
+def load_safetensors(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """All the tensors of a safetensors file; a CheckpointError for a file that is not one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device=device)
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
 
 
 def side_files(run_dir: str | Path) -> list[Path]:
@@ -72,45 +90,28 @@ def save_tensors(run_dir: str | Path, tensors: Iterable[tuple[str, torch.Tensor]
                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
     """Write (name, tensor) pairs as one safetensors file, or shards plus an index when larger than
     ``max_shard_bytes``. Tensors are consumed one by one: only one shard is held in memory."""
-    from safetensors.torch import save_file
-
-    from tinyformer.safetensors_io import shard_names
-
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
-    shard: dict[str, torch.Tensor] = {}
     written: list[tuple[str, list[str]]] = []  # (temporary name, tensor names) per shard
-    size = total = 0
-
-    def flush() -> None:
-        nonlocal shard, size
-        if shard:
-            name, part = f"shard-{len(written):05d}.tmp.safetensors", shard
-            atomic_write_with(run / name, lambda p: save_file(part, str(p), metadata={"format": "pt"}))
-            written.append((name, list(part)))
-        shard, size = {}, 0
-
-    for key, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if size and size + nbytes > max_shard_bytes:
-            flush()
-        shard[key] = tensor.detach().contiguous()
-        size += nbytes
-        total += nbytes
-    flush()
+    total = 0
+    pairs = ((key, tensor.detach().contiguous()) for key, tensor in tensors)
+    for shard in safetensors_io.split_shards(pairs, lambda pair: pair[1].nbytes, max_shard_bytes):
+        name = f"shard-{len(written):05d}.tmp.safetensors"
+        save_safetensors(run / name, dict(shard))
+        written.append((name, [key for key, _ in shard]))
+        total += sum(tensor.nbytes for _, tensor in shard)
     # rename the shards into place only once all of them are complete
     if len(written) == 1:
         (run / written[0][0]).replace(run / WEIGHTS)
         (run / INDEX).unlink(missing_ok=True)
         write_manifest(run, [WEIGHTS])
         return [WEIGHTS]
-    names = shard_names(len(written))
+    names = safetensors_io.shard_names(len(written))
     weight_map: dict[str, str] = {}
     for (tmp, keys), final in zip(written, names):
         (run / tmp).replace(run / final)
         weight_map.update({k: final for k in keys})
-    atomic_write_text(run / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                              indent=2))
+    safetensors_io.write_index(run, weight_map, total)
     (run / WEIGHTS).unlink(missing_ok=True)
     write_manifest(run, [*names, INDEX])
     return names
@@ -142,11 +143,9 @@ def checked_weight_files(run_dir: str | Path, verify: bool = True) -> list[Path]
 def tensor_bytes(run_dir: str | Path, verify: bool = True) -> int:
     """Bytes of the tensors in the run's safetensors file(s), summed from their headers (no tensor is read;
     with ``verify`` the files are checked against the manifest first)."""
-    from tinyformer.safetensors_io import SafetensorsFile
-
     total = 0
     for path in checked_weight_files(run_dir, verify):
-        f = SafetensorsFile(path)
+        f = safetensors_io.SafetensorsFile(path)
         total += sum(f.spec(name).nbytes for name in f.keys())
     return total
 
@@ -162,11 +161,9 @@ def iter_tensors(run_dir: str | Path, device: str = "cpu", verify: bool = True,
     ``mapped=False`` instead: each into its own memory, freed with the tensor."""
     from safetensors import SafetensorError, safe_open
 
-    from tinyformer.safetensors_io import SafetensorsFile
-
     for path in checked_weight_files(run_dir, verify):
         if not mapped:
-            file = SafetensorsFile(path)
+            file = safetensors_io.SafetensorsFile(path)
             for key in file.keys():
                 yield key, file.read(key).to(device)
             continue
@@ -182,13 +179,15 @@ def save_model(run_dir: str | Path, model: nn.Module, cfg: ModelConfig | None = 
                max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None) -> None:
     """Write config.json and the weights of ``model`` into ``run_dir``."""
     cfg = cfg or model.cfg  # before any file is written: a model without a config fails here
-    save_tensors(run_dir, _cast(state_dict_for_saving(model).items(), dtype), max_shard_bytes)
+    save_tensors(run_dir, cast_floats(state_dict_for_saving(model).items(), dtype), max_shard_bytes)
     cfg.save(Path(run_dir) / "config.json")
 
 
-def _cast(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs with the floating-point tensors cast to ``dtype`` (None: as they are)."""
-    return ((k, v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in tensors)
+def cast_floats(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs, contiguous, with the floating-point ones cast to ``dtype`` (None: as they are)."""
+    for name, t in tensors:
+        yield name, (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
 
 
 def load_config(run_dir: str | Path) -> ModelConfig:
@@ -256,7 +255,7 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu", dtype: t
         stored = dict(tensors)
         load_quantized(model, spec, stored, str(run_dir), dtype or torch.float32)
         tensors = iter(stored.items())
-    load_state_into(model, _cast(tensors, dtype), str(run_dir))
+    load_state_into(model, cast_floats(tensors, dtype), str(run_dir))
     rebuild_buffers(model, device)
     return model.eval()
 
@@ -312,14 +311,11 @@ def save_adapter_run(run_dir: str | Path, model: nn.Module, base_run: str | Path
     adapter.safetensors, adapter_config.json and the base run's tokenizer files."""
     import shutil
 
-    from safetensors.torch import save_file
-
     from tinyformer.components.lora import adapter_state_dict
 
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous() for k, v in adapter_state_dict(model).items()}
-    atomic_write_with(run / ADAPTER_WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    save_safetensors(run / ADAPTER_WEIGHTS, {k: v.detach().contiguous() for k, v in adapter_state_dict(model).items()})
     write_adapter_config(run, model.lora_config.to_dict(), base_run)
     model.cfg.save(run / "config.json")
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -331,19 +327,13 @@ def load_adapter_run(run_dir: str | Path, device: str | torch.device = "cpu",
                      dtype: torch.dtype | None = None, verify: bool = True, mapped: bool = True) -> nn.Module:
     """The base run's model with the LoRA run's adapter merged in (W + (alpha/r) B A), as a plain model
     (``mapped``: the base's weights, as in :func:`load_model`)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     from tinyformer.components.lora import adapter_state_dict, apply_lora, merge_lora
 
     lora, base = read_adapter_config(run_dir)
     path = Path(run_dir) / ADAPTER_WEIGHTS
     if not path.is_file():
         raise CheckpointError(f"LoRA run {run_dir} has no {ADAPTER_WEIGHTS} yet (it writes one at each checkpoint)")
-    try:
-        tensors = load_file(str(path), device=str(device))
-    except SafetensorError as exc:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
+    tensors = load_safetensors(path, str(device))
     model = load_model(base, device=device, dtype=dtype, verify=verify, mapped=mapped)
     with torch.random.fork_rng(devices=[]):  # the adapters' random init is overwritten: leave the RNG alone
         apply_lora(model, lora)

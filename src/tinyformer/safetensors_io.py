@@ -24,20 +24,26 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from tinyformer.errors import CheckpointError
+from tinyformer.utils.io import atomic_write_text
 
 DTYPES: dict[str, torch.dtype] = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
                                   "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
                                   "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
                                   "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+T = TypeVar("T")
 MAX_HEADER_BYTES = 100 * 2**20  # the reference implementation's limit
+DEFAULT_SHARD_BYTES = 2 * 2**30
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -125,23 +131,25 @@ class SafetensorsFile:
         return buf.view(dtype).reshape(shape)
 
 
-def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
-    """Greedy split into shards of at most ``max_shard_bytes`` (a tensor larger than that gets its own)."""
-    shards: list[list[TensorSpec]] = [[]]
+def split_shards(items: Iterable[T], nbytes: Callable[[T], int], max_shard_bytes: int) -> Iterator[list[T]]:
+    """Greedy split, in order, into shards of at most ``max_shard_bytes`` (an item larger than that gets its own);
+    lazy: only the shard being filled is held."""
+    shard: list[T] = []
     size = 0
-    for spec in specs:
-        if shards[-1] and size + spec.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(spec)
-        size += spec.nbytes
-    return shards
+    for item in items:
+        if shard and size + nbytes(item) > max_shard_bytes:
+            yield shard
+            shard, size = [], 0
+        shard.append(item)
+        size += nbytes(item)
+    if shard:
+        yield shard
 
 
 def shard_names(n: int) -> list[str]:
     """``model.safetensors`` for one shard, ``model-00001-of-0000n.safetensors`` otherwise (Hugging Face's)."""
     if n == 1:
-        return ["model.safetensors"]
+        return [WEIGHTS]
     return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
@@ -160,14 +168,14 @@ def _header_bytes(specs: list[TensorSpec]) -> bytes:
 def write_planned(folder: str | Path, specs: list[TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]],
                   max_shard_bytes: int) -> list[str]:
     """Write ``tensors`` (which must arrive in the order, shapes and dtypes of ``specs``) as safetensors
-    shards into ``folder``, plus ``model.safetensors.index.json`` when there is more than one shard.
+    shards into ``folder``, plus the index (:func:`write_index`) when there is more than one shard.
 
     Each tensor is written as it arrives; nothing is buffered. ``folder`` should be a staging folder that
     the caller renames into place once everything succeeded (see ``convert_pipeline.staged_output``).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    shards = plan_shards(specs, max_shard_bytes)
+    shards = list(split_shards(specs, lambda spec: spec.nbytes, max_shard_bytes)) or [[]]
     names = shard_names(len(shards))
     stream: Iterator[tuple[str, torch.Tensor]] = iter(tensors)
     for shard, fname in zip(shards, names):
@@ -189,8 +197,12 @@ def write_planned(folder: str | Path, specs: list[TensorSpec], tensors: Iterable
     if next(stream, None) is not None:
         raise RuntimeError("conversion produced more tensors than planned")
     if len(shards) > 1:
-        weight_map = {spec.name: fname for shard, fname in zip(shards, names) for spec in shard}
-        total = sum(spec.nbytes for spec in specs)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        write_index(folder, {spec.name: fname for shard, fname in zip(shards, names) for spec in shard},
+                    sum(spec.nbytes for spec in specs))
     return names
+
+
+def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
+    """``model.safetensors.index.json`` (Hugging Face's): the shard holding each tensor, and their total bytes."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    atomic_write_text(folder / INDEX, json.dumps(index, indent=2) + "\n")

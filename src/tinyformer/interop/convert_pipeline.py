@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -38,17 +36,10 @@ from tinyformer.errors import CheckpointError, ConfigError, DataError
 from tinyformer.families import adapter_for_hf
 from tinyformer.integrity import write_manifest
 from tinyformer.interop.tensor_sources import DictSource, MetaStateDict, TensorSource, TensorView, name_list, read_json
-from tinyformer.safetensors_io import TensorSpec, write_planned
+from tinyformer.run_folder import cast_floats
+from tinyformer.safetensors_io import DEFAULT_SHARD_BYTES, INDEX, TensorSpec, write_planned
 from tinyformer.sizing import check_buildable
-from tinyformer.utils.io import (
-    atomic_write_bytes,
-    atomic_write_text,
-    make_folder,
-    remove_stale_temporaries,
-    temporary_prefix,
-)
-
-DEFAULT_SHARD_BYTES = 2 * 2**30
+from tinyformer.utils.io import atomic_write_bytes, atomic_write_text, replace_folder, staging_folder
 
 
 def check_tensors(source: TensorSource, expected: TensorSource, ignorable: Callable[[str], bool],
@@ -74,12 +65,6 @@ def check_tensors(source: TensorSource, expected: TensorSource, ignorable: Calla
                               f"(not part of the model that {implied_by} describes)")
 
 
-def _cast(stream: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype | None
-          ) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, t in stream:
-        yield name, (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
-
-
 def plan_and_stream(produce: Callable[[Mapping[str, torch.Tensor]], Iterator[tuple[str, torch.Tensor]]],
                     source: TensorSource, dtype: torch.dtype | None
                     ) -> tuple[list[TensorSpec], Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
@@ -88,7 +73,7 @@ def plan_and_stream(produce: Callable[[Mapping[str, torch.Tensor]], Iterator[tup
     specs: list[TensorSpec] = []
     seen: set[str] = set()
     try:
-        for name, t in _cast(produce(TensorView(source, meta=True)), dtype):
+        for name, t in cast_floats(produce(TensorView(source, meta=True)), dtype):
             if name in seen:
                 raise CheckpointError(f"conversion produced tensor {name!r} twice")
             seen.add(name)
@@ -96,7 +81,7 @@ def plan_and_stream(produce: Callable[[Mapping[str, torch.Tensor]], Iterator[tup
     except (ConfigError, KeyError, RuntimeError) as exc:  # a missing or mis-shaped input the check let through
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         raise CheckpointError(f"{source.description}: {msg}") from None
-    return specs, lambda: _cast(produce(TensorView(source, meta=False)), dtype)
+    return specs, lambda: cast_floats(produce(TensorView(source, meta=False)), dtype)
 
 
 #: What a conversion writes (an HF export or a run folder import): ``--force`` replaces a folder holding
@@ -105,10 +90,6 @@ CONVERT_OUTPUTS = frozenset({
     "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
     "generation_config.json", "manifest.json", "report.md",
 })
-
-
-def _written_by_convert(name: str) -> bool:
-    return name in CONVERT_OUTPUTS or (name.startswith("model-") and name.endswith(".safetensors"))
 
 
 @contextlib.contextmanager
@@ -133,27 +114,17 @@ def staged_output(out: str | Path, force: bool = False, inputs: tuple[Path, ...]
     if out.is_dir() and any(out.iterdir()):
         if not force:
             raise CheckpointError(f"output folder {out} is not empty; pass --force to replace it")
-        foreign = sorted(p.name for p in out.iterdir()
-                         if not (_written_by_convert(p.name) or p.name in also_written) or not p.is_file())
+        ours = CONVERT_OUTPUTS | also_written  # and the shards, model-*.safetensors
+        foreign = sorted(p.name for p in out.iterdir() if not p.is_file() or not (
+            p.name in ours or (p.name.startswith("model-") and p.name.endswith(".safetensors"))))
         if foreign:
             raise CheckpointError(f"output folder {out} holds {name_list(foreign, 3)}, which convert did not write; "
                                   "--force only replaces a previous conversion's output: move those away or "
                                   "choose another folder")
-    make_folder(out.parent)
-    remove_stale_temporaries(out, ".partial")  # left by a conversion that was killed
-    staging = Path(tempfile.mkdtemp(prefix=temporary_prefix(out), suffix=".partial", dir=out.parent))
+    staging = staging_folder(out, ".partial")
     try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(staging, 0o777 & ~mask)  # mkdtemp's folder is private; the output folder is not
         yield staging
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            out.rename(old)
-            staging.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            staging.rename(out)
+        replace_folder(staging, out, out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -207,8 +178,7 @@ def import_checkpoint(hf_config: Mapping[str, Any], source: TensorSource, out: s
         weights = write_planned(staging, specs, stream(), max_shard_bytes)
         cfg.save(staging / "config.json")
         notes = write_tokenizer(staging)
-        index = ["model.safetensors.index.json"] if len(weights) > 1 else []  # write_planned's, with the shards
-        write_manifest(staging, [*weights, *index])
+        write_manifest(staging, [*weights, INDEX] if len(weights) > 1 else weights)
         files = sorted(p.name for p in staging.iterdir())
     n_params = sum(torch.Size(s.shape).numel() for s in specs)
     return ConvertReport(Path(out), cfg, dtype, n_params, files, notes)

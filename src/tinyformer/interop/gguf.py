@@ -44,8 +44,9 @@ from tinyformer.errors import CheckpointError, ConfigError
 from tinyformer.families import GGUF_ARCHS, adapter_for_hf
 from tinyformer.families.family import GGUFArch
 from tinyformer.families.llama.gguf import expert_names, hf_name
-from tinyformer.interop.convert_pipeline import DEFAULT_SHARD_BYTES, ConvertReport, import_checkpoint, write_json
+from tinyformer.interop.convert_pipeline import ConvertReport, import_checkpoint, write_json
 from tinyformer.interop.tensor_sources import TensorSource
+from tinyformer.safetensors_io import DEFAULT_SHARD_BYTES
 
 NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # -> rope_scaling
 

@@ -29,7 +29,6 @@ from tinyformer.errors import CheckpointError, ConfigError
 from tinyformer.families import adapter_for_hf, adapter_for_model
 from tinyformer.families.bert.sentence_transformers import read_sentence_transformers
 from tinyformer.interop.convert_pipeline import (
-    DEFAULT_SHARD_BYTES,
     ConvertReport,
     check_tensors,
     copy_hf_tokenizer,
@@ -39,7 +38,7 @@ from tinyformer.interop.convert_pipeline import (
     write_json,
 )
 from tinyformer.interop.tensor_sources import MetaStateDict, SafetensorsSource, TensorSource, open_hf_weights, read_json
-from tinyformer.safetensors_io import write_planned
+from tinyformer.safetensors_io import DEFAULT_SHARD_BYTES, write_planned
 from tinyformer.utils.io import atomic_write_bytes
 
 

@@ -73,8 +73,6 @@ def peft_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def export_peft(run: str | Path, out: str | Path, *, dtype: str | None = None, force: bool = False) -> ConvertReport:
     """LoRA run -> PEFT adapter folder for the ``--to-hf`` export of its base run."""
-    from safetensors.torch import save_file
-
     from tinyformer import run_folder
     from tinyformer.families.llama.hf import layout_problem
 
@@ -94,7 +92,7 @@ def export_peft(run: str | Path, out: str | Path, *, dtype: str | None = None, f
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
     }
     with staged_output(out, force, (Path(run),)) as staging:
-        save_file(named, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
+        run_folder.save_safetensors(staging / "adapter_model.safetensors", named)
         atomic_write_text(staging / "adapter_config.json", json.dumps(config, indent=2) + "\n")
         files = sorted(p.name for p in staging.iterdir())
     n = sum(v.numel() for v in named.values())

@@ -152,11 +152,9 @@ class MetaStateDict(DictSource):
 
     def __init__(self, cfg: ModelConfig) -> None:
         from tinyformer.models import meta_model
+        from tinyformer.run_folder import state_dict_for_saving
 
-        sd = meta_model(cfg).state_dict()
-        if cfg.tie_embeddings and "lm_head.weight" in sd and "tok_emb.weight" in sd:
-            sd.pop("lm_head.weight")  # stored once, as the run folder does
-        super().__init__(sd)
+        super().__init__(state_dict_for_saving(meta_model(cfg)))  # a tied head once, as the run folder stores it
 
 
 def read_json(path: Path, what: str, kind: type = dict) -> Any:

@@ -35,8 +35,8 @@ from torch import nn
 
 from tinyformer.errors import CheckpointError
 from tinyformer.integrity import bytes_checksum, file_checksum
-from tinyformer.run_folder import state_dict_for_saving
-from tinyformer.utils.io import fsync_dir
+from tinyformer.run_folder import load_safetensors, state_dict_for_saving
+from tinyformer.utils.io import fsync_dir, replace_folder
 
 STATE_DIR = "state"
 MODEL_FILE = "model.safetensors"
@@ -139,18 +139,12 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
 
 def read_tensors(path: Path, checksum: str | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a checkpoint file, its CRC-32 compared with ``checksum`` first when one was recorded."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing")
     if checksum is not None and file_checksum(path) != checksum:
         raise CheckpointError(f"{path} does not match the checksum recorded when it was written: the checkpoint "
                               f"is corrupt; {_older(path.parent)}")
-    try:
-        return load_file(str(path))
-    except SafetensorError as exc:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
+    return load_safetensors(path)
 
 
 def step_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
@@ -266,11 +260,8 @@ def save_checkpoint(
         }
         _write_file(tmp / TRAINER_FILE, (json.dumps(meta, indent=1) + "\n").encode())
         fsync_dir(tmp)
-        old = state_dir / f".old-step-{step:06d}-{os.getpid()}"
-        if final.exists():  # the same step saved again (e.g. the last step): swap it out
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
+        # the same step saved again (e.g. the last step) is swapped out
+        replace_folder(tmp, final, state_dir / f".old-step-{step:06d}-{os.getpid()}")
         fsync_dir(state_dir)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)

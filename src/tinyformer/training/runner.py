@@ -53,7 +53,7 @@ from tinyformer.training.train_config import (
     to_yaml,
 )
 from tinyformer.training.trainer import Trainer
-from tinyformer.utils.io import atomic_write_bytes, fsync_dir
+from tinyformer.utils.io import atomic_write_bytes, fsync_dir, remove_stale_temporaries, staging_folder
 
 TRAIN_FILE = "train.yaml"
 #: What a run folder holds; ``force`` deletes these and nothing else.
@@ -191,34 +191,18 @@ def _run_file_bytes(model_cfg: ModelConfig, train: TrainConfig, tokenizer: Token
     return files
 
 
-def _remove_stale_staging(run_dir: Path) -> None:
-    """Staging folders of earlier creations of this run folder whose process is gone (killed mid-way)."""
-    for old in run_dir.parent.glob(f".{run_dir.name}.creating-*"):
-        pid = old.name.rsplit("-", 2)[-2] if old.name.count("-") >= 2 else ""
-        try:
-            os.kill(int(pid), 0)
-            continue  # that process still runs
-        except (ValueError, ProcessLookupError):
-            shutil.rmtree(old, ignore_errors=True)
-        except (PermissionError, OSError):
-            continue
-
-
 def _create_run(run_dir: Path, files: dict[str, bytes], force: bool) -> bool:
     """Write a new run's first files as the module docstring's "creation" says; returns True when the folder
     itself was created (or was empty)."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_staging(run_dir)
+    remove_stale_temporaries(run_dir, "", "creating-")  # staging folders of creations that were killed
     if run_dir.is_dir() and any(run_dir.iterdir()):
         _clear_run(run_dir)
         for name in sorted(files, key=lambda n: n == TRAIN_FILE):
             atomic_write_bytes(run_dir / name, files[name])
         return False
-    staging = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.creating-{os.getpid()}-", dir=run_dir.parent))
+    staging = staging_folder(run_dir, infix="creating-")
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder is private; a run folder is not
         for name, data in files.items():
             atomic_write_bytes(staging / name, data)
         if run_dir.is_dir():  # empty: rename() replaces an empty folder on POSIX, not on Windows

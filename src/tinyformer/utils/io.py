@@ -54,10 +54,7 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(target), suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp_path = Path(tmp)
-    # mkstemp makes the file private (0600); give it the mode a plain open() would (0666 minus umask)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp_path, 0o666 & ~umask)
+    os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp's file is private (0600); give it the mode open() would
     try:
         yield tmp_path
         with open(tmp_path, "rb+") as f:
@@ -73,14 +70,43 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
         raise
 
 
-def temporary_prefix(target: Path) -> str:
-    """``.NAME.PID-``: the start of a temporary's name next to ``target``, naming the process writing it."""
-    return f".{target.name}.{os.getpid()}-"
+def _umask() -> int:
+    """The process's umask (reading it means setting it: it is set back at once)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
-def _writer_alive(path: Path, target: Path) -> bool | None:
-    """Whether the process named in a temporary's name (``.NAME.PID-...``) still runs; None if none is named."""
-    pid = path.name[len(target.name) + 2:].partition("-")[0]
+def staging_folder(target: Path, suffix: str = "", infix: str = "") -> Path:
+    """A new empty hidden folder ``.NAME.<infix>PID-<random><suffix>`` next to ``target``, once those that killed
+    writers left are removed, with the mode a plain mkdir gives it (mkdtemp's folder is private)."""
+    make_folder(target.parent)
+    remove_stale_temporaries(target, suffix, infix)
+    staging = Path(tempfile.mkdtemp(prefix=temporary_prefix(target, infix), suffix=suffix, dir=target.parent))
+    os.chmod(staging, 0o777 & ~_umask())
+    return staging
+
+
+def replace_folder(staging: Path, target: Path, old: Path) -> None:
+    """Rename the complete folder ``staging`` to ``target``; a ``target`` already there is first renamed to
+    ``old``, and deleted once the new one is in place."""
+    import shutil
+
+    if target.exists():
+        target.rename(old)
+    staging.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def temporary_prefix(target: Path, infix: str = "") -> str:
+    """``.NAME.<infix>PID-``: the start of a temporary's name next to ``target``, naming the process writing it."""
+    return f".{target.name}.{infix}{os.getpid()}-"
+
+
+def _writer_alive(path: Path, target: Path, infix: str) -> bool | None:
+    """Whether the process named in a temporary's name (``.NAME.<infix>PID-...``) still runs; None if none is
+    named."""
+    pid = path.name[len(target.name) + 2 + len(infix):].partition("-")[0]
     if not pid.isdigit():
         return None
     try:  # signal 0: a check that the process exists (this one included)
@@ -92,8 +118,8 @@ def _writer_alive(path: Path, target: Path) -> bool | None:
     return True
 
 
-def remove_stale_temporaries(target: Path, suffix: str) -> None:
-    """Remove the hidden temporaries ``.NAME.PID-<random>SUFFIX`` that an earlier write of ``target`` left
+def remove_stale_temporaries(target: Path, suffix: str, infix: str = "") -> None:
+    """Remove the hidden temporaries ``.NAME.<infix>PID-<random>SUFFIX`` that an earlier write of ``target`` left
     when it was killed (SIGKILL runs no cleanup): those whose process is gone, and those that name no process
     and are untouched for ``STALE_AFTER_S`` (a staging folder: it and the files in it)."""
     import glob
@@ -101,12 +127,12 @@ def remove_stale_temporaries(target: Path, suffix: str) -> None:
     import time
 
     try:
-        leftovers = list(target.parent.glob(f".{glob.escape(target.name)}.*{suffix}"))
+        leftovers = list(target.parent.glob(f".{glob.escape(target.name)}.{infix}*{suffix}"))
     except OSError:
         return
     for path in leftovers:
         try:
-            alive = _writer_alive(path, target)
+            alive = _writer_alive(path, target, infix)
             touched = max([path.lstat().st_mtime, *(p.lstat().st_mtime for p in path.iterdir())]
                           if path.is_dir() and not path.is_symlink() else [path.lstat().st_mtime])
             if alive or (alive is None and time.time() - touched < STALE_AFTER_S):
@@ -141,12 +167,6 @@ def atomic_write_bytes(target: str | Path, data: bytes) -> None:
 
 def atomic_write_text(target: str | Path, text: str) -> None:
     atomic_write_bytes(target, text.encode("utf-8"))
-
-
-def atomic_write_with(target: str | Path, writer: Callable[[Path], None]) -> None:
-    """Let ``writer(tmp_path)`` produce the file (e.g. safetensors.save_file), then commit it."""
-    with atomic_path(target) as tmp:
-        writer(tmp)
 
 
 def read_utf8(path: str | Path, error: type[TinyformerError] = DataError, what: str = "") -> str:
