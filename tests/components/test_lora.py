@@ -197,6 +197,20 @@ def test_peft_export_loaded_by_peft_onto_the_hf_export_gives_the_same_logits(tmp
         torch.testing.assert_close(load_model(tmp_path / "lora")(x), want, rtol=0, atol=1e-5)
 
 
+def test_a_corrupt_adapter_file_is_one_checkpoint_error_for_the_peft_export(tmp_path: Path) -> None:
+    from tinyformer.errors import CheckpointError
+    from tinyformer.interop.peft import export_peft
+
+    model = _model()
+    save_model(tmp_path / "base", model)
+    apply_lora(model, LoRAConfig(4, alpha=8.0, targets=TARGETS))
+    save_adapter_run(tmp_path / "lora", model, tmp_path / "base")
+    (tmp_path / "lora" / "adapter.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match=r"adapter\.safetensors is not a readable safetensors file"):
+        export_peft(tmp_path / "lora", tmp_path / "peft")
+    assert not (tmp_path / "peft").exists()
+
+
 # ---------------------------------------------------------------------------- LoRA runs end to end
 
 TINY = ["--model.d_model", "32", "--model.n_layer", "1", "--model.n_head", "2", "--model.n_kv_head", "1",

@@ -44,8 +44,6 @@ PEFT_PREFIX = "base_model.model.model.layers."
 
 
 def _adapter_run(run: str | Path):  # -> (LoRAConfig, base Path, ModelConfig, tensors)
-    from safetensors.torch import load_file
-
     from tinyformer import run_folder
 
     run = Path(run)
@@ -56,7 +54,7 @@ def _adapter_run(run: str | Path):  # -> (LoRAConfig, base Path, ModelConfig, te
     path = run / run_folder.ADAPTER_WEIGHTS
     if not path.is_file():
         raise CheckpointError(f"LoRA run {run} has no {run_folder.ADAPTER_WEIGHTS} yet")
-    return lora, base, run_folder.load_config(run), load_file(str(path))
+    return lora, base, run_folder.load_config(run), run_folder.load_safetensors(path)
 
 
 def peft_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
