@@ -153,18 +153,21 @@ def _reward(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[str, s
 
 def _text(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[str, str, float, int | None]]]:
     """``--data TEXT``: loss, perplexity and bits per byte (evaluation/text_loss.py)."""
-    from tinyformer.evaluation.text_loss import TextEvalOptions, evaluate_text
+    from tinyformer.evaluation.text_loss import evaluate_text
 
     if args.per_token and not args.json:
         raise ConfigError("--per-token goes with --json")
     for name, default in _QUESTION_FLAGS.items():
         if getattr(args, name) != default:
             raise ConfigError(f"--{name.replace('_', '-')} goes with --task or --harness, not --data")
-    options = TextEvalOptions(text_field=args.text_field, block_size=args.block_size, batch_size=args.batch_size,
-                              max_batches=args.max_batches, device=args.device, dtype=args.dtype,
-                              cache_dir=args.cache_dir, progress=not args.no_progress, per_token=args.per_token,
-                              verify=not args.no_verify)
-    result = evaluate_text(Path(args.model), args.data, options)
+    for flag, value in (("--batch-size", args.batch_size), ("--max-batches", args.max_batches),
+                        ("--block-size", args.block_size)):
+        if value is not None and value < 1:  # a --block-size of 0 must not mean "the default"
+            raise ConfigError(f"{flag} must be positive, got {value}")
+    result = evaluate_text(Path(args.model), args.data, text_field=args.text_field, block_size=args.block_size,
+                           batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
+                           dtype=args.dtype, cache_dir=args.cache_dir, progress=not args.no_progress,
+                           per_token=args.per_token, verify=not args.no_verify)
     if not args.json:
         bpb = f", {result['bits_per_byte']:.4f} bits/byte" if result["bits_per_byte"] is not None else ""
         print(f"{result['model']} on {result['data']}: loss {result['loss']:.4f}, perplexity "
