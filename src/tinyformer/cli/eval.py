@@ -74,22 +74,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _check(args: argparse.Namespace) -> None:
-    for name in ("limit", "num_fewshot", "builtin_questions", "max_new_tokens"):
-        value = getattr(args, name)
-        floor = 0 if name == "num_fewshot" else 1
-        if value is not None and value < floor:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= {floor}, got {value}")
-    if args.batch_size < 1:
-        raise ConfigError(f"--batch-size must be positive, got {args.batch_size}")
-    if args.task and args.harness:
-        raise ConfigError("give --task or --harness, not both")
-    if args.include_path and not args.harness:
-        raise ConfigError("--include-path goes with --harness")
-    if args.per_token:
-        raise ConfigError("--per-token goes with --data")
-
-
 def _task(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[str, str, float, int | None]]]:
     from tinyformer.devices import resolve_device
     from tinyformer.evaluation import tasks
@@ -191,7 +175,19 @@ def run(args: argparse.Namespace) -> int:
     elif args.task or args.harness:  # accuracy on questions
         if args.data:
             raise ConfigError("give --data (text) or --task / --harness (questions), not both")
-        _check(args)
+        for name in ("limit", "num_fewshot", "builtin_questions", "max_new_tokens"):
+            value = getattr(args, name)
+            floor = 0 if name == "num_fewshot" else 1
+            if value is not None and value < floor:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= {floor}, got {value}")
+        if args.batch_size < 1:
+            raise ConfigError(f"--batch-size must be positive, got {args.batch_size}")
+        if args.task and args.harness:
+            raise ConfigError("give --task or --harness, not both")
+        if args.include_path and not args.harness:
+            raise ConfigError("--include-path goes with --harness")
+        if args.per_token:
+            raise ConfigError("--per-token goes with --data")
         result, rows = _task(args) if args.task else _harness(args)
         if not args.json:
             for name, metric, value, n in rows:
