@@ -28,9 +28,14 @@ def mps_available() -> bool:
     return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
 
 
-def parse_device(name: str, error: type[TinyformerError] = ConfigError) -> torch.device:
-    """The device an explicit ``--device`` value names (cpu, cuda, cuda:N, mps); a name torch cannot parse,
-    a device that cannot run a model (meta) or an accelerator this machine lacks raises ``error``."""
+def resolve_device(name: str, error: type[TinyformerError] = ConfigError) -> torch.device:
+    """``auto`` = CUDA, else Apple MPS, else CPU; an explicit name (cpu, cuda, cuda:N, mps) as given, where a name
+    torch cannot parse, a device that cannot run a model (meta) or an accelerator this machine lacks raises
+    ``error``."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("mps" if mps_available() else "cpu")
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
@@ -42,17 +47,6 @@ def parse_device(name: str, error: type[TinyformerError] = ConfigError) -> torch
     if device.type == "mps" and not mps_available():
         raise error(f"device {name!r} was asked for but MPS is not available on this machine; use cpu or auto")
     return device
-
-
-def resolve_device(name: str, error: type[TinyformerError] = ConfigError) -> torch.device:
-    """``auto`` = CUDA, else Apple MPS, else CPU; any other name as ``parse_device`` reads it."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if mps_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    return parse_device(name, error)
 
 
 def _gpu_half() -> torch.dtype:

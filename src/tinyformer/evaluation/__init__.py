@@ -5,6 +5,5 @@
     scoring.py     log p(continuation | context), batched and KV-cached       needs torch only
     tasks.py       offline JSONL tasks and the built-in stdlib task           needs torch only
     reward_scoring.py  mean reward of a run's completions to prompts (--reward)
-    command.py     the --task / --harness modes of `tinyformer eval`
     harness.py     the lm-evaluation-harness model "tinyformer"               needs the `eval` extra
 """

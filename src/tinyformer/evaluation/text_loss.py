@@ -13,14 +13,13 @@ Bits per byte does not depend on the tokenizer, so it compares models with diffe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from tinyformer.errors import ConfigError
-from tinyformer.training.train_config import DTYPES, read_run_file
+from tinyformer.training.train_config import read_run_file
 
 
 def _training_block_size(run: Path) -> int | None:
@@ -33,36 +32,16 @@ def _training_block_size(run: Path) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-@dataclass(frozen=True)
-class TextEvalOptions:
-    """How :func:`evaluate_text` reads the text and runs the model (the flags of ``tinyformer eval --data``)."""
-
-    text_field: str = "text"  # the JSONL field holding the text
-    block_size: int | None = None  # tokens per window; None: the run's training block size, else max_seq_len
-    batch_size: int = 8  # windows per forward pass
-    max_batches: int | None = None  # stop after this many batches
-    device: str = "auto"
-    dtype: str = "auto"  # autocast dtype (DTYPES)
-    cache_dir: str | None = None  # token cache folder; None: ~/.cache/tinyformer
-    progress: bool = True  # a progress bar
-    per_token: bool = False  # also every predicted token's id, text, bytes and loss
-    verify: bool = True  # check the weight files against the run's manifest
-
-    def validate(self) -> TextEvalOptions:
-        if self.batch_size < 1:
-            raise ConfigError(f"--batch-size must be positive, got {self.batch_size}")
-        if self.max_batches is not None and self.max_batches < 1:
-            raise ConfigError(f"--max-batches must be positive, got {self.max_batches}")
-        if self.block_size is not None and self.block_size < 1:  # 0 must not mean "the default"
-            raise ConfigError(f"--block-size must be positive, got {self.block_size}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        return self
-
-
-def evaluate_text(run: Path, data: str, options: TextEvalOptions = TextEvalOptions()) -> dict:
-    """Loss, perplexity and bits per byte of the model in ``run`` on the corpus ``data``; with
-    ``options.per_token``, ``token_losses`` lists {id, text, bytes, loss} of every predicted token in text order."""
+def evaluate_text(run: Path, data: str, *, text_field: str = "text", block_size: int | None = None,
+                  batch_size: int = 8, max_batches: int | None = None, device: str = "auto", dtype: str = "auto",
+                  cache_dir: str | None = None, progress: bool = True, per_token: bool = False,
+                  verify: bool = True) -> dict:
+    """Loss, perplexity and bits per byte of the model in ``run`` on the corpus ``data`` (the flags of ``tinyformer
+    eval --data``): ``text_field`` of each JSONL record, windows of ``block_size`` tokens (None: the run's training
+    block size, else max_seq_len), ``batch_size`` windows per forward pass, at most ``max_batches`` batches,
+    ``dtype`` the autocast dtype, tokens cached under ``cache_dir`` (None: ~/.cache/tinyformer), the weight files
+    checked against the run's manifest when ``verify``; with ``per_token``, ``token_losses`` lists {id, text,
+    bytes, loss} of every predicted token in text order."""
     from tqdm.auto import tqdm
 
     from tinyformer.data.dataset import TokenDataset, encode_to_memmap
@@ -70,17 +49,16 @@ def evaluate_text(run: Path, data: str, options: TextEvalOptions = TextEvalOptio
     from tinyformer.devices import autocast_dtype, resolve_device
     from tinyformer.run_folder import load_config, load_model, load_tokenizer
 
-    opts = options.validate()
     cfg = load_config(run)
-    T = opts.block_size or _training_block_size(run) or cfg.max_seq_len
+    T = block_size or _training_block_size(run) or cfg.max_seq_len
     if T < 1 or T > cfg.max_seq_len:
         raise ConfigError(f"--block-size {T} must be in [1, max_seq_len={cfg.max_seq_len}]")
-    dev = resolve_device(opts.device)
-    amp = autocast_dtype(opts.dtype, dev)
+    dev = resolve_device(device)
+    amp = autocast_dtype(dtype, dev)
     tokenizer = load_tokenizer(run)
-    model = load_model(run, device=dev, verify=opts.verify)
-    cache = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir()
-    path = encode_to_memmap(Path(data), tokenizer, cache / "tokens", text_field=opts.text_field)
+    model = load_model(run, device=dev, verify=verify)
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    path = encode_to_memmap(Path(data), tokenizer, cache / "tokens", text_field=text_field)
     dataset = TokenDataset(path, val_fraction=0.0)
     n = len(dataset)
     windows = (n - 1) // T if n > T else 0
@@ -89,14 +67,14 @@ def evaluate_text(run: Path, data: str, options: TextEvalOptions = TextEvalOptio
     # bytes each id stands for, to turn nats/token into bits/byte
     token_bytes = np.array([len(tokenizer.token_bytes(i)) if tokenizer.id_to_token(i) is not None else 0
                             for i in range(tokenizer.vocab_size)], dtype=np.int64)
-    n_batches = math.ceil(windows / opts.batch_size)
-    if opts.max_batches is not None:
-        n_batches = min(n_batches, opts.max_batches)
+    n_batches = math.ceil(windows / batch_size)
+    if max_batches is not None:
+        n_batches = min(n_batches, max_batches)
     nll, count, n_bytes = 0.0, 0, 0
     token_losses: list[dict] = []
     with torch.no_grad(), torch.autocast(dev.type, dtype=amp, enabled=amp is not None):
-        batches = dataset.iter_eval_batches("train", opts.batch_size, T, max_batches=opts.max_batches)
-        for x, y in tqdm(batches, total=n_batches, desc="eval", unit="batch", disable=not opts.progress):
+        batches = dataset.iter_eval_batches("train", batch_size, T, max_batches=max_batches)
+        for x, y in tqdm(batches, total=n_batches, desc="eval", unit="batch", disable=not progress):
             logits = model(x.to(dev))
             losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.to(dev).flatten(),
                                                        reduction="none")
@@ -105,7 +83,7 @@ def evaluate_text(run: Path, data: str, options: TextEvalOptions = TextEvalOptio
                 from tinyformer.errors import NonFiniteOutputError, non_finite_message
 
                 raise NonFiniteOutputError(non_finite_message(f"on {data}"))
-            if opts.per_token:
+            if per_token:
                 # a token may hold part of a character: its text is then lossy, its byte count exact
                 token_losses.extend({"id": t, "text": tokenizer.token_bytes(t).decode("utf-8", errors="replace"),
                                      "bytes": int(token_bytes[t]), "loss": v}
@@ -113,7 +91,7 @@ def evaluate_text(run: Path, data: str, options: TextEvalOptions = TextEvalOptio
             count += y.numel()
             n_bytes += int(token_bytes[y.numpy()].sum())
     mean = nll / count
-    extra = {"token_losses": token_losses} if opts.per_token else {}
+    extra = {"token_losses": token_losses} if per_token else {}
     return {
         "model": str(run),
         "data": str(data),

@@ -85,8 +85,7 @@ def grid_size_inches(n_layer: int, n_head: int) -> tuple[float, float]:
     return n_head * CELL_INCHES + 2 * MARGIN_INCHES, n_layer * CELL_INCHES + 2 * MARGIN_INCHES
 
 
-def plot_attention_grid(maps: list[torch.Tensor], tokens: list[str], path: str | Path,
-                        max_tokens: int = 32, title: str | None = None) -> Path:
+def plot_attention_grid(maps: list[torch.Tensor], tokens: list[str], path: str | Path, max_tokens: int = 32) -> Path:
     """Draw ``maps`` (one (1, H, T, T) or (H, T, T) tensor per layer) as a layers x heads grid of heat-maps
     of the last ``max_tokens`` queries and keys, rows = query positions, columns = key positions."""
     plt = pyplot()
@@ -114,8 +113,7 @@ def plot_attention_grid(maps: list[torch.Tensor], tokens: list[str], path: str |
             ticks = range(shown) if shown <= 16 else range(0, shown, max(1, shown // 8))
             ax.set_xticks(list(ticks), [labels[i] for i in ticks], fontsize=5, rotation=90)
             ax.set_yticks(list(ticks), [labels[i] for i in ticks], fontsize=5)
-    fig.suptitle(title or f"attention probabilities (rows: queries, columns: keys; last {shown} of {T} tokens)",
-                 fontsize=9)
+    fig.suptitle(f"attention probabilities (rows: queries, columns: keys; last {shown} of {T} tokens)", fontsize=9)
     if image is not None:
         fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.6, pad=0.02)
     return save_figure(fig, path)

@@ -111,12 +111,11 @@ def _describe(params: SamplingParams) -> str:
     return ", ".join(parts)
 
 
-def plot_next_token(dist: NextTokenDistribution, token_text: Callable[[int], str], path: str | Path,
-                    n: int = 30) -> Path:
-    """Bars of the ``n`` most probable next tokens (kept ones coloured), the cumulative probability as a
+def plot_next_token(dist: NextTokenDistribution, token_text: Callable[[int], str], path: str | Path) -> Path:
+    """Bars of the 30 most probable next tokens (kept ones coloured), the cumulative probability as a
     line with the top-p level, and a dashed line where the top-k / top-p cut falls."""
     plt = pyplot()
-    ids = dist.top(min(n, dist.probs.numel()))
+    ids = dist.top(min(30, dist.probs.numel()))
     probs = [float(dist.probs[i]) for i in ids]
     kept = [bool(dist.kept[i]) for i in ids]
     cum = dist.nucleus_base[torch.tensor(ids)].cumsum(0).tolist()

@@ -37,16 +37,15 @@ def relative_dot_curve(rope: RotaryEmbedding, q: torch.Tensor, k: torch.Tensor, 
     return rq @ rk
 
 
-def plot_rope(rope: RotaryEmbedding, path: str | Path, n_positions: int = 16, n_distances: int | None = None,
-              seed: int = 0) -> Path:
-    """Left: the 2-D pairs (x_i, x_{i+d/2}) of (1, ..., 1) rotated to positions 0 .. n_positions-1, for pairs from
-    the fastest to the slowest (each drawn on its own circle). Right: the dot product of rotated q and k
-    against their distance m - n (up to ``n_distances``, default min(1024, max_seq_len))."""
+def plot_rope(rope: RotaryEmbedding, path: str | Path, n_distances: int) -> Path:
+    """Left: the 2-D pairs (x_i, x_{i+d/2}) of (1, ..., 1) rotated to positions 0 .. 15, for pairs from the
+    fastest to the slowest (each drawn on its own circle). Right: the dot product of rotated q and k (q = k =
+    (1, ..., 1), and a random pair of seed 0) against their distance m - n, up to ``n_distances``."""
     plt = pyplot()
     d = rope.cos_cached.shape[-1]
     max_len = rope.cos_cached.shape[0]
-    n_positions = min(n_positions, max_len)
-    n_distances = min(n_distances or 1024, max_len)
+    n_positions = min(16, max_len)
+    n_distances = min(n_distances, max_len)
     half = d // 2
     ones = torch.ones(d, dtype=torch.float64)
     rotated = rotate_over_positions(rope, ones, n_positions)
@@ -66,7 +65,7 @@ def plot_rope(rope: RotaryEmbedding, path: str | Path, n_positions: int = 16, n_
     left.set_title(f"pair i = (x_i, x_(i+d/2)) at positions 0..{n_positions - 1} (one circle per pair)", fontsize=9)
     left.legend(fontsize=7, loc="center", frameon=False)
     left.grid(alpha=0.3)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(d, generator=gen, dtype=torch.float64), torch.randn(d, generator=gen, dtype=torch.float64)
     distances = list(range(n_distances))
     right.plot(distances, relative_dot_curve(rope, ones, ones, n_distances) / d, label="q = k = (1, ..., 1)")

@@ -34,7 +34,7 @@ def figure_width_inches(n_tokens: int) -> float:
     return max(MIN_WIDTH_INCHES, 1.2 + INCHES_PER_TOKEN * min(n_tokens, MAX_TOKENS))
 
 
-def plot_token_loss(losses: torch.Tensor, targets: list[str], path: str | Path, title: str | None = None) -> Path:
+def plot_token_loss(losses: torch.Tensor, targets: list[str], path: str | Path) -> Path:
     """One bar per predicted token (labelled with that token), height = its loss in nats; the mean as a line."""
     plt = pyplot()
     values = losses.float().cpu().tolist()[-MAX_TOKENS:]
@@ -48,7 +48,7 @@ def plot_token_loss(losses: torch.Tensor, targets: list[str], path: str | Path, 
     ax.set_xlim(-0.6, len(values) - 0.4)
     ax.set_ylabel("-log p(token | prefix)  [nats]")
     shown = "" if len(values) == losses.numel() else f"; last {len(values)} of {losses.numel()} predictions"
-    ax.set_title(title or f"per-token loss (each bar: the token the model had to predict{shown})", fontsize=10)
+    ax.set_title(f"per-token loss (each bar: the token the model had to predict{shown})", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()

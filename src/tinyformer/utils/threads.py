@@ -36,9 +36,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-#: Where the chosen count came from, for the message a command prints.
-SOURCES = ("flag", "OMP_NUM_THREADS", "load", "cores", "reserved")
-
 
 def set_wait_policy(busy: float | None = None) -> None:
     """Make idle OpenMP threads sleep (``OMP_WAIT_POLICY=PASSIVE``) when other processes keep at least one
@@ -131,7 +128,7 @@ def idle_cores(cores: int | None = None, busy: float | None = None) -> int:
 
 
 def choose_threads(requested: int | None = None, reserve: int = 0, busy: float | None = None) -> tuple[int, str]:
-    """(thread count, where it came from: one of :data:`SOURCES`) following the rule in the module docstring;
+    """(thread count, where it came from: flag, OMP_NUM_THREADS, load, cores or reserved) by the module's rule;
     ``reserve`` cores are left to the command's other threads (at least one torch thread remains); ``busy``
     as in :func:`idle_cores` (measured now when None)."""
     if requested is not None:
