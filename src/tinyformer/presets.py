@@ -12,6 +12,7 @@ module holds the shapes no imported family owns, the papers' and the project's o
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tinyformer.config import ModelConfig
@@ -54,4 +55,7 @@ def get_preset(name: str, **overrides: Any) -> ModelConfig:
     """The ModelConfig of a named preset, with optional field overrides."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(preset_names())}")
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)})
+    if unknown:
+        raise ConfigError(f"unknown model field(s): {', '.join(unknown)}")
     return ModelConfig(**{**PRESETS[name], **overrides})

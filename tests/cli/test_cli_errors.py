@@ -212,3 +212,9 @@ def test_init_from_says_what_it_loaded_and_a_long_warm_up_is_mentioned(trained, 
     cfg = TrainConfig(max_steps=1, warmup_steps=5)
     assert "warm-up (5 steps) is not shorter than the run (1 steps)" in out
     assert f"to {lr_at(0, cfg):g} at the last step" in out
+
+
+def test_an_unknown_field_beside_a_preset_is_one_line_for_count(tmp_path, capsys):
+    (tmp_path / "model.yaml").write_text("model:\n  preset: tiny\n  d_modle: 64\n", encoding="utf-8")
+    fails_in_one_line(["count", "--config", str(tmp_path / "model.yaml")], capsys,
+                      "unknown model field(s): d_modle")

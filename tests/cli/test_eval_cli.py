@@ -90,3 +90,20 @@ def test_eval_bad_input_is_one_line_exit_2(args: list[str], message: str, run: P
     assert main(["eval", *model, *args, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("mode", ["chat", "preference", "reward", "text"])
+def test_a_batch_size_below_one_is_one_line_in_every_eval_mode(run: Path, tmp_path: Path, mode: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    rows = {"chat": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cat"}]},
+            "preference": {"prompt": "hi", "chosen": "the cat", "rejected": "the mat"},
+            "reward": {"prompt": "hi", "answer": "the cat"}}
+    data = tmp_path / ("train.txt" if mode == "text" else f"{mode}.jsonl")
+    data.write_text("the cat sat\n" if mode == "text" else json.dumps(rows[mode]) + "\n")
+    argv = ["eval", "--model", str(run), "--data", str(data), "--batch-size", "0", "--no-report"]
+    if mode == "reward":
+        argv += ["--reward", "builtin:exact", "--max-new-tokens", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines() == ["tinyformer eval: error: --batch-size must be "
+                                                                   "positive, got 0"]

@@ -144,8 +144,7 @@ def _text(args: argparse.Namespace) -> tuple[dict[str, Any], list[tuple[str, str
     for name, default in _QUESTION_FLAGS.items():
         if getattr(args, name) != default:
             raise ConfigError(f"--{name.replace('_', '-')} goes with --task or --harness, not --data")
-    for flag, value in (("--batch-size", args.batch_size), ("--max-batches", args.max_batches),
-                        ("--block-size", args.block_size)):
+    for flag, value in (("--max-batches", args.max_batches), ("--block-size", args.block_size)):
         if value is not None and value < 1:  # a --block-size of 0 must not mean "the default"
             raise ConfigError(f"{flag} must be positive, got {value}")
     result = evaluate_text(Path(args.model), args.data, text_field=args.text_field, block_size=args.block_size,
@@ -168,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
     from tinyformer.report_card import merge_eval_table
     from tinyformer.utils.io import report_or_warning
 
+    if args.batch_size < 1:  # every mode batches
+        raise ConfigError(f"--batch-size must be positive, got {args.batch_size}")
     if args.reward:
         result, rows = _reward(args)
     elif args.num_samples != 1:
@@ -180,8 +181,6 @@ def run(args: argparse.Namespace) -> int:
             floor = 0 if name == "num_fewshot" else 1
             if value is not None and value < floor:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= {floor}, got {value}")
-        if args.batch_size < 1:
-            raise ConfigError(f"--batch-size must be positive, got {args.batch_size}")
         if args.task and args.harness:
             raise ConfigError("give --task or --harness, not both")
         if args.include_path and not args.harness:

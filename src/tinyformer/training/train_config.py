@@ -325,10 +325,6 @@ def build_model_config(section: dict[str, Any]) -> ModelConfig:
         preset = DEFAULT_PRESET
     fields = {k: coerce_field(ModelConfig, k, v) for k, v in fields.items()}
     if preset is not None:
-        known = {f.name for f in dataclasses.fields(ModelConfig)}
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise ConfigError(f"unknown model field(s): {', '.join(unknown)}")
         return get_preset(str(preset), **fields)
     return ModelConfig.from_dict(fields)
 
