@@ -48,7 +48,7 @@ from tinyformer.generation.engine import (
     CompiledStep,
     EngineRow,
     check_compilable,
-    check_context_policy,
+    check_speculative,
     default_slide_keep,
 )
 from tinyformer.generation.prefix_cache import PrefixCache
@@ -205,17 +205,14 @@ class Generator:
         if cfg is None or cfg.arch != "decoder" or not hasattr(model, "new_cache"):
             arch = getattr(cfg, "arch", type(model).__name__)
             raise GenerationError(f"text generation needs a decoder language model; this one is {arch!r}")
-        check_context_policy(context_policy)
+        if context_policy not in CONTEXT_POLICIES:
+            raise GenerationError(f"context policy must be one of {', '.join(CONTEXT_POLICIES)}, "
+                                  f"got {context_policy!r}")
         if compile:
             check_compilable(model)
         if speculative is not None:
-            speculative.validate()
-            if cfg.rope_type in ("dynamic", "longrope"):
-                raise GenerationError("speculative decoding does not support dynamic-NTK or LongRoPE models "
-                                      "(their rotary tables follow each row's length)")
+            check_speculative(speculative, cfg, draft_model is not None, speculative.draft_tokens)
             if speculative.method == "draft":
-                if draft_model is None:
-                    raise GenerationError("speculative method 'draft' needs a draft model (--draft-model RUN)")
                 check_draft(model, tokenizer, draft_model, draft_tokenizer)
         elif draft_model is not None:
             raise GenerationError("a draft model is used by speculative method 'draft' only")
