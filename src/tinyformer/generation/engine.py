@@ -78,9 +78,6 @@ from tinyformer.generation.weight_layout import prepare_for_decoding
 
 __all__ = ["BatchEngine", "CompiledStep", "EngineRow", "RowOutput", "RowSearch", "TokenInfo", "new_prefix_cache"]
 
-CONTEXT_POLICIES = ("error", "slide")
-
-
 @dataclass
 class TokenInfo:
     """One generated token: its id, log p under the model's raw distribution (None when not asked for),

@@ -43,7 +43,6 @@ from tinyformer.generation.beam import (
 from tinyformer.generation.compile_cache import PackageBuild, compiled_step
 from tinyformer.generation.constraint import Matcher, TokenVocabulary
 from tinyformer.generation.engine import (
-    CONTEXT_POLICIES,
     BatchEngine,
     CompiledStep,
     EngineRow,
@@ -58,6 +57,8 @@ from tinyformer.generation.streaming import TextState, TokenBytes
 from tinyformer.generation.weight_layout import load_for_decoding
 
 __all__ = ["CONTEXT_POLICIES", "GenerationResult", "GenerationTimings", "Generator", "TextStream"]
+
+CONTEXT_POLICIES = ("error", "slide")
 
 # With ``compile=True`` the cache length is rounded up to a multiple of this, so that requests of
 # similar lengths share one compiled step (each new shape compiles again).
