@@ -15,7 +15,7 @@ what to attend: ``keys, values, mask = step.kv(layer, k, v)`` (without a cache: 
                  length .. length + T - 1 (``attention_mask`` marks left padding: 1 = token, 0 = padding)
     row call     ``cache.at(positions).begin(ids)``: row b's T tokens at positions[b] .. positions[b] + T - 1,
                  each row at its own length (continuous batching); the caller keeps the lengths
-    shared       ``SharedPrefix``: no cache; the distinct prefixes run once (``shared.prefix``), then rows
+    shared       ``SharedPrefix``: no cache; the distinct prefixes run once (its first call), then rows
                  that continue them attend their prefix's keys and values (GRPO's G completions of a prompt)
 
 Rolling buffers (sliding-window layers): a layer whose queries see only the last W keys
@@ -368,10 +368,10 @@ class NoCache:
 class SharedPrefix:
     """Rows that continue shared prefixes, each prefix run once: the G completions of one GRPO prompt.
 
-    Two calls of the model, without a cache. First ``prefix``: the U distinct prefixes, right-padded to
-    (U, L), prefix u real on its first n_u = ``lengths[u]`` positions (causal attention never lets a real
+    Two calls of the model on it, without a cache. First the prefix call: the U distinct prefixes, right-padded
+    to (U, L), prefix u real on its first n_u = ``lengths[u]`` positions (causal attention never lets a real
     token see the padding after it). Each layer's keys and values K_l, V_l (U, H_kv, L, d_head) are kept.
-    Then this object: the R rows' own tokens (R, T), row r continuing prefix g = ``group[r]`` at positions
+    Then the rows' call: the R rows' own tokens (R, T), row r continuing prefix g = ``group[r]`` at positions
     n_g .. n_g + T - 1. Layer l attends [K_l[g] ; its own keys] (R, H_kv, L + T, d_head) (values alike) with
     the (R, 1, T, L + T) mask
 
@@ -392,14 +392,18 @@ class SharedPrefix:
             raise GenerationError(f"position {seen - 1} is beyond the model's context (max_seq_len={cfg.max_seq_len})")
         #: each layer's prefix keys and values (U, H_kv, L, d_head), set by the prefix call
         self.kv: list[tuple[Tensor, Tensor] | None] = [None] * len(self.store)
-        self.prefix = _PrefixCalls(self)
 
     def begin(self, input_ids: Tensor, attention_mask: Tensor | None = None,
               position_ids: Tensor | None = None) -> Step:
-        """The rows' call: row r's T tokens at positions n_g .. n_g + T - 1 after its group's prefix."""
+        """The prefix call (the first): the U prefixes at positions 0 .. L - 1, causal (with each layer's
+        window). The rows' call: row r's T tokens at positions n_g .. n_g + T - 1 after its group's prefix."""
+        device = input_ids.device
+        if self.kv[0] is None:
+            L = input_ids.shape[1]
+            masks = _masks_by_kind(self.store, lambda s: s.block_mask(L, 0, None, device))
+            return _SharedStep(torch.arange(L, device=device)[None], masks, self.seen, shared=self)
         R, T = input_ids.shape
-        assert self.kv[0] is not None, "the prefix call comes first"
-        L, device = self.kv[0][0].shape[2], input_ids.device
+        L = self.kv[0][0].shape[2]
         start = self.lengths.index_select(0, self.group)[:, None]  # (R, 1)
         positions = start + torch.arange(T, device=device)  # (R, T)
         prefix = torch.arange(L, device=device)
@@ -413,41 +417,22 @@ class SharedPrefix:
                 allowed = allowed & (key_pos > q_pos - layer.window)
             return allowed[:, None]
 
-        return _GroupStep(positions, _masks_by_kind(self.store, mask), self.seen, shared=self)
-
-
-class _PrefixCalls:
-    """The prefix call of a ``SharedPrefix``."""
-
-    def __init__(self, shared: SharedPrefix) -> None:
-        self.shared = shared
-
-    def begin(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-              position_ids: Tensor | None = None) -> Step:
-        """The U prefixes at positions 0 .. L - 1, causal (with each layer's window)."""
-        L, device = input_ids.shape[1], input_ids.device
-        masks = _masks_by_kind(self.shared.store, lambda s: s.block_mask(L, 0, None, device))
-        return _PrefixStep(torch.arange(L, device=device)[None], masks, self.shared.seen, shared=self.shared)
+        return _SharedStep(positions, _masks_by_kind(self.store, mask), self.seen, shared=self, rows=True)
 
 
 @dataclass
-class _PrefixStep(Step):
-    """Attends its own keys and values and keeps them for the rows' call."""
+class _SharedStep(Step):
+    """A call on a ``SharedPrefix``: the prefix call attends its own keys and values and keeps them; the rows'
+    call (``rows``) attends each row's prefix keys and values (copied to the row: (R, H_kv, L, d_head)), then
+    its own."""
 
     shared: SharedPrefix | None = None
+    rows: bool = False
 
     def kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        self.shared.kv[layer] = (k, v)
-        return k, v, self.masks[layer]
-
-
-@dataclass
-class _GroupStep(Step):
-    """Attends each row's prefix keys and values (copied to the row: (R, H_kv, L, d_head)), then its own."""
-
-    shared: SharedPrefix | None = None
-
-    def kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        if not self.rows:
+            self.shared.kv[layer] = (k, v)
+            return k, v, self.masks[layer]
         pk, pv = self.shared.kv[layer]
         group = self.shared.group
         keys = torch.cat([pk.index_select(0, group), k], dim=2)

@@ -124,7 +124,6 @@ def new_search(sources: int, num_beams: int, max_new_tokens: int, eos_token_ids:
     search is over (at ``max_new_tokens``, at least 1, or once every source has its hypotheses); then
     ``results(n)`` gives each source's best ``n`` (``num_return_sequences``) hypotheses, best score first.
     ``num_beams=1`` is greedy search. Log-probabilities are computed in float32 (float64 for float64 logits)."""
-    validate_beam_args(num_beams, length_penalty, early_stopping, 1)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     ends = sorted({int(t) for t in eos_token_ids})

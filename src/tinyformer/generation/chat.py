@@ -56,7 +56,7 @@ class ChatSession:
             room = gen.max_seq_len - len(ids)
             max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, room) if gen.context_policy == "error" and room > 0 \
                 else DEFAULT_MAX_NEW_TOKENS
-        params = self.stop_params(dataclasses.replace(params, max_new_tokens=max_new_tokens)).validate()
+        params = self.stop_params(dataclasses.replace(params, max_new_tokens=max_new_tokens))
         stream = gen.stream(ids, params, logprobs=False)
 
         def pieces() -> Iterator[str]:

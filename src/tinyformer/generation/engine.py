@@ -78,9 +78,6 @@ from tinyformer.generation.weight_layout import prepare_for_decoding
 
 __all__ = ["BatchEngine", "CompiledStep", "EngineRow", "RowOutput", "RowSearch", "TokenInfo", "new_prefix_cache"]
 
-CONTEXT_POLICIES = ("error", "slide")
-
-
 @dataclass
 class TokenInfo:
     """One generated token: its id, log p under the model's raw distribution (None when not asked for),
@@ -134,7 +131,7 @@ class EngineRow:
                  sampled_logprobs: bool = False, search: RowSearch | None = None) -> None:
         self.prompt_ids = list(prompt_ids)
         self.search = search
-        self.speculative = None if speculative is None else speculative.validate()
+        self.speculative = speculative  # checked when the row is added
         self.drafts: RowDrafts | None = None
         self.params = params
         self.text = text
@@ -217,9 +214,18 @@ class CompiledStep:
         return self._fns[ids_only]
 
 
-def check_context_policy(policy: str) -> None:
-    if policy not in CONTEXT_POLICIES:
-        raise GenerationError(f"context policy must be one of {', '.join(CONTEXT_POLICIES)}, got {policy!r}")
+def check_speculative(spec: SpeculativeConfig, cfg: Any, has_draft: bool, max_draft_tokens: int) -> None:
+    """GenerationError unless a row of a ``cfg`` model may speculate with ``spec`` (validated) on an engine that
+    verifies ``max_draft_tokens`` drafts at most and holds a draft model when ``has_draft``."""
+    spec.validate()
+    if cfg.rope_type in ("dynamic", "longrope"):
+        raise GenerationError("speculative decoding does not support dynamic-NTK or LongRoPE models (their "
+                              "rotary tables follow each row's length)")
+    if spec.draft_tokens > max_draft_tokens:
+        raise GenerationError(f"{spec.draft_tokens} draft tokens were asked; this engine verifies "
+                              f"{max_draft_tokens} at most")
+    if spec.method == "draft" and not has_draft:
+        raise GenerationError("speculative method 'draft' needs a draft model (--draft-model RUN)")
 
 
 def default_slide_keep(max_len: int) -> int:
@@ -280,7 +286,6 @@ class BatchEngine:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        check_context_policy(context_policy)
         if max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
         self.model = model
@@ -334,7 +339,7 @@ class BatchEngine:
         if not 0 <= prefilled < len(ids):
             raise ValueError(f"prefilled must be in [0, {len(ids)}), got {prefilled}")
         if row.speculative is not None:
-            self._check_speculative(row.speculative)
+            check_speculative(row.speculative, self.model.cfg, self.draft is not None, self.max_draft_tokens)
             row.drafts = RowDrafts(row.speculative)
         row.slot = self._free.pop(0)
         if self.prefix_cache is not None and prefilled == 0 and ids is row.prompt_ids:
@@ -348,16 +353,6 @@ class BatchEngine:
         if row.params.seed is not None and not row.params.greedy:
             row.generator = make_generator(row.params, self.device)
         self.rows.append(row)
-
-    def _check_speculative(self, spec: SpeculativeConfig) -> None:
-        if self.per_row:
-            raise GenerationError("speculative decoding does not support dynamic-NTK or LongRoPE models (their "
-                                  "rotary tables follow each row's length)")
-        if spec.draft_tokens > self.max_draft_tokens:
-            raise GenerationError(f"{spec.draft_tokens} draft tokens were asked; this engine verifies "
-                                  f"{self.max_draft_tokens} at most")
-        if spec.method == "draft" and self.draft is None:
-            raise GenerationError("speculative method 'draft' needs a draft model (--draft-model)")
 
     def add_group(self, rows: Sequence[EngineRow]) -> None:
         """Add rows that share one prompt (n samples of it): the prompt's first len - 1 tokens are prefilled

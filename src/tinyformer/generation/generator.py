@@ -43,12 +43,11 @@ from tinyformer.generation.beam import (
 from tinyformer.generation.compile_cache import PackageBuild, compiled_step
 from tinyformer.generation.constraint import Matcher, TokenVocabulary
 from tinyformer.generation.engine import (
-    CONTEXT_POLICIES,
     BatchEngine,
     CompiledStep,
     EngineRow,
     check_compilable,
-    check_context_policy,
+    check_speculative,
     default_slide_keep,
 )
 from tinyformer.generation.prefix_cache import PrefixCache
@@ -58,6 +57,8 @@ from tinyformer.generation.streaming import TextState, TokenBytes
 from tinyformer.generation.weight_layout import load_for_decoding
 
 __all__ = ["CONTEXT_POLICIES", "GenerationResult", "GenerationTimings", "Generator", "TextStream"]
+
+CONTEXT_POLICIES = ("error", "slide")
 
 # With ``compile=True`` the cache length is rounded up to a multiple of this, so that requests of
 # similar lengths share one compiled step (each new shape compiles again).
@@ -205,17 +206,14 @@ class Generator:
         if cfg is None or cfg.arch != "decoder" or not hasattr(model, "new_cache"):
             arch = getattr(cfg, "arch", type(model).__name__)
             raise GenerationError(f"text generation needs a decoder language model; this one is {arch!r}")
-        check_context_policy(context_policy)
+        if context_policy not in CONTEXT_POLICIES:
+            raise GenerationError(f"context policy must be one of {', '.join(CONTEXT_POLICIES)}, "
+                                  f"got {context_policy!r}")
         if compile:
             check_compilable(model)
         if speculative is not None:
-            speculative.validate()
-            if cfg.rope_type in ("dynamic", "longrope"):
-                raise GenerationError("speculative decoding does not support dynamic-NTK or LongRoPE models "
-                                      "(their rotary tables follow each row's length)")
+            check_speculative(speculative, cfg, draft_model is not None, speculative.draft_tokens)
             if speculative.method == "draft":
-                if draft_model is None:
-                    raise GenerationError("speculative method 'draft' needs a draft model (--draft-model RUN)")
                 check_draft(model, tokenizer, draft_model, draft_tokenizer)
         elif draft_model is not None:
             raise GenerationError("a draft model is used by speculative method 'draft' only")

@@ -35,14 +35,6 @@ from tinyformer.generation.sampling import SamplingParams
 from tinyformer.generation.streaming import TextState
 
 
-def _check(model, max_new_tokens: int) -> None:
-    if max_new_tokens < 1:
-        raise GenerationError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if max_new_tokens > model.cfg.max_seq_len:
-        raise GenerationError(f"max_new_tokens={max_new_tokens} exceeds the decoder's context "
-                              f"(max_seq_len={model.cfg.max_seq_len})")
-
-
 class SourceDecoder(nn.Module):
     """The decoder of an encoder-decoder over N fixed source rows, called as a decoder-only model is:
     ``self(ids (N, T), cache=...)`` -> logits (N, T, V), row n attending to the cross-attention K/V of
@@ -79,7 +71,11 @@ def beam_search(model, src_ids: Tensor, src_mask: Tensor | None = None, *, bos_i
     """The best ``num_return_sequences`` hypotheses of each source row, best first (see
     :mod:`tinyformer.generation.beam` for the rules and the score). ``BeamHypothesis.output_ids`` is a
     hypothesis without its EOS."""
-    _check(model, max_new_tokens)
+    if max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if max_new_tokens > model.cfg.max_seq_len:
+        raise GenerationError(f"max_new_tokens={max_new_tokens} exceeds the decoder's context "
+                              f"(max_seq_len={model.cfg.max_seq_len})")
     validate_beam_args(num_beams, length_penalty, early_stopping, num_return_sequences)
     B, K = src_ids.shape[0], num_beams
     search = new_search(B, K, max_new_tokens, [eos_id], length_penalty, early_stopping)

@@ -147,7 +147,7 @@ def shared_prompt_logps(model: nn.Module, batch: Batch, temperature: float) -> t
     targets, lengths, group = batch["targets"], batch["prompt_lengths"], batch["group"]
     seen = int((lengths.index_select(0, group) + (targets != IGNORE).sum(1)).max())  # the longest full row
     shared = SharedPrefix(model.cfg, lengths, group, seen)
-    model.hidden_states(batch["prompt_ids"], cache=shared.prefix)  # keeps each layer's prompt keys and values
+    model.hidden_states(batch["prompt_ids"], cache=shared)  # the prefix call: keeps each layer's prompt keys and values
     return _picked_logps(model, model.hidden_states(batch["input_ids"], cache=shared), targets, temperature)
 
 
