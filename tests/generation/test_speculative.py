@@ -136,6 +136,13 @@ def test_a_draft_model_equal_to_the_model_has_every_draft_accepted():
     assert timings.draft_accepted == timings.draft_proposed > 0
 
 
+def test_sampled_logprobs_with_speculative_decoding_is_refused_not_answered_with_raw_ones():
+    # a verification records the raw log-probabilities; sampled_logprobs asks for the processed ones
+    gen = ids_generator(random_lm(), speculative=SpeculativeConfig("ngram", draft_tokens=4))
+    with pytest.raises(GenerationError, match="sampled_logprobs is not supported with speculative decoding"):
+        gen.generate(PROMPTS, SamplingParams(temperature=0.7, max_new_tokens=4), sampled_logprobs=True)
+
+
 def test_speculative_greedy_with_penalties_equals_plain_greedy():
     # the target's argmax at each draft position must see the drafts before it in the penalty history
     model = random_lm()

@@ -340,6 +340,8 @@ class BatchEngine:
             raise ValueError(f"prefilled must be in [0, {len(ids)}), got {prefilled}")
         if row.speculative is not None:
             check_speculative(row.speculative, self.model.cfg, self.draft is not None, self.max_draft_tokens)
+            if row.sampled_logprobs:  # a verification records the raw log-probabilities (_token_infos)
+                raise GenerationError("sampled_logprobs is not supported with speculative decoding")
             row.drafts = RowDrafts(row.speculative)
         row.slot = self._free.pop(0)
         if self.prefix_cache is not None and prefilled == 0 and ids is row.prompt_ids:
