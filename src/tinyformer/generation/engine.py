@@ -78,6 +78,11 @@ from tinyformer.generation.weight_layout import prepare_for_decoding
 
 __all__ = ["BatchEngine", "CompiledStep", "EngineRow", "RowOutput", "RowSearch", "TokenInfo", "new_prefix_cache"]
 
+#: RoPE types whose rotary tables follow each row's length: such a model's rows are stepped one by one (no
+#: compiled step, no prefix cache, no shared prompt prefill) and cannot speculate
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
 @dataclass
 class TokenInfo:
     """One generated token: its id, log p under the model's raw distribution (None when not asked for),
@@ -218,7 +223,7 @@ def check_speculative(spec: SpeculativeConfig, cfg: Any, has_draft: bool, max_dr
     """GenerationError unless a row of a ``cfg`` model may speculate with ``spec`` (validated) on an engine that
     verifies ``max_draft_tokens`` drafts at most and holds a draft model when ``has_draft``."""
     spec.validate()
-    if cfg.rope_type in ("dynamic", "longrope"):
+    if cfg.rope_type in LENGTH_DEPENDENT_ROPE:
         raise GenerationError("speculative decoding does not support dynamic-NTK or LongRoPE models (their "
                               "rotary tables follow each row's length)")
     if spec.draft_tokens > max_draft_tokens:
@@ -298,7 +303,7 @@ class BatchEngine:
         self.context_policy = context_policy
         self.slide_keep = slide_keep if slide_keep is not None else default_slide_keep(self.max_len)
         # dynamic NTK and LongRoPE pick their rotary tables from the length seen: a per-row, host-side decision
-        self.per_row = cfg.rope_type in ("dynamic", "longrope")
+        self.per_row = cfg.rope_type in LENGTH_DEPENDENT_ROPE
         rs = cfg.rope_scaling or {}
         self.long_from = int(rs["original_max_position_embeddings"]) if cfg.rope_type == "longrope" else -1
         self.compiled = None if self.per_row else compiled

@@ -43,6 +43,7 @@ from tinyformer.generation.beam import (
 from tinyformer.generation.compile_cache import PackageBuild, compiled_step
 from tinyformer.generation.constraint import Matcher, TokenVocabulary
 from tinyformer.generation.engine import (
+    LENGTH_DEPENDENT_ROPE,
     BatchEngine,
     CompiledStep,
     EngineRow,
@@ -159,7 +160,7 @@ def check_draft(model: nn.Module, tokenizer: Any, draft: nn.Module, draft_tokeni
     if dcfg.vocab_size != model.cfg.vocab_size:
         raise GenerationError(f"the draft model's vocabulary has {dcfg.vocab_size} tokens, the model's "
                               f"{model.cfg.vocab_size}: a draft model must share the model's tokenizer")
-    if dcfg.rope_type in ("dynamic", "longrope"):
+    if dcfg.rope_type in LENGTH_DEPENDENT_ROPE:
         raise GenerationError("a draft model with dynamic-NTK or LongRoPE positions is not supported")
     if (tokenizer is None) != (draft_tokenizer is None):
         raise GenerationError("a draft model needs tokenizers for both models, to check that they agree")
