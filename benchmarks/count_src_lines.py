@@ -74,6 +74,10 @@ FEATURES_AFTER = {
     "8516faf": "speculative verification bit for bit the steps (eager)",
     "3815df0": "speculative verification bit for bit the steps (packaged)",
     "9386436": "speculative decoding on an AVX-512 CPU",
+    "296fe8b": "fix: MoE router losses under torchrun with --compile",
+    "3257955": "fix: a corrupt adapter.safetensors is a CheckpointError",
+    "4926b6b": "fix: count --config with an unknown field beside a preset",
+    "7b33a46": "fix: speculative rows refuse sampled_logprobs",
 }
 
 
